@@ -1,0 +1,330 @@
+"""The grading core: how every exercise check runs, compares, times out and reports.
+
+A check is one function per exercise, written with the `exercise` decorator:
+
+    @exercise(points=2)
+    def check_mse_gradient(answer):
+        for seed in fresh_seeds(3):
+            X, y, w, b = make_inputs(seed)
+            got = call(answer, X, y, w, b)
+            compare(got, reference(X, y, w, b), name="(dw, db)",
+                    known_wrong={"Divide by m: the loss is a mean.": wrong(X, y, w, b)})
+        return "matches the reference on 3 random batches"
+
+The decorator gives every check the same contract: whatever the learner passes (None, a string, a
+function that raises or never returns, a wrong shape, dtype or NaN), the check either passes or
+raises `CheckFailed` with what was expected, what came back, the largest difference and a hint,
+within its time limit. No other exception escapes, and garbage never passes.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import html
+import math
+import random
+import signal
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+
+__all__ = [
+    "CheckFailed",
+    "NotDone",
+    "exercise",
+    "call",
+    "compare",
+    "require",
+    "fresh_seeds",
+    "time_limit",
+    "REGISTRY",
+    "RESULT_MIME",
+]
+
+RESULT_MIME = "application/vnd.companion.check+json"
+REGISTRY: dict[str, "CheckInfo"] = {}
+
+
+class CheckFailed(AssertionError):
+    """An exercise check did not pass. The message says what was expected, what came back, and why."""
+
+    def __init__(self, summary: str, *, check: str = "", expected: Any = None, got: Any = None,
+                 max_diff: float | None = None, hint: str = "", seed: int | None = None):
+        self.summary, self.check, self.hint, self.seed = summary, check, hint, seed
+        self.expected, self.got, self.max_diff = expected, got, max_diff
+        super().__init__(summary)
+
+    def lines(self) -> list[str]:
+        out = [f"{self.check or 'check'}: {self.summary}"]
+        if self.expected is not None:
+            out.append(f"  expected: {_short(self.expected)}")
+        if self.got is not None:
+            out.append(f"  got:      {_short(self.got)}")
+        if self.max_diff is not None:
+            out.append(f"  largest difference: {self.max_diff:.3g}")
+        if self.seed is not None:
+            out.append(f"  (inputs drawn with seed {self.seed})")
+        if self.hint:
+            out.append(f"  hint: {self.hint}")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows instead of a traceback: the message in red, nothing else."""
+        first, *rest = self.lines()
+        return ["\x1b[1;31m✗ " + first + "\x1b[0m"] + [f"\x1b[31m{line}\x1b[0m" for line in rest]
+
+
+class NotDone(CheckFailed):
+    """The exercise still raises NotImplementedError: the learner has not written it yet."""
+
+
+class _TimeUp(BaseException):
+    """Raised inside the learner's code when its time is up. BaseException, so `except Exception` in
+    the learner's code cannot swallow it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckInfo:
+    name: str
+    points: int
+    timeout: float
+    module: str
+
+
+# ---------------------------------------------------------------- running the learner's code
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise `_TimeUp` in this thread if the block runs longer than `seconds`.
+
+    On the main thread of a Unix process it uses SIGALRM, which also interrupts `time.sleep` and
+    blocking waits. Elsewhere a watchdog thread injects the exception into this thread, which stops
+    any Python loop (a single long C call finishes first).
+    """
+    if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+        def on_alarm(signum, frame):
+            raise _TimeUp()
+        old_handler = signal.signal(signal.SIGALRM, on_alarm)
+        old_timer = signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old_handler)
+            if old_timer[0] > 0:
+                signal.setitimer(signal.ITIMER_REAL, *old_timer)
+        return
+    target = ctypes.c_ulong(threading.get_ident())
+    done = threading.Event()
+
+    def watchdog():
+        if not done.wait(seconds):
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(target, ctypes.py_object(_TimeUp))
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def call(answer: Any, *args, **kwargs) -> Any:
+    """Call the learner's function; turn anything it does wrong into a CheckFailed that says so."""
+    if answer is None:
+        raise CheckFailed("got None: pass your function (its name, without calling it).")
+    if not callable(answer):
+        raise CheckFailed(f"expected a function, got a {type(answer).__name__}: {_short(answer)}",
+                          hint="pass the function itself, e.g. check(my_fn), not check(my_fn(...)).")
+    try:
+        return answer(*args, **kwargs)
+    except NotImplementedError as e:
+        raise NotDone(f"not done yet: your function raises NotImplementedError ({e})") from None
+    except Exception as e:
+        raise CheckFailed(f"your function raised {type(e).__name__}: {e}",
+                          hint=_hint_for_exception(e)) from None
+
+
+def _hint_for_exception(e: Exception) -> str:
+    text = str(e)
+    if "shape" in text or "size" in text or "dimension" in text:
+        return "check the shapes: print x.shape for each tensor you combine."
+    if "dtype" in text or "expected scalar type" in text:
+        return "check the dtypes: tensors you combine must share one (see x.dtype)."
+    if "does not require grad" in text or "grad_fn" in text:
+        return "autograd needs requires_grad=True on the tensors you differentiate."
+    return "run your function by hand on a small input to see where it fails."
+
+
+def fresh_seeds(n: int) -> list[int]:
+    """n new random seeds: each call of a check draws different inputs."""
+    rng = random.SystemRandom()
+    return [rng.randrange(2**31) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- comparing results
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) that fit a dtype: about a hundred ulps of its precision."""
+    return {
+        torch.float64: (1e-9, 1e-12),
+        torch.float32: (1e-4, 1e-6),
+        torch.float16: (1e-2, 1e-4),
+        torch.bfloat16: (2e-2, 1e-3),
+    }.get(dtype, (0.0, 0.0))
+
+
+def require(condition: bool, summary: str, *, hint: str = "") -> None:
+    """Fail with `summary` unless `condition` holds: for behaviour, not numbers."""
+    if not condition:
+        raise CheckFailed(summary, hint=hint)
+
+
+def compare(got: Any, expected: Any, *, name: str = "result", rtol: float | None = None,
+            atol: float | None = None, hint: str = "",
+            known_wrong: dict[str, Any] | None = None) -> float:
+    """Check `got` against `expected` and return the largest difference.
+
+    Tensors must match in type, shape and dtype, hold no NaN or inf where the expected does not, and
+    agree within a tolerance fit for the dtype. Tuples and lists compare element by element; plain
+    numbers as float64. If `got` matches a value in `known_wrong`, that entry's key is the hint.
+    """
+    if isinstance(expected, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
+            raise CheckFailed(f"{name}: expected {len(expected)} values in a tuple, got {_short(got)}",
+                              expected=expected, got=got, hint=hint)
+        return max([compare(g, e, name=f"{name}[{i}]", rtol=rtol, atol=atol, hint=hint)
+                    for i, (g, e) in enumerate(zip(got, expected))], default=0.0)
+    try:
+        got_t, exp_t = _as_tensor(got, expected, name)
+    except CheckFailed as failure:
+        failure.hint = failure.hint or hint
+        raise
+    default_rtol, default_atol = _tolerance(exp_t.dtype)
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    g64, e64 = got_t.double(), exp_t.double()
+    if bool(torch.isnan(g64).any()) and not bool(torch.isnan(e64).any()):
+        raise CheckFailed(f"{name} contains NaN", expected=expected, got=got,
+                          hint="NaN comes from 0/0, inf - inf or log of a negative; "
+                               "print intermediate values to find where it starts.")
+    finite = torch.isfinite(e64) & torch.isfinite(g64)
+    diff = (g64 - e64).abs()
+    max_diff = float(diff[finite].max()) if bool(finite.any()) else 0.0
+    same_special = torch.equal(torch.isfinite(g64), torch.isfinite(e64)) and torch.equal(
+        g64[~finite].nan_to_num(), e64[~finite].nan_to_num())
+    if same_special and bool((diff[finite] <= atol + rtol * e64[finite].abs()).all()):
+        return max_diff
+    for wrong_hint, wrong_value in (known_wrong or {}).items():
+        if _matches(got_t, wrong_value, rtol, atol):
+            hint = wrong_hint
+            break
+    raise CheckFailed(f"{name} does not match the reference", expected=expected, got=got,
+                      max_diff=max_diff if math.isfinite(max_diff) else float("inf"), hint=hint)
+
+
+def _matches(got: torch.Tensor, value: Any, rtol: float, atol: float) -> bool:
+    try:
+        value = torch.as_tensor(value).double()
+        return value.shape == got.shape and bool(torch.allclose(got.double(), value, rtol=rtol,
+                                                                atol=atol, equal_nan=True))
+    except (TypeError, RuntimeError, ValueError):
+        return False
+
+
+def _as_tensor(got: Any, expected: Any, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            raise CheckFailed(f"{name}: expected a tensor, got a {type(got).__name__}",
+                              expected=expected, got=got)
+        if got.shape != expected.shape:
+            raise CheckFailed(f"{name}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}",
+                              hint="a missing sum/mean, or a transpose, often changes the shape.")
+        if got.dtype != expected.dtype:
+            raise CheckFailed(f"{name}: expected dtype {expected.dtype}, got {got.dtype}",
+                              hint="create new tensors with dtype=x.dtype, or cast with .to(x.dtype).")
+        return got.detach().cpu(), expected.detach().cpu()
+    if isinstance(expected, bool) or not isinstance(expected, (int, float)):
+        if got != expected:
+            raise CheckFailed(f"{name}: expected {expected!r}, got {_short(got)}",
+                              expected=expected, got=got)
+        return torch.zeros(()), torch.zeros(())
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        got = got.item()
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        raise CheckFailed(f"{name}: expected a number, got a {type(got).__name__}: {_short(got)}",
+                          expected=expected, got=got)
+    return torch.tensor(float(got), dtype=torch.float64), torch.tensor(float(expected),
+                                                                         dtype=torch.float64)
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    if isinstance(value, torch.Tensor):
+        body = str(value.detach().cpu()) if value.numel() <= 8 else (
+            f"tensor of shape {tuple(value.shape)}, first values "
+            f"{value.detach().flatten()[:4].tolist()}")
+        text = f"{body} ({value.dtype})"
+    else:
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------- the decorator and display
+
+def exercise(*, points: int = 1, timeout: float = 5.0) -> Callable:
+    """Make a function a graded check: time limit, clean failures, a pass message, a registry entry.
+
+    The decorated function takes the learner's answer first and returns a short success message
+    (what the learner achieved, e.g. the memory saved). `timeout` is seconds for the whole check;
+    a learner's call can pass `timeout=` to allow longer.
+    """
+    def wrap(check: Callable[..., str]) -> Callable[..., None]:
+        name = check.__name__
+        if name in REGISTRY:
+            raise ValueError(f"two checks are named {name}; check names must be unique")
+        REGISTRY[name] = CheckInfo(name, points, timeout, check.__module__)
+
+        @functools.wraps(check)
+        def run(answer: Any = None, *args, timeout: float = timeout, **kwargs) -> None:
+            try:
+                with time_limit(timeout):
+                    message = check(answer, *args, **kwargs)
+            except CheckFailed as failure:
+                failure.check = name
+                raise failure.with_traceback(None) from None
+            except _TimeUp:
+                raise CheckFailed(f"did not finish within {timeout:g} s: is there a loop that never "
+                                  "ends?", check=name,
+                                  hint="check the loop's stop condition; pass timeout=... to "
+                                       "allow longer.") from None
+            except Exception as e:
+                raise CheckFailed(f"could not use your answer: {type(e).__name__}: {e}", check=name,
+                                  hint="compare the type and shape of what you return with the "
+                                       "docstring.") from None
+            _show_pass(name, points, message)
+
+        return run
+    return wrap
+
+
+def _show_pass(name: str, points: int, message: str) -> None:
+    text = f"✓ {name} passed: {message}"
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        print(text)
+        return
+    if get_ipython() is None:
+        print(text)
+        return
+    box = ('<div style="color:#1a7f37;font-family:monospace;padding:2px 0">'
+           f"{html.escape(text)}</div>")
+    display({"text/plain": text, "text/html": box,
+             RESULT_MIME: {"check": name, "passed": True, "points": points, "message": message}},
+            raw=True)

@@ -1,0 +1,70 @@
+"""Pick the device to run on, describe the machine, and size experiments to fit it.
+
+Every notebook measures on the learner's own hardware. On a CPU the course must run in minutes, so
+experiments use small sizes; on a GPU they use sizes where the memory effects are large and clear.
+`sizes()` is the one place those numbers live, so a chapter never hard-codes its own.
+
+Example:
+    >>> dev = pick_device()
+    >>> s = sizes(dev)
+    >>> s.batch, s.width
+"""
+from __future__ import annotations
+
+import dataclasses
+import platform
+
+import torch
+
+__all__ = ["pick_device", "describe", "Sizes", "sizes"]
+
+
+def pick_device(prefer: str | None = None) -> torch.device:
+    """The device to run on: `prefer` if given, else CUDA when present, else the CPU."""
+    if prefer is not None:
+        return torch.device(prefer)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def describe(device: torch.device | str | None = None) -> dict:
+    """A short record of the machine: device name, its memory, torch version, Python, platform."""
+    device = pick_device() if device is None else torch.device(device)
+    info = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["name"] = props.name
+        info["memory_bytes"] = props.total_memory
+    else:
+        info["name"] = platform.processor() or platform.machine()
+        info["threads"] = torch.get_num_threads()
+    return info
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Experiment sizes for one kind of device. Fields are read by the notebooks and benchmarks."""
+
+    batch: int        # examples per batch in training demos
+    width: int        # hidden width of MLPs
+    depth: int        # number of layers in deep-MLP demos
+    seq_len: int      # sequence length for the GPT-style model
+    n_examples: int   # size of generated data sets
+    epochs: int       # passes over the data in training demos
+    steps: int        # steps timed in measurements
+
+
+_SIZES = {
+    "cpu": Sizes(batch=32, width=256, depth=8, seq_len=64, n_examples=512, epochs=20, steps=3),
+    "cuda": Sizes(batch=64, width=4096, depth=24, seq_len=1024, n_examples=8192, epochs=50, steps=10),
+}
+
+
+def sizes(device: torch.device | str | None = None) -> Sizes:
+    """The experiment sizes for `device` (the picked device when None): small on CPU, real on GPU."""
+    device = pick_device() if device is None else torch.device(device)
+    return _SIZES["cuda" if device.type == "cuda" else "cpu"]
