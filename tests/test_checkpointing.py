@@ -1,0 +1,165 @@
+"""companion.checkpointing against plain autograd and torch.utils.checkpoint."""
+import math
+
+import pytest
+import torch
+import torch.utils.checkpoint as tuc
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from companion import checkpointing as ck
+
+
+def _block(width=12, p=0.0, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                               torch.nn.Dropout(p), torch.nn.Linear(2 * width, width))
+
+
+def _grads(module, x):
+    return [p.grad.clone() for p in module.parameters()] + ([x.grad.clone()] if x.requires_grad else [])
+
+
+def _run(module, x, how, seed=1):
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    torch.manual_seed(seed)
+    y = how(module, x)
+    (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+    return y.detach(), _grads(module, x)
+
+
+PLAIN = lambda m, x: m(x)
+OURS = lambda m, x: ck.checkpoint(m, x)
+TORCH = lambda m, x: tuc.checkpoint(m, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+@pytest.mark.parametrize("x_requires_grad", [True, False])
+def test_checkpoint_matches_plain_and_torch(p, x_requires_grad):
+    block = _block(p=p)
+    x = torch.randn(7, 12, requires_grad=x_requires_grad)
+    y0, g0 = _run(block, x, PLAIN)
+    for how in (OURS, TORCH):
+        y, g = _run(block, x, how)
+        torch.testing.assert_close(y, y0)
+        assert len(g) == len(g0)
+        for a, b in zip(g, g0):
+            torch.testing.assert_close(a, b)
+
+
+def test_dropout_recompute_uses_the_forward_masks():
+    block = _block(p=0.5)
+    x = torch.randn(9, 12, requires_grad=True)
+    _, g_plain = _run(block, x, PLAIN, seed=3)
+    _, g_ours = _run(block, x, OURS, seed=3)
+    _, g_other_seed = _run(block, x, PLAIN, seed=4)
+    assert all(torch.equal(a, b) for a, b in zip(g_plain, g_ours))
+    assert not all(torch.equal(a, b) for a, b in zip(g_plain, g_other_seed))
+
+
+def test_backward_leaves_the_random_stream_where_plain_autograd_leaves_it():
+    block = _block(p=0.5)
+    x = torch.randn(5, 12, requires_grad=True)
+    _run(block, x, PLAIN, seed=7)
+    after_plain = torch.rand(4)
+    _run(block, x, OURS, seed=7)
+    after_ours = torch.rand(4)
+    assert torch.equal(after_plain, after_ours)
+
+
+def test_fn_runs_twice_and_saves_only_its_inputs():
+    calls = []
+    block = _block()
+
+    def fn(x):
+        calls.append(1)
+        return block(x)
+
+    x = torch.randn(6, 12, requires_grad=True)
+    saved_plain = ck.saved_for_backward(fn, x)
+    calls.clear()
+    saved = ck.saved_for_backward(lambda t: ck.checkpoint(fn, t), x)
+    assert len(calls) == 1
+    assert [s.shape for s in saved] == [(6, 12)]          # only the input
+    assert sum(s.nbytes for s in saved_plain if not s.is_parameter) > saved[0].nbytes
+    ck.checkpoint(fn, x).sum().backward()
+    assert len(calls) == 3                                # forward, then recompute in backward
+
+
+def test_tuple_outputs_and_non_tensor_arguments():
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def fn(a, scale, b):
+        return (a @ w * scale, (b * a).sin())
+
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    out = ck.checkpoint(fn, a, 2.5, b)
+    (out[0].sum() + out[1].pow(2).sum()).backward()
+    ours = [a.grad.clone(), b.grad.clone(), w.grad.clone()]
+    for t in (a, b, w):
+        t.grad = None
+    ref = fn(a, 2.5, b)
+    (ref[0].sum() + ref[1].pow(2).sum()).backward()
+    for got, want in zip(ours, [a.grad, b.grad, w.grad]):
+        torch.testing.assert_close(got, want)
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 9), data=st.data())
+def test_checkpoint_sequential_matches_torch(n, data):
+    segments = data.draw(st.integers(1, n))
+    torch.manual_seed(n)
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh())
+                                   for _ in range(n)])
+    x = torch.randn(5, 6, requires_grad=True)
+    y0, g0 = _run(layers, x, lambda m, t: tuc.checkpoint_sequential(m, segments, t,
+                                                                     use_reentrant=False))
+    y, g = _run(layers, x, lambda m, t: ck.checkpoint_sequential(list(m), segments, t))
+    torch.testing.assert_close(y, y0)
+    for a, b in zip(g, g0):
+        torch.testing.assert_close(a, b)
+
+
+def test_checkpoint_sequential_rejects_bad_segment_counts():
+    layers = [torch.nn.Identity()] * 3
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="segments must be between 1 and"):
+            ck.checkpoint_sequential(layers, bad, torch.zeros(1))
+
+
+def test_checkpoint_sequential_keeps_fewer_activations():
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()) for _ in range(16)]
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def activation_bytes(segments):
+        saved = ck.saved_for_backward(lambda t: ck.checkpoint_sequential(layers, segments, t), x)
+        return sum(s.nbytes for s in saved if not s.is_parameter and s.shape == (4, 16))
+
+    assert activation_bytes(4) < activation_bytes(1) / 2
+
+
+def test_saved_for_backward_lists_duplicates_and_marks_parameters():
+    lin = torch.nn.Linear(3, 5)
+    saved = ck.saved_for_backward(lin, torch.randn(2, 3, requires_grad=True))
+    assert sorted((s.shape, s.is_parameter) for s in saved) == [((2, 3), False), ((3, 5), True)]   # W saved as W.T
+    x = torch.randn(8, requires_grad=True)
+    twice = ck.saved_for_backward(lambda t: t * t, x)
+    assert [s.nbytes for s in twice] == [32, 32]
+
+
+def test_predicted_units_plain_and_near_sqrt():
+    assert ck.predicted_activation_units(16, 1) == 16
+    assert ck.predicted_activation_units(16, 4) == 3 + 4
+    for n in (4, 9, 16, 25, 30, 100):
+        best = ck.sqrt_segments(n)
+        assert abs(best - math.sqrt(n)) <= 1.5
+        assert ck.predicted_activation_units(n, best) <= 2 * math.ceil(math.sqrt(n))
+
+
+@given(n=st.integers(1, 60), layer_bytes=st.integers(1, 1000), budget=st.integers(0, 80_000))
+def test_segments_for_budget_is_the_fewest_that_fits(n, layer_bytes, budget):
+    s = ck.segments_for_budget(n, layer_bytes, budget)
+    fits = [k for k in range(1, n + 1) if ck.predicted_activation_units(n, k) * layer_bytes <= budget]
+    assert s == (min(fits) if fits else None)
