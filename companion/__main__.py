@@ -1,0 +1,70 @@
+"""The command line: ``python -m companion {workbook,grade,execute} ...``."""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _workbook(args) -> int:
+    from companion.notebooks import make_workbooks
+
+    report = make_workbooks(args.source, args.dest)
+    for path in report["created"]:
+        print(f"created {path}")
+    for path in report["kept"]:
+        print(f"kept    {path} (already there: your work is left as it is)")
+    return 0
+
+
+def _grade(args) -> int:
+    from companion.grading import format_table, grade, write_reports
+
+    missing = [p for p in args.paths if not pathlib.Path(p).is_file()]
+    if missing:
+        print(f"no such notebook: {', '.join(map(str, missing))}", file=sys.stderr)
+        return 2
+    rows = grade(args.paths, cell_timeout=args.cell_timeout)
+    json_path, csv_path = write_reports(rows, args.out)
+    print(format_table(rows))
+    print(f"wrote {json_path} and {csv_path}")
+    return 0
+
+
+def _execute(args) -> int:
+    from companion.notebooks import execute
+
+    for path in args.paths:
+        print(f"executing {path}", flush=True)
+        execute(path, timeout=args.cell_timeout)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m companion", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("workbook", help="create the learner's workbooks that are missing")
+    p.add_argument("--source", default=REPO / "course", type=pathlib.Path)
+    p.add_argument("--dest", default=REPO / "workbook", type=pathlib.Path)
+    p.set_defaults(run=_workbook)
+
+    p = sub.add_parser("grade", help="grade notebooks; write grades.json and grades.csv")
+    p.add_argument("paths", nargs="+", type=pathlib.Path)
+    p.add_argument("--out", default=pathlib.Path("grades"), type=pathlib.Path)
+    p.add_argument("--cell-timeout", default=60, type=int, help="seconds per cell (default 60)")
+    p.set_defaults(run=_grade)
+
+    p = sub.add_parser("execute", help="run source notebooks and save them with outputs")
+    p.add_argument("paths", nargs="+", type=pathlib.Path)
+    p.add_argument("--cell-timeout", default=600, type=int)
+    p.set_defaults(run=_execute)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Gradient descent on linear regression, written out by hand, then with autograd and torch.optim.
+
+The update rule moves the *parameters*, not the gradient:
+
+    θ ← θ − η · ∂L/∂θ
+
+with L the mean squared error over a batch of m examples. One update per batch; each batch starts
+from the parameters the previous batch left. Memory: the parameters and their gradients are d + 1
+numbers each; what grows with the batch size is the batch itself and what the forward pass keeps
+for backward (m numbers of residuals here, b·width per layer in an MLP).
+
+Example:
+    >>> X, y, w_true, b_true = make_regression(256, 4)
+    >>> w, b = torch.zeros(4), torch.zeros(())
+    >>> for _ in range(20):
+    ...     w, b, losses = train_epoch(X, y, w, b, lr=0.1, batch_size=32)
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "mse_loss",
+    "mse_gradient",
+    "autograd_gradient",
+    "sgd_step",
+    "torch_sgd_step",
+    "batches",
+    "train_epoch",
+    "train",
+    "activation_bytes",
+    "explore",
+]
+
+
+def mse_loss(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """L = (1/m) Σᵢ (xᵢ·w + b − yᵢ)², the mean over the batch of m examples."""
+    r = X @ w + b - y                 # (m,) residuals
+    return (r * r).mean()
+
+
+def mse_gradient(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
+                 b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(∂L/∂w, ∂L/∂b) by hand: (2/m)·Xᵀr and (2/m)·Σr, with r = Xw + b − y."""
+    m = X.shape[0]
+    r = X @ w + b - y                 # (m,)
+    return 2.0 / m * (X.T @ r), 2.0 / m * r.sum()   # (d,), ()
+
+
+def autograd_gradient(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
+                      b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same gradient, from autograd: mark w and b as requiring grad, then backward."""
+    w = w.detach().requires_grad_(True)
+    b = b.detach().requires_grad_(True)
+    mse_loss(X, y, w, b).backward()   # autograd saves X and r for this
+    return w.grad, b.grad
+
+
+def sgd_step(w: torch.Tensor, b: torch.Tensor, dw: torch.Tensor, db: torch.Tensor, *,
+             lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """θ ← θ − η·∂L/∂θ: new parameters; the gradients are inputs and stay as they were."""
+    return w - lr * dw, b - lr * db
+
+
+def torch_sgd_step(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor, *,
+                   lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step the way real training code does it: parameters, loss.backward(), optimizer.step()."""
+    w = torch.nn.Parameter(w.detach().clone())
+    b = torch.nn.Parameter(b.detach().clone())
+    opt = torch.optim.SGD([w, b], lr=lr)
+    opt.zero_grad()
+    mse_loss(X, y, w, b).backward()
+    opt.step()                        # in place: w.data -= lr * w.grad
+    return w.detach(), b.detach()
+
+
+def batches(m: int, batch_size: int, *, generator: torch.Generator | None = None):
+    """Index tensors covering range(m) in batches of batch_size (the last may be smaller).
+
+    In order when `generator` is None, else shuffled by it (a new order each epoch)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    order = torch.arange(m) if generator is None else torch.randperm(m, generator=generator)
+    return list(order.split(batch_size))
+
+
+def train_epoch(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor, *, lr: float,
+                batch_size: int, generator: torch.Generator | None = None):
+    """One pass over the data: one update per batch, each from the previous batch's parameters.
+
+    Returns (w, b, losses) with the loss of each batch before its update."""
+    losses = []
+    for idx in batches(X.shape[0], batch_size, generator=generator):
+        Xb, yb = X[idx], y[idx]                    # (B, d), (B,)
+        losses.append(float(mse_loss(Xb, yb, w, b)))
+        dw, db = mse_gradient(Xb, yb, w, b)
+        w, b = sgd_step(w, b, dw, db, lr=lr)       # the next batch starts here
+    return w, b, losses
+
+
+def train(X: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: int, epochs: int,
+          seed: int = 0) -> dict:
+    """Mini-batch SGD from zero parameters, shuffling each epoch.
+
+    Returns {"w", "b", "step_loss": loss of each batch, "epoch_loss": full-data loss after each
+    epoch, "diverged": True if the loss became inf or NaN or ended above where it started}."""
+    g = torch.Generator().manual_seed(seed)
+    w, b = torch.zeros(X.shape[1], dtype=X.dtype), torch.zeros((), dtype=X.dtype)
+    step_loss, epoch_loss = [], []
+    for _ in range(epochs):
+        w, b, losses = train_epoch(X, y, w, b, lr=lr, batch_size=batch_size, generator=g)
+        step_loss += losses
+        epoch_loss.append(float(mse_loss(X, y, w, b)))
+        if not torch.isfinite(torch.tensor(epoch_loss[-1])):
+            break
+    losses = torch.tensor(step_loss + epoch_loss)
+    diverged = not bool(torch.isfinite(losses).all()) or epoch_loss[-1] > step_loss[0]
+    return {"w": w, "b": b, "step_loss": step_loss, "epoch_loss": epoch_loss, "diverged": diverged}
+
+
+def activation_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward during model(x): each saved storage counted once.
+
+    Measured with saved-tensor hooks, so it counts exactly what backward will need (inputs of
+    linear layers, activation outputs, masks), not parameters, which live anyway."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(seen.values())
+
+
+def explore(X: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: int, epochs: int,
+            seed: int = 0) -> dict:
+    """What the learning-rate / batch-size explorer shows, as plain data.
+
+    Returns {"examples_seen": x axis, "step_loss": y axis, "updates": count, "final_loss",
+    "diverged", "batch_bytes": bytes of one batch of X and y, "summary": one line of text}."""
+    run = train(X, y, lr=lr, batch_size=batch_size, epochs=epochs, seed=seed)
+    sizes = [len(i) for i in batches(X.shape[0], batch_size)] * epochs
+    seen = torch.tensor(sizes[: len(run["step_loss"])]).cumsum(0).tolist()
+    batch_bytes = min(batch_size, X.shape[0]) * (X.shape[1] + 1) * X.element_size()
+    final = run["epoch_loss"][-1]
+    summary = (f"lr={lr:.3g}, batch={batch_size}: {len(run['step_loss'])} updates, "
+               + ("diverged (the loss grew instead of falling): lower the learning rate" if run["diverged"]
+                  else f"final loss {final:.4f}") + f"; one batch of data = {batch_bytes:,} bytes")
+    return {"examples_seen": seen, "step_loss": run["step_loss"], "updates": len(run["step_loss"]),
+            "final_loss": final, "diverged": run["diverged"], "batch_bytes": batch_bytes,
+            "summary": summary}

@@ -1,0 +1,102 @@
+"""Source notebooks and learner workbooks: strip solutions, make workbooks, execute notebooks.
+
+Source notebooks in course/ hold the solutions between nbgrader's markers:
+
+    def mse_gradient(X, y, w, b):
+        ### BEGIN SOLUTION
+        ...
+        ### END SOLUTION
+
+A learner's workbook is the same notebook with each solution replaced by a stub that raises
+NotImplementedError (with a hint of the solution's size) and all outputs cleared. `make_workbooks`
+creates only the workbooks that do not exist yet: a learner's work is never overwritten.
+"""
+from __future__ import annotations
+
+import copy
+import pathlib
+import re
+
+import nbformat
+
+__all__ = ["strip_solutions", "make_workbooks", "execute", "SolutionMarkerError"]
+
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+_MARKER = re.compile(r"^(\s*)(### (?:BEGIN|END) SOLUTION)\s*$")
+
+
+class SolutionMarkerError(ValueError):
+    """A cell's solution markers do not pair up."""
+
+
+def _stub(indent: str, n_lines: int, markdown: bool) -> list[str]:
+    size = f"about {n_lines} line{'s' if n_lines != 1 else ''}"
+    if markdown:
+        return [f"*Your answer here ({size} in the reference answer).*"]
+    return [f'{indent}raise NotImplementedError("Exercise: replace this line with your code '
+            f'({size} in the reference solution).")']
+
+
+def _strip_source(source: str, *, markdown: bool, where: str) -> str:
+    out: list[str] = []
+    inside: tuple[str, int] | None = None          # (indent, lines seen) while in a solution
+    for line in source.splitlines():
+        match = _MARKER.match(line)
+        if match and match.group(2) == BEGIN:
+            if inside is not None:
+                raise SolutionMarkerError(f"{where}: {BEGIN} inside another solution")
+            inside = (match.group(1), 0)
+        elif match:
+            if inside is None:
+                raise SolutionMarkerError(f"{where}: {END} without {BEGIN}")
+            out += _stub(inside[0], inside[1], markdown)
+            inside = None
+        elif inside is not None:
+            inside = (inside[0], inside[1] + bool(line.strip()))
+        else:
+            out.append(line)
+    if inside is not None:
+        raise SolutionMarkerError(f"{where}: {BEGIN} without {END}")
+    return "\n".join(out)
+
+
+def strip_solutions(nb: nbformat.NotebookNode, *, name: str = "notebook") -> nbformat.NotebookNode:
+    """A copy of `nb` with every solution replaced by a stub and every output cleared."""
+    nb = copy.deepcopy(nb)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type in ("code", "markdown"):
+            cell.source = _strip_source(cell.source, markdown=cell.cell_type == "markdown",
+                                        where=f"{name}, cell {i}")
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    return nb
+
+
+def make_workbooks(source_dir: str | pathlib.Path, dest_dir: str | pathlib.Path) -> dict[str, list]:
+    """Write a workbook for each source notebook that has none yet in `dest_dir`.
+
+    Returns {"created": [...], "kept": [...]}: existing workbooks are left exactly as they are."""
+    source_dir, dest_dir = pathlib.Path(source_dir), pathlib.Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, list] = {"created": [], "kept": []}
+    for src in sorted(source_dir.glob("[0-9][0-9]_*.ipynb")):
+        dest = dest_dir / src.name
+        if dest.exists():
+            report["kept"].append(dest)
+            continue
+        workbook = strip_solutions(nbformat.read(src, as_version=4), name=src.name)
+        with open(dest, "x", encoding="utf-8") as f:    # "x": never replace a file
+            nbformat.write(workbook, f)
+        report["created"].append(dest)
+    return report
+
+
+def execute(path: str | pathlib.Path, *, timeout: int = 600) -> None:
+    """Run a notebook top to bottom in a fresh kernel and save it with its outputs."""
+    from nbclient import NotebookClient
+
+    path = pathlib.Path(path)
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    nbformat.write(nb, path)
