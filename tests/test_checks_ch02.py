@@ -1,0 +1,176 @@
+"""Chapter 02's checks pass on the reference answers and fail, with the right hint, on wrong ones."""
+import math
+import time
+
+import pytest
+import torch
+
+from companion import floats
+from companion.checks import ch02
+from companion.checks.core import CheckFailed
+
+
+# ---------------------------------------------------------------- answers a learner might write
+
+def decode_bf16(bits):
+    sign = -1.0 if bits >> 15 else 1.0
+    exponent, mantissa = (bits >> 7) & 0xFF, bits & 0x7F
+    if exponent == 0xFF:
+        return sign * math.inf if mantissa == 0 else math.nan
+    if exponent == 0:
+        return sign * mantissa / 2**7 * 2.0 ** (1 - 127)
+    return sign * (1 + mantissa / 2**7) * 2.0 ** (exponent - 127)
+
+
+def max_normal(e, m):
+    bias = 2 ** (e - 1) - 1
+    return (2 - 2.0**-m) * 2.0 ** (2**e - 2 - bias)
+
+
+def min_subnormal(e, m):
+    return 2.0 ** (1 - (2 ** (e - 1) - 1) - m)
+
+
+def low_precision_sum(values, dtype):
+    total = torch.zeros((), dtype=dtype)
+    for v in values.to(dtype):
+        total = total + v
+    return total
+
+
+def bytes_per_format(model, dtype):
+    return sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
+
+
+REFERENCES = [
+    (ch02.check_decode_bf16, decode_bf16),
+    (ch02.check_max_normal, max_normal),
+    (ch02.check_min_subnormal, min_subnormal),
+    (ch02.check_low_precision_sum, low_precision_sum),
+    (ch02.check_bytes_per_format, bytes_per_format),
+]
+IDS = [check.__name__ for check, _ in REFERENCES]
+
+
+@pytest.mark.parametrize("check, answer", REFERENCES, ids=IDS)
+def test_reference_answers_pass(check, answer, capsys):
+    check(answer)
+    assert "passed" in capsys.readouterr().out
+
+
+def test_the_package_reference_passes_too():
+    ch02.check_decode_bf16(lambda bits: floats.decode(bits, "bf16"))
+    ch02.check_low_precision_sum(floats.running_sum)
+    ch02.check_bytes_per_format(floats.parameter_bytes)
+
+
+# ---------------------------------------------------------------- known-wrong answers
+
+def _no_implicit_one(bits):
+    value = decode_bf16(bits)
+    exponent, mantissa = (bits >> 7) & 0xFF, bits & 0x7F
+    if 0 < exponent < 0xFF:
+        return math.copysign(mantissa / 2**7 * 2.0 ** (exponent - 127), value)
+    return value
+
+
+def _subnormal_as_normal(bits):
+    if (bits >> 7) & 0xFF == 0 and bits & 0x7F:
+        return math.copysign((1 + (bits & 0x7F) / 2**7) * 2.0**-127, decode_bf16(bits))
+    return decode_bf16(bits)
+
+
+def _hang(*args):
+    while True:
+        time.sleep(0.01)
+
+
+WRONG = [
+    (ch02.check_decode_bf16, _no_implicit_one, "implicit leading 1"),
+    (ch02.check_decode_bf16, lambda b: decode_bf16(b) / 2 if (b >> 7) & 0xFF not in (0, 0xFF)
+     else decode_bf16(b), "bias is 127"),
+    (ch02.check_decode_bf16, lambda b: abs(decode_bf16(b)), "sign"),
+    (ch02.check_decode_bf16, _subnormal_as_normal, "subnormal"),
+    (ch02.check_decode_bf16, lambda b: decode_bf16(b) if (b >> 7) & 0xFF != 0xFF else 0.0,
+     "inf (mantissa 0) or NaN"),
+    (ch02.check_decode_bf16, lambda b: abs(decode_bf16(b)) if b == 0x8000 else decode_bf16(b),
+     "-0.0"),
+    (ch02.check_max_normal, lambda e, m: (2 - 2.0**-m) * 2.0 ** (2**e - 1 - (2 ** (e - 1) - 1))
+     if e < 11 else math.inf, "reserved for inf and NaN"),
+    (ch02.check_max_normal, lambda e, m: 2.0 ** (2**e - 2 - (2 ** (e - 1) - 1)), "include it"),
+    (ch02.check_max_normal, lambda e, m: max_normal(e, m) / 2, "bias is 2^(e−1) − 1"),
+    (ch02.check_min_subnormal, lambda e, m: min_subnormal(e, m) / 2, "not 0 − bias"),
+    (ch02.check_min_subnormal, lambda e, m: 2.0 ** (2 - 2 ** (e - 1)), "smallest normal"),
+    (ch02.check_low_precision_sum, lambda v, d: v.to(d).sum(), ".sum() adds in a wider"),
+    (ch02.check_low_precision_sum, lambda v, d: floats.running_sum(v, d, accumulate=torch.float32),
+     "wider accumulator"),
+    (ch02.check_low_precision_sum, lambda v, d: low_precision_sum(v, d).float(), "dtype"),
+    (ch02.check_low_precision_sum, lambda v, d: low_precision_sum(v, d).reshape(1), "shape"),
+    (ch02.check_bytes_per_format, lambda model, d: sum(p.numel() for p in model.parameters()),
+     "number of parameters"),
+    (ch02.check_bytes_per_format, lambda model, d: sum(p.numel() * p.element_size()
+                                                       for p in model.parameters()),
+     "depend on the dtype"),
+    (ch02.check_bytes_per_format, lambda model, d: 8 * bytes_per_format(model, d), "bits"),
+    (ch02.check_bytes_per_format, lambda model, d: sum(
+        t.numel() for t in model.state_dict().values()) * torch.empty((), dtype=d).element_size(),
+     "buffers"),
+    (ch02.check_bytes_per_format, lambda model, d: float(bytes_per_format(model, d)) + 0.0,
+     "whole number"),
+]
+
+
+@pytest.mark.parametrize("check, answer, hint", WRONG,
+                         ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(WRONG)])
+def test_known_wrong_answers_fail_with_their_hint(check, answer, hint):
+    with pytest.raises(CheckFailed) as failure:
+        check(answer)
+    assert hint in str(failure.value)
+
+
+# ---------------------------------------------------------------- garbage in, CheckFailed out
+
+def _raises(*args):
+    raise RuntimeError("boom")
+
+
+GARBAGE = [None, "decode", 42, _raises, lambda *a: None, lambda *a: "1.0", lambda *a: math.nan,
+           lambda *a: torch.tensor([1.0, 2.0]), lambda *a: (1, 2)]
+
+
+@pytest.mark.parametrize("check", [c for c, _ in REFERENCES], ids=IDS)
+@pytest.mark.parametrize("answer", GARBAGE, ids=[f"garbage{i}" for i in range(len(GARBAGE))])
+def test_garbage_fails_cleanly(check, answer):
+    with pytest.raises(CheckFailed):
+        check(answer)
+
+
+@pytest.mark.parametrize("check", [c for c, _ in REFERENCES], ids=IDS)
+def test_a_hang_fails_within_the_time_limit(check):
+    start = time.monotonic()
+    with pytest.raises(CheckFailed, match="did not finish"):
+        check(_hang, timeout=0.3)
+    assert time.monotonic() - start < 5
+
+
+def test_not_implemented_says_not_done():
+    def stub(*args):
+        raise NotImplementedError("decode the pattern")
+    with pytest.raises(CheckFailed, match="not done"):
+        ch02.check_decode_bf16(stub)
+
+
+def test_checks_draw_fresh_inputs(monkeypatch):
+    """Two runs use different random patterns: a table of memorised answers does not pass."""
+    seen = []
+    ch02.check_decode_bf16(lambda bits: seen.append(bits) or decode_bf16(bits))
+    first, seen[:] = list(seen), []
+    ch02.check_decode_bf16(lambda bits: seen.append(bits) or decode_bf16(bits))
+    assert first != seen
+
+
+def test_tiny_values_are_compared_relatively():
+    """Subnormals are ~1e-40: an absolute tolerance would let any tiny wrong answer pass."""
+    with pytest.raises(CheckFailed):
+        ch02.check_min_subnormal(
+            lambda e, m: min_subnormal(e, m) * (1.5 if e > 5 else 1.0))
