@@ -1,0 +1,386 @@
+"""Measure memory on any device: live and peak bytes, a breakdown by kind, a timeline, a budget.
+
+On CUDA the caching allocator already counts every byte (`torch.cuda.max_memory_allocated`). A CPU
+has no such counter, so here the tracker keeps its own ledger: a `TorchDispatchMode` sees every
+tensor an operator returns, counts each new *storage* once (views and `detach()` share a storage,
+so they cost nothing), and a weak reference on the storage subtracts its bytes the moment it is
+freed. The same ledger labels storages by kind (parameters, gradients, optimizer state, activations
+saved for backward, other temporaries) and records when each byte arrived (forward, backward,
+optimizer step), on either device.
+
+Example:
+    >>> with track() as t:
+    ...     loss = model(x).square().mean(); loss.backward(); opt.step()
+    >>> t.peak, t.breakdown()
+    >>> with memory_budget("64 MiB"):      # on CPU: fails like a GPU would
+    ...     model(torch.randn(10**6, 512))  # torch.OutOfMemoryError
+
+Simplified vs PyTorch: the CPU ledger counts storages that operators return, not scratch buffers an
+operator allocates and frees inside its own kernel, and it cannot see tensors freed inside the block
+that were created before it (their bytes were never added, so they are never subtracted).
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["KINDS", "PHASES", "MemoryTracker", "track", "measure", "memory_budget", "parse_bytes",
+           "format_bytes", "plot_timeline"]
+
+KINDS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+PHASES = ("forward", "backward", "optimizer")
+_PARAM, _GRAD, _OPT, _ACT, _TEMP = range(5)          # label priority: a lower number wins
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(limit: int | float | str) -> int:
+    """Bytes from an int or a string such as "512 MiB", "2 GB", "1.5GiB" (GB = 10⁹, GiB = 2³⁰)."""
+    if isinstance(limit, bool) or not isinstance(limit, (int, float, str)):
+        raise TypeError(f"a memory size is bytes (int) or a string like '512 MiB', got {limit!r}")
+    if isinstance(limit, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", limit)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot read {limit!r} as a size: write e.g. '512 MiB' or '2 GB'")
+        limit = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if limit < 0:
+        raise ValueError(f"a memory size cannot be negative, got {limit}")
+    return int(limit)
+
+
+def format_bytes(n: float) -> str:
+    """A byte count for people: 1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _aliases_only(func) -> bool:
+    """True for operators whose outputs all alias an input (views, in-place): they allocate nothing."""
+    returns = func._schema.returns
+    return (bool(returns) and all(r.alias_info is not None for r in returns)
+            and "lift_fresh" not in func.__name__        # torch.tensor(data) arrives through it
+            and "resize" not in func.__name__ and not func.__name__.startswith("set_")
+            and func._overloadname != "out")
+
+
+class _Ledger(TorchDispatchMode):
+    """Every live storage on one device type that operators returned inside the block, counted once."""
+
+    def __init__(self, device_type: str, limit: int | None = None):
+        super().__init__()
+        self.device_type, self.limit = device_type, limit
+        self.live: dict[int, list] = {}          # storage address -> [id, nbytes]
+        self.refs: dict[weakref.ref, int] = {}   # weak ref on the storage -> its address
+        self.kind: dict[int, int] = {}           # storage id -> label (lower wins)
+        self.events: list[tuple[int, int, int]] = []   # (storage id, +-bytes, phase)
+        self.bytes = self.peak = self.peak_event = 0
+        self.in_optimizer = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        aliases = _ALIASES.get(func)
+        if aliases is None:
+            aliases = _ALIASES[func] = _aliases_only(func)
+        if aliases:
+            return out
+        before = self.bytes
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+            elif isinstance(t, (tuple, list)):
+                for u in t:
+                    if isinstance(u, torch.Tensor):
+                        self._add(u)
+        if self.limit is not None and self.bytes > self.limit:
+            asked, t, u = self.bytes - before, None, None
+            del out                                       # free the new storages before raising
+            raise torch.OutOfMemoryError(
+                f"{self.device_type.upper()} out of memory (memory_budget). Tried to allocate "
+                f"{format_bytes(asked)}; {format_bytes(before)} already allocated; budget "
+                f"{format_bytes(self.limit)}. Shrink the batch, or free tensors you no longer need.")
+        return out
+
+    def _add(self, t: torch.Tensor) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):      # sparse and other storage-less tensors
+            return
+        key = storage._cdata
+        entry = self.live.get(key)
+        nbytes = storage.nbytes()
+        if entry is not None:                            # known storage; an out= op may resize it
+            if entry[1] != nbytes:
+                self._record(entry[0], nbytes - entry[1])
+                entry[1] = nbytes
+            return
+        if storage.device.type != self.device_type:
+            return
+        sid = len(self.kind)
+        self.kind[sid] = _TEMP
+        self.live[key] = [sid, nbytes]
+        self.refs[weakref.ref(storage, self._freed)] = key
+        self._record(sid, nbytes)
+
+    def _freed(self, ref: weakref.ref) -> None:
+        key = self.refs.pop(ref, None)
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self._record(entry[0], -entry[1])
+
+    def _record(self, sid: int, delta: int) -> None:
+        phase = 2 if self.in_optimizer else int(torch._C._current_autograd_node() is not None)
+        self.events.append((sid, delta, phase))
+        self.bytes += delta
+        if self.bytes > self.peak:
+            self.peak, self.peak_event = self.bytes, len(self.events)
+
+    def label(self, t: Any, kind: int) -> None:
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            entry = self.live.get(t.untyped_storage()._cdata)
+            if entry is not None and kind < self.kind[entry[0]]:
+                self.kind[entry[0]] = kind
+
+    def close(self) -> None:
+        """Stop counting: later frees no longer change the figures."""
+        self.refs.clear()
+        self.live.clear()
+
+
+_ALIASES: dict[Any, bool] = {}
+
+
+@contextlib.contextmanager
+def _labels(ledger: _Ledger) -> Iterator[None]:
+    """Label storages by kind: module parameters on each forward, gradients and optimizer state
+    around each optimizer step, tensors saved for backward as they are packed."""
+    modules, optimizers = weakref.WeakSet(), weakref.WeakSet()
+
+    def label_module(module, inputs=None):
+        modules.add(module)
+        for p in module._parameters.values():
+            if p is not None:
+                ledger.label(p, _PARAM)
+                ledger.label(p.grad, _GRAD)
+        for b in module._buffers.values():
+            ledger.label(b, _PARAM)
+
+    def before_step(opt, args=None, kwargs=None):
+        optimizers.add(opt)
+        ledger.in_optimizer = True
+        for group in opt.param_groups:
+            for p in group["params"]:
+                ledger.label(p, _PARAM)
+                ledger.label(p.grad, _GRAD)
+
+    def after_step(opt, args=None, kwargs=None):
+        ledger.in_optimizer = False
+        for state in opt.state.values():
+            for value in state.values():
+                ledger.label(value, _OPT)
+
+    def pack(t):
+        ledger.label(t, _PARAM if t.requires_grad and t.is_leaf else _ACT)
+        return t.detach()          # same storage; a detached copy keeps autograd's graph acyclic
+
+    handles = [register_module_forward_pre_hook(label_module),
+               register_optimizer_step_pre_hook(before_step),
+               register_optimizer_step_post_hook(after_step)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in list(modules):
+            label_module(module)
+        for opt in list(optimizers):
+            before_step(opt)
+            after_step(opt)
+
+
+class MemoryTracker:
+    """What one block used: `current` and `peak` bytes above what was live on entry, plus
+    `breakdown()` by kind and `timeline()` by phase. Made by `track`; read it during or after."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._ledger = _Ledger(device.type)
+        self._cuda_base: int | None = None
+        self._final: tuple[int, int] | None = None
+
+    @property
+    def current(self) -> int:
+        """Bytes allocated inside the block and still live (at exit, once the block is over)."""
+        if self._final is not None:
+            return self._final[0]
+        if self._cuda_base is not None:
+            return torch.cuda.memory_allocated(self.device) - self._cuda_base
+        return self._ledger.bytes
+
+    @property
+    def peak(self) -> int:
+        """The most bytes live at once inside the block, above what was live on entry."""
+        if self._final is not None:
+            return self._final[1]
+        if self._cuda_base is not None:
+            return torch.cuda.max_memory_allocated(self.device) - self._cuda_base
+        return self._ledger.peak
+
+    @property
+    def reserved(self) -> int | None:
+        """CUDA only: bytes the caching allocator holds from the driver (allocated + cached)."""
+        return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else None
+
+    def breakdown(self, at: str = "peak") -> dict[str, int]:
+        """Bytes by kind (`KINDS`) at the peak of the block, or at its end with at="current".
+
+        On CUDA the kinds add up to the ledger's count of tensor storages, which is slightly below
+        the allocator's figure (the allocator rounds each block up to 512 bytes)."""
+        if at not in ("peak", "current"):
+            raise ValueError(f'at must be "peak" or "current", got {at!r}')
+        ledger = self._ledger
+        stop = ledger.peak_event if at == "peak" else len(ledger.events)
+        totals = [0] * len(KINDS)
+        for sid, delta, _ in ledger.events[:stop]:
+            totals[ledger.kind[sid]] += delta
+        return dict(zip(KINDS, totals))
+
+    def timeline(self) -> dict[str, list]:
+        """Live bytes after each allocation or free, by kind, with the phase it happened in.
+
+        Returns {"event": [0, 1, ...], "phase": ["forward", ...], "total": [...], and one list per
+        kind}: the data behind `plot_timeline`."""
+        ledger = self._ledger
+        totals = [0] * len(KINDS)
+        out: dict[str, list] = {"event": [], "phase": [], "total": [], **{k: [] for k in KINDS}}
+        running = 0
+        for i, (sid, delta, phase) in enumerate(ledger.events):
+            totals[ledger.kind[sid]] += delta
+            running += delta
+            out["event"].append(i)
+            out["phase"].append(PHASES[phase])
+            out["total"].append(running)
+            for name, value in zip(KINDS, totals):
+                out[name].append(value)
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"memory on {self.device}: peak {format_bytes(self.peak)}, "
+                 f"live at end {format_bytes(self.current)}"]
+        lines += [f"  {kind:<16}{format_bytes(n):>12}" for kind, n in self.breakdown().items()]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+@contextlib.contextmanager
+def track(device: torch.device | str | None = None) -> Iterator[MemoryTracker]:
+    """Measure the memory a block allocates on `device` (CUDA when present, else the CPU).
+
+        >>> with track("cpu") as t:
+        ...     x = torch.empty(1000)          # 4000 bytes
+        ...     y = x.view(10, 100)            # a view: no new storage
+        >>> t.current, t.peak                  # (4000, 4000)
+
+    On CUDA, `current` and `peak` come from the caching allocator (peaks reset on entry) and
+    `reserved` says what it holds; on the CPU they come from the ledger of live storages."""
+    device = _device(device)
+    tracker = MemoryTracker(device)
+    ledger = tracker._ledger
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        tracker._cuda_base = torch.cuda.memory_allocated(device)
+    try:
+        with ledger, _labels(ledger):
+            yield tracker
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        tracker._final = (tracker.current, tracker.peak)
+        ledger.close()
+
+
+def measure(fn: Callable, *args, **kwargs) -> MemoryTracker:
+    """Run `fn(*args, **kwargs)` once under `track()` and return the tracker (its report);
+    the function's return value is kept as `tracker.result`."""
+    with track() as tracker:
+        tracker.result = fn(*args, **kwargs)
+    return tracker
+
+
+@contextlib.contextmanager
+def memory_budget(limit: int | str, device: torch.device | str | None = None) -> Iterator[None]:
+    """Fail like a GPU when the block allocates more than `limit` (bytes, or "512 MiB", "2 GB").
+
+    On the CPU, the operator whose result takes the bytes allocated inside the block over `limit`
+    raises `torch.OutOfMemoryError` ("Tried to allocate X; Y already allocated; budget Z"). On CUDA
+    the caching allocator's own cap (`set_per_process_memory_fraction`) is set to what the process
+    holds on entry plus `limit`. Either way the same `except torch.OutOfMemoryError:` catches it,
+    and on exit, normal or not, the hook and the limit are gone.
+
+        >>> with memory_budget("1 MiB"):
+        ...     torch.empty(2**20)             # 4 MiB: torch.OutOfMemoryError
+    """
+    limit, device = parse_bytes(limit), _device(device)
+    if device.type != "cuda":
+        with _Ledger(device.type, limit=limit) as ledger:
+            try:
+                yield
+            finally:
+                ledger.close()
+        return
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    before = getter(device) if getter is not None else 1.0
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, (torch.cuda.memory_reserved(device) + limit) / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def plot_timeline(tracker: MemoryTracker, ax=None, *, title: str = "Memory during the block"):
+    """Stacked live bytes by kind over the block's allocation events, phases shaded, like PyTorch's
+    memory snapshot viewer. Returns the matplotlib Axes."""
+    import matplotlib.pyplot as plt
+
+    data = tracker.timeline()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3.5))
+    scale, unit = (2**20, "MiB") if max(data["total"], default=0) >= 2**20 else (2**10, "KiB")
+    ax.stackplot(data["event"], *[[v / scale for v in data[k]] for k in KINDS],
+                 labels=[k.replace("_", " ") for k in KINDS], step="post", alpha=0.85)
+    shades = {"backward": "#dddddd", "optimizer": "#f3e3c3"}
+    start = 0
+    for i in range(1, len(data["phase"]) + 1):
+        if i == len(data["phase"]) or data["phase"][i] != data["phase"][start]:
+            if data["phase"][start] in shades:
+                ax.axvspan(start, i, color=shades[data["phase"][start]], zorder=-1, lw=0)
+            start = i
+    ax.set(xlabel="allocation event (shaded: grey backward, tan optimizer step)",
+           ylabel=f"live {unit}", title=title)
+    ax.legend(loc="upper left", fontsize="small")
+    return ax

@@ -1,0 +1,243 @@
+"""companion.memory: the CPU ledger is exact on plain allocations, matches a hand count on a training
+step, labels kinds and phases, and memory_budget fails like CUDA and leaves nothing behind."""
+import gc
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from companion.memory import (KINDS, format_bytes, measure, memory_budget, parse_bytes,
+                              plot_timeline, track)
+
+
+def test_plain_allocations_are_counted_to_the_byte():
+    with track("cpu") as t:
+        a = torch.empty(1000)                              # 4000 B
+        b = torch.zeros(3, 5, dtype=torch.float64)         # 120 B
+        c = torch.ones(7, dtype=torch.int8)                # 7 B
+        assert t.current == 4127
+    assert (t.current, t.peak) == (4127, 4127)
+    del a, b, c
+
+
+def test_views_and_shared_storage_count_once():
+    with track("cpu") as t:
+        a = torch.empty(256, 4)
+        views = [a.view(4, 256), a[::2], a.t(), a.detach(), a.reshape(-1), a.expand(1, 256, 4),
+                 a.as_strided((10,), (1,)), a[3]]
+        a.add_(1).mul_(2)                                  # in place: no new storage
+        assert t.current == 256 * 4 * 4
+    assert t.peak == 4096
+    del views
+
+
+def test_frees_inside_the_block_are_subtracted():
+    with track("cpu") as t:
+        keep = torch.empty(100)
+        for _ in range(3):
+            tmp = torch.empty(1000)
+            del tmp
+        view = keep[:10]
+        del keep                                           # the view still holds the storage
+        assert t.current == 400
+        del view
+        assert t.current == 0
+    assert t.peak == 4400
+
+
+def test_tensors_from_before_the_block_are_not_counted():
+    before = torch.empty(10_000)
+    with track("cpu") as t:
+        y = before + 1
+    assert t.current == 40_000 and t.peak == 40_000
+    del y
+
+
+def test_tensors_made_from_python_data_are_counted():
+    with track("cpu") as t:
+        x = torch.tensor([1.0, 2.0, 3.0])
+        y = torch.as_tensor([[1, 2], [3, 4]], dtype=torch.int16)
+    assert t.current == 12 + 8
+    del x, y
+
+
+def test_a_resized_out_tensor_is_counted_at_its_new_size():
+    out = torch.empty(0)
+    with track("cpu") as t:
+        torch.add(torch.ones(100), 1, out=out)             # ones: 400 B freed; out grows to 400 B
+    assert t.current == 400
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=8),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.float64, torch.int64]),
+       free=st.lists(st.booleans(), min_size=8, max_size=8))
+def test_any_sequence_of_allocations_and_frees(sizes, dtype, free):
+    item = torch.empty((), dtype=dtype).element_size()
+    live, running, peak = [], 0, 0
+    with track("cpu") as t:
+        for n, drop in zip(sizes, free):
+            live.append(torch.empty(n, dtype=dtype))
+            running += n * item
+            peak = max(peak, running)
+            if drop:
+                live.pop()
+                running -= n * item
+            assert t.current == running
+    assert (t.current, t.peak) == (running, peak)
+
+
+def _mlp_step(B, D, H, C):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.ReLU(), torch.nn.Linear(H, C))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    X, Y = torch.randn(B, D), torch.randn(B, C)
+    loss = (model(X) - Y).square().mean()
+    loss.backward()
+    opt.step()
+    return model
+
+
+@pytest.mark.parametrize("B, D, H, C", [(256, 64, 256, 8), (512, 32, 128, 4)])
+def test_mlp_training_step_matches_a_hand_count(B, D, H, C):
+    report = measure(_mlp_step, B, D, H, C)
+    params = (D * H + H + H * C + C) * 4
+    # The peak is in ReluBackward: the saved relu output a, its incoming gradient and the gradient
+    # it returns are live at once (3·B·H floats), beside parameters, inputs, layer 2's gradients.
+    hand = params + (B * D + B * C) * 4 + 3 * B * H * 4 + (H * C + C) * 4
+    assert abs(report.peak - hand) <= 0.01 * hand
+    end = report.breakdown("current")
+    assert end["parameters"] == params and end["gradients"] == params   # model was returned
+    peak = report.breakdown()
+    assert sum(peak.values()) == report.peak
+    assert peak["parameters"] == params
+    assert peak["activations"] >= B * H * 4                   # the relu output saved for backward
+
+
+def test_breakdown_finds_adam_state_and_phases():
+    def step():
+        model = torch.nn.Linear(50, 40)
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.randn(8, 50)).sum().backward()
+        opt.step()
+        return model, opt
+
+    report = measure(step)
+    n = (50 * 40 + 40) * 4
+    end = report.breakdown("current")
+    assert end == {"parameters": n, "gradients": n, "optimizer_state": 2 * n + 8,  # + 2 step counters
+                   "activations": 0, "temporaries": 0}
+    timeline = report.timeline()
+    assert set(timeline["phase"]) == {"forward", "backward", "optimizer"}
+    assert timeline["total"][-1] == report.current and max(timeline["total"]) == report.peak
+    assert all(sum(timeline[k][i] for k in KINDS) == timeline["total"][i]
+               for i in range(len(timeline["event"])))
+
+
+def test_figures_are_frozen_after_the_block():
+    with track("cpu") as t:
+        x = torch.empty(100)
+    del x
+    gc.collect()
+    assert t.current == 400 and "peak" in str(t)
+
+
+def test_measure_returns_the_result():
+    report = measure(torch.zeros, 10, dtype=torch.float64)
+    assert report.peak == 80 and report.result.shape == (10,)
+
+
+def test_plot_timeline_draws_every_kind():
+    import matplotlib
+    matplotlib.use("Agg")
+    report = measure(_mlp_step, 16, 8, 16, 2)
+    ax = plot_timeline(report)
+    assert ax.get_ylabel().startswith("live") and len(ax.collections) >= len(KINDS)
+
+
+@pytest.mark.parametrize("text, expected", [("512 MiB", 512 * 2**20), ("2 GB", 2 * 10**9),
+                                            ("1.5GiB", int(1.5 * 2**30)), ("100", 100), (64, 64)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "5 parsecs", -1, None, True])
+def test_parse_bytes_rejects_nonsense(bad):
+    with pytest.raises((ValueError, TypeError)):
+        parse_bytes(bad)
+
+
+def test_format_bytes():
+    assert format_bytes(1536) == "1.50 KiB" and format_bytes(12) == "12 B"
+
+
+def test_budget_raises_out_of_memory_shaped_like_cuda():
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        with memory_budget("1 MiB"):
+            small = torch.empty(1000)                        # 3.91 KiB: fits
+            torch.empty(2**20)                               # 4 MiB: does not
+    message = str(info.value)
+    assert "Tried to allocate 4.00 MiB" in message
+    assert "3.91 KiB already allocated" in message and "budget 1.00 MiB" in message
+    del small
+
+
+def test_budget_can_be_caught_inside_and_the_run_goes_on():
+    with memory_budget(10_000):
+        keep = torch.empty(1000)                             # 4000 B
+        try:
+            torch.empty(2000)                                # would make 12000 B
+        except torch.OutOfMemoryError:
+            pass
+        more = torch.empty(1000)                             # the failed 8000 B were given back
+    assert more.shape == (1000,) and keep.shape == (1000,)
+
+
+def test_budget_fires_in_backward_and_leaves_nothing_hooked():
+    model = torch.nn.Linear(100, 100)
+    x = torch.randn(64, 100)
+    with pytest.raises(torch.OutOfMemoryError):
+        with memory_budget("30 KiB"):
+            model(x).sum().backward()                        # forward fits; dW (40 kB) does not
+    assert _get_current_dispatch_mode() is None
+    torch.empty(2**22)                                       # 16 MiB, no budget any more
+    with memory_budget("1 GiB"):
+        model(x).sum().backward()
+
+
+def test_track_leaves_no_hook_behind():
+    from torch.nn.modules import module as module_mod
+    from torch.optim import optimizer as optimizer_mod
+    hooks = (len(module_mod._global_forward_pre_hooks), len(optimizer_mod._global_optimizer_pre_hooks),
+             len(optimizer_mod._global_optimizer_post_hooks))
+    with pytest.raises(KeyError):
+        with track("cpu"):
+            raise KeyError("boom")
+    assert _get_current_dispatch_mode() is None
+    assert hooks == (len(module_mod._global_forward_pre_hooks),
+                     len(optimizer_mod._global_optimizer_pre_hooks),
+                     len(optimizer_mod._global_optimizer_post_hooks))
+
+
+def test_budget_and_track_nest():
+    with track("cpu") as t:
+        with pytest.raises(torch.OutOfMemoryError):
+            with memory_budget(1000):
+                small = torch.empty(100)
+                torch.empty(1000)
+    assert t.peak == 4400 and t.current == 400
+    del small
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_reads_the_caching_allocator():
+    with track("cuda") as t:
+        x = torch.empty(2**20, device="cuda")
+    assert t.peak >= 4 * 2**20 and t.reserved >= t.current
+    with pytest.raises(torch.OutOfMemoryError):
+        with memory_budget("64 MiB", device="cuda"):
+            torch.empty(2**30, device="cuda")
+    torch.empty(2**28, device="cuda")                        # the cap is gone
+    del x
