@@ -1,0 +1,126 @@
+"""All-reduce written out with point-to-point sends: the naive way, and the ring that DDP relies on.
+
+After backward, every rank of data parallelism holds gradients of S bytes and needs their sum.
+
+- Naive: every rank sends its tensor to one root, the root adds them and sends the sum back. The
+  root sends and receives (N-1)·S bytes each: its link is the bottleneck and grows with N.
+- Ring (Patarasuk & Yuan 2009; Baidu's allreduce 2017): split the tensor in N chunks. In N-1
+  steps of reduce-scatter each rank passes one chunk to its right neighbour and adds the chunk that
+  arrives from its left; then every rank owns one fully summed chunk. N-1 steps of all-gather pass
+  the summed chunks around the ring. Every rank sends 2(N-1)/N·S bytes, under 2·S whatever N is.
+
+Example (inside a rank started by `companion.launch.run`):
+    >>> traffic = Traffic()
+    >>> grad = torch.randn(1000)
+    >>> ring_all_reduce(grad, stats=traffic)          # doctest: +SKIP
+    >>> traffic.sent_bytes                             # 2·(N-1)/N · 4000 bytes
+
+Simplified vs PyTorch: gloo and NCCL pipeline each step in smaller pieces, pick ring or tree by
+size, and run on dedicated streams; here each step is one isend/recv pair of whole chunks.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Traffic", "naive_all_reduce", "ring_all_reduce", "ring_bytes_per_rank",
+           "naive_root_bytes"]
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Bytes and messages one rank sent and received."""
+
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    messages: int = 0
+
+
+def ring_bytes_per_rank(nbytes: int, world_size: int) -> float:
+    """The ring's traffic per rank: 2(N-1)/N · S bytes sent (and as many received)."""
+    return 2 * (world_size - 1) / world_size * nbytes
+
+
+def naive_root_bytes(nbytes: int, world_size: int) -> int:
+    """The naive all-reduce's load on its root: (N-1)·S bytes sent (and as many received)."""
+    return (world_size - 1) * nbytes
+
+
+def _peer(group, group_rank: int) -> int:
+    """The global rank of `group_rank` in `group` (send/recv address global ranks)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _send(chunk: torch.Tensor, dst: int, group, stats: Traffic | None):
+    """Start sending `chunk` (returns the request to wait on); count its bytes."""
+    if stats is not None:
+        stats.sent_bytes += chunk.numel() * chunk.element_size()
+        stats.messages += 1
+    return dist.isend(chunk, dst, group=group)                            # point-to-point
+
+
+def _recv(buffer: torch.Tensor, src: int, group, stats: Traffic | None) -> None:
+    dist.recv(buffer, src, group=group)                                   # point-to-point, blocks
+    if stats is not None:
+        stats.received_bytes += buffer.numel() * buffer.element_size()
+
+
+def naive_all_reduce(tensor: torch.Tensor, group=None, *, stats: Traffic | None = None) -> None:
+    """Sum `tensor` over all ranks, in place: gather to rank 0, add there, send the sum back.
+
+    Traffic: rank 0 receives and sends (N-1)·S bytes; the others send and receive S.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 1:
+        return
+    if rank != 0:
+        _send(tensor.contiguous(), _peer(group, 0), group, stats).wait()  # 1. send mine to root
+        result = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        _recv(result, _peer(group, 0), group, stats)                      # 4. receive the sum
+        tensor.copy_(result)
+        return
+    total = tensor.clone(memory_format=torch.contiguous_format)
+    buffer = torch.empty_like(total)
+    for src in range(1, world):                                           # 2. gather, one by one
+        _recv(buffer, _peer(group, src), group, stats)
+        total += buffer                                                   # 3. reduce on the root
+    requests = [_send(total, _peer(group, dst), group, stats) for dst in range(1, world)]
+    for request in requests:                                              # 4. send the sum back
+        request.wait()
+    tensor.copy_(total)
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None, *, stats: Traffic | None = None) -> None:
+    """Sum `tensor` over all ranks, in place: reduce-scatter, then all-gather, around a ring.
+
+    Rank r sends to r+1 and receives from r-1. Chunk sizes come from `tensor_split`, so any length
+    works (chunks differ by at most one element; empty chunks are skipped on both sides).
+    Traffic per rank: 2(N-1)/N·S bytes sent, as many received.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 1:
+        return
+    flat = tensor.detach().reshape(-1).clone()                            # (numel,) contiguous
+    chunks = list(torch.tensor_split(flat, world))                        # N views of flat
+    right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+    for step in range(world - 1):                                         # 1. reduce-scatter
+        send_i, recv_i = (rank - step) % world, (rank - step - 1) % world
+        buffer = torch.empty_like(chunks[recv_i])
+        _exchange(chunks[send_i], right, buffer, left, group, stats)
+        chunks[recv_i] += buffer              # after step s, chunk r-s-1 holds s+2 ranks' sum
+    for step in range(world - 1):                                         # 2. all-gather
+        send_i, recv_i = (rank + 1 - step) % world, (rank - step) % world
+        _exchange(chunks[send_i], right, chunks[recv_i], left, group, stats)
+    tensor.copy_(flat.view_as(tensor))
+
+
+def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group,
+              stats: Traffic | None) -> None:
+    """Send `send` to dst while receiving into `recv` from src (skipping empty chunks)."""
+    request = _send(send, dst, group, stats) if send.numel() else None
+    if recv.numel():
+        _recv(recv, src, group, stats)
+    if request is not None:
+        request.wait()

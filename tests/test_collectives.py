@@ -1,0 +1,87 @@
+"""companion.collectives: naive and ring all-reduce against dist.all_reduce, and their traffic."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from companion import collectives, launch
+from companion.collectives import Traffic
+
+LENGTHS = [1, 2, 3, 5, 12, 1001]
+
+
+def _inputs(rank, numel, dtype, seed):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=g, dtype=dtype)
+    return torch.randint(-50, 50, (numel,), generator=g, dtype=dtype)
+
+
+def _compare_with_gloo(rank, world_size, seed):
+    """For every length and dtype: ours against dist.all_reduce on the same inputs."""
+    worst = 0.0
+    for impl in (collectives.ring_all_reduce, collectives.naive_all_reduce):
+        for numel in LENGTHS:
+            for dtype in (torch.float32, torch.float64, torch.int64):
+                ours = _inputs(rank, numel, dtype, seed)
+                theirs = ours.clone()
+                assert impl(ours) is None                       # in place, like dist.all_reduce
+                dist.all_reduce(theirs)
+                worst = max(worst, float((ours.double() - theirs.double()).abs().max()))
+        grid = _inputs(rank, 35, torch.float32, seed).reshape(5, 7).t()   # non-contiguous (7, 5)
+        expected = grid.clone()
+        dist.all_reduce(expected)
+        impl(grid)
+        worst = max(worst, float((grid - expected).abs().max()))
+    return worst
+
+
+def _traffic(rank, world_size, numel):
+    ring, naive = Traffic(), Traffic()
+    collectives.ring_all_reduce(torch.ones(numel), stats=ring)
+    collectives.naive_all_reduce(torch.ones(numel), stats=naive)
+    return ring, naive
+
+
+def _subgroup(rank, world_size):
+    group = dist.new_group([1, 2])
+    x = torch.full((4,), float(rank))
+    if rank in (1, 2):
+        collectives.ring_all_reduce(x, group)
+    y = torch.full((5,), float(rank))
+    if rank in (1, 2):
+        collectives.naive_all_reduce(y, group)
+    return x.tolist(), y.tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_matches_gloo_all_reduce_for_any_length_and_dtype(world_size):
+    worst = launch.run(_compare_with_gloo, world_size, 7, timeout=60)
+    assert max(worst) < 1e-5
+
+
+def test_four_ranks_with_fewer_elements_than_ranks():
+    assert max(launch.run(_compare_with_gloo, 4, 3, timeout=60)) < 1e-5
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_sends_2_n_minus_1_over_n_of_the_tensor_and_naive_loads_the_root(world_size):
+    numel = 6 * 4                                     # divisible by 2 and 3: exact formula
+    nbytes = numel * 4
+    results = launch.run(_traffic, world_size, numel, timeout=30)
+    for rank, (ring, naive) in enumerate(results):
+        assert ring.sent_bytes == ring.received_bytes == \
+            collectives.ring_bytes_per_rank(nbytes, world_size)
+        assert ring.messages == 2 * (world_size - 1)
+        expected_naive = collectives.naive_root_bytes(nbytes, world_size) if rank == 0 else nbytes
+        assert naive.sent_bytes == naive.received_bytes == expected_naive
+
+
+def test_works_inside_a_subgroup():
+    results = launch.run(_subgroup, 3, timeout=30)
+    assert results[0] == ([0.0] * 4, [0.0] * 5)
+    assert results[1] == results[2] == ([3.0] * 4, [3.0] * 5)
+
+
+def test_formulas():
+    assert collectives.ring_bytes_per_rank(1000, 4) == 1500
+    assert collectives.naive_root_bytes(1000, 4) == 3000
