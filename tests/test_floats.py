@@ -282,3 +282,20 @@ def test_parameter_bytes():
     assert floats.parameter_bytes(model, torch.float32) == 4 * n
     assert floats.parameter_bytes(model, torch.bfloat16) == 2 * n
     assert floats.parameter_bytes(model, torch.float8_e5m2) == n
+
+
+def test_float_explorer_wires_buttons_and_text_to_floats():
+    pytest.importorskip("ipywidgets")
+    from companion.widgets import float_explorer
+
+    box = float_explorer(0.1, "bf16")
+    (picker, typed), buttons, shown, table = box.children[0].children, box.children[1], *box.children[2:]
+    assert len(buttons.children) == 16 and "0 01111011 1001101" in shown.value
+    buttons.children[0].click()                                   # the sign bit
+    assert typed.value == repr(-decode(encode(0.1, "bf16"), "bf16")) and "1 01111011" in shown.value
+    typed.value = "70000"
+    assert "overflow to inf" in table.value and "0 10001111 0001001" in shown.value
+    picker.value = "fp8_e4m3"
+    assert len(box.children[1].children) == 8 and "448.0" in shown.value
+    typed.value = "not a number"
+    assert "type a number" in shown.value
