@@ -21,7 +21,7 @@ import nbformat
 
 from companion.checks.core import REGISTRY, RESULT_MIME
 
-__all__ = ["Row", "grade_notebook", "grade", "write_reports", "format_table"]
+__all__ = ["Row", "run_copy", "grade_notebook", "grade", "write_reports", "format_table"]
 
 _CALL = re.compile(r"^\s*(check_\w+)\s*\(", re.MULTILINE)
 _FAILED = re.compile(r"^(check_\w+): ")
@@ -65,8 +65,8 @@ def _result(cell, name: str) -> tuple[bool, str]:
     return False, "not run: an earlier line of its cell stopped it, or the cell never ran"
 
 
-def grade_notebook(path: str | pathlib.Path, *, cell_timeout: int = 60) -> list[Row]:
-    """Execute a copy of one notebook and return a Row per exercise check it calls."""
+def run_copy(path: str | pathlib.Path, *, cell_timeout: int = 60):
+    """Execute an in-memory copy of a notebook; return (executed notebook, note on a dead kernel)."""
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
@@ -75,11 +75,16 @@ def grade_notebook(path: str | pathlib.Path, *, cell_timeout: int = 60) -> list[
     client = NotebookClient(nb, timeout=cell_timeout, allow_errors=True, interrupt_on_timeout=True,
                             kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent.resolve())}})
-    note = ""
     try:
         client.execute()
     except DeadKernelError as e:
-        note = f"the kernel died ({e}); exercises after that point were not graded"
+        return nb, f"the kernel died ({e}); exercises after that point were not graded"
+    return nb, ""
+
+
+def grade_notebook(path: str | pathlib.Path, *, cell_timeout: int = 60) -> list[Row]:
+    """Execute a copy of one notebook and return a Row per exercise check it calls."""
+    nb, note = run_copy(path, cell_timeout=cell_timeout)
     rows = []
     for cell in nb.cells:
         if cell.cell_type != "code":
@@ -87,8 +92,9 @@ def grade_notebook(path: str | pathlib.Path, *, cell_timeout: int = 60) -> list[
         for name in dict.fromkeys(_CALL.findall(cell.source)):
             passed, message = _result(cell, name)
             top = _max_points(name)
-            rows.append(Row(path.name, name.removeprefix("check_"), passed, top if passed else 0,
-                            top, message if passed or not note else f"{message} ({note})"))
+            rows.append(Row(str(path), name.removeprefix("check_"), passed,
+                            top if passed else 0, top,
+                            message if passed or not note else f"{message} ({note})"))
     return rows
 
 

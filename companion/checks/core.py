@@ -194,17 +194,23 @@ def compare(got: Any, expected: Any, *, name: str = "result", rtol: float | None
     agree within a tolerance fit for the dtype. Tuples and lists compare element by element; plain
     numbers as float64. If `got` matches a value in `known_wrong`, that entry's key is the hint.
     """
+    try:
+        return _compare(got, expected, name, rtol, atol)
+    except CheckFailed as failure:
+        wrong = [text for text, value in (known_wrong or {}).items()
+                 if _matches(got, value, expected, rtol, atol)]
+        failure.hint = wrong[0] if wrong else (failure.hint or hint)
+        raise
+
+
+def _compare(got: Any, expected: Any, name: str, rtol: float | None, atol: float | None) -> float:
     if isinstance(expected, (tuple, list)):
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
             raise CheckFailed(f"{name}: expected {len(expected)} values in a tuple, got {_short(got)}",
-                              expected=expected, got=got, hint=hint)
-        return max([compare(g, e, name=f"{name}[{i}]", rtol=rtol, atol=atol, hint=hint)
+                              expected=expected, got=got)
+        return max([_compare(g, e, f"{name}[{i}]", rtol, atol)
                     for i, (g, e) in enumerate(zip(got, expected))], default=0.0)
-    try:
-        got_t, exp_t = _as_tensor(got, expected, name)
-    except CheckFailed as failure:
-        failure.hint = failure.hint or hint
-        raise
+    got_t, exp_t = _as_tensor(got, expected, name)
     default_rtol, default_atol = _tolerance(exp_t.dtype)
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
@@ -220,20 +226,16 @@ def compare(got: Any, expected: Any, *, name: str = "result", rtol: float | None
         g64[~finite].nan_to_num(), e64[~finite].nan_to_num())
     if same_special and bool((diff[finite] <= atol + rtol * e64[finite].abs()).all()):
         return max_diff
-    for wrong_hint, wrong_value in (known_wrong or {}).items():
-        if _matches(got_t, wrong_value, rtol, atol):
-            hint = wrong_hint
-            break
     raise CheckFailed(f"{name} does not match the reference", expected=expected, got=got,
-                      max_diff=max_diff if math.isfinite(max_diff) else float("inf"), hint=hint)
+                      max_diff=max_diff if same_special else float("inf"))
 
 
-def _matches(got: torch.Tensor, value: Any, rtol: float, atol: float) -> bool:
+def _matches(got: Any, value: Any, expected: Any, rtol: float | None, atol: float | None) -> bool:
+    """Does `got` equal a known-wrong `value`, compared the way `expected` would be?"""
     try:
-        value = torch.as_tensor(value).double()
-        return value.shape == got.shape and bool(torch.allclose(got.double(), value, rtol=rtol,
-                                                                atol=atol, equal_nan=True))
-    except (TypeError, RuntimeError, ValueError):
+        _compare(got, value, "", rtol, atol)
+        return True
+    except (CheckFailed, TypeError, RuntimeError, ValueError):
         return False
 
 

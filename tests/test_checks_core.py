@@ -1,0 +1,153 @@
+"""The grading core: every kind of bad answer becomes a CheckFailed with a clear message."""
+import threading
+import time
+
+import pytest
+import torch
+
+from companion.checks.core import (REGISTRY, CheckFailed, NotDone, call, compare, exercise,
+                                   fresh_seeds, require, time_limit, _TimeUp)
+
+
+@exercise(points=3, timeout=1.0)
+def check_double_for_tests(answer):
+    for seed in fresh_seeds(2):
+        x = torch.randn(5, generator=torch.Generator().manual_seed(seed))
+        compare(call(answer, x), 2 * x, name="2x",
+                known_wrong={"multiply, do not add.": x + 2})
+    return "doubles"
+
+
+def _loop_forever(x):
+    while True:
+        try:
+            pass
+        except Exception:
+            pass
+
+
+def _raises(x):
+    raise ValueError("boom")
+
+
+def _not_done(x):
+    raise NotImplementedError("Exercise")
+
+
+BAD = {
+    "None": None,
+    "string": "2*x",
+    "number": 3.0,
+    "raises": _raises,
+    "wrong value": lambda x: x + 2,
+    "wrong shape": lambda x: (2 * x)[:3],
+    "wrong dtype": lambda x: (2 * x).double(),
+    "not a tensor": lambda x: (2 * x).tolist(),
+    "NaN": lambda x: x * float("nan"),
+    "inf": lambda x: x * float("inf"),
+    "tuple": lambda x: (2 * x, 2 * x),
+    "slightly off": lambda x: 2 * x + 1e-3,
+    "endless loop": _loop_forever,
+    "sleeps": lambda x: time.sleep(60),
+    "not done": _not_done,
+}
+
+
+def test_passes_on_the_right_answer(capsys):
+    check_double_for_tests(lambda x: x * 2)
+    assert "check_double_for_tests passed: doubles" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_every_bad_answer_fails_cleanly_and_quickly(name):
+    start = time.monotonic()
+    with pytest.raises(CheckFailed) as info:
+        check_double_for_tests(BAD[name])
+    assert time.monotonic() - start < 3.0
+    assert str(info.value).startswith("check_double_for_tests: ")
+    assert isinstance(info.value, AssertionError)
+
+
+def test_known_wrong_answer_gets_its_hint():
+    with pytest.raises(CheckFailed, match="multiply, do not add"):
+        check_double_for_tests(lambda x: x + 2)
+
+
+def test_not_done_is_its_own_kind():
+    with pytest.raises(NotDone, match="not done yet"):
+        check_double_for_tests(_not_done)
+
+
+def test_failure_message_shows_expected_got_and_difference():
+    with pytest.raises(CheckFailed) as info:
+        check_double_for_tests(lambda x: 2 * x + 0.5)
+    text = str(info.value)
+    assert "expected:" in text and "got:" in text and "largest difference: 0.5" in text
+
+
+def test_notebook_shows_message_without_traceback():
+    failure = CheckFailed("wrong", check="check_x", hint="try again")
+    rendered = "\n".join(failure._render_traceback_())
+    assert "check_x: wrong" in rendered and "try again" in rendered
+    assert "Traceback" not in rendered
+
+
+def test_registry_records_points_and_rejects_duplicates():
+    assert REGISTRY["check_double_for_tests"].points == 3
+    with pytest.raises(ValueError, match="unique"):
+        exercise()(check_double_for_tests.__wrapped__)
+
+
+def test_compare_tolerance_fits_the_dtype():
+    x = torch.ones(4, dtype=torch.bfloat16)
+    compare(x + 0.0039, x)                      # within bf16 tolerance
+    with pytest.raises(CheckFailed):
+        compare(torch.ones(4) + 1e-3, torch.ones(4))   # outside fp32 tolerance
+
+
+def test_compare_numbers_and_tuples():
+    assert compare(3, 3.0) == 0.0
+    compare((torch.ones(2), 1.0), (torch.ones(2), 1.0))
+    with pytest.raises(CheckFailed, match="expected a number"):
+        compare("3", 3.0)
+    with pytest.raises(CheckFailed, match="expected 2 values"):
+        compare((1.0,), (1.0, 2.0))
+    with pytest.raises(CheckFailed):
+        compare(True, 1.0)
+
+
+def test_require_fails_with_summary():
+    require(True, "fine")
+    with pytest.raises(CheckFailed, match="changed the gradient"):
+        require(False, "changed the gradient")
+
+
+def test_call_rejects_non_functions():
+    with pytest.raises(CheckFailed, match="expected a function"):
+        call(42)
+
+
+def test_time_limit_off_the_main_thread():
+    caught = []
+
+    def worker():
+        try:
+            with time_limit(0.3):
+                while True:
+                    pass
+        except _TimeUp:
+            caught.append(True)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(5)
+    assert caught == [True]
+
+
+def test_time_limit_restores_the_alarm_it_found():
+    import signal
+    before = signal.getitimer(signal.ITIMER_REAL)[0]      # pytest-timeout may have one set
+    with time_limit(5):
+        pass
+    after = signal.getitimer(signal.ITIMER_REAL)[0]
+    assert (before == 0 and after == 0) or 0 < before - after < 1

@@ -1,0 +1,103 @@
+"""companion.gd against autograd and torch.optim."""
+import pytest
+import torch
+
+from companion import gd
+from companion.models import make_regression
+
+
+@pytest.fixture
+def problem():
+    X, y, _, _ = make_regression(67, 5, seed=3)
+    g = torch.Generator().manual_seed(4)
+    return X, y, torch.randn(5, generator=g), torch.randn((), generator=g)
+
+
+def test_mse_loss_matches_torch(problem):
+    X, y, w, b = problem
+    expected = torch.nn.functional.mse_loss(X @ w + b, y)
+    torch.testing.assert_close(gd.mse_loss(X, y, w, b), expected)
+
+
+def test_hand_gradient_matches_autograd(problem):
+    X, y, w, b = problem
+    dw, db = gd.mse_gradient(X, y, w, b)
+    w_ = w.clone().requires_grad_()
+    b_ = b.clone().requires_grad_()
+    torch.nn.functional.mse_loss(X @ w_ + b_, y).backward()
+    torch.testing.assert_close(dw, w_.grad)
+    torch.testing.assert_close(db, b_.grad)
+    torch.testing.assert_close(gd.autograd_gradient(X, y, w, b), (w_.grad, b_.grad))
+
+
+def test_sgd_step_matches_torch_optim(problem):
+    X, y, w, b = problem
+    mine = gd.sgd_step(w, b, *gd.mse_gradient(X, y, w, b), lr=0.07)
+    torch.testing.assert_close(mine, gd.torch_sgd_step(X, y, w, b, lr=0.07))
+
+
+def test_sgd_step_moves_parameters_not_gradients(problem):
+    _, _, w, b = problem
+    dw, db = torch.ones_like(w), torch.ones(())
+    w1, b1 = gd.sgd_step(w, b, dw, db, lr=0.5)
+    torch.testing.assert_close(w1, w - 0.5)
+    assert torch.equal(dw, torch.ones_like(w))
+
+
+def test_batches_cover_every_example_once():
+    parts = gd.batches(10, 4)
+    assert [len(p) for p in parts] == [4, 4, 2]
+    shuffled = gd.batches(10, 3, generator=torch.Generator().manual_seed(0))
+    assert sorted(torch.cat(shuffled).tolist()) == list(range(10))
+    with pytest.raises(ValueError, match="at least 1"):
+        gd.batches(10, 0)
+
+
+def test_train_epoch_chains_batches(problem):
+    X, y, w, b = problem
+    w1, b1, losses = gd.train_epoch(X, y, w, b, lr=0.1, batch_size=20)
+    assert len(losses) == 4
+    ws, bs = w, b
+    for start in range(0, 67, 20):
+        ws, bs = gd.sgd_step(ws, bs, *gd.mse_gradient(X[start:start + 20], y[start:start + 20], ws, bs),
+                             lr=0.1)
+    torch.testing.assert_close((w1, b1), (ws, bs))
+
+
+def test_full_batch_epoch_is_one_torch_sgd_step(problem):
+    X, y, w, b = problem
+    w1, b1, _ = gd.train_epoch(X, y, w, b, lr=0.1, batch_size=len(y))
+    torch.testing.assert_close((w1, b1), gd.torch_sgd_step(X, y, w, b, lr=0.1))
+
+
+def test_training_converges_and_large_lr_diverges():
+    X, y, w_true, b_true = make_regression(256, 4, noise=0.05, seed=1)
+    run = gd.train(X, y, lr=0.05, batch_size=16, epochs=20)
+    assert not run["diverged"]
+    torch.testing.assert_close(run["w"], w_true, atol=0.05, rtol=0)
+    assert gd.train(X, y, lr=3.0, batch_size=256, epochs=5)["diverged"]
+
+
+def test_explore_reports_updates_and_bytes():
+    X, y, _, _ = make_regression(100, 3)
+    view = gd.explore(X, y, lr=0.05, batch_size=32, epochs=2)
+    assert view["updates"] == 8 and view["examples_seen"][-1] == 200
+    assert view["batch_bytes"] == 32 * 4 * 4
+    assert "8 updates" in view["summary"]
+
+
+def test_activation_bytes_counts_saved_tensors_once():
+    mlp = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+    for batch in (1, 7):
+        # input of the first Linear (6 numbers) and the ReLU output, shared with Linear 2 (10).
+        assert gd.activation_bytes(mlp, torch.randn(batch, 6)) == batch * (6 + 10) * 4
+
+
+def test_gd_explorer_widget_builds():
+    from companion.widgets import gd_explorer
+    X, y, _, _ = make_regression(64, 3)
+    box = gd_explorer(X, y, epochs=2)
+    lr_slider, batch_slider = box.children[0].children
+    before = box.children[1].value
+    batch_slider.value = 64
+    assert box.children[1].value != before and "batch=64" in box.children[1].value
