@@ -1,9 +1,26 @@
-"""The small models and the data the course trains, deterministic given a seed."""
+"""The small models and the data the course trains, deterministic given a seed.
+
+`MLP` (Linear-ReLU stacks) and `GPT` (a small GPT-style decoder: token and position embeddings,
+pre-LayerNorm blocks of causal self-attention and a 4x GELU MLP, a linear head) are plain
+`nn.Module`s with no dropout, so a seed fixes every number. Attention is written out (scores,
+mask, softmax, weighted sum) rather than fused, so the (T, T) score matrix that fills memory at
+long sequences is there to see and to measure. `make_classification` and `make_tokens` make data
+for them; `make_regression` is chapter 01's linear-regression data.
+
+Example:
+    >>> model = GPT(vocab=64, seq_len=32, width=48, depth=2, heads=4, seed=0)
+    >>> x, y = make_tokens(8, 32, vocab=64, seed=0)
+    >>> loss = model.loss(x, y)
+"""
 from __future__ import annotations
 
-import torch
+import math
 
-__all__ = ["make_regression"]
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["make_regression", "MLP", "GPT", "make_classification", "make_tokens"]
 
 
 def make_regression(m: int, d: int, *, noise: float = 0.1, seed: int = 0,
@@ -19,3 +36,115 @@ def make_regression(m: int, d: int, *, noise: float = 0.1, seed: int = 0,
     b_true = torch.randn((), generator=g, dtype=dtype)            # ()
     y = X @ w_true + b_true + noise * torch.randn(m, generator=g, dtype=dtype)  # (m,)
     return X, y, w_true, b_true
+
+
+class MLP(nn.Module):
+    """`depth` hidden Linear-ReLU layers of `width`, then a Linear to `d_out` classes.
+
+    Parameters: d_in·w + w + (depth-1)·(w² + w) + w·d_out + d_out. Saved for backward per example:
+    each ReLU's output (w values per layer), and the log-softmax of the logits in `loss`."""
+
+    def __init__(self, d_in: int, width: int, depth: int, d_out: int, *, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__()
+        torch.manual_seed(seed)
+        dims = [d_in] + [width] * depth
+        layers: list[nn.Module] = []
+        for a, b in zip(dims[:-1], dims[1:]):
+            layers += [nn.Linear(a, b, dtype=dtype, device=device), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(dims[-1], d_out, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)                                         # (B, d_in) -> (B, d_out)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the logits against class labels y (B,)."""
+        return F.cross_entropy(self(x), y)
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block: x + attention(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, width: int, heads: int, **factory):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} must be a multiple of heads {heads}")
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width, **factory), nn.LayerNorm(width, **factory)
+        self.qkv = nn.Linear(width, 3 * width, **factory)
+        self.proj = nn.Linear(width, width, **factory)
+        self.fc = nn.Linear(width, 4 * width, **factory)
+        self.out = nn.Linear(4 * width, width, **factory)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        hs = C // self.heads
+        q, k, v = self.qkv(x).split(C, dim=2)                      # 3 x (B, T, C)
+        q, k, v = (t.view(B, T, self.heads, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        weights = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)  # (B, nh, T, T)
+        y = (weights @ v).transpose(1, 2).reshape(B, T, C)         # (B, T, C)
+        return self.proj(y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A small GPT-style decoder over `vocab` tokens and sequences up to `seq_len` long.
+
+    Parameters: (vocab + seq_len)·C for embeddings, 12·C² + 13·C per block, 2·C for the final
+    LayerNorm, C·vocab + vocab for the head (not tied to the embedding)."""
+
+    def __init__(self, vocab: int, seq_len: int, width: int, depth: int, heads: int, *,
+                 seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        torch.manual_seed(seed)
+        factory = {"dtype": dtype, "device": device}
+        self.seq_len = seq_len
+        self.tok = nn.Embedding(vocab, width, **factory)
+        self.pos = nn.Embedding(seq_len, width, **factory)
+        self.blocks = nn.Sequential(*[Block(width, heads, **factory) for _ in range(depth)])
+        self.ln = nn.LayerNorm(width, **factory)
+        self.head = nn.Linear(width, vocab, **factory)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than seq_len={self.seq_len}")
+        pos = torch.arange(T, device=idx.device)                   # (T,)
+        x = self.tok(idx) + self.pos(pos)                           # (B, T, C)
+        return self.head(self.ln(self.blocks(x)))                   # (B, T, vocab)
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy; targets (B, T) are idx shifted by one."""
+        logits = self(idx)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def make_classification(n: int, d_in: int, n_classes: int, *, seed: int = 0,
+                        dtype: torch.dtype = torch.float32):
+    """(X, y): n points in d_in dimensions from n_classes Gaussian clusters; X (n, d_in), y (n,)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = 2.0 * torch.randn(n_classes, d_in, generator=g, dtype=dtype)  # (k, d_in)
+    y = torch.randint(n_classes, (n,), generator=g)                          # (n,)
+    X = centres[y] + torch.randn(n, d_in, generator=g, dtype=dtype)          # (n, d_in)
+    return X, y
+
+
+def make_tokens(n: int, seq_len: int, *, vocab: int, seed: int = 0):
+    """(x, y): n token sequences from a fixed random Markov chain, y = x shifted left by one.
+
+    Each token has 4 likely successors, so a model can learn the chain; x and y are (n, seq_len)
+    int64."""
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.randint(vocab, (vocab, 4), generator=g)               # (vocab, 4)
+    tokens = torch.empty(n, seq_len + 1, dtype=torch.int64)
+    tokens[:, 0] = torch.randint(vocab, (n,), generator=g)
+    for t in range(seq_len):
+        pick = torch.randint(4, (n,), generator=g)
+        tokens[:, t + 1] = successors[tokens[:, t], pick]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -1,0 +1,155 @@
+"""Predict memory before running: model states per parameter, activations of the course's models.
+
+Training memory has two parts. *Model states* (weights, gradients, optimizer state) scale with the
+parameter count and not with the batch. *Activations* (tensors the forward pass saves for backward)
+scale with batch × sequence length and not with the optimizer. `model_states` gives the first,
+`mlp_activations` and `gpt_activations` the second for `companion.models.MLP` and `GPT`, and
+`training_memory` adds them up by kind, which is what the chapter 00 calculator draws.
+
+Example:
+    >>> model_states(1_000_000, optimizer="adam", precision="mixed").total   # 16 bytes/param
+    16000000
+    >>> gpt_activations(batch=8, seq_len=64, width=128, depth=4, heads=4, vocab=256)
+
+Simplified vs measurement: the formulas count what PyTorch saves for backward in eager mode on these
+models; temporaries that live only inside one operator or one backward step are not included (the
+peak of a step adds the largest of those to states + activations).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["ModelStates", "model_states", "bytes_per_element", "mlp_params", "gpt_params",
+           "mlp_activations", "gpt_activations", "gpt_shape", "training_memory", "OPTIMIZERS",
+           "PRECISIONS"]
+
+OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
+PRECISIONS = ("fp32", "mixed", "bf16", "fp16")
+_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}   # tensors of state per parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStates:
+    """Bytes of model states on one device: parameters, gradients, optimizer state."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def model_states(n_params: int, *, optimizer: str = "adam", precision: str = "fp32",
+                 fp32_grads: bool = False, zero_stage: int = 0, world_size: int = 1) -> ModelStates:
+    """Bytes per device for the weights, gradients and optimizer state of `n_params` parameters.
+
+    Per parameter, following the ZeRO paper (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations
+    Toward Training Trillion Parameter Models", section 3.1):
+      - "fp32":  4 (weights) + 4 (grads) + 4 per state tensor (Adam: m and v, 8)  -> Adam 16.
+      - "mixed": 2 (16-bit weights) + 2 (16-bit grads) + K, where K holds the fp32 master weights
+        (4) and fp32 states: K = 12 for Adam, 8 for SGD with momentum, 4 for plain SGD -> Adam 16.
+        Mixed precision does not shrink model states; it shrinks activations.
+      - "bf16"/"fp16": pure 16-bit training, states in 16-bit too: 2 + 2 + 2 per state -> Adam 8.
+    `fp32_grads=True` keeps gradients in fp32 (4 bytes): mixed Adam becomes 18 bytes, the figure in
+    Hugging Face's "Model training anatomy" (6 bytes of weights counting the fp32 copy, 4 of fp32
+    gradients, 8 of Adam state). Sources that say 20 count a 16-bit gradient and its fp32 copy at
+    the same time (2 + 2 + 4 + 12).
+
+    ZeRO (same paper, section 5) shards over `world_size` data-parallel ranks: stage 1 the
+    optimizer state (which includes mixed precision's master weights), stage 2 also the gradients,
+    stage 3 also the weights. A shard is ceil(n_params / world_size) parameters.
+    """
+    _check_choice("optimizer", optimizer, OPTIMIZERS)
+    _check_choice("precision", precision, PRECISIONS)
+    if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 0:
+        raise ValueError(f"n_params must be a non-negative int, got {n_params!r}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    weight = 4 if precision == "fp32" else 2
+    grad = 4 if (precision == "fp32" or fp32_grads) else 2
+    if precision == "mixed":
+        state = 4 + 4 * _STATES[optimizer]                           # fp32 master + fp32 states
+    else:
+        state = weight * _STATES[optimizer]
+    shard = -(-n_params // world_size)                               # ceil
+    count = [shard if zero_stage >= s else n_params for s in (3, 2, 1)]   # params, grads, optimizer
+    return ModelStates(params=weight * count[0], grads=grad * count[1], optimizer=state * count[2])
+
+
+def bytes_per_element(precision: str) -> int:
+    """Bytes of one activation value: 4 in fp32, 2 in 16-bit (and, as a lower bound, under
+    autocast "mixed", which keeps a few tensors such as softmax and LayerNorm inputs in fp32)."""
+    _check_choice("precision", precision, PRECISIONS)
+    return 4 if precision == "fp32" else 2
+
+
+def mlp_params(d_in: int, width: int, depth: int, d_out: int) -> int:
+    """Parameters of `companion.models.MLP`."""
+    return d_in * width + width + (depth - 1) * (width * width + width) + width * d_out + d_out
+
+
+def gpt_params(vocab: int, seq_len: int, width: int, depth: int) -> int:
+    """Parameters of `companion.models.GPT`: embeddings, 12C² + 13C per block, final norm, head."""
+    C = width
+    return (vocab + seq_len) * C + depth * (12 * C * C + 13 * C) + 2 * C + C * vocab + vocab
+
+
+def mlp_activations(batch: int, width: int, depth: int, d_out: int, *,
+                    precision: str = "fp32") -> int:
+    """Bytes `MLP.loss` saves for backward, beyond its input batch and labels.
+
+    Each hidden layer keeps its ReLU output (B·width values; the next Linear saves the same
+    tensor), the loss keeps the log-softmax of the logits (B·d_out) and a 4-byte total weight."""
+    e = bytes_per_element(precision)
+    return depth * batch * width * e + batch * d_out * e + 4
+
+
+def gpt_activations(batch: int, seq_len: int, width: int, depth: int, heads: int, vocab: int, *,
+                    precision: str = "fp32") -> int:
+    """Bytes `GPT.loss` saves for backward, beyond its input tokens and targets.
+
+    Per block, with N = batch·seq_len tokens and C = width (values of e bytes):
+      16·N·C: block input and ln1 output (2), q, k, v copies for the batched matmuls (3), the
+              attention output into proj (1), the residual into ln2 and its output (2),
+              the fc output into GELU (4) and GELU's output into the second Linear (4);
+      B·heads·T² softmax weights (the term that grows with the square of the sequence);
+      T² bytes of causal mask, and 2 LayerNorms × (mean, rstd) × N values (in the activations'
+      dtype on CPU; CUDA's kernels keep these in fp32, 8·N more bytes per LayerNorm in 16-bit).
+    Outside the blocks: the final LayerNorm's input and output (2·N·C) and statistics, the
+    log-softmax of the logits (N·vocab), the position indices (8·T bytes) and a 4-byte weight."""
+    e = bytes_per_element(precision)
+    N, T = batch * seq_len, seq_len
+    block = 16 * N * width * e + batch * heads * T * T * e + T * T + 2 * 2 * N * e
+    return depth * block + 2 * N * width * e + 2 * N * e + N * vocab * e + 8 * T + 4
+
+
+def gpt_shape(n_params: int, *, vocab: int = 50257, seq_len: int = 1024) -> dict[str, int]:
+    """A GPT-2-like shape with about `n_params` parameters: width = 64·depth, 64-wide heads.
+    (GPT-2 small has depth 12, width 768; this rule gives its width exactly.)"""
+    best = min(range(1, 200), key=lambda L: abs(gpt_params(vocab, seq_len, 64 * L, L) - n_params))
+    return {"width": 64 * best, "depth": best, "heads": best, "vocab": vocab}
+
+
+def training_memory(n_params: int, *, batch: int, seq_len: int, precision: str = "fp32",
+                    optimizer: str = "adam", zero_stage: int = 0, world_size: int = 1,
+                    fp32_grads: bool = False, shape: dict[str, int] | None = None) -> dict[str, int]:
+    """Predicted bytes per device by kind for training a GPT of about `n_params` parameters.
+
+    Model states come from `model_states`; activations from `gpt_activations` with the per-device
+    batch, for `shape` (width, depth, heads, vocab) or, when None, `gpt_shape(n_params)`."""
+    shape = shape or gpt_shape(n_params, seq_len=seq_len)
+    states = model_states(n_params, optimizer=optimizer, precision=precision,
+                          fp32_grads=fp32_grads, zero_stage=zero_stage, world_size=world_size)
+    acts = gpt_activations(batch, seq_len, shape["width"], shape["depth"], shape["heads"],
+                           shape["vocab"], precision=precision)
+    return {"parameters": states.params, "gradients": states.grads,
+            "optimizer_state": states.optimizer, "activations": acts}
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

@@ -1,0 +1,143 @@
+"""companion.estimate: published per-parameter figures, ZeRO's worked example, and predictions held
+against what companion.memory.track measures on the course's models."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from companion import estimate as E
+from companion.memory import measure, track
+from companion.models import GPT, MLP, make_classification, make_tokens
+
+
+@pytest.mark.parametrize("optimizer, precision, fp32_grads, per_param", [
+    ("adam", "mixed", False, 16),       # ZeRO paper: 2 + 2 + K, K = 12
+    ("adamw", "mixed", True, 18),       # Hugging Face's anatomy: fp32 gradients
+    ("adam", "fp32", False, 16),
+    ("adam", "bf16", False, 8),
+    ("sgd", "fp32", False, 8),
+    ("sgd_momentum", "fp32", False, 12),
+    ("sgd", "mixed", False, 8),         # the fp32 master copy is optimizer state
+    ("sgd_momentum", "mixed", False, 12),
+])
+def test_bytes_per_parameter(optimizer, precision, fp32_grads, per_param):
+    states = E.model_states(1000, optimizer=optimizer, precision=precision, fp32_grads=fp32_grads)
+    assert states.total == per_param * 1000
+
+
+def test_zero_paper_gpt2_and_figure_1():
+    assert E.model_states(1_500_000_000, precision="mixed").total == 24 * 10**9  # "at least 24GB"
+    psi, gb = 7_500_000_000, 10**9
+    totals = [E.model_states(psi, precision="mixed", zero_stage=s, world_size=64).total / gb
+              for s in range(4)]
+    assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]     # Figure 1, N_d = 64
+
+
+def test_zero_shards_only_what_its_stage_says():
+    base = E.model_states(1000, precision="mixed")
+    s1, s2, s3 = (E.model_states(1000, precision="mixed", zero_stage=s, world_size=4)
+                  for s in (1, 2, 3))
+    assert (s1.params, s1.grads, s1.optimizer) == (base.params, base.grads, base.optimizer // 4)
+    assert (s2.params, s2.grads) == (base.params, base.grads // 4)
+    assert s3.params == base.params // 4
+    uneven = E.model_states(10, zero_stage=3, world_size=3)           # ceil(10 / 3) = 4 per rank
+    assert uneven.params == 16
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(0, 10**9), world=st.integers(1, 512),
+       optimizer=st.sampled_from(E.OPTIMIZERS), precision=st.sampled_from(E.PRECISIONS))
+def test_each_stage_saves_or_keeps(n, world, optimizer, precision):
+    totals = [E.model_states(n, optimizer=optimizer, precision=precision, zero_stage=s,
+                             world_size=world).total for s in range(4)]
+    assert totals == sorted(totals, reverse=True)
+    assert E.model_states(n, optimizer=optimizer, precision=precision, zero_stage=3,
+                          world_size=1).total == totals[0]
+
+
+@pytest.mark.parametrize("kwargs", [{"optimizer": "lion"}, {"precision": "fp8"}, {"zero_stage": 4},
+                                    {"world_size": 0}, {"world_size": 2.5}])
+def test_bad_options_say_what_is_allowed(kwargs):
+    with pytest.raises(ValueError):
+        E.model_states(100, **kwargs)
+    with pytest.raises(ValueError):
+        E.model_states(-1)
+
+
+@pytest.mark.parametrize("opt_name, make_opt", [
+    ("adam", lambda p: torch.optim.Adam(p)),
+    ("sgd_momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+])
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_model_states_match_torch_optimizers(opt_name, make_opt, dtype, precision):
+    def step():
+        model = MLP(13, 40, 3, 5, dtype=dtype)
+        opt = make_opt(model.parameters())
+        X, y = make_classification(16, 13, 5, dtype=dtype)
+        model.loss(X, y).backward()
+        opt.step()
+        return model, opt
+
+    end = measure(step).breakdown("current")
+    n = E.mlp_params(13, 40, 3, 5)
+    predicted = E.model_states(n, optimizer=opt_name, precision=precision)
+    assert end["parameters"] == predicted.params and end["gradients"] == predicted.grads
+    step_counters = 4 * 8 if opt_name == "adam" else 0             # one fp32 scalar per tensor
+    assert end["optimizer_state"] == predicted.optimizer + step_counters
+
+
+def test_parameter_counts_match_the_models():
+    mlp = MLP(7, 33, 4, 3)
+    assert sum(p.numel() for p in mlp.parameters()) == E.mlp_params(7, 33, 4, 3)
+    gpt = GPT(vocab=50, seq_len=24, width=32, depth=3, heads=4)
+    assert sum(p.numel() for p in gpt.parameters()) == E.gpt_params(50, 24, 32, 3)
+
+
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("B, D, W, L, K", [(32, 20, 64, 3, 10), (100, 7, 33, 5, 3), (1, 4, 8, 1, 2)])
+def test_mlp_activations_within_5_percent_of_measurement(dtype, precision, B, D, W, L, K):
+    model = MLP(D, W, L, K, dtype=dtype)
+    X, y = make_classification(B, D, K, dtype=dtype)
+    with track("cpu") as t:
+        loss = model.loss(X, y)                       # what stays live is what backward needs
+    predicted = E.mlp_activations(B, W, L, K, precision=precision)
+    saved = t.current - loss.untyped_storage().nbytes()   # the loss is an output, not saved
+    assert abs(saved - predicted) <= 0.05 * predicted
+    loss.backward()
+
+
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("B, T, C, L, H, V", [(3, 32, 48, 1, 4, 64), (2, 96, 32, 2, 2, 50),
+                                              (5, 17, 24, 3, 3, 31)])
+def test_gpt_activations_within_5_percent_of_measurement(dtype, precision, B, T, C, L, H, V):
+    model = GPT(vocab=V, seq_len=T, width=C, depth=L, heads=H, dtype=dtype)
+    x, y = make_tokens(B, T, vocab=V)
+    with track("cpu") as t:
+        loss = model.loss(x, y)
+    predicted = E.gpt_activations(B, T, C, L, H, V, precision=precision)
+    saved = t.current - loss.untyped_storage().nbytes()
+    assert abs(saved - predicted) <= 0.05 * predicted
+    assert t.breakdown("current")["activations"] >= 0.95 * predicted
+    loss.backward()
+
+
+def test_activations_grow_linearly_in_batch_and_quadratically_in_sequence():
+    a = [E.gpt_activations(b, 64, 64, 2, 4, 100) for b in (1, 2, 4)]
+    assert a[2] - a[1] == 2 * (a[1] - a[0])
+    per_t = [E.gpt_activations(1, t, 64, 2, 4, 100) for t in (128, 256, 512)]
+    assert (per_t[2] - per_t[1]) > 2 * (per_t[1] - per_t[0])
+
+
+def test_gpt_shape_recovers_gpt2_small_width():
+    n = E.gpt_params(50257, 1024, 768, 12)
+    assert E.gpt_shape(n) == {"width": 768, "depth": 12, "heads": 12, "vocab": 50257}
+
+
+def test_training_memory_adds_states_and_activations():
+    shape = {"width": 64, "depth": 2, "heads": 4, "vocab": 100}
+    n = E.gpt_params(100, 32, 64, 2)
+    parts = E.training_memory(n, batch=8, seq_len=32, precision="mixed", optimizer="adam",
+                              zero_stage=2, world_size=4, shape=shape)
+    states = E.model_states(n, precision="mixed", zero_stage=2, world_size=4)
+    assert (parts["parameters"], parts["gradients"], parts["optimizer_state"]) == (
+        states.params, states.grads, states.optimizer)
+    assert parts["activations"] == E.gpt_activations(8, 32, 64, 2, 4, 100, precision="mixed")
