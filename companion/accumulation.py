@@ -1,0 +1,145 @@
+"""Gradient accumulation, and finding the largest batch that fits.
+
+Activation memory grows with the batch; model states (weights, gradients, optimizer state) do not.
+To train with an effective batch of k·b when only b examples fit, run k micro-batches of b, each
+loss divided by k, and let backward *sum* their gradients into `.grad`; then take one optimizer
+step. Because the loss is a mean, (1/k)·Σ mean(micro-batch) = mean(full batch): the gradient and the
+step are those of the full batch, up to float rounding. Peak memory follows b, not k·b. The cost is
+time: k smaller forward/backward passes use the device less well than one big one.
+
+It is exact only when each example's loss does not depend on the others and on the number of calls:
+BatchNorm (statistics per micro-batch), dropout (masks drawn in a different order) and anything that
+counts micro-steps instead of optimizer steps (a learning-rate schedule) break the equality.
+
+Example:
+    >>> loss = accumulation_step(model, F.mse_loss, opt, x, y, accum_steps=4)
+
+Simplified vs PyTorch: PyTorch has no accumulation helper; with DDP one adds `no_sync()` on all
+micro-steps but the last (chapter 06). Here micro-batches are slices of one batch already in
+memory; a real loop would load them one by one.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "accumulation_step",
+    "accumulated_gradients",
+    "gradient_gap",
+    "find_max_batch_size",
+    "choose_micro_batch",
+]
+
+
+def accumulation_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                      x: torch.Tensor, y: torch.Tensor, *, accum_steps: int) -> float:
+    """One optimizer step on the batch (x, y), computed as `accum_steps` micro-batches.
+
+    Memory: activations of one micro-batch (len(x) / accum_steps examples) at a time.
+    Cost: accum_steps forward and backward passes instead of one; the same single step.
+    `loss_fn` must average over the batch (the default of PyTorch's losses). Returns the loss on
+    the whole batch.
+    """
+    if not 1 <= accum_steps <= len(x):
+        raise ValueError(f"accum_steps must be between 1 and the batch size {len(x)}, "
+                         f"got {accum_steps}")
+    # 1. Start from empty gradients: backward adds into .grad.
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for xb, yb in zip(x.tensor_split(accum_steps), y.tensor_split(accum_steps)):
+        # 2. Scale each micro-batch's mean loss by its share of the batch:
+        #    1/k when the micro-batches are equal, so the summed gradients are the full batch's.
+        loss = loss_fn(model(xb), yb) * (len(xb) / len(x))
+        # 3. Backward sums this micro-batch's gradient into .grad; its activations are freed.
+        loss.backward()
+        total += loss.item()                                   # host-device sync
+    # 4. One step, with the gradient of the whole batch.
+    optimizer.step()
+    return total
+
+
+def accumulated_gradients(model: torch.nn.Module, loss_fn: Callable, x: torch.Tensor,
+                          y: torch.Tensor, *, accum_steps: int) -> list[torch.Tensor]:
+    """The gradients that `accumulation_step` would step with (accum_steps=1: the full batch's)."""
+    model.zero_grad(set_to_none=True)
+    for xb, yb in zip(x.tensor_split(accum_steps), y.tensor_split(accum_steps)):
+        (loss_fn(model(xb), yb) * (len(xb) / len(x))).backward()
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def gradient_gap(make_model: Callable[[], torch.nn.Module], loss_fn: Callable, x: torch.Tensor,
+                 y: torch.Tensor, *, accum_steps: int, seed: int = 0) -> float:
+    """Largest |difference| between the accumulated and the full-batch gradient, same start.
+
+    Both runs build the model with `make_model()` and start from `torch.manual_seed(seed)`, so any
+    gap left comes from the method: float rounding (about 1e-7 relative in fp32), or a layer whose
+    output depends on the batch it sees (BatchNorm) or on the order of random draws (dropout).
+    """
+    grads = []
+    for k in (1, accum_steps):
+        torch.manual_seed(seed)
+        model = make_model().train()
+        grads.append(accumulated_gradients(model, loss_fn, x, y, accum_steps=k))
+    return max(float((a - b).abs().max()) for a, b in zip(*grads))
+
+
+# ---------------------------------------------------------------- the largest batch that fits
+
+def _free(device: torch.device | None) -> None:
+    gc.collect()                                               # drop cycles that hold tensors
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()                               # return cached blocks to the driver
+
+
+def _fits(step: Callable[[int], object], batch: int, device: torch.device | None) -> bool:
+    try:
+        step(batch)
+        return True
+    except torch.OutOfMemoryError:
+        pass                                                   # the error and its frames die here
+    _free(device)                    # what the failed step allocated may sit in reference cycles
+    return False
+
+
+def find_max_batch_size(step: Callable[[int], object], *, start: int = 1,
+                        device: torch.device | str | None = None, limit: int = 2**16) -> int:
+    """The largest batch size b for which `step(b)` runs without `torch.OutOfMemoryError`.
+
+    Doubles b from `start` until a step runs out of memory (or b reaches `limit`), then bisects
+    between the last batch that ran and the first that did not: about 2·log2(b) trial steps.
+    After a try that runs out of memory, memory is freed (garbage collection; on CUDA the
+    allocator's cache too) before the next.
+    Works on CUDA and under `companion.memory.memory_budget` on CPU. Assumes that if b fits,
+    every smaller batch fits.
+
+    Example:
+        >>> with memory_budget("64 MiB"):
+        ...     b = find_max_batch_size(lambda b: train_step(model, b), device="cpu")
+    """
+    device = None if device is None else torch.device(device)
+    if not _fits(step, start, device):
+        raise torch.OutOfMemoryError(f"even a batch of start={start} does not fit; "
+                                     "lower start, or shrink the model or its states")
+    good, bad = start, None                                    # good runs; bad is out of memory
+    while bad is None and good < limit:                        # 1. double until out of memory
+        trial = min(2 * good, limit)
+        good, bad = (trial, None) if _fits(step, trial, device) else (good, trial)
+    while bad is not None and bad - good > 1:                  # 2. bisect between good and bad
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if _fits(step, middle, device) else (good, middle)
+    return good
+
+
+def choose_micro_batch(target: int, max_batch: int) -> tuple[int, int]:
+    """(b, k) with b·k == target and b the largest that fits (b <= max_batch): fewest micro-steps.
+
+    b must divide the target so that every micro-batch has the same size (then scaling each loss
+    by 1/k is exact).
+    """
+    if target < 1 or max_batch < 1:
+        raise ValueError(f"target and max_batch must be positive, got {target} and {max_batch}")
+    b = max(d for d in range(1, min(target, max_batch) + 1) if target % d == 0)
+    return b, target // b

@@ -1,0 +1,152 @@
+"""companion.accumulation: equal to the full batch where it should be, and not where it cannot be."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from companion import accumulation as acc
+
+
+def _mlp(d=7, *extra):
+    return torch.nn.Sequential(torch.nn.Linear(d, 13), *extra, torch.nn.ReLU(), torch.nn.Linear(13, 1))
+
+
+def _data(n, d=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g), torch.randn(n, 1, generator=g)
+
+
+def _params_after_step(k, x, y, *, momentum=0.9, seed=0):
+    torch.manual_seed(seed)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    losses = [acc.accumulation_step(model, F.mse_loss, opt, x, y, accum_steps=k) for _ in range(2)]
+    return [p.detach().clone() for p in model.parameters()], losses
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 40), data=st.data())
+def test_accumulation_step_equals_the_full_batch_step(n, data):
+    k = data.draw(st.integers(1, n))
+    x, y = _data(n, seed=n)
+    full, full_losses = _params_after_step(1, x, y)
+    ours, losses = _params_after_step(k, x, y)
+    for a, b in zip(ours, full):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert losses == pytest.approx(full_losses, rel=1e-5)
+
+
+def test_forgetting_one_over_k_gives_k_times_the_gradient():
+    x, y = _data(24)
+    torch.manual_seed(0)
+    model = _mlp()
+    want = acc.accumulated_gradients(model, F.mse_loss, x, y, accum_steps=1)
+    model.zero_grad()
+    for xb, yb in zip(x.chunk(4), y.chunk(4)):
+        F.mse_loss(model(xb), yb).backward()
+    for g, w in zip((p.grad for p in model.parameters()), want):
+        torch.testing.assert_close(g, 4 * w, rtol=1e-5, atol=1e-6)
+
+
+def test_uneven_micro_batches_need_weights_by_size_not_one_over_k():
+    x, y = _data(10)
+    torch.manual_seed(0)
+    model = _mlp()
+    want = acc.accumulated_gradients(model, F.mse_loss, x, y, accum_steps=1)
+    got = acc.accumulated_gradients(model, F.mse_loss, x, y, accum_steps=3)   # 4 + 3 + 3
+    model.zero_grad()
+    for xb, yb in zip(x.tensor_split(3), y.tensor_split(3)):
+        (F.mse_loss(model(xb), yb) / 3).backward()
+    one_over_k = [p.grad for p in model.parameters()]
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want))
+    assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-5) for a, b in zip(one_over_k, want))
+
+
+def test_gap_is_rounding_for_a_plain_mlp_and_large_with_batchnorm_or_two_dropouts():
+    x, y = _data(32)
+    plain = acc.gradient_gap(_mlp, F.mse_loss, x, y, accum_steps=4)
+    batchnorm = acc.gradient_gap(lambda: _mlp(7, torch.nn.BatchNorm1d(13)), F.mse_loss, x, y,
+                                 accum_steps=4)
+    dropouts = acc.gradient_gap(
+        lambda: torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Dropout(0.3), torch.nn.ReLU(),
+                                    torch.nn.Linear(13, 13), torch.nn.Dropout(0.3),
+                                    torch.nn.Linear(13, 1)), F.mse_loss, x, y, accum_steps=4)
+    assert plain < 1e-5
+    assert batchnorm > 1e3 * max(plain, 1e-7)
+    assert dropouts > 1e3 * max(plain, 1e-7)
+
+
+def test_batchnorm_running_statistics_differ_after_accumulation():
+    x, y = _data(32)
+    stats = []
+    for k in (1, 4):
+        torch.manual_seed(0)
+        model = _mlp(7, torch.nn.BatchNorm1d(13))
+        acc.accumulation_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.0),
+                              x, y, accum_steps=k)
+        stats.append(model[1].running_var.clone())
+    assert not torch.allclose(*stats, rtol=1e-3)
+
+
+def test_a_schedule_stepped_per_micro_step_runs_k_times_too_fast():
+    def lrs(k, per_micro):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 8))
+        out = []
+        for _ in range(4):                        # four optimizer steps
+            for _ in range(k if per_micro else 1):
+                opt.step()
+                sched.step()
+            out.append(opt.param_groups[0]["lr"])
+        return out
+
+    assert lrs(4, per_micro=False) == pytest.approx([2 / 8, 3 / 8, 4 / 8, 5 / 8])
+    assert lrs(4, per_micro=True) == pytest.approx([5 / 8, 1.0, 1.0, 1.0])
+
+
+def test_accumulation_step_rejects_bad_k():
+    x, y = _data(4)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="accum_steps must be between 1 and the batch size 4"):
+            acc.accumulation_step(model, F.mse_loss, opt, x, y, accum_steps=bad)
+
+
+def _oom_above(limit, calls):
+    def step(b):
+        calls.append(b)
+        if b > limit:
+            raise torch.OutOfMemoryError(f"tried {b}")
+    return step
+
+
+@given(limit=st.integers(1, 5000), start=st.integers(1, 64))
+def test_find_max_batch_size_finds_the_limit_in_logarithmic_tries(limit, start):
+    calls = []
+    if start > limit:
+        with pytest.raises(torch.OutOfMemoryError, match="even a batch of start"):
+            acc.find_max_batch_size(_oom_above(limit, calls), start=start)
+        return
+    assert acc.find_max_batch_size(_oom_above(limit, calls), start=start) == limit
+    assert len(calls) <= math.log2(2 * limit / start) + math.log2(2 * limit) + 2   # doubling, bisection
+
+
+def test_find_max_batch_size_stops_at_its_limit_and_lets_other_errors_through():
+    assert acc.find_max_batch_size(lambda b: None, limit=100) == 100
+
+    def broken(b):
+        raise ValueError("shapes do not match")
+
+    with pytest.raises(ValueError, match="shapes"):
+        acc.find_max_batch_size(broken)
+
+
+@given(target=st.integers(1, 600), max_batch=st.integers(1, 700))
+def test_choose_micro_batch_is_the_largest_divisor_that_fits(target, max_batch):
+    b, k = acc.choose_micro_batch(target, max_batch)
+    assert b * k == target and b <= max_batch
+    assert not any(target % d == 0 for d in range(b + 1, min(target, max_batch) + 1))
