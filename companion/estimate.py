@@ -103,9 +103,9 @@ def mlp_activations(batch: int, width: int, depth: int, d_out: int, *,
     """Bytes `MLP.loss` saves for backward, beyond its input batch and labels.
 
     Each hidden layer keeps its ReLU output (B·width values; the next Linear saves the same
-    tensor), the loss keeps the log-softmax of the logits (B·d_out) and a 4-byte total weight."""
+    tensor), the loss keeps the log-softmax of the logits (B·d_out) and a one-value total weight."""
     e = bytes_per_element(precision)
-    return depth * batch * width * e + batch * d_out * e + 4
+    return depth * batch * width * e + batch * d_out * e + e
 
 
 def gpt_activations(batch: int, seq_len: int, width: int, depth: int, heads: int, vocab: int, *,
@@ -120,11 +120,11 @@ def gpt_activations(batch: int, seq_len: int, width: int, depth: int, heads: int
       T² bytes of causal mask, and 2 LayerNorms × (mean, rstd) × N values (in the activations'
       dtype on CPU; CUDA's kernels keep these in fp32, 8·N more bytes per LayerNorm in 16-bit).
     Outside the blocks: the final LayerNorm's input and output (2·N·C) and statistics, the
-    log-softmax of the logits (N·vocab), the position indices (8·T bytes) and a 4-byte weight."""
+    log-softmax of the logits (N·vocab), the position indices (8·T bytes) and a one-value weight."""
     e = bytes_per_element(precision)
     N, T = batch * seq_len, seq_len
     block = 16 * N * width * e + batch * heads * T * T * e + T * T + 2 * 2 * N * e
-    return depth * block + 2 * N * width * e + 2 * N * e + N * vocab * e + 8 * T + 4
+    return depth * block + 2 * N * width * e + 2 * N * e + N * vocab * e + 8 * T + e
 
 
 def gpt_shape(n_params: int, *, vocab: int = 50257, seq_len: int = 1024) -> dict[str, int]:
