@@ -56,11 +56,16 @@ class Sizes:
     n_examples: int   # size of generated data sets
     epochs: int       # passes over the data in training demos
     steps: int        # steps timed in measurements
+    gpt_width: int = 64     # width of the GPT-style model (companion.models.GPT)
+    gpt_depth: int = 2      # its number of transformer blocks
+    gpt_heads: int = 4      # its attention heads
+    vocab: int = 128        # its vocabulary size
 
 
 _SIZES = {
     "cpu": Sizes(batch=32, width=256, depth=8, seq_len=64, n_examples=512, epochs=20, steps=3),
-    "cuda": Sizes(batch=64, width=4096, depth=24, seq_len=1024, n_examples=8192, epochs=50, steps=10),
+    "cuda": Sizes(batch=64, width=4096, depth=24, seq_len=1024, n_examples=8192, epochs=50, steps=10,
+                  gpt_width=1024, gpt_depth=12, gpt_heads=16, vocab=50257),
 }
 
 
