@@ -51,7 +51,8 @@ import torch.distributed as dist
 __all__ = ["run", "WorkerError", "WorkerTimeout", "pick_backend", "load_ipython_extension"]
 
 _CONTEXT = "forkserver"
-_PRELOAD = ["torch", "torch.distributed", "companion.launch"]
+_PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel",
+            "companion.launch"]  # imported once by the fork server; optimizers import _dynamo
 
 
 class WorkerError(RuntimeError):

@@ -1,0 +1,154 @@
+"""companion.ddp: our DDP trains like one process on the full batch and like torch's DDP."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from companion import ddp, launch
+
+BATCH, STEPS = 12, 3
+
+
+class Tied(nn.Module):
+    """Embedding and output layer share one weight; a frozen scale does not require grad."""
+
+    def __init__(self, vocab=11, dim=6):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.hidden = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+        self.scale = nn.Parameter(torch.full((dim,), 0.5), requires_grad=False)
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.hidden(self.embed(tokens))) * self.scale)
+
+
+def _model(kind, seed):
+    torch.manual_seed(seed)
+    if kind == "tied":
+        return Tied()
+    return nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 3))
+
+
+def _data(kind, step):
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "tied":
+        x = torch.randint(0, 11, (BATCH,), generator=g)
+        return x, torch.randint(0, 11, (BATCH,), generator=g), nn.functional.cross_entropy
+    return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g), \
+        nn.functional.mse_loss
+
+
+def _single_process(kind):
+    model = _model(kind, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    for step in range(STEPS):
+        x, y, loss_fn = _data(kind, step)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train(rank, world_size, kind, wrapper, bucket_cap_mb):
+    model = _model(kind, seed=rank)                   # different starts: DDP must broadcast
+    if wrapper == "ours":
+        wrapped = ddp.DDP(model, bucket_cap_mb=bucket_cap_mb)
+    elif wrapper == "torch":
+        wrapped = nn.parallel.DistributedDataParallel(model)
+    else:
+        ddp.broadcast_parameters(model)
+        wrapped = model
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    launched_during_backward = []
+    for step in range(STEPS):
+        x, y, loss_fn = _data(kind, step)
+        mine = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+        loss_fn(wrapped(x[mine]), y[mine]).backward()
+        if wrapper == "ours":
+            launched_during_backward.append(wrapped.stats.all_reduces)
+            wrapped.finish_gradient_synchronization()
+        elif wrapper == "naive":
+            ddp.average_gradients(model)
+        opt.step()
+        opt.zero_grad()
+    buckets = len(wrapped.buckets) if wrapper == "ours" else 0
+    return [p.detach().clone() for p in model.parameters()], launched_during_backward, buckets
+
+
+@pytest.mark.parametrize("kind", ["mlp", "tied"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_matches_one_process_and_torch_ddp(kind, world_size):
+    expected = _single_process(kind)
+    for wrapper, cap in [("ours", 0.0002), ("ours", 25.0), ("torch", None), ("naive", None)]:
+        results = launch.run(_train, world_size, kind, wrapper, cap, timeout=60)
+        for params, launched, buckets in results:
+            for got, want in zip(params, expected):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            if wrapper == "ours":          # every bucket started during backward: overlap
+                assert launched == [buckets * (s + 1) for s in range(STEPS)]
+                assert (buckets > 1) == (cap < 0.01)
+
+
+def _no_sync(rank, world_size):
+    model = ddp.DDP(_model("mlp", seed=0))
+    x, y, loss_fn = _data("mlp", rank)
+    with model.no_sync():
+        loss_fn(model(x), y).backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    calls_inside = model.stats.all_reduces
+    model.finish_gradient_synchronization()           # nothing pending: a no-op
+    unchanged = all(torch.equal(a, p.grad) for a, p in zip(local, model.parameters()))
+    loss_fn(model(x), y).backward()                   # outside: syncs the accumulated sum
+    try:
+        model(x)
+        forgot = None
+    except RuntimeError as e:
+        forgot = str(e)
+    model.finish_gradient_synchronization()
+    return local, calls_inside, unchanged, [p.grad.clone() for p in model.parameters()], forgot
+
+
+def test_no_sync_keeps_gradients_local_until_the_next_synced_backward():
+    results = launch.run(_no_sync, 2, timeout=30)
+    (local0, calls, unchanged, synced0, forgot), (local1, _, _, synced1, _) = results
+    assert calls == 0 and unchanged
+    assert not torch.allclose(local0[0], local1[0])   # different data, different local grads
+    for a, b, l0, l1 in zip(synced0, synced1, local0, local1):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, l0 + l1)        # (2·g0 + 2·g1) / 2
+    assert "finish_gradient_synchronization" in forgot
+
+
+def _accumulate(rank, world_size, k):
+    model = ddp.DDP(_model("mlp", seed=0), bucket_cap_mb=0.0005)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    x, y, loss_fn = _data("mlp", 0)
+    mine = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    xs, ys = x[mine].chunk(k), y[mine].chunk(k)
+    ddp.accumulation_step(model, list(zip(xs, ys)), loss_fn, opt)
+    return [p.detach() for p in model.parameters()], model.stats.all_reduces, len(model.buckets)
+
+
+def test_accumulation_with_no_sync_matches_the_full_batch_and_syncs_once():
+    model = _model("mlp", seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    x, y, loss_fn = _data("mlp", 0)
+    loss_fn(model(x), y).backward()
+    opt.step()
+    for params, calls, buckets in launch.run(_accumulate, 2, 3, timeout=30):
+        assert calls == buckets
+        for got, want in zip(params, model.parameters()):
+            torch.testing.assert_close(got, want.detach())
+
+
+def test_buckets_respect_the_cap_and_one_dtype_each():
+    params = [nn.Parameter(torch.zeros(100)), nn.Parameter(torch.zeros(100)),
+              nn.Parameter(torch.zeros(300)), nn.Parameter(torch.zeros(10, dtype=torch.float64))]
+    buckets = ddp._make_buckets(params, cap_bytes=800)
+    assert [[p.numel() for p in b.params] for b in buckets] == [[100, 100], [300], [10]]
+    assert [b.flat.dtype for b in buckets] == [torch.float32] * 2 + [torch.float64]
