@@ -43,6 +43,7 @@ __all__ = [
     "flip_bit",
     "bit_roles",
     "rounding_report",
+    "running_totals",
     "running_sum",
     "parameter_bytes",
 ]
@@ -268,17 +269,29 @@ def rounding_report(x: float, formats: Iterable[str] = tuple(FORMATS)) -> list[d
 
 # ---------------------------------------------------------------- low precision in practice
 
-def running_sum(values: torch.Tensor, dtype: torch.dtype, *,
-                accumulate: torch.dtype | None = None) -> torch.Tensor:
-    """Add `values` one at a time, each cast to `dtype`, into an accumulator of `accumulate`
-    (default `dtype`); return the sum in `dtype`. Every addition rounds to the accumulator's format,
-    which is why a long fp16 sum stalls once the increment is below half the accumulator's ulp.
+def running_totals(values: torch.Tensor, dtype: torch.dtype, *,
+                   accumulate: torch.dtype | None = None) -> torch.Tensor:
+    """Every partial sum of `values` added one at a time, each value cast to `dtype`, into an
+    accumulator of `accumulate` (default `dtype`); returned in `dtype`, one per value. Every
+    addition rounds to the accumulator's format, which is why a long fp16 sum drifts, and stalls
+    once the increment is at most half the accumulator's ulp.
     """
     accumulate = dtype if accumulate is None else accumulate
+    flat = values.flatten().to(dtype)
+    totals = torch.empty(flat.numel(), dtype=accumulate)
     total = torch.zeros((), dtype=accumulate)
-    for v in values.flatten().to(dtype):
+    for i, v in enumerate(flat):
         total = total + v.to(accumulate)    # rounds to `accumulate` after every step
-    return total.to(dtype)
+        totals[i] = total
+    return totals.to(dtype)
+
+
+def running_sum(values: torch.Tensor, dtype: torch.dtype, *,
+                accumulate: torch.dtype | None = None) -> torch.Tensor:
+    """The sum of `values` added one at a time, as a 0-d tensor of `dtype` (see `running_totals`)."""
+    if values.numel() == 0:
+        return torch.zeros((), dtype=dtype)
+    return running_totals(values, dtype, accumulate=accumulate)[-1]
 
 
 def parameter_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -274,6 +274,18 @@ def test_running_sum_rounds_every_step():
     assert torch.equal(half, expected)
     assert abs(wide.item() - 10) < abs(half.item() - 10)
     assert floats.running_sum(values, torch.float32).item() == pytest.approx(10, rel=1e-4)
+    assert floats.running_sum(values[:0], torch.bfloat16).item() == 0
+
+
+def test_running_totals_are_the_partial_sums():
+    values = torch.rand(57, generator=torch.Generator().manual_seed(6))
+    totals = floats.running_totals(values, torch.bfloat16, accumulate=torch.float32)
+    assert totals.shape == (57,) and totals.dtype == torch.bfloat16
+    for n in (1, 2, 30, 57):
+        want = floats.running_sum(values[:n], torch.bfloat16, accumulate=torch.float32)
+        assert torch.equal(totals[n - 1], want)
+    stalled = floats.running_totals(torch.full((600,), 0.01), torch.bfloat16)
+    assert stalled[-1].item() == 4.0 and bool((stalled[1:] >= stalled[:-1]).all())
 
 
 def test_parameter_bytes():
