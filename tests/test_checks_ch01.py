@@ -19,7 +19,7 @@ def test_mse_gradient_reference_passes():
     (lambda X, y, w, b: (X.T @ (X @ w - y) * 2 / len(y), 2 * (X @ w - y).mean()), ""),
 ])
 def test_mse_gradient_wrong_answers_fail(wrong, hint):
-    with pytest.raises(CheckFailed, match=hint):
+    with pytest.raises(CheckFailed, match=hint or None):
         check_mse_gradient(wrong)
 
 
@@ -42,7 +42,7 @@ def test_sgd_step_in_place_update_of_parameters_is_fine():
     (lambda w, b, dw, db, lr: ((w - lr * dw, b - lr * db), dw.zero_())[0], "changed the gradient"),
 ])
 def test_sgd_step_wrong_answers_fail(wrong, hint):
-    with pytest.raises(CheckFailed, match=hint):
+    with pytest.raises(CheckFailed, match=hint or None):
         check_sgd_step(wrong)
 
 
@@ -75,7 +75,7 @@ def _drops_last(X, y, w, b, lr, bs):
     (lambda X, y, w, b, lr, bs: (w, b), ""),
 ])
 def test_train_epoch_wrong_answers_fail(wrong, hint):
-    with pytest.raises(CheckFailed, match=hint):
+    with pytest.raises(CheckFailed, match=hint or None):
         check_train_epoch(wrong)
 
 
