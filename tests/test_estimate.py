@@ -141,3 +141,22 @@ def test_training_memory_adds_states_and_activations():
     assert (parts["parameters"], parts["gradients"], parts["optimizer_state"]) == (
         states.params, states.grads, states.optimizer)
     assert parts["activations"] == E.gpt_activations(8, 32, 64, 2, 4, 100, precision="mixed")
+
+
+def test_memory_calculator_shows_the_estimate(monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    monkeypatch.setattr("IPython.display.display", lambda *a, **k: None)
+    from companion.widgets import memory_calculator
+
+    box = memory_calculator(1e9, batch=4, seq_len=512, precision="fp32", gpu_bytes=80e9)
+    summary = box.children[2]
+    n = int(box.children[0].children[0].value)
+    parts = E.training_memory(n, batch=4, seq_len=512, precision="fp32")
+    assert f"{sum(parts.values()) / 1e9:.1f} GB" in summary.value
+    box.children[1].children[2].value = 3                     # ZeRO stage 3
+    box.children[1].children[3].value = 64                    # over 64 GPUs
+    sharded = E.training_memory(n, batch=4, seq_len=512, precision="fp32", zero_stage=3,
+                                world_size=64)
+    assert f"{sum(sharded.values()) / 1e9:.1f} GB" in summary.value
+    assert sum(sharded.values()) < sum(parts.values())
