@@ -25,10 +25,13 @@ from typing import Callable
 
 import torch
 
+from companion.memory import MemoryTracker, track
+
 __all__ = [
     "accumulation_step",
     "accumulated_gradients",
     "gradient_gap",
+    "step_memory",
     "find_max_batch_size",
     "choose_micro_batch",
 ]
@@ -84,6 +87,23 @@ def gradient_gap(make_model: Callable[[], torch.nn.Module], loss_fn: Callable, x
         model = make_model().train()
         grads.append(accumulated_gradients(model, loss_fn, x, y, accum_steps=k))
     return max(float((a - b).abs().max()) for a, b in zip(*grads))
+
+
+def step_memory(make_model: Callable[[], torch.nn.Module], loss_fn: Callable, x: torch.Tensor,
+                y: torch.Tensor, *, accum_steps: int = 1,
+                device: torch.device | str | None = None) -> MemoryTracker:
+    """Measure training from nothing: build the model, then two Adam steps on (x, y).
+
+    Everything the run allocates is counted (weights, gradients, Adam's two moments, activations,
+    temporaries); the data (x, y) exists before and is not. The second step is the steady state:
+    its peak is model states plus one micro-batch's activations. Read `.peak` and `.breakdown()`.
+    """
+    with track(device) as tracker:
+        model = make_model()
+        optimizer = torch.optim.Adam(model.parameters())
+        for _ in range(2):
+            accumulation_step(model, loss_fn, optimizer, x, y, accum_steps=accum_steps)
+    return tracker
 
 
 # ---------------------------------------------------------------- the largest batch that fits

@@ -21,10 +21,13 @@ version packs and unpacks saved tensors through hooks instead and can stop recom
 from __future__ import annotations
 
 import dataclasses
-import math
+import statistics
+import time
 from typing import Callable, Sequence
 
 import torch
+
+from companion.memory import track
 
 __all__ = [
     "Checkpoint",
@@ -35,6 +38,9 @@ __all__ = [
     "predicted_activation_units",
     "segments_for_budget",
     "sqrt_segments",
+    "predicted_time_ratio",
+    "SegmentRun",
+    "profile_segments",
 ]
 
 
@@ -193,3 +199,59 @@ def segments_for_budget(n_layers: int, layer_bytes: int, budget_bytes: int) -> i
 def sqrt_segments(n_layers: int) -> int:
     """The segment count near √n that minimises `predicted_activation_units`."""
     return min(range(1, n_layers + 1), key=lambda s: (predicted_activation_units(n_layers, s), s))
+
+
+def predicted_time_ratio(n_layers: int, segments: int) -> float:
+    """Step time with checkpointing over step time without, counting compute only.
+
+    A backward costs about two forwards, so a plain step is 3 forward-units; every layer in a
+    checkpointed segment runs forward once more: at most 4/3 when all of them are recomputed.
+    """
+    recomputed = (n_layers // segments) * (segments - 1)
+    return (3 * n_layers + recomputed) / (3 * n_layers)
+
+
+# ---------------------------------------------------------------- measuring
+
+@dataclasses.dataclass(frozen=True)
+class SegmentRun:
+    """One segment count, measured: peaks are bytes above what was live before the step."""
+
+    segments: int
+    peak_bytes: int          # everything the step allocated: activations, temporaries, gradients
+    activation_bytes: int    # the most bytes saved for backward at any one time
+    seconds: float           # median step time
+
+
+def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
+                     device: torch.device | str | None = None, repeats: int = 3) -> list[SegmentRun]:
+    """Measure `step(segments)` (one forward and backward) for each segment count.
+
+    Per count: one warm-up run (it also allocates the gradients, so later runs measure activations,
+    not gradients), one run under `companion.memory.track`, then `repeats` timed runs without the
+    tracker (it slows operators down), of which the median is kept.
+    """
+    device = torch.device(device) if device is not None else None
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    runs = []
+    for segments in counts:
+        step(segments)                                          # warm-up
+        with track(device) as tracker:
+            step(segments)
+        times = []
+        for _ in range(repeats):
+            sync()                                              # host-device sync
+            start = time.perf_counter()
+            step(segments)
+            sync()                                              # host-device sync
+            times.append(time.perf_counter() - start)
+        runs.append(SegmentRun(segments, tracker.peak, _saved_peak(tracker.timeline()),
+                               statistics.median(times)))
+    return runs
+
+
+def _saved_peak(timeline: dict[str, list]) -> int:
+    """The most bytes saved for backward at once. The tracker labels a saved leaf that requires
+    grad a parameter; inside a step those are the inputs `Checkpoint.backward` rebuilds as leaves
+    (the model's parameters exist before the step and are not counted), so both kinds add up."""
+    return max((a + p for a, p in zip(timeline["activations"], timeline["parameters"])), default=0)

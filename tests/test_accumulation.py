@@ -150,3 +150,37 @@ def test_choose_micro_batch_is_the_largest_divisor_that_fits(target, max_batch):
     b, k = acc.choose_micro_batch(target, max_batch)
     assert b * k == target and b <= max_batch
     assert not any(target % d == 0 for d in range(b + 1, min(target, max_batch) + 1))
+
+
+def test_step_memory_counts_model_states_once_and_activations_per_micro_batch():
+    from companion import estimate, models
+    d_in, width, depth, classes = 8, 64, 4, 5
+    x, y = models.make_classification(512, d_in, classes, seed=0)
+    make = lambda: models.MLP(d_in, width, depth, classes, seed=0)
+    n_params = estimate.mlp_params(d_in, width, depth, classes)
+    peaks = {}
+    for b, k in [(256, 1), (512, 1), (512, 4)]:
+        t = acc.step_memory(make, F.cross_entropy, x[:b], y[:b], accum_steps=k)
+        parts = t.breakdown()
+        assert parts["parameters"] == 4 * n_params
+        assert 8 * n_params <= parts["optimizer_state"] <= 8 * n_params + 4 * 64   # + step counters
+        peaks[b, k] = t.peak
+    per_example = (peaks[512, 1] - peaks[256, 1]) / 256
+    assert depth * width * 4 <= per_example <= (depth + 3) * width * 4
+    assert peaks[512, 4] < peaks[256, 1]                   # the peak follows the micro-batch
+
+
+def test_find_max_batch_size_under_a_cpu_memory_budget():
+    from companion import models
+    from companion.memory import memory_budget
+    x, y = models.make_classification(4096, 8, 5, seed=0)
+    with memory_budget("2 MiB"):
+        model = models.MLP(8, 64, 4, 5, seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = lambda b: acc.accumulation_step(model, F.cross_entropy, opt, x[:b], y[:b],
+                                               accum_steps=1)
+        best = acc.find_max_batch_size(step, start=4)
+        step(best)
+        with pytest.raises(torch.OutOfMemoryError):
+            step(best + 1)
+    assert 16 < best < 4096

@@ -163,3 +163,27 @@ def test_segments_for_budget_is_the_fewest_that_fits(n, layer_bytes, budget):
     s = ck.segments_for_budget(n, layer_bytes, budget)
     fits = [k for k in range(1, n + 1) if ck.predicted_activation_units(n, k) * layer_bytes <= budget]
     assert s == (min(fits) if fits else None)
+
+
+def test_profile_segments_measures_less_saved_memory_near_sqrt_n():
+    torch.manual_seed(0)
+    n, b, w = 16, 32, 16
+    blocks = [torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.ReLU()) for _ in range(n)]
+    x = torch.randn(b, w)
+
+    def step(segments):
+        ck.checkpoint_sequential(blocks, segments, x).square().mean().backward()
+
+    runs = ck.profile_segments(step, [1, 4], device="cpu", repeats=1)
+    assert [r.segments for r in runs] == [1, 4]
+    unit = b * w * 4
+    assert runs[0].activation_bytes >= n * unit
+    assert runs[1].activation_bytes <= ck.predicted_activation_units(n, 4) * unit + unit
+    assert runs[1].peak_bytes < runs[0].peak_bytes
+    assert all(r.seconds > 0 for r in runs)
+
+
+def test_predicted_time_ratio_is_at_most_four_thirds():
+    assert ck.predicted_time_ratio(16, 1) == 1.0
+    assert ck.predicted_time_ratio(16, 4) == pytest.approx(1 + 12 / 48)
+    assert all(ck.predicted_time_ratio(n, s) <= 4 / 3 for n in range(1, 30) for s in range(1, n + 1))
