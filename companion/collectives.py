@@ -21,12 +21,13 @@ size, and run on dedicated streams; here each step is one isend/recv pair of who
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["Traffic", "naive_all_reduce", "ring_all_reduce", "ring_bytes_per_rank",
-           "naive_root_bytes"]
+           "naive_root_bytes", "time_all_reduce"]
 
 
 @dataclasses.dataclass
@@ -124,3 +125,22 @@ def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group,
         _recv(recv, src, group, stats)
     if request is not None:
         request.wait()
+
+
+def time_all_reduce(rank: int, world_size: int, impl: str, numel: int,
+                    repeats: int = 3) -> tuple[float, Traffic]:
+    """A worker for `launch.run`: best seconds of `repeats` all-reduces of `numel` float32, and
+    one call's traffic. impl: "ring", "naive" (ours) or "gloo" (dist.all_reduce)."""
+    run = {"ring": ring_all_reduce, "naive": naive_all_reduce}.get(impl)
+    tensor = torch.ones(numel)                                            # 4·numel bytes
+    best, traffic = float("inf"), Traffic()
+    for i in range(repeats + 1):                                          # +1: a warm-up call
+        dist.barrier()                                                    # start together
+        start = time.perf_counter()
+        if run is None:
+            dist.all_reduce(tensor)
+        else:
+            run(tensor, stats=traffic if i == 0 else None)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best, traffic
