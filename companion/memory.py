@@ -238,6 +238,12 @@ class MemoryTracker:
         return self._ledger.peak
 
     @property
+    def peak_phase(self) -> str | None:
+        """The phase ("forward", "backward", "optimizer") in which the ledger's peak fell."""
+        ledger = self._ledger
+        return PHASES[ledger.events[ledger.peak_event - 1][2]] if ledger.peak_event else None
+
+    @property
     def reserved(self) -> int | None:
         """CUDA only: bytes the caching allocator holds from the driver (allocated + cached)."""
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else None
@@ -380,7 +386,7 @@ def plot_timeline(tracker: MemoryTracker, ax=None, *, title: str = "Memory durin
             if data["phase"][start] in shades:
                 ax.axvspan(start, i, color=shades[data["phase"][start]], zorder=-1, lw=0)
             start = i
-    ax.set(xlabel="allocation event (shaded: grey backward, tan optimizer step)",
+    ax.set(xlabel="allocation event (white: forward, grey: backward, tan: optimizer step)",
            ylabel=f"live {unit}", title=title)
     ax.legend(loc="upper left", fontsize="small")
     return ax

@@ -84,7 +84,7 @@ def check_model_state_bytes(answer) -> str:
                         })
     adam = estimate.model_states(10**9, precision="mixed").total
     return (f"model states per parameter: mixed-precision Adam is 16 bytes, as in fp32 "
-            f"(1B parameters: {format_bytes(adam)})")
+            f"(1B parameters: {adam / 1e9:.0f} GB)")
 
 
 @exercise(points=2, timeout=20.0)
