@@ -35,6 +35,7 @@ __all__ = [
     "checkpoint_sequential",
     "SavedTensor",
     "saved_for_backward",
+    "activation_bytes",
     "predicted_activation_units",
     "segments_for_budget",
     "sqrt_segments",
@@ -146,6 +147,7 @@ class SavedTensor:
     dtype: torch.dtype
     nbytes: int
     is_parameter: bool   # a parameter is stored anyway; only the rest is activation memory
+    storage: int         # address of its storage: tensors saved twice, or views, share one
 
 
 def saved_for_backward(fn: Callable, *args) -> list[SavedTensor]:
@@ -156,17 +158,28 @@ def saved_for_backward(fn: Callable, *args) -> list[SavedTensor]:
     """
     params: set[int] = set()
     if isinstance(fn, torch.nn.Module):
-        params = {p.data_ptr() for p in fn.parameters()}
+        params = {p.untyped_storage().data_ptr() for p in fn.parameters()}
     seen: list[SavedTensor] = []
 
     def pack(t: torch.Tensor):
+        storage = t.untyped_storage().data_ptr()
         seen.append(SavedTensor(tuple(t.shape), t.dtype, t.numel() * t.element_size(),
-                                t.data_ptr() in params))
+                                storage in params, storage))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args)
     return seen
+
+
+def activation_bytes(fn: Callable, *args) -> int:
+    """Bytes of activation memory `fn(*args)` keeps for backward: saved tensors that are not
+    parameters of `fn` (a module), each storage counted once."""
+    first: dict[int, int] = {}
+    for t in saved_for_backward(fn, *args):
+        if not t.is_parameter:
+            first.setdefault(t.storage, t.nbytes)
+    return sum(first.values())
 
 
 # ---------------------------------------------------------------- choosing the segment count

@@ -187,3 +187,12 @@ def test_predicted_time_ratio_is_at_most_four_thirds():
     assert ck.predicted_time_ratio(16, 1) == 1.0
     assert ck.predicted_time_ratio(16, 4) == pytest.approx(1 + 12 / 48)
     assert all(ck.predicted_time_ratio(n, s) <= 4 / 3 for n in range(1, 30) for s in range(1, n + 1))
+
+
+def test_activation_bytes_counts_each_storage_once_and_skips_parameters():
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    x = torch.randn(4, 5, requires_grad=True)
+    # Linear saves x (4·5); ReLU saves its output (4·7), which the second Linear saves again.
+    assert ck.activation_bytes(mlp, x) == 4 * (4 * 5 + 4 * 7)
+    assert ck.activation_bytes(lambda t: t * t, x) == 4 * 20
