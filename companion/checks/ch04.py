@@ -1,0 +1,137 @@
+"""Checks for chapter 04, gradient checkpointing."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from companion import checkpointing
+from companion.checks.core import CheckFailed, call, compare, exercise, fresh_seeds, require
+from companion.memory import format_bytes
+
+__all__ = ["check_saved_bytes", "check_checkpoint_function", "check_segments_for_budget"]
+
+
+def _block(seed: int, width: int, p: float) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width, 3 * width), torch.nn.GELU(),
+                               torch.nn.Dropout(p), torch.nn.Linear(3 * width, width), torch.nn.Tanh())
+
+
+@exercise(points=1)
+def check_saved_bytes(answer) -> str:
+    """answer(fn, x) -> int: bytes of the tensors `fn(x)` saves for backward that are not
+    parameters of `fn`, each storage counted once."""
+    for seed, width in zip(fresh_seeds(3), [5, 9, 16]):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(7, width, generator=g, requires_grad=True)
+        block = _block(seed, width, 0.0)
+        cases = [(block, "an MLP block"), (lambda t: t * t, "x * x"),
+                 (lambda t: t.sigmoid().exp() @ t.T, "sigmoid, exp, matmul")]
+        for fn, label in cases:
+            got = call(answer, fn, x)
+            saved = checkpointing.saved_for_backward(fn, x)
+            with_params = sum({s.storage: s.nbytes for s in saved}.values())
+            every_save = sum(s.nbytes for s in saved if not s.is_parameter)
+            compare(got, checkpointing.activation_bytes(fn, x), name=f"bytes saved by {label}",
+                    hint="pack every tensor with torch.autograd.graph.saved_tensors_hooks and add "
+                         "numel() * element_size() for each new storage.",
+                    known_wrong={
+                        "a tensor saved twice (x * x saves x twice, and a ReLU's output is saved "
+                        "again by the next Linear) exists once: count each storage once "
+                        "(t.untyped_storage().data_ptr()).": every_save,
+                        "leave out the parameters: the weights are in memory anyway, with or "
+                        "without backward (compare storages with fn.parameters()).": with_params,
+                    })
+    return "you can see what autograd keeps: the inputs of each layer, not the weights"
+
+
+def _gradients(fn_wrapper, block, x, seed):
+    block.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)
+    y = fn_wrapper(block, x)
+    if not isinstance(y, torch.Tensor) or not y.requires_grad:
+        raise CheckFailed(f"expected a tensor that requires grad, got {type(y).__name__}"
+                          + (" without grad" if isinstance(y, torch.Tensor) else ""),
+                          hint="return the output of Checkpoint.apply(fn, x).")
+    weights = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
+    (y * weights).sum().backward()
+    grads = tuple(p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                  for p in block.parameters())
+    return y.detach(), grads + (x.grad if x.grad is not None else torch.zeros_like(x),)
+
+
+@exercise(points=3, timeout=20.0)
+def check_checkpoint_function(answer) -> str:
+    """answer(fn, x) -> fn(x), keeping only x for backward and recomputing fn inside backward.
+    x requires grad; fn may use dropout."""
+    saved_plain = saved_mine = 0
+    for seed, width, p in zip(fresh_seeds(3), [6, 11, 16], [0.0, 0.5, 0.3]):
+        block = _block(seed, width, p)
+        x = torch.randn(5, width, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        calls = []
+        counted = lambda t: (calls.append(1), block(t))[1]
+        torch.manual_seed(seed)
+        mine_saved = checkpointing.activation_bytes(lambda t: call(answer, counted, t), x)
+        require(len(calls) == 1, f"fn ran {len(calls)} times in forward; expected once",
+                hint="forward runs fn once, under torch.no_grad().")
+        plain_saved = checkpointing.activation_bytes(block, x)
+        require(mine_saved <= x.numel() * x.element_size(),
+                f"forward kept {mine_saved} bytes for backward; a checkpoint keeps only its input "
+                f"({x.numel() * x.element_size()} bytes; plain autograd keeps {plain_saved})",
+                hint="run fn under torch.no_grad() in forward, so autograd saves nothing inside it; "
+                     "ctx.save_for_backward(x) is all you keep.")
+        saved_plain, saved_mine = saved_plain + plain_saved, saved_mine + mine_saved
+        calls.clear()
+        got = _gradients(lambda m, t: call(answer, counted, t), block, x, seed)
+        require(len(calls) == 2, f"fn ran {len(calls)} times in forward and backward; expected "
+                                 "twice (once more to recompute)",
+                hint="in backward, run fn again on a detached copy of x with grad enabled, then "
+                     "backpropagate through that.")
+        want = _gradients(lambda m, t: m(t), block, x, seed)
+        try:
+            compare(got, want, name="(output, parameter and input gradients)")
+        except CheckFailed as failure:
+            if p > 0:
+                failure.hint = ("with dropout the recomputation must draw the same masks: save "
+                                "torch.get_rng_state() in forward and restore it (inside "
+                                "torch.random.fork_rng()) before running fn in backward.")
+            else:
+                failure.hint = ("return x.grad of the recomputed input from backward, one "
+                                "value per forward argument (None for fn).")
+            raise
+    return (f"same gradients as plain autograd; saved for backward "
+            f"{format_bytes(saved_plain)} -> {format_bytes(saved_mine)}")
+
+
+@exercise(points=1)
+def check_segments_for_budget(answer) -> str:
+    """answer(n_layers, layer_bytes, budget_bytes) -> int or None: the fewest segments whose
+    predicted peak, ((segments - 1) + longest segment) · layer_bytes, fits the budget."""
+    rng = random.Random(fresh_seeds(1)[0])
+    cases = [(16, 1000, 16000), (16, 1000, 7000), (16, 1000, 6999), (1, 10, 10), (1, 10, 9)]
+    for _ in range(8):
+        n, unit = rng.randrange(2, 120), rng.randrange(1, 5000)
+        cases.append((n, unit, rng.randrange(unit, n * unit + 1)))
+    for n, unit, budget in cases:
+        got = call(answer, n, unit, budget)
+        want = checkpointing.segments_for_budget(n, unit, budget)
+        label = f"segments for n={n}, layer_bytes={unit}, budget={budget}"
+        if want is None or got is None:
+            require(got is want, f"{label}: expected {want}, got {got!r}",
+                    hint="return None only when no segment count fits, not even the best near √n."
+                    if want is not None else "near √n segments the peak is smallest; if even that "
+                                             "does not fit, return None.")
+            continue
+        forgot_boundaries = next((s for s in range(1, n + 1)
+                                  if -(-n // s) * unit <= budget), None)
+        compare(got, want, name=label,
+                hint="try 1, 2, 3, ... segments and return the first whose peak fits.",
+                known_wrong={
+                    "the inputs of the checkpointed segments stay in memory too: add "
+                    "(segments - 1) · layer_bytes.": forgot_boundaries,
+                    "√n gives the smallest peak, but fewer segments recompute less: return "
+                    "the fewest that fit.": checkpointing.sqrt_segments(n),
+                } if forgot_boundaries is not None else {})
+    return "the fewest segments that fit, so the least recompute for the memory you have"

@@ -1,0 +1,145 @@
+"""Chapter 04's checks pass on the reference and fail on known-wrong answers."""
+import math
+
+import pytest
+import torch
+
+from companion import checkpointing as ck
+from companion.checks.ch04 import (check_checkpoint_function, check_saved_bytes,
+                                   check_segments_for_budget)
+from companion.checks.core import CheckFailed
+
+
+def _saved_bytes(fn, x):
+    return ck.activation_bytes(fn, x)
+
+
+def _every_save(fn, x):
+    return sum(s.nbytes for s in ck.saved_for_backward(fn, x) if not s.is_parameter)
+
+
+def _with_parameters(fn, x):
+    return sum({s.storage: s.nbytes for s in ck.saved_for_backward(fn, x)}.values())
+
+
+def test_saved_bytes_reference_passes():
+    check_saved_bytes(_saved_bytes)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_every_save, "count each storage once"),
+    (_with_parameters, "leave out the parameters"),
+    (lambda fn, x: x.numel() * x.element_size(), None),
+    (lambda fn, x: float(_saved_bytes(fn, x)) + 4, None),
+])
+def test_saved_bytes_wrong_answers_fail(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_saved_bytes(wrong)
+
+
+class _NoRng(torch.autograd.Function):
+    """Known wrong: recomputes without restoring the random state."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            y = ctx.fn(x)
+        y.backward(grad)
+        return None, x.grad
+
+
+class _KeepsGraph(torch.autograd.Function):
+    """Known wrong: runs fn with grad on in forward, so everything inside is saved."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            ctx.x, ctx.y = x, fn(x)
+        return ctx.y.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.y.backward(grad)
+        return None, ctx.x.grad
+
+
+class _NoInputGrad(_NoRng):
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def _no_grad_at_all(fn, x):
+    with torch.no_grad():
+        return fn(x)
+
+
+def test_checkpoint_function_reference_passes():
+    check_checkpoint_function(ck.checkpoint)
+    check_checkpoint_function(lambda fn, x: ck.Checkpoint.apply(fn, torch.empty(0), x))
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda fn, x: _NoRng.apply(fn, x), "rng_state"),
+    (lambda fn, x: _KeepsGraph.apply(fn, x), "no_grad"),
+    (lambda fn, x: _NoInputGrad.apply(fn, x), "recompute|twice"),
+    (lambda fn, x: fn(x), "forward kept"),
+    (_no_grad_at_all, "requires grad"),
+    (lambda fn, x: (fn(x), fn(x))[1], "fn ran 2 times"),
+])
+def test_checkpoint_function_wrong_answers_fail(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_checkpoint_function(wrong)
+
+
+def test_segments_for_budget_reference_passes():
+    check_segments_for_budget(ck.segments_for_budget)
+
+
+def _forgot_boundaries(n, unit, budget):
+    return next((s for s in range(1, n + 1) if math.ceil(n / s) * unit <= budget), None)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_forgot_boundaries, "stay in memory too"),
+    (lambda n, unit, budget: ck.sqrt_segments(n), "fewest"),
+    (lambda n, unit, budget: ck.segments_for_budget(n, unit, budget) or 1, "None"),
+    (lambda n, unit, budget: n, None),
+    (lambda n, unit, budget: str(ck.segments_for_budget(n, unit, budget)), None),
+])
+def test_segments_for_budget_wrong_answers_fail(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_segments_for_budget(wrong)
+
+
+def _hangs(*args):
+    while True:
+        pass
+
+
+CHECKS = [check_saved_bytes, check_checkpoint_function, check_segments_for_budget]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("garbage", [None, "answer", 1.0, lambda *a: None, lambda *a: 1 / 0,
+                                     lambda *a: torch.tensor(float("nan")),
+                                     lambda *a: torch.ones(3, dtype=torch.int64)])
+def test_garbage_fails_cleanly(check, garbage):
+    with pytest.raises(CheckFailed):
+        check(garbage)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_a_hang_fails_within_the_time_limit(check):
+    with pytest.raises(CheckFailed, match="did not finish"):
+        check(_hangs, timeout=1.0)
