@@ -55,13 +55,12 @@ def _result(cell, name: str) -> tuple[bool, str]:
     for out in cell.get("outputs", []):
         if out.get("output_type") != "error":
             continue
-        first = (out.get("evalue") or "").splitlines()[:1]
-        first = first[0] if first else ""
-        match = _FAILED.match(first)
+        text = out.get("evalue") or ""
+        match = _FAILED.match(text)
         if match is None:
-            return False, f"{out.get('ename')}: {first}"
+            return False, f"{out.get('ename')}: {text}".strip()
         if match.group(1) == name:
-            return False, first[match.end():]
+            return False, text[match.end():]
     return False, "not run: an earlier line of its cell stopped it, or the cell never ran"
 
 
