@@ -103,18 +103,21 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, *, stats: Traffic | None =
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:
         return
-    flat = tensor.detach().reshape(-1).clone()                            # (numel,) contiguous
+    contiguous = tensor.is_contiguous()
+    flat = tensor.detach().view(-1) if contiguous else tensor.detach().reshape(-1).clone()
     chunks = list(torch.tensor_split(flat, world))                        # N views of flat
     right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+    spare = torch.empty_like(chunks[0])                                   # (ceil(numel/N),)
     for step in range(world - 1):                                         # 1. reduce-scatter
         send_i, recv_i = (rank - step) % world, (rank - step - 1) % world
-        buffer = torch.empty_like(chunks[recv_i])
+        buffer = spare[:chunks[recv_i].numel()]
         _exchange(chunks[send_i], right, buffer, left, group, stats)
         chunks[recv_i] += buffer              # after step s, chunk r-s-1 holds s+2 ranks' sum
     for step in range(world - 1):                                         # 2. all-gather
         send_i, recv_i = (rank + 1 - step) % world, (rank - step) % world
         _exchange(chunks[send_i], right, chunks[recv_i], left, group, stats)
-    tensor.copy_(flat.view_as(tensor))
+    if not contiguous:
+        tensor.copy_(flat.view_as(tensor))
 
 
 def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group,

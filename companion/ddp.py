@@ -204,7 +204,9 @@ def time_training_step(rank: int, world_size: int, impl: str, width: int, depth:
     rows per rank and micro-step, and return the mean seconds per optimizer step (after one
     warm-up step) and the bytes all-reduced per step. impl: "ours", "torch" or "naive"."""
     torch.manual_seed(0)
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
+    model.to(device)
     if impl == "ours":
         wrapped = DDP(model, bucket_cap_mb=bucket_cap_mb)
     elif impl == "torch":
@@ -213,7 +215,7 @@ def time_training_step(rank: int, world_size: int, impl: str, width: int, depth:
         broadcast_parameters(model)
         wrapped = model
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    x, y = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
     seconds = []
     for _ in range(steps + 1):
         dist.barrier()
@@ -228,6 +230,8 @@ def time_training_step(rank: int, world_size: int, impl: str, width: int, depth:
             average_gradients(model)
         optimizer.step()
         optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)                                # host-device sync
         seconds.append(time.perf_counter() - start)
     sent = wrapped.stats.bytes / (steps + 1) if impl == "ours" else None
     return {"seconds": sum(seconds[1:]) / steps, "all_reduce_bytes": sent}
