@@ -7,7 +7,8 @@ The update rule moves the *parameters*, not the gradient:
 with L the mean squared error over a batch of m examples. One update per batch; each batch starts
 from the parameters the previous batch left. Memory: the parameters and their gradients are d + 1
 numbers each; what grows with the batch size is the batch itself and what the forward pass keeps
-for backward (m numbers of residuals here, b·width per layer in an MLP).
+for backward (m numbers of residuals here, b·width per layer in an MLP; chapter 01 counts those
+with `companion.checkpointing.activation_bytes`).
 
 Example:
     >>> X, y, w_true, b_true = make_regression(256, 4)
@@ -28,7 +29,6 @@ __all__ = [
     "batches",
     "train_epoch",
     "train",
-    "activation_bytes",
     "explore",
 ]
 
@@ -116,25 +116,6 @@ def train(X: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: int, epoch
     losses = torch.tensor(step_loss + epoch_loss)
     diverged = not bool(torch.isfinite(losses).all()) or epoch_loss[-1] > step_loss[0]
     return {"w": w, "b": b, "step_loss": step_loss, "epoch_loss": epoch_loss, "diverged": diverged}
-
-
-def activation_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes autograd keeps for backward during model(x): each saved storage counted once.
-
-    Measured with saved-tensor hooks, so it counts exactly what backward will need (inputs of
-    linear layers, activation outputs, masks), not parameters, which live anyway."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return sum(seen.values())
 
 
 def explore(X: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: int, epochs: int,

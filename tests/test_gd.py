@@ -86,13 +86,6 @@ def test_explore_reports_updates_and_bytes():
     assert "8 updates" in view["summary"]
 
 
-def test_activation_bytes_counts_saved_tensors_once():
-    mlp = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
-    for batch in (1, 7):
-        # input of the first Linear (6 numbers) and the ReLU output, shared with Linear 2 (10).
-        assert gd.activation_bytes(mlp, torch.randn(batch, 6)) == batch * (6 + 10) * 4
-
-
 def test_gd_explorer_widget_builds():
     from companion.widgets import gd_explorer
     X, y, _, _ = make_regression(64, 3)
