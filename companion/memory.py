@@ -87,6 +87,10 @@ class _Ledger(TorchDispatchMode):
         self.bytes = self.peak = self.peak_event = 0
         self.in_optimizer = False
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False        # no torch.compile wrapper around every call: it doubled the overhead
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         aliases = _ALIASES.get(func)
