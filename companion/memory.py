@@ -21,6 +21,7 @@ that were created before it (their bytes were never added, so they are never sub
 """
 from __future__ import annotations
 
+import array
 import contextlib
 import re
 import weakref
@@ -80,10 +81,14 @@ class _Ledger(TorchDispatchMode):
     def __init__(self, device_type: str, limit: int | None = None):
         super().__init__()
         self.device_type, self.limit = device_type, limit
-        self.live: dict[int, list] = {}          # storage address -> [id, nbytes]
+        # Flat arrays and int-valued dicts, no object per event: long-lived containers would make
+        # Python's garbage collector rescan the heap again and again, slowing every step.
+        self.ids: dict[int, int] = {}            # live storage address -> storage id
         self.refs: dict[weakref.ref, int] = {}   # weak ref on the storage -> its address
-        self.kind: dict[int, int] = {}           # storage id -> label (lower wins)
-        self.events: list[tuple[int, int, int]] = []   # (storage id, +-bytes, phase)
+        self.size = array.array("q")             # storage id -> bytes
+        self.kind = bytearray()                  # storage id -> label (lower wins)
+        self.ev_id, self.ev_delta = array.array("q"), array.array("q")   # one entry per event:
+        self.ev_phase = bytearray()              # which storage, +-bytes, in which phase
         self.bytes = self.peak = self.peak_event = 0
         self.in_optimizer = False
 
@@ -121,44 +126,52 @@ class _Ledger(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):      # sparse and other storage-less tensors
             return
         key = storage._cdata
-        entry = self.live.get(key)
+        sid = self.ids.get(key)
         nbytes = storage.nbytes()
-        if entry is not None:                            # known storage; an out= op may resize it
-            if entry[1] != nbytes:
-                self._record(entry[0], nbytes - entry[1])
-                entry[1] = nbytes
+        if sid is not None:                              # known storage; an out= op may resize it
+            if self.size[sid] != nbytes:
+                self._record(sid, nbytes - self.size[sid])
+                self.size[sid] = nbytes
             return
         if storage.device.type != self.device_type:
             return
-        sid = len(self.kind)
-        self.kind[sid] = _TEMP
-        self.live[key] = [sid, nbytes]
+        sid = len(self.size)
+        self.size.append(nbytes)
+        self.kind.append(_TEMP)
+        self.ids[key] = sid
         self.refs[weakref.ref(storage, self._freed)] = key
         self._record(sid, nbytes)
 
     def _freed(self, ref: weakref.ref) -> None:
-        key = self.refs.pop(ref, None)
-        entry = self.live.pop(key, None)
-        if entry is not None:
-            self._record(entry[0], -entry[1])
+        sid = self.ids.pop(self.refs.pop(ref, None), None)
+        if sid is not None:
+            self._record(sid, -self.size[sid])
 
     def _record(self, sid: int, delta: int) -> None:
-        phase = 2 if self.in_optimizer else int(torch._C._current_autograd_node() is not None)
-        self.events.append((sid, delta, phase))
+        self.ev_id.append(sid)
+        self.ev_delta.append(delta)
+        self.ev_phase.append(2 if self.in_optimizer else                 # 1: inside backward
+                             int(torch._C._current_graph_task_id() != -1))
         self.bytes += delta
         if self.bytes > self.peak:
-            self.peak, self.peak_event = self.bytes, len(self.events)
+            self.peak, self.peak_event = self.bytes, len(self.ev_id)
 
     def label(self, t: Any, kind: int) -> None:
         if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-            entry = self.live.get(t.untyped_storage()._cdata)
-            if entry is not None and kind < self.kind[entry[0]]:
-                self.kind[entry[0]] = kind
+            sid = self.ids.get(t.untyped_storage()._cdata)
+            if sid is not None and kind < self.kind[sid]:
+                self.kind[sid] = kind
+
+    def replay(self, stop: int | None = None) -> Iterator[tuple[int, int, int]]:
+        """(label, +-bytes, phase) of each event up to `stop`, labels as they are now."""
+        kind = self.kind
+        for sid, delta, phase in zip(self.ev_id[:stop], self.ev_delta[:stop], self.ev_phase[:stop]):
+            yield kind[sid], delta, phase
 
     def close(self) -> None:
         """Stop counting: later frees no longer change the figures."""
         self.refs.clear()
-        self.live.clear()
+        self.ids.clear()
 
 
 _ALIASES: dict[Any, bool] = {}
@@ -195,7 +208,8 @@ def _labels(ledger: _Ledger) -> Iterator[None]:
 
     def pack(t):
         ledger.label(t, _PARAM if t.requires_grad and t.is_leaf else _ACT)
-        return t.detach()          # same storage; a detached copy keeps autograd's graph acyclic
+        with torch._C._DisableTorchDispatch():   # detach allocates nothing: skip the ledger
+            return t.detach()      # same storage; a detached copy keeps autograd's graph acyclic
 
     handles = [register_module_forward_pre_hook(label_module),
                register_optimizer_step_pre_hook(before_step),
@@ -245,7 +259,7 @@ class MemoryTracker:
     def peak_phase(self) -> str | None:
         """The phase ("forward", "backward", "optimizer") in which the ledger's peak fell."""
         ledger = self._ledger
-        return PHASES[ledger.events[ledger.peak_event - 1][2]] if ledger.peak_event else None
+        return PHASES[ledger.ev_phase[ledger.peak_event - 1]] if ledger.peak_event else None
 
     @property
     def reserved(self) -> int | None:
@@ -260,10 +274,9 @@ class MemoryTracker:
         if at not in ("peak", "current"):
             raise ValueError(f'at must be "peak" or "current", got {at!r}')
         ledger = self._ledger
-        stop = ledger.peak_event if at == "peak" else len(ledger.events)
         totals = [0] * len(KINDS)
-        for sid, delta, _ in ledger.events[:stop]:
-            totals[ledger.kind[sid]] += delta
+        for kind, delta, _ in ledger.replay(ledger.peak_event if at == "peak" else None):
+            totals[kind] += delta
         return dict(zip(KINDS, totals))
 
     def timeline(self) -> dict[str, list]:
@@ -271,12 +284,11 @@ class MemoryTracker:
 
         Returns {"event": [0, 1, ...], "phase": ["forward", ...], "total": [...], and one list per
         kind}: the data behind `plot_timeline`."""
-        ledger = self._ledger
         totals = [0] * len(KINDS)
         out: dict[str, list] = {"event": [], "phase": [], "total": [], **{k: [] for k in KINDS}}
         running = 0
-        for i, (sid, delta, phase) in enumerate(ledger.events):
-            totals[ledger.kind[sid]] += delta
+        for i, (kind, delta, phase) in enumerate(self._ledger.replay()):
+            totals[kind] += delta
             running += delta
             out["event"].append(i)
             out["phase"].append(PHASES[phase])
