@@ -21,7 +21,6 @@ version packs and unpacks saved tensors through hooks instead and can stop recom
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from typing import Callable, Sequence
 
@@ -37,6 +36,7 @@ __all__ = [
     "saved_for_backward",
     "activation_bytes",
     "predicted_activation_units",
+    "predicted_activation_bytes",
     "segments_for_budget",
     "sqrt_segments",
     "predicted_time_ratio",
@@ -197,6 +197,15 @@ def predicted_activation_units(n_layers: int, segments: int) -> int:
     return (segments - 1) + longest
 
 
+def predicted_activation_bytes(n_layers: int, segments: int, layer_bytes: int,
+                               checkpoint_bytes: int | None = None) -> int:
+    """`predicted_activation_units` in bytes, when a checkpoint (one layer's input, `checkpoint_bytes`)
+    is smaller than everything a layer saves (`layer_bytes`), as in a transformer block."""
+    checkpoint_bytes = layer_bytes if checkpoint_bytes is None else checkpoint_bytes
+    longest = predicted_activation_units(n_layers, segments) - (segments - 1)
+    return (segments - 1) * checkpoint_bytes + longest * layer_bytes
+
+
 def segments_for_budget(n_layers: int, layer_bytes: int, budget_bytes: int) -> int | None:
     """The fewest segments whose predicted activation peak fits `budget_bytes`, or None.
 
@@ -233,7 +242,7 @@ class SegmentRun:
     segments: int
     peak_bytes: int          # everything the step allocated: activations, temporaries, gradients
     activation_bytes: int    # the most bytes saved for backward at any one time
-    seconds: float           # median step time
+    seconds: float           # fastest of the timed steps
 
 
 def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
@@ -242,7 +251,8 @@ def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
 
     Per count: one warm-up run (it also allocates the gradients, so later runs measure activations,
     not gradients), one run under `companion.memory.track`, then `repeats` timed runs without the
-    tracker (it slows operators down), of which the median is kept.
+    tracker (it slows operators down), of which the fastest is kept: other work on the
+    machine only ever adds time.
     """
     device = torch.device(device) if device is not None else None
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
@@ -259,7 +269,7 @@ def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
             sync()                                              # host-device sync
             times.append(time.perf_counter() - start)
         runs.append(SegmentRun(segments, tracker.peak, _saved_peak(tracker.timeline()),
-                               statistics.median(times)))
+                               min(times)))
     return runs
 
 
