@@ -112,8 +112,8 @@ class _Ledger(TorchDispatchMode):
                     if isinstance(u, torch.Tensor):
                         self._add(u)
         if self.limit is not None and self.bytes > self.limit:
-            asked, t, u = self.bytes - before, None, None
-            del out                                       # free the new storages before raising
+            asked = self.bytes - before
+            t = u = out = None             # drop every reference: the new storages are freed now
             raise torch.OutOfMemoryError(
                 f"{self.device_type.upper()} out of memory (memory_budget). Tried to allocate "
                 f"{format_bytes(asked)}; {format_bytes(before)} already allocated; budget "
@@ -236,6 +236,7 @@ class MemoryTracker:
         self._ledger = _Ledger(device.type)
         self._cuda_base: int | None = None
         self._final: tuple[int, int] | None = None
+        self.result: Any = None        # what the measured function returned (set by `measure`)
 
     @property
     def current(self) -> int:
@@ -265,6 +266,11 @@ class MemoryTracker:
     def reserved(self) -> int | None:
         """CUDA only: bytes the caching allocator holds from the driver (allocated + cached)."""
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else None
+
+    @property
+    def peak_reserved(self) -> int | None:
+        """CUDA only: the most bytes the caching allocator held since the block began."""
+        return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else None
 
     def breakdown(self, at: str = "peak") -> dict[str, int]:
         """Bytes by kind (`KINDS`) at the peak of the block, or at its end with at="current".

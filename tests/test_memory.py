@@ -136,6 +136,12 @@ def test_breakdown_finds_adam_state_and_phases():
                for i in range(len(timeline["event"])))
 
 
+def test_cpu_has_no_allocator_reserve():
+    with track("cpu") as t:
+        pass
+    assert (t.current, t.peak, t.reserved, t.peak_reserved, t.peak_phase) == (0, 0, None, None, None)
+
+
 def test_figures_are_frozen_after_the_block():
     with track("cpu") as t:
         x = torch.empty(100)
@@ -236,7 +242,7 @@ def test_budget_and_track_nest():
 def test_cuda_reads_the_caching_allocator():
     with track("cuda") as t:
         x = torch.empty(2**20, device="cuda")
-    assert t.peak >= 4 * 2**20 and t.reserved >= t.current
+    assert t.peak >= 4 * 2**20 and t.reserved >= t.current and t.peak_reserved >= t.reserved
     with pytest.raises(torch.OutOfMemoryError):
         with memory_budget("64 MiB", device="cuda"):
             torch.empty(2**30, device="cuda")
