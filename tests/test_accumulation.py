@@ -124,6 +124,7 @@ def _oom_above(limit, calls):
     return step
 
 
+@settings(max_examples=8, deadline=None)   # each failed try runs gc.collect()
 @given(limit=st.integers(1, 5000), start=st.integers(1, 64))
 def test_find_max_batch_size_finds_the_limit_in_logarithmic_tries(limit, start):
     calls = []
