@@ -2,12 +2,29 @@
 
 Readable reference implementations of memory-saving techniques, tools that measure and predict
 memory on any device, widgets, and the checks that grade the course's exercises. Import the module
-you need (``from companion import gd``); this file only lists them.
+you need (``from companion import memory``); this file only lists them.
+
+Measure and predict: `memory` (track, measure, memory_budget), `estimate`, `device`, `models`.
+Techniques: `gd`, `floats`, `accumulation`, `checkpointing`, `collectives`, `dp`, `ddp`, `launch`.
+The course itself: `widgets`, `results`, `checks`, `notebooks`, `grading`.
 """
 __all__ = [
+    "accumulation",
+    "checkpointing",
     "checks",
+    "collectives",
+    "ddp",
     "device",
+    "dp",
+    "estimate",
+    "floats",
     "gd",
+    "grading",
+    "launch",
+    "memory",
     "models",
+    "notebooks",
+    "results",
+    "widgets",
 ]
 __version__ = "0.1.0"
