@@ -4,6 +4,9 @@
     python3 tasks.py lab     # set up, create your workbook, open it in JupyterLab
     python3 tasks.py test    # set up, run the unit tests and execute every notebook under nbval
 
+`test` includes the browser tests in tests/browser (JupyterLab driven by Chromium), which are
+skipped, with the reason, where /usr/bin/chromium is missing.
+
 Setup makes a virtual environment in .venv, installs PyTorch there if it has none (a torch you
 installed yourself, e.g. a CUDA build, is kept), then the companion package with its test
 extras. Both commands are safe to re-run; the second time, setup only checks that nothing changed.
@@ -64,7 +67,7 @@ def lab(args: list[str]) -> None:
 
 
 def test(args: list[str]) -> int:
-    """Unit tests and every source notebook under nbval, in one pytest run."""
+    """Unit tests, browser tests and every source notebook under nbval, in one pytest run."""
     notebooks = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "course").glob("[0-9][0-9]_*.ipynb"))
     cmd = [str(PYTHON), "-m", "pytest", "-p", "no:cacheprovider", "--nbval-lax",
            "--nbval-cell-timeout=600", "tests", *notebooks, *args]
