@@ -42,19 +42,17 @@ def ran(request, lab, browser, screenshots):
     name = request.param
     stem = name.removesuffix(".ipynb")
     context = browser.new_context(viewport=VIEWPORT)
-    page = LabPage(context.new_page())
     try:
-        page.open(lab.page_url(f"workbook/{name}"))
-        page.run_all_one_by_one()
-        page.screenshot(screenshots / f"{stem}.png")
-    except BaseException:
-        page.screenshot(screenshots / f"{stem}-failed.png")
+        page = LabPage(context.new_page())
+        try:
+            page.open(lab.page_url(f"workbook/{name}"))
+            page.run_all_one_by_one()
+        finally:
+            page.screenshot(screenshots / f"{stem}.png")     # also of a run that failed
+        yield Ran(name, page, page.cells(), screenshots)
+    finally:
         context.close()
         lab.shutdown_kernels()
-        raise
-    yield Ran(name, page, page.cells(), screenshots)
-    context.close()
-    lab.shutdown_kernels()
 
 
 def _settled(page: LabPage, view, *, quiet: float = 2.0, timeout: float = 60.0) -> str:
