@@ -135,7 +135,7 @@ def memory_bars(rows: dict, ax=None, *, limit: float | None = None, title: str =
     if limit is not None:
         ax.axvline(limit / 1e9, color="k", ls="--", lw=1, label=f"{limit / 1e9:g} GB")
     ax.set(xlabel="GB per device (10⁹ bytes)", title=title)
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")   # beside the bars
     return ax
 
 
