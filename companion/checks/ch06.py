@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from companion import collectives, ddp, launch
-from companion.checks.core import CheckFailed, NotDone, compare, exercise, fresh_seeds, require
+from companion.checks.core import (CheckFailed, NotDone, compare, exercise, fresh_seeds, require,
+                                   require_function)
 
 __all__ = ["check_ring_all_reduce", "check_ddp_average_gradients", "check_no_sync_accumulation"]
 
@@ -29,11 +30,7 @@ _P2P = ("send", "isend")
 
 def _packed(answer: Any) -> bytes:
     """The answer, pickled by reference for the workers, or a CheckFailed saying how to fix it."""
-    if answer is None:
-        raise CheckFailed("got None: pass your function (its name, without calling it).")
-    if not callable(answer):
-        raise CheckFailed(f"expected a function, got a {type(answer).__name__}",
-                          hint="pass the function itself, e.g. check(my_fn), not check(my_fn()).")
+    require_function(answer)
     try:
         return pickle.dumps(answer)
     except Exception:

@@ -38,6 +38,7 @@ __all__ = [
     "call",
     "compare",
     "require",
+    "require_function",
     "fresh_seeds",
     "time_limit",
     "REGISTRY",
@@ -134,13 +135,18 @@ def time_limit(seconds: float) -> Iterator[None]:
         done.set()
 
 
-def call(answer: Any, *args, **kwargs) -> Any:
-    """Call the learner's function; turn anything it does wrong into a CheckFailed that says so."""
+def require_function(answer: Any) -> None:
+    """Fail unless the learner passed a function (not None, not its result)."""
     if answer is None:
         raise CheckFailed("got None: pass your function (its name, without calling it).")
     if not callable(answer):
         raise CheckFailed(f"expected a function, got a {type(answer).__name__}: {_short(answer)}",
                           hint="pass the function itself, e.g. check(my_fn), not check(my_fn(...)).")
+
+
+def call(answer: Any, *args, **kwargs) -> Any:
+    """Call the learner's function; turn anything it does wrong into a CheckFailed that says so."""
+    require_function(answer)
     try:
         return answer(*args, **kwargs)
     except NotImplementedError as e:

@@ -65,7 +65,27 @@ def _tail(path: pathlib.Path, n: int = 3000) -> str:
         return ""
 
 
-class LabServer:
+class _OwnedProcess:
+    """A process this suite started: stopped by its pid on exit, also when starting it failed."""
+
+    proc: subprocess.Popen | None = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LabServer(_OwnedProcess):
     """`jupyter lab` serving `root` on 127.0.0.1:<free port> with a token; a context manager."""
 
     def __init__(self, root: pathlib.Path, state: pathlib.Path):
@@ -141,22 +161,9 @@ class LabServer:
         """The address that opens `notebook` (relative to root) in a fresh workspace."""
         return f"{self.url}/lab/tree/{notebook}?reset&token={self.token}"
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
-
-    def __enter__(self) -> "LabServer":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
-class Chromium:
+class Chromium(_OwnedProcess):
     """Headless system Chromium with a fresh profile, reachable over the DevTools protocol."""
 
     def __init__(self, profile: pathlib.Path, executable: pathlib.Path = CHROMIUM):
@@ -186,16 +193,3 @@ class Chromium:
         raise RuntimeError(f"chromium opened no DevTools port within {timeout:g} s:\n"
                            f"{_tail(self.log)}")
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
-
-    def __enter__(self) -> "Chromium":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
