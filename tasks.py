@@ -33,8 +33,8 @@ def _run(*cmd: object) -> None:
     subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT)
 
 
-def _has(module: str) -> bool:
-    return subprocess.run([str(PYTHON), "-c", f"import {module}"], cwd=ROOT,
+def _has(*modules: str) -> bool:
+    return subprocess.run([str(PYTHON), "-c", f"import {', '.join(modules)}"], cwd=ROOT,
                           capture_output=True).returncode == 0
 
 
@@ -46,7 +46,7 @@ def setup() -> None:
         print(f"creating {VENV.name}/", flush=True)
         venv.create(VENV, with_pip=True)
     wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    if STAMP.exists() and STAMP.read_text() == wanted and _has("torch") and _has("companion"):
+    if STAMP.exists() and STAMP.read_text() == wanted and _has("torch", "companion"):
         return
     pip = [PYTHON, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     if not _has("torch"):
