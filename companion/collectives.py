@@ -15,6 +15,10 @@ Example (inside a rank started by `companion.launch.run`):
     >>> ring_all_reduce(grad, stats=traffic)          # doctest: +SKIP
     >>> traffic.sent_bytes                             # 2·(N-1)/N · 4000 bytes
 
+The two halves of the ring are collectives of their own, the ones ZeRO (chapter 07) is built on:
+`ring_reduce_scatter` leaves rank r with the sum of chunk r only, `ring_all_gather` gives every rank
+every rank's chunk. Each sends (N-1)/N·S bytes per rank.
+
 Simplified vs PyTorch: gloo and NCCL pipeline each step in smaller pieces, pick ring or tree by
 size, and run on dedicated streams; here each step is one isend/recv pair of whole chunks.
 """
@@ -27,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Traffic", "naive_all_reduce", "ring_all_reduce", "ring_bytes_per_rank",
-           "naive_root_bytes", "time_all_reduce"]
+           "naive_root_bytes", "time_all_reduce", "ring_reduce_scatter", "ring_all_gather",
+           "shard_bytes_per_rank"]
 
 
 @dataclasses.dataclass
@@ -47,6 +52,12 @@ def ring_bytes_per_rank(nbytes: int, world_size: int) -> float:
 def naive_root_bytes(nbytes: int, world_size: int) -> int:
     """The naive all-reduce's load on its root: (N-1)·S bytes sent (and as many received)."""
     return (world_size - 1) * nbytes
+
+
+def shard_bytes_per_rank(nbytes: int, world_size: int) -> float:
+    """A ring reduce-scatter's (or all-gather's) traffic per rank for a full tensor of S bytes:
+    (N-1)/N · S sent (and as many received), half an all-reduce."""
+    return (world_size - 1) / world_size * nbytes
 
 
 def _peer(group, group_rank: int) -> int:
@@ -128,6 +139,60 @@ def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group,
         _recv(recv, src, group, stats)
     if request is not None:
         request.wait()
+
+
+def _equal_chunks(full: torch.Tensor, shard: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """`full` (flat, contiguous) seen as N chunks of shard's size, or a ValueError saying why not."""
+    if full.dim() != 1 or not full.is_contiguous() or not shard.is_contiguous():
+        raise ValueError("the full tensor must be flat (1-D) and contiguous, the shard contiguous")
+    if full.numel() != world * shard.numel() or full.dtype != shard.dtype:
+        raise ValueError(f"the full tensor must hold world_size x shard elements of one dtype: "
+                         f"{full.numel()} {full.dtype} against {world} x {shard.numel()} "
+                         f"{shard.dtype}; pad it to a multiple of the world size")
+    return list(full.view(world, -1))
+
+
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *,
+                        stats: Traffic | None = None) -> None:
+    """Sum `input` (flat, N·s elements) over ranks and leave chunk r of the sum in rank r's
+    `output` (s elements), around a ring. `input` is left as it was; `output` may be a view of
+    input's chunk r (in place, as NCCL allows). Traffic per rank: (N-1)·s elements, (N-1)/N·S.
+
+    Step k (k = 0..N-2): send the running sum of chunk (r-k-1) % N to the right, receive the left
+    neighbour's running sum of chunk (r-k-2) % N and add our own part of it. After N-2 steps the
+    chunk that arrives is (r-N) % N = r, summed over all N ranks.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    chunks = _equal_chunks(input, output, world)
+    if world == 1:
+        output.copy_(chunks[0])
+        return
+    right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+    sending = chunks[(rank - 1) % world]                                  # (s,) our own part
+    arriving = [torch.empty_like(output), torch.empty_like(output)]       # 2 x s spare
+    for step in range(world - 1):
+        buffer = arriving[step % 2]            # never the one still being sent
+        _exchange(sending, right, buffer, left, group, stats)
+        buffer += chunks[(rank - step - 2) % world]                       # add our part
+        sending = buffer
+    output.copy_(sending)
+
+
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *,
+                    stats: Traffic | None = None) -> None:
+    """Concatenate every rank's `input` (s elements) in rank order into `output` (flat, N·s), on
+    every rank, around a ring. `input` may be a view of output's chunk r (in place).
+    Traffic per rank: (N-1)·s elements, (N-1)/N·S.
+
+    Step k: send chunk (r-k) % N to the right, receive chunk (r-k-1) % N from the left.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    chunks = _equal_chunks(output, input, world)
+    chunks[rank].copy_(input)
+    right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+    for step in range(world - 1):
+        _exchange(chunks[(rank - step) % world], right, chunks[(rank - step - 1) % world], left,
+                  group, stats)
 
 
 def time_all_reduce(rank: int, world_size: int, impl: str, numel: int,

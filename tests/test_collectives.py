@@ -85,3 +85,50 @@ def test_works_inside_a_subgroup():
 def test_formulas():
     assert collectives.ring_bytes_per_rank(1000, 4) == 1500
     assert collectives.naive_root_bytes(1000, 4) == 3000
+
+
+def _scatter_gather(rank, world_size, shard):
+    """Ring reduce-scatter and all-gather against gloo's, out of place and in place, with bytes."""
+    full = _inputs(rank, world_size * shard, torch.float32, 5)
+    kept = full.clone()
+    ours, theirs = torch.empty(shard), torch.empty(shard)
+    rs = Traffic()
+    collectives.ring_reduce_scatter(ours, full, stats=rs)
+    dist.reduce_scatter_single(theirs, full.clone())
+    in_place = full.clone()
+    collectives.ring_reduce_scatter(in_place.view(world_size, -1)[rank], in_place)
+    gathered, expected, ag = torch.empty(world_size * shard), torch.empty(world_size * shard), \
+        Traffic()
+    collectives.ring_all_gather(gathered, ours, stats=ag)
+    dist.all_gather_single(expected, ours)
+    buffer = torch.zeros(world_size * shard)
+    buffer.view(world_size, -1)[rank].copy_(ours)
+    collectives.ring_all_gather(buffer, buffer.view(world_size, -1)[rank])
+    return (torch.equal(full, kept), (ours - theirs).abs().max().item(),
+            (in_place.view(world_size, -1)[rank] - theirs).abs().max().item(),
+            torch.equal(gathered, expected), torch.equal(buffer, expected), rs, ag)
+
+
+@pytest.mark.parametrize("world_size, shard", [(2, 5), (3, 4)])
+def test_ring_reduce_scatter_and_all_gather_match_gloo_and_send_n_minus_1_over_n(world_size,
+                                                                                shard):
+    for kept, rs_diff, in_place_diff, gathered, gathered_in_place, rs, ag in launch.run(
+            _scatter_gather, world_size, shard, timeout=30):
+        assert kept and rs_diff < 1e-5 and in_place_diff < 1e-5
+        assert gathered and gathered_in_place
+        full_bytes = world_size * shard * 4
+        for traffic in (rs, ag):
+            assert traffic.sent_bytes == traffic.received_bytes == \
+                collectives.shard_bytes_per_rank(full_bytes, world_size)
+            assert traffic.messages == world_size - 1
+
+
+def _uneven(rank, world_size):
+    try:
+        collectives.ring_reduce_scatter(torch.empty(2), torch.empty(5))
+    except ValueError as e:
+        return str(e)
+
+
+def test_reduce_scatter_asks_for_padding_when_sizes_do_not_fit():
+    assert all("pad it to a multiple" in m for m in launch.run(_uneven, 2, timeout=30))
