@@ -50,8 +50,12 @@ def _result(cell, name: str) -> tuple[bool, str]:
     """Did `name`'s check pass in this executed cell, and what did it say?"""
     for out in cell.get("outputs", []):
         data = out.get("data", {})
-        if RESULT_MIME in data and data[RESULT_MIME].get("check") == name:
-            return True, data[RESULT_MIME].get("message", "passed")
+        record = data.get(RESULT_MIME)
+        if isinstance(record, dict) and record.get("check") == name:
+            message = str(record.get("message", ""))
+            if record.get("passed") is True:
+                return True, message or "passed"
+            return False, message or "not done yet"
     for out in cell.get("outputs", []):
         if out.get("output_type") != "error":
             continue

@@ -1,4 +1,5 @@
-"""Every registered check, whatever garbage it is given, raises CheckFailed, and quickly."""
+"""Every registered check, whatever garbage it is given, raises CheckFailed, and quickly; and every
+check given an exercise not written yet says so without raising, so "Run All" goes on."""
 import importlib
 import pkgutil
 import re
@@ -22,6 +23,12 @@ def _raises(*args, **kwargs):
 def _loops(*args, **kwargs):
     while True:
         pass
+
+
+def _not_written(*args, **kwargs):
+    """What a workbook's stub does (module level, so gloo workers can import it)."""
+    raise NotImplementedError("Exercise: replace this line with your code (about 3 lines in the "
+                              "reference solution).")
 
 
 GARBAGE = {
@@ -48,3 +55,12 @@ def test_garbage_fails_cleanly(name, garbage):
     with pytest.raises(CheckFailed):
         CHECKS[name](GARBAGE[garbage], timeout=1.5)
     assert time.monotonic() - start < 1.5 + 10, "the check ran past its time limit"
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_an_exercise_not_written_yet_is_a_notice_not_an_error(name, capsys):
+    assert CHECKS[name](_not_written) is None
+    shown = capsys.readouterr().out
+    points = REGISTRY[name].points
+    assert shown.startswith(f"… {name}: not done yet"), shown
+    assert f"Worth {points} point" in shown and "cells below run" in shown, shown

@@ -157,7 +157,7 @@ def test_not_implemented_says_not_done():
     def stub(*args):
         raise NotImplementedError("decode the pattern")
     with pytest.raises(CheckFailed, match="not done"):
-        ch02.check_decode_bf16(stub)
+        ch02.check_decode_bf16.__wrapped__(stub)
 
 
 def test_checks_draw_fresh_inputs(monkeypatch):

@@ -151,4 +151,4 @@ def test_a_hanging_answer_fails_within_the_worker_timeout():
 
 def test_an_unfinished_exercise_reads_not_done():
     with pytest.raises(NotDone):
-        ch06.check_ring_all_reduce(ring_not_done)
+        ch06.check_ring_all_reduce.__wrapped__(ring_not_done)

@@ -49,13 +49,12 @@ BAD = {
     "slightly off": lambda x: 2 * x + 1e-3,
     "endless loop": _loop_forever,
     "sleeps": lambda x: time.sleep(60),
-    "not done": _not_done,
 }
 
 
 def test_passes_on_the_right_answer(capsys):
     check_double_for_tests(lambda x: x * 2)
-    assert "check_double_for_tests passed: doubles" in capsys.readouterr().out
+    assert "check_double_for_tests passed (3 points): doubles" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", BAD)
@@ -73,9 +72,36 @@ def test_known_wrong_answer_gets_its_hint():
         check_double_for_tests(lambda x: x + 2)
 
 
-def test_not_done_is_its_own_kind():
+def test_not_done_is_a_notice_and_the_check_returns(capsys):
     with pytest.raises(NotDone, match="not done yet"):
-        check_double_for_tests(_not_done)
+        check_double_for_tests.__wrapped__(_not_done)           # inside, it is its own kind
+    assert check_double_for_tests(_not_done) is None            # the wrapper shows, not raises
+    assert "check_double_for_tests: not done yet" in capsys.readouterr().out
+
+
+def _raises_in_my_code(x):
+    y = x * 2
+    return y.reshape(3, 5)          # the line the learner should see
+
+
+def test_an_error_in_the_learners_code_shows_the_learners_line():
+    with pytest.raises(CheckFailed) as info:
+        check_double_for_tests(_raises_in_my_code)
+    text = str(info.value)
+    assert "in your code: test_checks_core.py, line" in text and "in _raises_in_my_code" in text
+    assert "return y.reshape(3, 5)" in text
+    assert ", in call" not in text and "companion" not in text.split("hint:")[0]
+
+
+def _spins(x):
+    while True:
+        x = x + 1
+
+
+def test_a_check_that_times_out_shows_where_the_learners_code_was():
+    with pytest.raises(CheckFailed, match="did not finish") as info:
+        check_double_for_tests(_spins, timeout=0.5)
+    assert "in your code: test_checks_core.py, line" in str(info.value) and "in _spins" in str(info.value)
 
 
 def test_failure_message_shows_expected_got_and_difference():
@@ -151,3 +177,23 @@ def test_time_limit_restores_the_alarm_it_found():
         pass
     after = signal.getitimer(signal.ITIMER_REAL)[0]
     assert (before == 0 and after == 0) or 0 < before - after < 1
+
+
+def test_in_a_notebook_the_learners_line_is_named_by_its_cell():
+    """In a real kernel the failing line is shown as IPython names it ("Cell In[2], line 3"),
+    with the source line, and without a traceback through the companion."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    nb = new_notebook(cells=[
+        new_code_cell("from companion.checks.ch01 import check_mse_gradient"),
+        new_code_cell("def mse_gradient(X, y, w, b):\n    r = X @ w + b - y\n"
+                      "    return X @ r, r.sum()     # X @ r: the shapes do not match\n\n"
+                      "check_mse_gradient(mse_gradient)")])
+    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True).execute()
+    (error,) = [o for o in nb.cells[1].outputs if o.output_type == "error"]
+    shown = "\n".join(error.traceback)
+    assert error.ename == "CheckFailed" and "Traceback" not in shown
+    assert "in your code: Cell In[2], line 3, in mse_gradient" in shown, shown
+    assert "return X @ r, r.sum()" in shown and "hint:" in shown

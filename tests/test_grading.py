@@ -35,8 +35,11 @@ def test_fresh_workbook_runs_to_the_end_and_scores_zero(tmp_path):
     assert note == "" and workbook.read_bytes() == before
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
-    assert errors and {e.ename for e in errors} == {"NotDone"}, [e.evalue for e in errors]
+    assert not errors, [f"{e.ename}: {e.evalue}" for e in errors]
     assert nb.cells[-2].outputs, "the last code cell did not run"
+    rows = grade_notebook(workbook, cell_timeout=120)
+    assert len(rows) >= 3 and all(r.points == 0 and not r.passed for r in rows)
+    assert all(r.message.startswith("not done yet") for r in rows), [r.message for r in rows]
 
 
 def _variant(tmp_path, *edits: tuple[str, str]) -> pathlib.Path:

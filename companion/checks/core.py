@@ -15,6 +15,10 @@ The decorator gives every check the same contract: whatever the learner passes (
 function that raises or never returns, a wrong shape, dtype or NaN), the check either passes or
 raises `CheckFailed` with what was expected, what came back, the largest difference and a hint,
 within its time limit. No other exception escapes, and garbage never passes.
+
+An exercise not written yet (its stub raises NotImplementedError) is not a wrong answer: the check
+shows a "not done yet" notice, scores nothing and returns normally, so "Run All" reaches the end of
+the notebook. When the learner's own code raises, the failure names the cell and line it came from.
 """
 from __future__ import annotations
 
@@ -24,9 +28,12 @@ import dataclasses
 import functools
 import html
 import math
+import pathlib
 import random
 import signal
+import sysconfig
 import threading
+import traceback
 from typing import Any, Callable, Iterator
 
 import torch
@@ -53,13 +60,16 @@ class CheckFailed(AssertionError):
     """An exercise check did not pass. The message says what was expected, what came back, and why."""
 
     def __init__(self, summary: str, *, check: str = "", expected: Any = None, got: Any = None,
-                 max_diff: float | None = None, hint: str = "", seed: int | None = None):
+                 max_diff: float | None = None, hint: str = "", seed: int | None = None,
+                 where: list[str] | None = None):
         self.summary, self.check, self.hint, self.seed = summary, check, hint, seed
         self.expected, self.got, self.max_diff = expected, got, max_diff
+        self.where = where or []       # the learner's own frames: "Cell In[5], line 3", the line
         super().__init__(summary)
 
     def lines(self) -> list[str]:
         out = [f"{self.check or 'check'}: {self.summary}"]
+        out += self.where
         if self.expected is not None:
             out.append(f"  expected: {_short(self.expected)}")
         if self.got is not None:
@@ -82,7 +92,8 @@ class CheckFailed(AssertionError):
 
 
 class NotDone(CheckFailed):
-    """The exercise still raises NotImplementedError: the learner has not written it yet."""
+    """The exercise still raises NotImplementedError: the learner has not written it yet.
+    Raised inside a check; the `exercise` wrapper turns it into a notice, not an error."""
 
 
 class _TimeUp(BaseException):
@@ -153,7 +164,39 @@ def call(answer: Any, *args, **kwargs) -> Any:
         raise NotDone(f"not done yet: your function raises NotImplementedError ({e})") from None
     except Exception as e:
         raise CheckFailed(f"your function raised {type(e).__name__}: {e}",
-                          hint=_hint_for_exception(e)) from None
+                          hint=_hint_for_exception(e), where=learner_frames(e)) from None
+
+
+_LIBRARIES = tuple(str(pathlib.Path(p).resolve()) for p in {
+    *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
+    pathlib.Path(__file__).resolve().parent.parent})
+
+
+def learner_frames(error: BaseException, *, limit: int = 3) -> list[str]:
+    """Where in the learner's own code `error` happened: the last `limit` frames that are not in
+    the companion, PyTorch or the standard library, two lines each (place, then the source line).
+    Notebook cells are named as IPython names them ("Cell In[5], line 3")."""
+    shown = []
+    for frame in traceback.extract_tb(error.__traceback__):
+        path = str(pathlib.Path(frame.filename).resolve())
+        if path.startswith(_LIBRARIES) or frame.filename.startswith("<frozen"):
+            continue
+        shown.append(f"  in your code: {_place(frame.filename, frame.lineno)}, in {frame.name}")
+        if frame.line:
+            shown.append(f"      {frame.line.strip()}")
+    return shown[-2 * limit:]
+
+
+def _place(filename: str, lineno: int | None) -> str:
+    """"Cell In[5], line 3" for a notebook cell, "module.py, line 3" for a file."""
+    try:
+        from IPython import get_ipython
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    named = shell.compile.format_code_name(filename) if shell is not None else None
+    label = f"{named[0]} {named[1]}" if named else pathlib.Path(filename).name
+    return f"{label}, line {lineno}"
 
 
 def _hint_for_exception(e: Exception) -> str:
@@ -302,12 +345,15 @@ def exercise(*, points: int = 1, timeout: float = 5.0) -> Callable:
             try:
                 with time_limit(timeout):
                     message = check(answer, *args, **kwargs)
+            except NotDone as not_done:
+                _show_not_done(name, points, not_done.summary)    # no raise: Run All goes on
+                return
             except CheckFailed as failure:
                 failure.check = name
                 raise failure.with_traceback(None) from None
-            except _TimeUp:
+            except _TimeUp as stopped:
                 raise CheckFailed(f"did not finish within {timeout:g} s: is there a loop that never "
-                                  "ends?", check=name,
+                                  "ends?", check=name, where=learner_frames(stopped, limit=1),
                                   hint="check the loop's stop condition; pass timeout=... to "
                                        "allow longer.") from None
             except Exception as e:
@@ -320,8 +366,25 @@ def exercise(*, points: int = 1, timeout: float = 5.0) -> Callable:
     return wrap
 
 
+def _points(n: int) -> str:
+    return f"{n} point{'s' if n != 1 else ''}"
+
+
 def _show_pass(name: str, points: int, message: str) -> None:
-    text = f"✓ {name} passed: {message}"
+    _show(f"✓ {name} passed ({_points(points)}): {message}", "#1a7f37",
+          {"check": name, "passed": True, "points": points, "message": message})
+
+
+def _show_not_done(name: str, points: int, summary: str) -> None:
+    """A stub is not a wrong answer: say so, score nothing, and let the notebook run on."""
+    text = (f"… {name}: {summary}. Worth {_points(points)} once written; the cells below run "
+            "without it (they use the reference).")
+    _show(text, "#9a6700", {"check": name, "passed": False, "not_done": True, "points": 0,
+                            "message": summary})
+
+
+def _show(text: str, colour: str, record: dict) -> None:
+    """Display one line of verdict: plain text and HTML for people, a MIME record for the grader."""
     try:
         from IPython import get_ipython
         from IPython.display import display
@@ -331,8 +394,6 @@ def _show_pass(name: str, points: int, message: str) -> None:
     if get_ipython() is None:
         print(text)
         return
-    box = ('<div style="color:#1a7f37;font-family:monospace;padding:2px 0">'
+    box = (f'<div style="color:{colour};font-family:monospace;padding:2px 0">'
            f"{html.escape(text)}</div>")
-    display({"text/plain": text, "text/html": box,
-             RESULT_MIME: {"check": name, "passed": True, "points": points, "message": message}},
-            raw=True)
+    display({"text/plain": text, "text/html": box, RESULT_MIME: record}, raw=True)
