@@ -1,11 +1,11 @@
 """What a person does with a notebook in JupyterLab, through Playwright: open it, run its cells one
 by one, read what each cell shows, look at its widgets, type into a cell, take a screenshot.
 
-Cells run one at a time with Shift+Enter (Ctrl+Enter on the last), waiting for each to finish:
-JupyterLab's "Run All" stops at the first error, and a workbook's exercise cells fail with NotDone
-by design, so every cell after a stub would go unrun. What a cell produced is read from the
-notebook model (`window.jupyterapp`, exposed by `--LabApp.expose_app_in_browser`); what it shows is
-read from the page.
+A whole notebook runs as a learner runs it, with JupyterLab's own "Run All" (which stops at the
+first cell that raises: an exercise not done yet only shows a notice, so a fresh workbook runs to
+the end). Single cells run with Shift+Enter (Ctrl+Enter on the last), waiting for each to finish.
+What a cell produced is read from the notebook model (`window.jupyterapp`, exposed by
+`--LabApp.expose_app_in_browser`); what it shows is read from the page.
 """
 from __future__ import annotations
 
@@ -104,6 +104,27 @@ class LabPage:
         self.select(0)
         for i in range(last + 1):
             self.run_cell(i, last=i == n - 1, timeout=timeout)
+
+    def run_all(self, *, timeout: float = 900.0) -> list[int]:
+        """Clear the outputs, then Run > Run All Cells; wait until the kernel is idle and no cell
+        is queued or running. Returns the indices of code cells that did not run (after a cell
+        that raised, Run All skips the rest)."""
+        self.command("notebook:clear-all-cell-outputs")
+        self.command("notebook:run-all-cells")
+        try:
+            self.page.wait_for_function(
+                """() => {
+                    const prompts = [...document.querySelectorAll('.jp-Notebook .jp-InputPrompt')];
+                    const kernel = window.jupyterapp.shell.currentWidget
+                                   .sessionContext.session?.kernel;
+                    return kernel && kernel.status === 'idle'
+                           && !prompts.some(p => p.textContent.includes('*'));
+                }""", timeout=timeout * 1000, polling=500)
+        except Exception as e:
+            raise AssertionError(f"Run All did not finish within {timeout:g} s") from e
+        return [i for i, cell in enumerate(self.cells())
+                if cell["cell_type"] == "code" and cell["source"].strip()
+                and cell.get("execution_count") is None]
 
     def wait_idle(self, *, timeout: float = 180.0) -> None:
         self.page.wait_for_function(
