@@ -1,4 +1,4 @@
-"""The command line: ``python -m companion {workbook,grade,execute} ...``."""
+"""The command line: ``python -m companion {workbook,reset,grade,execute} ...``."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,21 @@ def _workbook(args) -> int:
         print(f"created {path}")
     for path in report["kept"]:
         print(f"kept    {path} (already there: your work is left as it is)")
+    return 0
+
+
+def _reset(args) -> int:
+    from companion.notebooks import reset_workbook
+
+    for chapter in args.chapters:
+        try:
+            backup, fresh = reset_workbook(chapter, args.source, args.dest)
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
+        if backup is not None:
+            print(f"moved   {fresh} -> {backup} (your old work, kept)")
+        print(f"created {fresh} (fresh, exercises blank)")
     return 0
 
 
@@ -50,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", default=REPO / "course", type=pathlib.Path)
     p.add_argument("--dest", default=REPO / "workbook", type=pathlib.Path)
     p.set_defaults(run=_workbook)
+
+    p = sub.add_parser("reset", help="a fresh workbook for chapters; the old ones go to backups/")
+    p.add_argument("chapters", nargs="+", help="chapter numbers, e.g. 01 04")
+    p.add_argument("--source", default=REPO / "course", type=pathlib.Path)
+    p.add_argument("--dest", default=REPO / "workbook", type=pathlib.Path)
+    p.set_defaults(run=_reset)
 
     p = sub.add_parser("grade", help="grade notebooks; write grades.json and grades.csv")
     p.add_argument("paths", nargs="+", type=pathlib.Path)

@@ -10,16 +10,18 @@ Source notebooks in course/ hold the solutions between nbgrader's markers:
 A learner's workbook is the same notebook with each solution replaced by a stub that raises
 NotImplementedError (with a hint of the solution's size) and all outputs cleared. `make_workbooks`
 creates only the workbooks that do not exist yet: a learner's work is never overwritten.
+`reset_workbook` gives a learner a fresh copy of one chapter after moving theirs to a backup.
 """
 from __future__ import annotations
 
 import copy
+import datetime
 import pathlib
 import re
 
 import nbformat
 
-__all__ = ["strip_solutions", "make_workbooks", "execute", "SolutionMarkerError"]
+__all__ = ["strip_solutions", "make_workbooks", "reset_workbook", "execute", "SolutionMarkerError"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 _MARKER = re.compile(r"^(\s*)(### (?:BEGIN|END) SOLUTION)\s*$")
@@ -89,6 +91,38 @@ def make_workbooks(source_dir: str | pathlib.Path, dest_dir: str | pathlib.Path)
             nbformat.write(workbook, f)
         report["created"].append(dest)
     return report
+
+
+def reset_workbook(chapter: str, source_dir: str | pathlib.Path, dest_dir: str | pathlib.Path, *,
+                   now: datetime.datetime | None = None) -> tuple[pathlib.Path | None, pathlib.Path]:
+    """Give chapter `chapter` ("01", "1" or "01_gradient_descent") a fresh workbook.
+
+    The learner's file, if any, is first *moved* to dest_dir/backups/NN_name.<time>.ipynb (a name
+    that does not exist yet: a backup is never overwritten either). Returns (backup or None, new
+    workbook). Raises ValueError naming the chapters when `chapter` matches none."""
+    source_dir, dest_dir = pathlib.Path(source_dir), pathlib.Path(dest_dir)
+    chapters = sorted(source_dir.glob("[0-9][0-9]_*.ipynb"))
+    key = chapter.removesuffix(".ipynb")
+    key = f"{int(key):02d}" if key.isdigit() else key
+    found = [p for p in chapters if p.stem == key or p.stem.split("_", 1)[0] == key]
+    if len(found) != 1:
+        names = ", ".join(p.stem.split("_", 1)[0] for p in chapters)
+        raise ValueError(f"no chapter {chapter!r}: choose one of {names}")
+    src, mine = found[0], dest_dir / found[0].name
+    backup = None
+    if mine.exists():
+        stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+        (dest_dir / "backups").mkdir(parents=True, exist_ok=True)
+        backup = dest_dir / "backups" / f"{src.stem}.{stamp}.ipynb"
+        n = 1
+        while backup.exists():
+            n += 1
+            backup = backup.with_name(f"{src.stem}.{stamp}-{n}.ipynb")
+        mine.rename(backup)                     # same folder tree: a move, never a copy-and-delete
+    workbook = strip_solutions(nbformat.read(src, as_version=4), name=src.name)
+    with open(mine, "x", encoding="utf-8") as f:
+        nbformat.write(workbook, f)
+    return backup, mine
 
 
 def execute(path: str | pathlib.Path, *, timeout: int = 600) -> None:

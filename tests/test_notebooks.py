@@ -1,11 +1,16 @@
 """Workbooks: no solution survives, outputs are cleared, a learner's file is never overwritten."""
+import datetime
 import pathlib
+import re
+import subprocess
+import sys
 
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from companion.notebooks import BEGIN, END, SolutionMarkerError, make_workbooks, strip_solutions
+from companion.notebooks import (BEGIN, END, SolutionMarkerError, make_workbooks, reset_workbook,
+                                 strip_solutions)
 
 COURSE = pathlib.Path(__file__).resolve().parent.parent / "course"
 SOURCES = sorted(COURSE.glob("[0-9][0-9]_*.ipynb"))
@@ -94,3 +99,82 @@ def test_make_workbooks_never_overwrites(tmp_path):
 def test_every_course_notebook_makes_a_workbook(tmp_path):
     created = make_workbooks(COURSE, tmp_path)["created"]
     assert sorted(p.name for p in created) == [p.name for p in SOURCES]
+
+
+def _chapter_dir(tmp_path):
+    source = tmp_path / "course"
+    source.mkdir()
+    for name in ("01_a.ipynb", "02_b.ipynb"):
+        nbformat.write(new_notebook(cells=[new_code_cell(f"{BEGIN}\nx = 1\n{END}")]), source / name)
+    return source
+
+
+def test_reset_keeps_the_old_workbook_as_a_backup_and_writes_a_fresh_one(tmp_path):
+    source, dest = _chapter_dir(tmp_path), tmp_path / "workbook"
+    make_workbooks(source, dest)
+    mine = dest / "01_a.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("x = 42  # my own work")]), mine)
+    work = mine.read_bytes()
+    when = datetime.datetime(2026, 1, 2, 3, 4, 5)
+    backups = [reset_workbook("1", source, dest, now=when)[0] for _ in range(3)]   # same second
+    assert [b.name for b in backups] == ["01_a.20260102-030405.ipynb",
+                                         "01_a.20260102-030405-2.ipynb",
+                                         "01_a.20260102-030405-3.ipynb"]
+    assert backups[0].read_bytes() == work               # the learner's work, byte for byte
+    assert "my own work" not in mine.read_text() and "NotImplementedError" in mine.read_text()
+    assert (dest / "02_b.ipynb").exists()                 # other chapters untouched
+
+
+def test_reset_of_a_missing_workbook_just_creates_it(tmp_path):
+    source, dest = _chapter_dir(tmp_path), tmp_path / "workbook"
+    dest.mkdir()
+    backup, fresh = reset_workbook("02_b", source, dest)
+    assert backup is None and fresh.exists() and not (dest / "backups").exists()
+
+
+@pytest.mark.parametrize("chapter", ["7", "ab", "0"])
+def test_reset_of_an_unknown_chapter_names_the_chapters(tmp_path, chapter):
+    source = _chapter_dir(tmp_path)
+    with pytest.raises(ValueError, match="choose one of 01, 02"):
+        reset_workbook(chapter, source, tmp_path / "workbook")
+
+
+def test_reset_command(tmp_path):
+    source, dest = _chapter_dir(tmp_path), tmp_path / "workbook"
+    make_workbooks(source, dest)
+    args = [sys.executable, "-m", "companion", "reset", "--source", str(source), "--dest", str(dest)]
+    done = subprocess.run([*args, "01"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "your old work, kept" in done.stdout, done.stderr
+    assert len(list((dest / "backups").iterdir())) == 1
+    bad = subprocess.run([*args, "09"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no chapter '09'" in bad.stderr
+
+
+HEADING = re.compile(r"^#{2,4} Exercise (\d+) · .+ \((\d+) points?\)$", re.MULTILINE)
+CHECK_CALL = re.compile(r"^(check_\w+)\(", re.MULTILINE)
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_each_exercise_heading_shows_the_points_its_check_gives(source):
+    """Each check call follows a markdown heading "### Exercise N · Title (P points)" with N
+    counting 1, 2, 3 ... and P the points the check is registered with."""
+    from companion.checks.core import REGISTRY
+
+    for module in sorted(p.stem for p in (COURSE.parent / "companion" / "checks").glob("ch*.py")):
+        __import__(f"companion.checks.{module}")         # each module registers its checks
+    nb = nbformat.read(source, as_version=4)
+    heading, numbers = None, []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown":
+            found = HEADING.findall(cell.source)
+            heading = found[-1] if found else heading if not cell.source.startswith("#") else None
+            continue
+        for name in CHECK_CALL.findall(cell.source):
+            assert heading, f"cell {i} calls {name} with no '### Exercise N · ... (P points)' above"
+            number, points = map(int, heading)
+            assert points == REGISTRY[name].points, (
+                f"cell {i}: the heading says {points} point(s), {name} gives "
+                f"{REGISTRY[name].points}")
+            numbers.append(number)
+            heading = None
+    assert numbers == list(range(1, len(numbers) + 1)) and numbers, numbers
