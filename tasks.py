@@ -1,21 +1,25 @@
 #!/usr/bin/env python3
-"""Set up the course and run it: the two commands of the README.
+"""Set up the course and run it: the two commands of the README, and a reset.
 
-    python3 tasks.py lab     # set up, create your workbook, open it in JupyterLab
-    python3 tasks.py test    # set up, run the unit tests and execute every notebook under nbval
+    python3 tasks.py lab         # set up, create your workbook, open it in JupyterLab
+    python3 tasks.py test        # set up, run the unit tests and execute every notebook under nbval
+    python3 tasks.py reset 01    # a fresh workbook for chapter 01; the old one is kept as a backup
 
 `test` includes the browser tests in tests/browser (JupyterLab driven by Chromium), which are
 skipped, with the reason, where /usr/bin/chromium is missing.
 
 Setup makes a virtual environment in .venv, installs PyTorch there if it has none (a torch you
-installed yourself, e.g. a CUDA build, is kept), then the companion package with its test
-extras. Both commands are safe to re-run; the second time, setup only checks that nothing changed.
+installed yourself, e.g. a CUDA build, is kept), then the companion package: `lab` and `reset` with
+what the course needs, `test` also with the test tools (pytest, hypothesis, Playwright). Every
+command is safe to re-run; the second time, setup only checks that nothing changed.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import pathlib
+import platform
+import shutil
 import subprocess
 import sys
 import venv
@@ -33,26 +37,51 @@ def _run(*cmd: object) -> None:
     subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT)
 
 
+def _say(step: str) -> None:
+    print(f"\n== {step}", flush=True)
+
+
 def _has(*modules: str) -> bool:
     return subprocess.run([str(PYTHON), "-c", f"import {', '.join(modules)}"], cwd=ROOT,
                           capture_output=True).returncode == 0
 
 
-def setup() -> None:
-    """Create .venv and install what the course needs, skipping what is already done."""
+def _torch_note() -> None:
+    """On Linux without an NVIDIA driver, say what PyPI's default torch wheel will download."""
+    if platform.system() == "Linux" and shutil.which("nvidia-smi") is None:
+        print("   No NVIDIA GPU found. On Linux, PyPI's torch wheel bundles the CUDA libraries\n"
+              "   (several GB). If this download is not served from a local cache, stop now\n"
+              "   (Ctrl+C) and install the CPU build first, as the README says:\n"
+              "   .venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu",
+              flush=True)
+
+
+def setup(*, dev: bool) -> None:
+    """Create .venv and install what the course needs (`dev`: and the test tools), skipping what
+    is already done. Each step says what it does; pip shows its own progress."""
     if sys.version_info < (3, 10):
         sys.exit(f"Python 3.10 or newer is needed; this is {sys.version.split()[0]}.")
-    if not PYTHON.exists():
-        print(f"creating {VENV.name}/", flush=True)
-        venv.create(VENV, with_pip=True)
     wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    if STAMP.exists() and STAMP.read_text() == wanted and _has("torch", "companion"):
+    done = STAMP.read_text().split() if STAMP.exists() else []
+    if done[:1] == [wanted] and ("dev" in done or not dev) and _has("torch", "companion"):
         return
-    pip = [PYTHON, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    if not _has("torch"):
+    if not PYTHON.exists():
+        _say(f"1/3 creating the virtual environment {VENV.name}/")
+        venv.create(VENV, with_pip=True)
+    pip = [PYTHON, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "on"]
+    if _has("torch"):
+        _say("2/3 PyTorch is already in .venv: kept as it is")
+    else:
+        _say(f"2/3 installing PyTorch ({TORCH}): the CPU build is a 190 MB download (750 MB\n"
+             "   installed); a CUDA build is several GB")
+        _torch_note()
         _run(*pip, TORCH)
-    _run(*pip, "-e", f"{ROOT}[dev]")
-    STAMP.write_text(wanted)
+    extras = "[dev]" if dev else ""
+    _say("3/3 installing the course's packages (JupyterLab, ipywidgets, matplotlib, nbval"
+         + (", and the test tools: pytest, hypothesis, Playwright)" if dev else ")"))
+    _run(*pip, "-e", f"{ROOT}{extras}")
+    STAMP.write_text(f"{wanted} {'dev' if dev else 'course'}")
+    _say("setup done")
 
 
 def lab(args: list[str]) -> None:
@@ -75,16 +104,24 @@ def test(args: list[str]) -> int:
     return subprocess.run(cmd, cwd=ROOT).returncode
 
 
+def reset(args: list[str]) -> int:
+    """Replace chapters' workbooks by fresh ones, keeping each old file in workbook/backups/."""
+    if not args:
+        print("usage: python3 tasks.py reset NN [NN ...]   (e.g. reset 01)", file=sys.stderr)
+        return 2
+    return subprocess.run([str(PYTHON), "-m", "companion", "reset", *args], cwd=ROOT).returncode
+
+
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("lab", "test"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("lab", "test", "reset"):
         print(__doc__)
         return 2
     command, rest = sys.argv[1], sys.argv[2:]
-    setup()
+    setup(dev=command == "test")
     if command == "lab":
         lab(rest)
         return 0
-    return test(rest)
+    return reset(rest) if command == "reset" else test(rest)
 
 
 if __name__ == "__main__":
