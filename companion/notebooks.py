@@ -109,6 +109,7 @@ def reset_workbook(chapter: str, source_dir: str | pathlib.Path, dest_dir: str |
         names = ", ".join(p.stem.split("_", 1)[0] for p in chapters)
         raise ValueError(f"no chapter {chapter!r}: choose one of {names}")
     src, mine = found[0], dest_dir / found[0].name
+    dest_dir.mkdir(parents=True, exist_ok=True)
     backup = None
     if mine.exists():
         stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")

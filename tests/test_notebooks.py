@@ -126,8 +126,7 @@ def test_reset_keeps_the_old_workbook_as_a_backup_and_writes_a_fresh_one(tmp_pat
 
 
 def test_reset_of_a_missing_workbook_just_creates_it(tmp_path):
-    source, dest = _chapter_dir(tmp_path), tmp_path / "workbook"
-    dest.mkdir()
+    source, dest = _chapter_dir(tmp_path), tmp_path / "workbook"    # no workbook/ folder yet
     backup, fresh = reset_workbook("02_b", source, dest)
     assert backup is None and fresh.exists() and not (dest / "backups").exists()
 
