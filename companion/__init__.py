@@ -5,7 +5,8 @@ memory on any device, widgets, and the checks that grade the course's exercises.
 you need (``from companion import memory``); this file only lists them.
 
 Measure and predict: `memory` (track, measure, memory_budget), `estimate`, `device`, `models`.
-Techniques: `gd`, `floats`, `accumulation`, `checkpointing`, `collectives`, `dp`, `ddp`, `launch`.
+Techniques: `gd`, `floats`, `accumulation`, `checkpointing`, `collectives`, `dp`, `ddp`, `launch`,
+`lora`.
 The course itself: `widgets`, `results`, `checks`, `notebooks`, `grading`.
 """
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "gd",
     "grading",
     "launch",
+    "lora",
     "memory",
     "models",
     "notebooks",
