@@ -1,0 +1,23 @@
+"""ZeRO: shard optimizer state, gradients and parameters over data-parallel ranks (stages 1-3).
+
+Data parallelism (`companion.ddp`) keeps a full copy of the model states on every rank. ZeRO
+(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020)
+removes the copies: with Ψ parameters, N ranks and K bytes of optimizer state per parameter, fp32
+training holds per rank
+
+    stage 0 (DDP)        4Ψ + 4Ψ + KΨ
+    stage 1 (P_os)       4Ψ + 4Ψ + KΨ/N      `ShardedOptimizer(..., stage=1)`
+    stage 2 (P_os+g)     4Ψ + 4Ψ/N + KΨ/N    `ShardedOptimizer(..., stage=2)`
+    stage 3 (P_os+g+p)   (4 + 4 + K)Ψ/N      `FSDP(module)`
+
+and sends per rank per step 2Ψ, 2Ψ, 2Ψ and 3Ψ elements (a ring sends (N-1)/N of each).
+
+Modules: `partition` (the balanced flat partition), `comm` (collectives with byte counters),
+`optimizer` (stages 1 and 2), `fsdp` (stage 3), `experiments` (workers that measure them).
+"""
+from companion.zero.comm import Comm
+from companion.zero.fsdp import FSDP
+from companion.zero.optimizer import ShardedOptimizer
+from companion.zero.partition import FlatLayout, flat_partition, shard_size
+
+__all__ = ["ShardedOptimizer", "FSDP", "Comm", "FlatLayout", "flat_partition", "shard_size"]
