@@ -1,0 +1,49 @@
+"""Gradient checkpointing: keep a few activations, recompute the rest during backward.
+
+Backward needs tensors from forward (a Linear layer needs its input to form the weight gradient, a
+ReLU needs to know where its input was positive). Autograd saves them, so a deep network holds one
+set of activations per layer until its backward runs. Checkpointing a block keeps only the block's
+*inputs*, runs the block without keeping what it saves, and runs it again inside backward to get
+the saved tensors back. It trades one extra forward pass (about a third more compute: backward costs
+about two forwards) for activation memory. It does not change which parameters are trained: every
+gradient is the same as without it.
+
+Two designs, as in PyTorch's `torch.utils.checkpoint`:
+- `function`: an autograd.Function whose backward reruns the block and calls backward on it
+  (reentrant; `checkpoint(fn, x)`, the default here).
+- `hooks`: saved-tensor hooks that recompute the block the first time backward unpacks a tensor
+  (non-reentrant; `checkpoint(fn, x, use_reentrant=False)` or `checkpoint_hooks`), with an optional
+  selective policy that keeps some operators' outputs.
+`saved` lists what autograd saves; `segments` predicts and measures the √n trade-off.
+
+Example:
+    >>> layers = [torch.nn.Linear(64, 64) for _ in range(16)]
+    >>> y = checkpoint_sequential(layers, 4, torch.randn(8, 64, requires_grad=True))
+    >>> y.sum().backward()                     # same gradients as running the layers plainly
+"""
+from companion.checkpointing.function import Checkpoint, checkpoint, checkpoint_sequential
+from companion.checkpointing.hooks import (checkpoint_hooks, save_linear_outputs,
+                                           save_matmul_outputs)
+from companion.checkpointing.saved import SavedTensor, activation_bytes, saved_for_backward
+from companion.checkpointing.segments import (SegmentRun, predicted_activation_bytes,
+                                              predicted_activation_units, predicted_time_ratio,
+                                              profile_segments, segments_for_budget, sqrt_segments)
+
+__all__ = [
+    "Checkpoint",
+    "checkpoint",
+    "checkpoint_sequential",
+    "checkpoint_hooks",
+    "save_linear_outputs",
+    "save_matmul_outputs",
+    "SavedTensor",
+    "saved_for_backward",
+    "activation_bytes",
+    "predicted_activation_units",
+    "predicted_activation_bytes",
+    "segments_for_budget",
+    "sqrt_segments",
+    "predicted_time_ratio",
+    "SegmentRun",
+    "profile_segments",
+]

@@ -1,0 +1,111 @@
+"""How many segments: the activation peak and the recompute time of `checkpoint_sequential`
+predicted, and measured per segment count."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from companion.memory import track
+
+__all__ = ["predicted_activation_units", "predicted_activation_bytes", "segments_for_budget",
+           "sqrt_segments", "predicted_time_ratio", "SegmentRun", "profile_segments"]
+
+
+def predicted_activation_units(n_layers: int, segments: int) -> int:
+    """Layer outputs held at the peak of backward with `checkpoint_sequential(…, segments, …)`.
+
+    The inputs of the checkpointed segments stay alive (segments - 1 of them, the first is the
+    network's own input, counted here too), plus one segment's layer outputs while it is
+    recomputed or held: the longest segment, which is the last one. With segments = 1 that is
+    all n layers.
+    """
+    size = n_layers // segments
+    longest = n_layers - size * (segments - 1)
+    return (segments - 1) + longest
+
+
+def predicted_activation_bytes(n_layers: int, segments: int, layer_bytes: int,
+                               checkpoint_bytes: int | None = None) -> int:
+    """`predicted_activation_units` in bytes, when a checkpoint (one layer's input, `checkpoint_bytes`)
+    is smaller than everything a layer saves (`layer_bytes`), as in a transformer block."""
+    checkpoint_bytes = layer_bytes if checkpoint_bytes is None else checkpoint_bytes
+    longest = predicted_activation_units(n_layers, segments) - (segments - 1)
+    return (segments - 1) * checkpoint_bytes + longest * layer_bytes
+
+
+def segments_for_budget(n_layers: int, layer_bytes: int, budget_bytes: int) -> int | None:
+    """The fewest segments whose predicted activation peak fits `budget_bytes`, or None.
+
+    Fewest, because each extra checkpointed segment means more recompute; None when even the
+    best split (near √n segments) does not fit.
+    """
+    for segments in range(1, n_layers + 1):
+        if predicted_activation_units(n_layers, segments) * layer_bytes <= budget_bytes:
+            return segments
+    return None
+
+
+def sqrt_segments(n_layers: int) -> int:
+    """The segment count near √n that minimises `predicted_activation_units`."""
+    return min(range(1, n_layers + 1), key=lambda s: (predicted_activation_units(n_layers, s), s))
+
+
+def predicted_time_ratio(n_layers: int, segments: int) -> float:
+    """Step time with checkpointing over step time without, counting compute only.
+
+    A backward costs about two forwards, so a plain step is 3 forward-units; every layer in a
+    checkpointed segment runs forward once more: at most 4/3 when all of them are recomputed.
+    """
+    recomputed = (n_layers // segments) * (segments - 1)
+    return (3 * n_layers + recomputed) / (3 * n_layers)
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentRun:
+    """One segment count, measured: peaks are bytes above what was live before the step."""
+
+    segments: int
+    peak_bytes: int          # everything the step allocated: activations, temporaries, gradients
+    activation_bytes: int    # the most bytes saved for backward at any one time
+    seconds: float           # median of the timed steps
+
+
+def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
+                     device: torch.device | str | None = None, repeats: int = 5) -> list[SegmentRun]:
+    """Measure `step(segments)` (one forward and backward) for each segment count.
+
+    Per count: one warm-up run (it also allocates the gradients, so later runs measure activations,
+    not gradients), one run under `companion.memory.track`, then `repeats` timed runs without the
+    tracker (it slows operators down), of which the median is kept: one slow run, when other work
+    takes the machine for a moment, does not move it.
+    """
+    device = torch.device(device) if device is not None else None
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    runs = []
+    for segments in counts:
+        step(segments)                                          # warm-up
+        with track(device) as tracker:
+            step(segments)
+        times = []
+        for _ in range(repeats):
+            sync()                                              # host-device sync
+            start = time.perf_counter()
+            step(segments)
+            sync()                                              # host-device sync
+            times.append(time.perf_counter() - start)
+        runs.append(SegmentRun(segments, tracker.peak, _saved_peak(tracker.timeline()),
+                               statistics.median(times)))
+    return runs
+
+
+def _saved_peak(timeline: dict[str, list]) -> int:
+    """The most bytes saved for backward at once. The tracker labels a saved leaf that requires
+    grad a parameter; inside a step those are the inputs `Checkpoint.backward` rebuilds as leaves
+    (the model's parameters exist before the step and are not counted), so both kinds add up."""
+    return max((a + p for a, p in zip(timeline["activations"], timeline["parameters"])), default=0)
