@@ -16,8 +16,9 @@ Modules: `partition` (the balanced flat partition), `comm` (collectives with byt
 `optimizer` (stages 1 and 2), `fsdp` (stage 3), `experiments` (workers that measure them).
 """
 from companion.zero.comm import Comm
-from companion.zero.fsdp import FSDP
+from companion.zero.fsdp import FSDP, register_gather_hooks
 from companion.zero.optimizer import ShardedOptimizer
-from companion.zero.partition import FlatLayout, flat_partition, shard_size
+from companion.zero.partition import FlatLayout, flat_partition, per_rank_state_bytes, shard_size
 
-__all__ = ["ShardedOptimizer", "FSDP", "Comm", "FlatLayout", "flat_partition", "shard_size"]
+__all__ = ["ShardedOptimizer", "FSDP", "Comm", "FlatLayout", "flat_partition", "shard_size",
+           "per_rank_state_bytes", "register_gather_hooks"]

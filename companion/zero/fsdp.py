@@ -41,7 +41,27 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from companion.zero.comm import Comm
 from companion.zero.partition import FlatLayout, check_devices
 
-__all__ = ["FSDP"]
+__all__ = ["FSDP", "register_gather_hooks"]
+
+
+def register_gather_hooks(module: nn.Module, names: list[str], gather):
+    """ZeRO-3's core in two hooks, the naive version of what `FSDP` does for every module.
+
+    Before `module` runs, set each attribute in `names` to `gather(name)` (the full tensor, e.g.
+    all-gathered from the ranks' shards); right after, set it to None, so that the full tensor can
+    be freed. The parameters must already be gone from `module._parameters`. Returns the two
+    hooks' handles (`.remove()` them to stop). Memory: a full weight exists only while its module
+    runs (and while autograd holds it for backward; `FSDP` packs those as tokens instead).
+    """
+    def before(mod: nn.Module, inputs) -> None:
+        for name in names:
+            object.__setattr__(mod, name, gather(name))      # 1. the full tensor, just in time
+
+    def after(mod: nn.Module, inputs, output) -> None:
+        for name in names:
+            object.__setattr__(mod, name, None)              # 2. dropped right after
+
+    return module.register_forward_pre_hook(before), module.register_forward_hook(after)
 
 
 @dataclasses.dataclass(eq=False)

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["shard_size", "flat_partition", "FlatLayout", "check_devices"]
+__all__ = ["shard_size", "flat_partition", "per_rank_state_bytes", "FlatLayout", "check_devices"]
 
 
 def shard_size(numel: int, world_size: int) -> int:
@@ -43,6 +43,16 @@ def flat_partition(numels: Sequence[int], world_size: int, rank: int) -> list[tu
             pieces.append((index, start - offset, stop - offset))
         offset += numel
     return pieces
+
+
+def per_rank_state_bytes(n_params: int, stage: int, world_size: int, weight_bytes: int,
+                         grad_bytes: int, state_bytes: int) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes on one rank at ZeRO `stage` (0-3): stage 1
+    shards the optimizer state, 2 also the gradients, 3 also the parameters, each shard
+    ceil(Ψ/N) elements. Mixed-precision Adam: 2, 2, 12 bytes; fp32 Adam: 4, 4, 8."""
+    shard = shard_size(n_params, world_size)
+    params, grads, state = (shard if stage >= s else n_params for s in (3, 2, 1))
+    return weight_bytes * params, grad_bytes * grads, state_bytes * state
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,172 @@
+"""Chapter 07's checks pass on the references and fail, with their hint, on known-wrong answers.
+
+The reduce-scatter answers live at module level, so the gloo workers can import them by name.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from companion import collectives
+from companion.checks import ch07
+from companion.checks.core import CheckFailed
+from companion.zero import flat_partition, per_rank_state_bytes, register_gather_hooks
+
+
+# ---------------------------------------------------------------- exercise 1
+
+def partition_with_empty_pieces(numels, world, rank):
+    s = -(-sum(numels) // world)
+    out, offset = [], 0
+    for i, n in enumerate(numels):
+        out.append((i, min(max(rank * s - offset, 0), n), min(max((rank + 1) * s - offset, 0), n)))
+        offset += n
+    return out
+
+
+# ---------------------------------------------------------------- exercise 2
+
+def _ring(output, input, *, shift=0, add_own=True):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = list(input.view(world, -1))
+    right, left = (rank + 1) % world, (rank - 1) % world
+    sending = chunks[(rank - 1 + shift) % world].clone()
+    for step in range(world - 1):
+        buffer = torch.empty_like(output)
+        request = dist.isend(sending, right)
+        dist.recv(buffer, left)
+        request.wait()
+        if add_own:
+            buffer += chunks[(rank - step - 2 + shift) % world]
+        sending = buffer
+    output.copy_(sending)
+
+
+def rs_wrong_chunk(output, input, group=None):
+    _ring(output, input, shift=1)
+
+
+def rs_forgets_own_part(output, input, group=None):
+    _ring(output, input, add_own=False)
+
+
+def rs_all_reduce_then_slice(output, input, group=None):
+    collectives.ring_all_reduce(input)
+    output.copy_(input.view(dist.get_world_size(), -1)[dist.get_rank()])
+
+
+def rs_with_a_collective(output, input, group=None):
+    dist.reduce_scatter_single(output, input)
+
+
+def rs_returns_instead(output, input, group=None):
+    result = torch.empty_like(output)
+    collectives.ring_reduce_scatter(result, input)
+    return result
+
+
+def rs_hangs(output, input, group=None):
+    dist.recv(output, (dist.get_rank() - 1) % dist.get_world_size())
+
+
+# ---------------------------------------------------------------- exercise 3
+
+def hooks_never_free(module, names, gather):
+    def before(mod, inputs):
+        for n in names:
+            setattr(mod, n, gather(n))
+    return module.register_forward_pre_hook(before), module.register_forward_hook(lambda *a: None)
+
+
+def hooks_gather_early(module, names, gather):
+    full = {n: gather(n) for n in names}
+
+    def before(mod, inputs):
+        for n in names:
+            setattr(mod, n, full[n])
+
+    def after(mod, inputs, output):
+        for n in names:
+            setattr(mod, n, None)
+    return module.register_forward_pre_hook(before), module.register_forward_hook(after)
+
+
+KEPT = []
+
+
+def hooks_keep_a_reference(module, names, gather):
+    def before(mod, inputs):
+        for n in names:
+            KEPT.append(gather(n))
+            setattr(mod, n, KEPT[-1])
+
+    def after(mod, inputs, output):
+        for n in names:
+            setattr(mod, n, None)
+    return module.register_forward_pre_hook(before), module.register_forward_hook(after)
+
+
+def hooks_without_handles(module, names, gather):
+    register_gather_hooks(module, names, gather)
+
+
+# ---------------------------------------------------------------- exercise 4
+
+def states_floor(n, stage, world, w, g, k):
+    counts = [n // world if stage >= s else n for s in (3, 2, 1)]
+    return w * counts[0], g * counts[1], k * counts[2]
+
+
+def states_shard_everything(n, stage, world, w, g, k):
+    shard = -(-n // world)
+    return (w * shard, g * shard, k * shard) if stage else (w * n, g * n, k * n)
+
+
+def states_only_optimizer(n, stage, world, w, g, k):
+    return w * n, g * n, k * (-(-n // world) if stage else n)
+
+
+def test_references_pass(capsys):
+    ch07.check_flat_partition(flat_partition)
+    ch07.check_ring_reduce_scatter(collectives.ring_reduce_scatter)
+    ch07.check_gather_hooks(register_gather_hooks)
+    ch07.check_per_rank_model_states(per_rank_state_bytes)
+    out = capsys.readouterr().out
+    assert out.count("passed") == 4 and "120.0 / 31.4 / 16.6 / 1.9 GB" in out
+
+
+@pytest.mark.parametrize("check, answer, words", [
+    (ch07.check_flat_partition, ch07._whole_tensors, "split by elements"),
+    (ch07.check_flat_partition, ch07._floor_slices, "ceil"),
+    (ch07.check_flat_partition, ch07._flat_coordinates, "inside each parameter"),
+    (ch07.check_flat_partition, partition_with_empty_pieces, "leave out those it misses"),
+    (ch07.check_ring_reduce_scatter, rs_wrong_chunk, "ended with the sum of chunk"),
+    (ch07.check_ring_reduce_scatter, rs_forgets_own_part, "own part is missing"),
+    (ch07.check_ring_reduce_scatter, rs_all_reduce_then_slice, "nothing more"),
+    (ch07.check_ring_reduce_scatter, rs_with_a_collective, "collective"),
+    (ch07.check_ring_reduce_scatter, rs_returns_instead, "still zeros"),
+    (ch07.check_gather_hooks, hooks_never_free, "forward hook"),
+    (ch07.check_gather_hooks, hooks_gather_early, "before any forward"),
+    (ch07.check_gather_hooks, hooks_keep_a_reference, "no other reference"),
+    (ch07.check_gather_hooks, hooks_without_handles, "two hook handles"),
+    (ch07.check_per_rank_model_states, states_floor, "ceil"),
+    (ch07.check_per_rank_model_states, states_shard_everything, "stage 1 shards only"),
+    (ch07.check_per_rank_model_states, states_only_optimizer, "stage 2 shards the gradients"),
+], ids=lambda v: getattr(v, "__name__", None))
+def test_checks_fail_on_known_wrong_answers_with_their_hint(check, answer, words):
+    with pytest.raises(CheckFailed) as info:
+        check(answer)
+    assert words in str(info.value)
+
+
+def test_a_hanging_reduce_scatter_fails_within_the_worker_timeout():
+    with pytest.raises(CheckFailed, match="did not finish"):
+        ch07.check_ring_reduce_scatter(rs_hangs, worker_timeout=2)
+
+
+def test_stage_3_without_sharding_parameters_gets_its_own_hint():
+    """Stage 3 without sharding parameters is caught by its own hint."""
+    def no_param_sharding(n, stage, world, w, g, k):
+        shard = -(-n // world)
+        return w * n, g * (shard if stage >= 2 else n), k * (shard if stage >= 1 else n)
+    with pytest.raises(CheckFailed, match="stage 3 shards the parameters"):
+        ch07.check_per_rank_model_states(no_param_sharding)
