@@ -196,3 +196,82 @@ def test_activation_bytes_counts_each_storage_once_and_skips_parameters():
     # Linear saves x (4·5); ReLU saves its output (4·7), which the second Linear saves again.
     assert ck.activation_bytes(mlp, x) == 4 * (4 * 5 + 4 * 7)
     assert ck.activation_bytes(lambda t: t * t, x) == 4 * 20
+
+
+# ---------------------------------------------------------------- the saved-tensor-hooks design
+
+HOOKS = lambda m, x: ck.checkpoint(m, x, use_reentrant=False)
+SELECTIVE = lambda m, x: ck.checkpoint_hooks(m, x, policy=ck.save_linear_outputs)
+TORCH_SELECTIVE = lambda m, x: tuc.checkpoint(
+    m, x, use_reentrant=False, context_fn=lambda: tuc.create_selective_checkpoint_contexts(
+        lambda ctx, op, *a, **k: tuc.CheckpointPolicy.MUST_SAVE if ck.save_linear_outputs(op)
+        else tuc.CheckpointPolicy.PREFER_RECOMPUTE))
+
+
+@pytest.mark.parametrize("how", [HOOKS, SELECTIVE], ids=["full", "selective"])
+@pytest.mark.parametrize("p", [0.0, 0.5])
+@pytest.mark.parametrize("x_requires_grad", [True, False])
+def test_hooks_checkpoint_equals_torch_bit_for_bit(how, p, x_requires_grad):
+    block = _block(p=p)
+    x = torch.randn(5, 12, requires_grad=x_requires_grad)
+    y_plain, g_plain = _run(block, x, PLAIN)
+    y_torch, g_torch = _run(block, x, TORCH if how is HOOKS else TORCH_SELECTIVE)
+    y_ours, g_ours = _run(block, x, how)
+    for a, b, c in zip([y_ours] + g_ours, [y_torch] + g_torch, [y_plain] + g_plain):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_hooks_checkpoint_serves_autograd_grad_keywords_and_non_tensor_outputs():
+    block = _block()
+    x = torch.randn(3, 12, requires_grad=True)
+
+    def fn(t, *, scale):
+        return {"y": block(t) * scale, "note": "kept as it is"}
+
+    out = ck.checkpoint(fn, x, use_reentrant=False, scale=2.0)
+    (gx,) = torch.autograd.grad(out["y"].sum(), x)
+    (want,) = torch.autograd.grad((block(x) * 2.0).sum(), x)
+    assert torch.equal(gx, want) and out["note"] == "kept as it is"
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        ck.checkpoint(fn, x, scale=2.0)
+    weight = block[0].weight                              # a parameter inside the block
+    (gw,) = torch.autograd.grad(ck.checkpoint(block, x, use_reentrant=False).sum(), weight)
+    assert torch.equal(gw, torch.autograd.grad(block(x).sum(), weight)[0]) and weight.grad is None
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(ck.checkpoint(block, x).sum(), weight)   # the reentrant one cannot
+
+
+def test_hooks_checkpoint_keeps_nothing_but_inputs_until_backward():
+    from companion import memory
+    block = _block(width=64)
+    x = torch.randn(256, 64, requires_grad=True)
+    kept = {}
+    for name, how in [("plain", PLAIN), ("full", HOOKS), ("selective", SELECTIVE)]:
+        with memory.track("cpu") as t:
+            y = how(block, x)
+            kept[name] = t.current - y.untyped_storage().nbytes()
+        del y
+    linear_outputs = 256 * (128 + 64) * 4                 # what save_linear_outputs keeps
+    assert kept["full"] == 0
+    assert kept["selective"] == linear_outputs - 256 * 64 * 4   # the last one is the output
+    assert kept["plain"] > kept["selective"] > kept["full"]
+
+
+def test_retain_graph_recomputes_again():
+    block = _block()
+    x = torch.randn(4, 12, requires_grad=True)
+    y = ck.checkpoint_hooks(block, x, policy=ck.save_matmul_outputs)
+    (g1,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    with pytest.raises(IndexError):                       # kept outputs were handed over once
+        torch.autograd.grad(y.sum(), x)
+    y = ck.checkpoint_hooks(block, x)
+    (a,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    (b,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(a, b) and torch.equal(a, g1)
+
+
+def test_policies_name_the_right_operators():
+    aten = torch.ops.aten
+    assert ck.save_linear_outputs(aten.addmm.default) and ck.save_linear_outputs(aten.mm.default)
+    assert not ck.save_linear_outputs(aten.bmm.default) and ck.save_matmul_outputs(aten.bmm.default)
+    assert not ck.save_matmul_outputs(aten._softmax.default)
