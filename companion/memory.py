@@ -8,6 +8,14 @@ freed. The same ledger labels storages by kind (parameters, gradients, optimizer
 saved for backward, other temporaries) and records when each byte arrived (forward, backward,
 optimizer step), on either device.
 
+Device and host. Offloading keeps tensors in host (CPU) memory while the model trains on the
+device. On CUDA the ledger tells them apart by the storage's device: CUDA storages are device
+bytes, CPU storages host bytes. Without a GPU both are the same RAM, so the split is made explicit
+(`companion.placement`): storages allocated inside `with on_host():` are host bytes, the rest
+device bytes. Host bytes are reported apart (`host_peak`, `breakdown(where="host")`) and never
+count against `memory_budget`, which caps the device only. Storages made inside
+`with on_disk():` (files mapped into memory) count as neither.
+
 Example:
     >>> with track() as t:
     ...     loss = model(x).square().mean(); loss.backward(); opt.step()
@@ -33,8 +41,11 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from companion.memory_plot import plot_timeline
+from companion.placement import DEVICE as _DEVICE, HOST as _HOST, on_disk, on_host, storage_place
+
 __all__ = ["KINDS", "PHASES", "MemoryTracker", "track", "measure", "memory_budget", "parse_bytes",
-           "format_bytes", "plot_timeline"]
+           "format_bytes", "plot_timeline", "on_host", "on_disk"]
 
 KINDS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 PHASES = ("forward", "backward", "optimizer")
@@ -89,7 +100,9 @@ class _Ledger(TorchDispatchMode):
         self.kind = bytearray()                  # storage id -> label (lower wins)
         self.ev_id, self.ev_delta = array.array("q"), array.array("q")   # one entry per event:
         self.ev_phase = bytearray()              # which storage, +-bytes, in which phase
+        self.where = bytearray()                 # storage id -> _DEVICE or _HOST
         self.bytes = self.peak = self.peak_event = 0
+        self.host_bytes = self.host_peak = self.host_peak_event = 0
         self.in_optimizer = False
 
     @classmethod
@@ -133,11 +146,13 @@ class _Ledger(TorchDispatchMode):
                 self._record(sid, nbytes - self.size[sid])
                 self.size[sid] = nbytes
             return
-        if storage.device.type != self.device_type:
+        where = storage_place(storage.device.type, self.device_type)
+        if where is None or where > _HOST:               # another device, or a file on disk
             return
         sid = len(self.size)
         self.size.append(nbytes)
         self.kind.append(_TEMP)
+        self.where.append(where)
         self.ids[key] = sid
         self.refs[weakref.ref(storage, self._freed)] = key
         self._record(sid, nbytes)
@@ -152,6 +167,11 @@ class _Ledger(TorchDispatchMode):
         self.ev_delta.append(delta)
         self.ev_phase.append(2 if self.in_optimizer else                 # 1: inside backward
                              int(torch._C._current_graph_task_id() != -1))
+        if self.where[sid] == _HOST:
+            self.host_bytes += delta
+            if self.host_bytes > self.host_peak:
+                self.host_peak, self.host_peak_event = self.host_bytes, len(self.ev_id)
+            return
         self.bytes += delta
         if self.bytes > self.peak:
             self.peak, self.peak_event = self.bytes, len(self.ev_id)
@@ -162,11 +182,13 @@ class _Ledger(TorchDispatchMode):
             if sid is not None and kind < self.kind[sid]:
                 self.kind[sid] = kind
 
-    def replay(self, stop: int | None = None) -> Iterator[tuple[int, int, int]]:
-        """(label, +-bytes, phase) of each event up to `stop`, labels as they are now."""
-        kind = self.kind
+    def replay(self, stop: int | None = None, where: int = _DEVICE
+               ) -> Iterator[tuple[int, int, int]]:
+        """(label, +-bytes, phase) of each device (or host) event up to `stop`, labels as now."""
+        kind, at = self.kind, self.where
         for sid, delta, phase in zip(self.ev_id[:stop], self.ev_delta[:stop], self.ev_phase[:stop]):
-            yield kind[sid], delta, phase
+            if at[sid] == where:
+                yield kind[sid], delta, phase
 
     def close(self) -> None:
         """Stop counting: later frees no longer change the figures."""
@@ -235,7 +257,7 @@ class MemoryTracker:
         self.device = device
         self._ledger = _Ledger(device.type)
         self._cuda_base: int | None = None
-        self._final: tuple[int, int] | None = None
+        self._final: tuple[int, int, int, int] | None = None
         self.result: Any = None        # what the measured function returned (set by `measure`)
 
     @property
@@ -257,6 +279,16 @@ class MemoryTracker:
         return self._ledger.peak
 
     @property
+    def host_current(self) -> int:
+        """Host bytes allocated inside the block and still live (see `on_host`)."""
+        return self._final[2] if self._final is not None else self._ledger.host_bytes
+
+    @property
+    def host_peak(self) -> int:
+        """The most host bytes live at once inside the block; never part of `peak`."""
+        return self._final[3] if self._final is not None else self._ledger.host_peak
+
+    @property
     def peak_phase(self) -> str | None:
         """The phase ("forward", "backward", "optimizer") in which the ledger's peak fell."""
         ledger = self._ledger
@@ -272,16 +304,20 @@ class MemoryTracker:
         """CUDA only: the most bytes the caching allocator held since the block began."""
         return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else None
 
-    def breakdown(self, at: str = "peak") -> dict[str, int]:
-        """Bytes by kind (`KINDS`) at the peak of the block, or at its end with at="current".
+    def breakdown(self, at: str = "peak", *, where: str = "device") -> dict[str, int]:
+        """Bytes by kind (`KINDS`) at the peak of the block, or at its end with at="current";
+        of device memory, or of host memory with where="host" (at the host's own peak).
 
         On CUDA the kinds add up to the ledger's count of tensor storages, which is slightly below
         the allocator's figure (the allocator rounds each block up to 512 bytes)."""
         if at not in ("peak", "current"):
             raise ValueError(f'at must be "peak" or "current", got {at!r}')
-        ledger = self._ledger
+        if where not in ("device", "host"):
+            raise ValueError(f'where must be "device" or "host", got {where!r}')
+        ledger, host = self._ledger, where == "host"
+        stop = (ledger.host_peak_event if host else ledger.peak_event) if at == "peak" else None
         totals = [0] * len(KINDS)
-        for kind, delta, _ in ledger.replay(ledger.peak_event if at == "peak" else None):
+        for kind, delta, _ in ledger.replay(stop, _HOST if host else _DEVICE):
             totals[kind] += delta
         return dict(zip(KINDS, totals))
 
@@ -306,6 +342,9 @@ class MemoryTracker:
     def __str__(self) -> str:
         lines = [f"memory on {self.device}: peak {format_bytes(self.peak)}, "
                  f"live at end {format_bytes(self.current)}"]
+        if self.host_peak:
+            lines[0] += (f"; host: peak {format_bytes(self.host_peak)}, "
+                         f"live at end {format_bytes(self.host_current)}")
         lines += [f"  {kind:<16}{format_bytes(n):>12}" for kind, n in self.breakdown().items()]
         return "\n".join(lines)
 
@@ -336,7 +375,7 @@ def track(device: torch.device | str | None = None) -> Iterator[MemoryTracker]:
     finally:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        tracker._final = (tracker.current, tracker.peak)
+        tracker._final = (tracker.current, tracker.peak, ledger.host_bytes, ledger.host_peak)
         ledger.close()
 
 
@@ -388,27 +427,3 @@ def _device(device: torch.device | str | None) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def plot_timeline(tracker: MemoryTracker, ax=None, *, title: str = "Memory during the block"):
-    """Stacked live bytes by kind over the block's allocation events, phases shaded, like PyTorch's
-    memory snapshot viewer. Returns the matplotlib Axes."""
-    import matplotlib.pyplot as plt
-
-    data = tracker.timeline()
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 3.5))
-    scale, unit = (2**20, "MiB") if max(data["total"], default=0) >= 2**20 else (2**10, "KiB")
-    ax.stackplot(data["event"], *[[v / scale for v in data[k]] for k in KINDS],
-                 labels=[k.replace("_", " ") for k in KINDS], step="post", alpha=0.85)
-    shades = {"backward": "#dddddd", "optimizer": "#f3e3c3"}
-    start = 0
-    for i in range(1, len(data["phase"]) + 1):
-        if i == len(data["phase"]) or data["phase"][i] != data["phase"][start]:
-            if data["phase"][start] in shades:
-                ax.axvspan(start, i, color=shades[data["phase"][start]], zorder=-1, lw=0)
-            start = i
-    ax.set(xlabel="allocation event (white: forward, grey: backward, tan: optimizer step)",
-           ylabel=f"live {unit}", title=title)
-    ax.legend(loc="upper left", fontsize="small")
-    return ax

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from companion.memory import (KINDS, format_bytes, measure, memory_budget, parse_bytes,
-                              plot_timeline, track)
+from companion.memory import (KINDS, format_bytes, measure, memory_budget, on_disk, on_host,
+                              parse_bytes, plot_timeline, track)
 
 
 def test_plain_allocations_are_counted_to_the_byte():
@@ -235,6 +235,80 @@ def test_budget_and_track_nest():
                 torch.empty(1000)
     assert t.peak == 4400 and t.current == 400
     del small
+
+
+def test_host_storages_are_counted_apart_from_the_device():
+    with track("cpu") as t:
+        a = torch.empty(1000)                              # device: 4000 B
+        with on_host():
+            b = torch.empty(500)                           # host: 2000 B
+            view = b[::2]                                  # a view: nothing new
+            c = a.clone()                                  # host: 4000 B, made from a device tensor
+        d = b * 2                                          # outside the scope: device, 2000 B
+        assert (t.current, t.host_current) == (6000, 6000)
+        del c
+    assert (t.peak, t.host_peak, t.host_current) == (6000, 6000, 2000)
+    assert sum(t.breakdown("current", where="host").values()) == 2000
+    assert "host: peak 5.86 KiB" in str(t)
+    del a, b, d, view
+
+
+def test_a_budget_caps_the_device_and_not_the_host():
+    with memory_budget("1 MiB"), on_host():
+        master = torch.zeros(2**20)                        # 4 MiB on the host: allowed
+    with pytest.raises(torch.OutOfMemoryError):
+        with memory_budget("1 MiB"):
+            torch.zeros(2**20)                             # 4 MiB on the device: refused
+    del master
+
+
+def test_disk_storages_are_counted_nowhere_and_scopes_unwind():
+    with track("cpu") as t:
+        with on_disk():
+            mapped = torch.tensor([1.0, 2.0])
+        with pytest.raises(KeyError):
+            with on_host():
+                raise KeyError("boom")
+        after = torch.empty(10)                            # the host scope ended with the error
+    assert (t.current, t.host_current) == (40, 0)
+    del mapped, after
+
+
+def test_the_host_scope_belongs_to_one_thread():
+    import threading
+    seen = {}
+
+    def other():
+        with track("cpu") as t:
+            x = torch.empty(100)
+        seen["device"], seen["host"] = t.current, t.host_current
+        del x
+
+    with on_host():
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+    assert seen == {"device": 400, "host": 0}
+
+
+def test_host_optimizer_state_is_labelled_on_the_host():
+    model = torch.nn.Linear(16, 8)
+    opt = torch.optim.Adam(model.parameters())
+    with track("cpu") as t:
+        model(torch.randn(4, 16)).sum().backward()
+        with on_host():
+            opt.step()                                     # Adam's moments made on the host
+    n = sum(p.numel() for p in model.parameters())
+    assert t.breakdown("current", where="host")["optimizer_state"] == 2 * 4 * n + 4 * 2
+    assert t.breakdown("current")["optimizer_state"] == 0
+
+
+@pytest.mark.parametrize("bad", ["disk", None])
+def test_breakdown_rejects_an_unknown_place(bad):
+    with track("cpu") as t:
+        pass
+    with pytest.raises(ValueError, match="where must be"):
+        t.breakdown(where=bad)
 
 
 @pytest.mark.gpu
