@@ -5,6 +5,8 @@ parameter count and not with the batch. *Activations* (tensors the forward pass 
 scale with batch × sequence length and not with the optimizer. `model_states` gives the first,
 `mlp_activations` and `gpt_activations` the second for `companion.models.MLP` and `GPT`, and
 `training_memory` adds them up by kind, which is what the chapter 00 calculator draws.
+`offload_placement` (from `companion.estimate_offload`) splits model states between device, host
+and disk under offload, in DeepSpeed's estimator conventions or the course's measured layout.
 
 Example:
     >>> model_states(1_000_000, optimizer="adam", precision="mixed").total   # 16 bytes/param
@@ -19,9 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from companion.estimate_offload import (OFFLOAD_LADDER, Placement, choose_offload,
+                                        offload_placement)
+
 __all__ = ["ModelStates", "model_states", "bytes_per_element", "mlp_params", "gpt_params",
            "mlp_activations", "gpt_activations", "gpt_shape", "training_memory", "OPTIMIZERS",
-           "PRECISIONS"]
+           "PRECISIONS", "Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload"]
 
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 PRECISIONS = ("fp32", "mixed", "bf16", "fp16")

@@ -160,3 +160,127 @@ def test_memory_calculator_shows_the_estimate(monkeypatch):
                                 world_size=64)
     assert f"{sum(sharded.values()) / 1e9:.1f} GB" in summary.value
     assert sum(sharded.values()) < sum(parts.values())
+
+
+# ---------------------------------------------------------------- offload_placement (chapter 08)
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("stage, optimizer, params, zero_init, host_gb, device_gb", [
+    # DeepSpeed's docs (docs/code-docs/source/memory.rst), estimate_zero3_..._all_cold with
+    # total_params=2851e6, largest_layer_params=32e6, 8 GPUs on 1 node: "per CPU | per GPU".
+    (3, "cpu", "cpu", True, 71.69, 0.12),
+    (3, "cpu", "cpu", False, 127.45, 0.12),
+    (3, "cpu", None, True, 63.72, 0.78),
+    (3, "cpu", None, False, 127.45, 0.78),
+    (3, None, None, True, 1.43, 6.09),
+    (3, None, None, False, 127.45, 6.09),
+    # estimate_zero2_..._all_cold, same model and GPUs, offload_optimizer=cpu.
+    (2, "cpu", None, True, 127.45, 5.31),
+])
+def test_deepspeed_documented_examples(stage, optimizer, params, zero_init, host_gb, device_gb):
+    placed = E.offload_placement(2_851_000_000, zero_stage=stage, offload_optimizer=optimizer,
+                                 offload_params=params, gpus_per_node=8,
+                                 largest_layer_params=32_000_000, zero_init=zero_init)
+    assert (round(placed.host / GiB, 2), round(placed.device / GiB, 2)) == (host_gb, device_gb)
+
+
+def test_deepspeed_zero2_without_offload_follows_the_code_not_the_older_docs():
+    # The docs' table prints 15.93 GB per GPU, from the older 4P + 16P/N; DeepSpeed's code has
+    # computed 2P + int(18P/N) since PR #5099 (2024), and the CPU figure is 4P x 8 GPUs x 1.5.
+    P = 2_851_000_000
+    placed = E.offload_placement(P, zero_stage=2, gpus_per_node=8)
+    assert placed.device == 2 * P + int(18 * P / 8)
+    assert round((4 * P + 16 * P // 8) / GiB, 2) == 15.93
+    assert round(placed.host / GiB, 2) == 127.45
+
+
+def test_offload_placement_matches_deepspeed_itself():
+    stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    for P, L, per_node, nodes, zero_init, b in [(1, 0, 1, 1, True, 1.5),
+                                                (10**9, 5 * 10**7, 8, 2, False, 1.5),
+                                                (123_456_789, 4321, 3, 5, True, 2.25)]:
+        for cpu in (True, False):
+            ours = E.offload_placement(P, zero_stage=2, offload_optimizer="cpu" if cpu else None,
+                                       gpus_per_node=per_node, nodes=nodes, buffer_factor=b)
+            host, device = stage_1_and_2.estimate_zero2_model_states_mem_needs(
+                P, per_node, nodes, cpu, b)
+            assert (ours.device, ours.host) == (device, host)
+            for cpu_params in ((True, False) if cpu else (False,)):
+                ours = E.offload_placement(
+                    P, zero_stage=3, offload_optimizer="cpu" if cpu else None,
+                    offload_params="cpu" if cpu_params else None, gpus_per_node=per_node,
+                    nodes=nodes, largest_layer_params=L, zero_init=zero_init, buffer_factor=b)
+                host, device, _ = stage3.estimate_zero3_model_states_mem_needs(
+                    P, L, per_node, nodes, cpu, cpu_params, zero_init, b)
+                assert (ours.device, ours.host) == (device, host)
+
+
+@pytest.mark.parametrize("param_bytes, precision", [(4, "fp32"), (2, "mixed")])
+def test_course_layout_without_offload_is_model_states(param_bytes, precision):
+    placed = E.offload_placement(1000, zero_stage=0, convention="course", param_bytes=param_bytes)
+    assert (placed.device, placed.host, placed.disk) == (
+        E.model_states(1000, precision=precision).total, 0, 0)
+
+
+@pytest.mark.parametrize("param_bytes, where, device, host, disk", [
+    (4, "cpu", 4, 16, 0),         # weights | master 4 + gradients 4 + moments 8
+    (2, "cpu", 2, 18, 0),         # ... + the 16-bit copy sent up
+    (4, "nvme", 4, 4, 12),        # master and moments on disk, gradients on the host
+    (2, "nvme", 2, 6, 12),
+])
+def test_course_layout_with_offload(param_bytes, where, device, host, disk):
+    placed = E.offload_placement(1000, zero_stage=2, offload_optimizer=where, convention="course",
+                                 param_bytes=param_bytes)
+    assert (placed.device, placed.host, placed.disk) == (1000 * device, 1000 * host, 1000 * disk)
+    # 20 bytes in all, 4 more than without offload: fp32 weights keep a second fp32 copy (the
+    # master); 16-bit weights get fp32 gradients on the host and a 16-bit copy to send up.
+    plain = E.model_states(1000, precision="fp32" if param_bytes == 4 else "mixed").total
+    assert placed.device + placed.host + placed.disk == 20 * 1000 == plain + 4 * 1000
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"offload_optimizer": "nvme"}, "no NVMe case"),
+    ({"zero_stage": 1}, "stages 2 and 3"),
+    ({"offload_params": "cpu", "offload_optimizer": "cpu"}, "needs zero_stage=3"),
+    ({"zero_stage": 3, "offload_params": "cpu"}, "together with the optimizer"),
+    ({"offload_optimizer": "disk"}, 'None, "cpu" or "nvme"'),
+    ({"convention": "mine"}, "convention must be"),
+    ({"gpus_per_node": 0}, "gpus_per_node must be"),
+    ({"n_params": -5}, "n_params must be"),
+    ({"n_params": 1.5e9}, "n_params must be"),
+    ({"buffer_factor": 0.5}, "buffer_factor"),
+    ({"convention": "course", "gpus_per_node": 2}, "one device"),
+    ({"convention": "course", "offload_params": "cpu", "offload_optimizer": "cpu"},
+     "not parameters"),
+    ({"convention": "course", "param_bytes": 3}, "param_bytes"),
+    ({"convention": "course", "zero_stage": 4}, "zero_stage must be"),
+])
+def test_offload_placement_rejects_bad_arguments(kwargs, message):
+    args = {"n_params": 1000, "zero_stage": 2} | kwargs
+    with pytest.raises(ValueError, match=message):
+        E.offload_placement(args.pop("n_params"), **args)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 10**11), device=st.integers(0, 10**12), host=st.integers(0, 10**13),
+       gpus=st.integers(1, 16), largest=st.integers(0, 10**9))
+def test_choose_offload_takes_the_first_setting_that_fits(n, device, host, gpus, largest):
+    chosen = E.choose_offload(n, device_budget=device, host_budget=host, gpus_per_node=gpus,
+                              largest_layer_params=largest)
+    fits = [s for s in E.OFFLOAD_LADDER
+            if (p := E.offload_placement(n, **s, gpus_per_node=gpus, largest_layer_params=largest))
+            .device <= device and p.host <= host]
+    assert chosen == (fits[0] if fits else None)
+
+
+def test_choose_offload_moves_down_the_ladder_as_the_gpu_shrinks():
+    # 7B parameters, largest layer 1e8, 16 GPUs: per GPU 21.9, 14, 8.3, 1.3 and 0.4 GB.
+    picks = [E.choose_offload(7 * 10**9, device_budget=int(gb * 10**9), host_budget=10**12,
+                              gpus_per_node=16, largest_layer_params=10**8)
+             for gb in (30, 20, 10, 2, 1, 0.1)]
+    settings = [p and (p["zero_stage"], p["offload_optimizer"], p["offload_params"]) for p in picks]
+    assert settings == [(2, None, None), (2, "cpu", None), (3, None, None), (3, "cpu", None),
+                        (3, "cpu", "cpu"), None]

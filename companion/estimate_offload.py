@@ -1,0 +1,161 @@
+"""Where model states go under offload: device, host and disk bytes, before running anything.
+
+Two conventions. `convention="deepspeed"` reproduces DeepSpeed's memory estimators exactly,
+`estimate_zero2_model_states_mem_needs` (deepspeed/runtime/zero/stage_1_and_2.py) and
+`estimate_zero3_model_states_mem_needs` (deepspeed/runtime/zero/stage3.py), as in DeepSpeed
+0.19.8 and documented on https://deepspeed.readthedocs.io/en/latest/memory.html. Per parameter P,
+with N = gpus_per_node x nodes GPUs, L = largest_layer_params, b = buffer_factor (default 1.5):
+
+    ZeRO-2, optimizer on CPU:       device 2P                   host P max(4N, 16) b
+    ZeRO-2, no offload:             device 2P + int(18P/N)      host 4P gpus_per_node b
+    ZeRO-3, optimizer+params CPU:   device 4L                   host 18P/nodes b (zero_init)
+    ZeRO-3, optimizer on CPU:       device 4L + int(2P/N)       host 16P/nodes b (zero_init)
+    ZeRO-3, no offload:             device 4L + int(18P/N)      host 4L gpus_per_node b (zero_init)
+    (without zero_init the ZeRO-3 host figures are P max(4 gpus_per_node, 18 or 16 /nodes) b and
+    4P gpus_per_node b.)
+
+They assume fp16 weights (2 bytes) and Adam (fp32 master 4 + gradients 4 + moments 8 = 16 on the
+host); "host" is per node, b is a safety margin, 4L is the largest layer gathered (fp16 weights and
+gradients) at ZeRO-3, and the host's 4P·gpus_per_node is the fp32 model that each process loads
+before it moves to the GPUs. DeepSpeed's docs still print the older ZeRO-2 no-offload figure
+(4P + 16P/N); the code has used 2P + 18P/N since 2024 (PR #5099), which is what we reproduce.
+
+`convention="course"` is the layout this course's `CPUOffloadOptimizer` and `NVMeOffloadOptimizer`
+allocate, on one device, measured to the byte in chapter 08 (no safety margin):
+device `param_bytes`·P (the weights); host 4P master + 4P gradients + 8P moments (+ param_bytes·P
+for the 16-bit copy sent up when the weights are 16-bit); with "nvme", master and moments (12P)
+move to disk and the host keeps the gradients (and the 16-bit copy). Both count AdamW's 4-byte step
+counter per parameter tensor as nothing.
+
+Example:
+    >>> offload_placement(7_000_000_000, zero_stage=2, offload_optimizer="cpu")
+    Placement(device=14000000000, host=168000000000, disk=0, convention='deepspeed')
+"""
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload"]
+
+_WHERE = (None, "cpu", "nvme")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Bytes of model states per GPU (`device`), per node in host RAM (`host`), and on disk."""
+
+    device: int
+    host: int
+    disk: int = 0
+    convention: str = "deepspeed"
+
+
+def offload_placement(n_params: int, *, zero_stage: int, offload_optimizer: str | None = None,
+                      offload_params: str | None = None, gpus_per_node: int = 1, nodes: int = 1,
+                      largest_layer_params: int = 0, zero_init: bool = True,
+                      buffer_factor: float = 1.5, convention: str = "deepspeed",
+                      param_bytes: int = 2) -> Placement:
+    """Device, host and disk bytes of model states for `n_params` trained with Adam, with the
+    optimizer state (and at ZeRO-3 the parameters) offloaded to "cpu" or "nvme" or kept (None).
+
+    See the module docstring for the formulas of each convention. `param_bytes` (4 or 2) is the
+    device weights' size for convention="course"; DeepSpeed's convention assumes 2.
+    """
+    _check_count("n_params", n_params)
+    _check_count("largest_layer_params", largest_layer_params)
+    for name, value in (("gpus_per_node", gpus_per_node), ("nodes", nodes)):
+        _check_count(name, value, minimum=1)
+    for name, value in (("offload_optimizer", offload_optimizer),
+                        ("offload_params", offload_params)):
+        if value not in _WHERE:
+            raise ValueError(f'{name} must be None, "cpu" or "nvme"; got {value!r}')
+    if not isinstance(buffer_factor, (int, float)) or isinstance(buffer_factor, bool) or not (
+            buffer_factor >= 1):
+        raise ValueError(f"buffer_factor must be a number >= 1, got {buffer_factor!r}")
+    if convention == "deepspeed":
+        return _deepspeed(n_params, zero_stage, offload_optimizer, offload_params, gpus_per_node,
+                          nodes, largest_layer_params, zero_init, buffer_factor)
+    if convention == "course":
+        return _course(n_params, zero_stage, offload_optimizer, offload_params,
+                       gpus_per_node * nodes, param_bytes)
+    raise ValueError(f'convention must be "deepspeed" or "course", got {convention!r}')
+
+
+def _deepspeed(P, stage, opt, params, per_node, nodes, L, zero_init, b) -> Placement:
+    if "nvme" in (opt, params):
+        raise ValueError('DeepSpeed\'s estimators have no NVMe case (they take cpu_offload flags '
+                         'only): use "cpu" for the device side, which does not depend on where '
+                         'the offloaded states live, or convention="course" for the NVMe tier')
+    if stage not in (2, 3):
+        raise ValueError(f"DeepSpeed publishes estimators for ZeRO stages 2 and 3 only; got "
+                         f"zero_stage={stage!r}")
+    N = per_node * nodes
+    if stage == 2:
+        if params is not None:
+            raise ValueError("ZeRO-2 keeps every parameter on the GPU: offload_params needs "
+                             "zero_stage=3")
+        if opt == "cpu":                               # estimate_zero2_model_states_mem_needs
+            return Placement(int(2 * P), int(P * max(4 * N, 16) * b))
+        return Placement(int(2 * P + int(18 * P / N)), int(P * 4 * per_node * b))
+    if params == "cpu" and opt is None:
+        raise ValueError("DeepSpeed offloads the parameters only together with the optimizer "
+                         'state: pass offload_optimizer="cpu" too')
+    largest, factor = 4 * L, 1 / nodes                 # estimate_zero3_model_states_mem_needs
+    if opt == "cpu":
+        per_param = 18 if params == "cpu" else 16
+        device = largest if params == "cpu" else largest + int(2 * P / N)
+        host = (P * per_param * factor * b if zero_init
+                else P * max(4 * per_node, per_param * factor) * b)
+        return Placement(int(device), int(host))
+    host = L * 4 * per_node * b if zero_init else P * 4 * per_node * b
+    return Placement(int(largest + int(18 * P / N)), int(host))
+
+
+def _course(P, stage, opt, params, world, param_bytes) -> Placement:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {stage!r}")
+    if world != 1:
+        raise ValueError("the course's layout is measured on one device (gpus_per_node=1, "
+                         'nodes=1); use convention="deepspeed" for several')
+    if params is not None:
+        raise ValueError("the course offloads optimizer state, not parameters: use "
+                         'offload_params=None, or convention="deepspeed" for ZeRO-3 parameter '
+                         "offload")
+    if param_bytes not in (2, 4):
+        raise ValueError(f"param_bytes must be 4 (fp32 weights) or 2 (16-bit), got {param_bytes!r}")
+    weights, copy_up = param_bytes * P, (param_bytes * P if param_bytes == 2 else 0)
+    master, grads, moments = 4 * P, 4 * P, 8 * P
+    if opt is None:                                    # everything on the device
+        fp32_master = master if param_bytes == 2 else 0
+        return Placement(weights + param_bytes * P + fp32_master + moments, 0, 0, "course")
+    if opt == "cpu":
+        return Placement(weights, master + grads + moments + copy_up, 0, "course")
+    return Placement(weights, grads + copy_up, master + moments, "course")
+
+
+# Fastest first: Hugging Face Transformers' DeepSpeed guide, "How to Choose Which ZeRO Stage and
+# Offloads To Use For Best Performance": Stage 2 > Stage 2 + offload > Stage 3 > Stage 3 + offloads.
+OFFLOAD_LADDER = (
+    {"zero_stage": 2, "offload_optimizer": None, "offload_params": None},
+    {"zero_stage": 2, "offload_optimizer": "cpu", "offload_params": None},
+    {"zero_stage": 3, "offload_optimizer": None, "offload_params": None},
+    {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": None},
+    {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+)
+
+
+def choose_offload(n_params: int, *, device_budget: int, host_budget: int, gpus_per_node: int = 1,
+                   largest_layer_params: int = 0) -> dict | None:
+    """The first setting of `OFFLOAD_LADDER` (fastest first) whose DeepSpeed placement fits both
+    the GPU's `device_budget` and the node's `host_budget` (bytes), or None if none does."""
+    for setting in OFFLOAD_LADDER:
+        placed = offload_placement(n_params, **setting, gpus_per_node=gpus_per_node,
+                                   largest_layer_params=largest_layer_params)
+        if placed.device <= device_budget and placed.host <= host_budget:
+            return dict(setting)
+    return None
+
+
+def _check_count(name: str, value, *, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
