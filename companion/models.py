@@ -4,7 +4,8 @@
 pre-LayerNorm blocks of causal self-attention and a 4x GELU MLP, a linear head) are plain
 `nn.Module`s with no dropout, so a seed fixes every number. Attention is written out (scores,
 mask, softmax, weighted sum) rather than fused, so the (T, T) score matrix that fills memory at
-long sequences is there to see and to measure. `make_classification` and `make_tokens` make data
+long sequences is there to see and to measure; `fused_attention=True` calls
+`F.scaled_dot_product_attention` instead, whose kernels keep no (T, T) tensor for backward. `make_classification` and `make_tokens` make data
 for them; `make_regression` is chapter 01's linear-regression data.
 
 Example:
@@ -65,11 +66,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One pre-LayerNorm transformer block: x + attention(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, width: int, heads: int, **factory):
+    def __init__(self, width: int, heads: int, *, fused_attention: bool = False, **factory):
         super().__init__()
         if width % heads:
             raise ValueError(f"width {width} must be a multiple of heads {heads}")
-        self.heads = heads
+        self.heads, self.fused_attention = heads, fused_attention
         self.ln1, self.ln2 = nn.LayerNorm(width, **factory), nn.LayerNorm(width, **factory)
         self.qkv = nn.Linear(width, 3 * width, **factory)
         self.proj = nn.Linear(width, width, **factory)
@@ -81,6 +82,9 @@ class Block(nn.Module):
         hs = C // self.heads
         q, k, v = self.qkv(x).split(C, dim=2)                      # 3 x (B, T, C)
         q, k, v = (t.view(B, T, self.heads, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if self.fused_attention:                                   # saves q, k, v, out, (B, nh, T)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (B, nh, T, hs)
+            return self.proj(y.transpose(1, 2).reshape(B, T, C))
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
         mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         weights = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)  # (B, nh, T, T)
@@ -100,14 +104,15 @@ class GPT(nn.Module):
 
     def __init__(self, vocab: int, seq_len: int, width: int, depth: int, heads: int, *,
                  seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, fused_attention: bool = False):
         super().__init__()
         torch.manual_seed(seed)
         factory = {"dtype": dtype, "device": device}
         self.seq_len = seq_len
         self.tok = nn.Embedding(vocab, width, **factory)
         self.pos = nn.Embedding(seq_len, width, **factory)
-        self.blocks = nn.Sequential(*[Block(width, heads, **factory) for _ in range(depth)])
+        self.blocks = nn.Sequential(*[Block(width, heads, fused_attention=fused_attention, **factory)
+                                      for _ in range(depth)])
         self.ln = nn.LayerNorm(width, **factory)
         self.head = nn.Linear(width, vocab, **factory)
 

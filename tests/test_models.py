@@ -60,3 +60,14 @@ def test_a_few_steps_lower_the_loss(kind):
 def test_make_regression_is_kept():
     X, y, w, b = make_regression(20, 3, seed=0)
     assert X.shape == (20, 3) and y.shape == (20,)
+
+
+def test_fused_attention_computes_the_same_and_saves_no_square_term():
+    from companion import checkpointing
+    x, _ = make_tokens(2, 48, vocab=40, seed=0)
+    plain = GPT(40, 48, 32, 2, 4, seed=0)
+    fused = GPT(40, 48, 32, 2, 4, seed=0, fused_attention=True)
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-5)
+    saved = {name: [s.shape for s in checkpointing.saved_for_backward(m.blocks[0], m.tok(x))]
+             for name, m in (("plain", plain), ("fused", fused))}
+    assert (2, 4, 48, 48) in saved["plain"] and (2, 4, 48, 48) not in saved["fused"]
