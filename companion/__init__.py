@@ -6,7 +6,7 @@ you need (``from companion import memory``); this file only lists them.
 
 Measure and predict: `memory` (track, measure, memory_budget), `estimate`, `device`, `models`.
 Techniques: `gd`, `floats`, `accumulation`, `checkpointing`, `collectives`, `dp`, `ddp`, `launch`,
-`lora`.
+`lora`, `zero` (ZeRO stages 1-3), `train` (the `python -m companion train` launcher).
 The course itself: `widgets`, `results`, `checks`, `notebooks`, `grading`.
 """
 __all__ = [
@@ -27,6 +27,8 @@ __all__ = [
     "models",
     "notebooks",
     "results",
+    "train",
     "widgets",
+    "zero",
 ]
 __version__ = "0.1.0"

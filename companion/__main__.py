@@ -1,4 +1,4 @@
-"""The command line: ``python -m companion {workbook,reset,grade,execute} ...``."""
+"""The command line: ``python -m companion {workbook,reset,grade,execute,train} ...``."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +57,12 @@ def _execute(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from companion.train import main as train_main
+
+    return train_main(args.options)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m companion", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,7 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cell-timeout", default=600, type=int)
     p.set_defaults(run=_execute)
 
-    args = parser.parse_args(argv)
+    p = sub.add_parser("train", add_help=False,
+                       help="train the course GPT with chosen techniques (under torchrun: "
+                            "torchrun --nproc_per_node=2 -m companion train --help)")
+    p.set_defaults(run=_train)
+
+    args, args.options = parser.parse_known_args(argv)    # train's options: its own parser
+    if args.options and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(args.options)}")
     return args.run(args)
 
 

@@ -1,0 +1,47 @@
+"""companion.train (`python -m companion train`): real torchrun processes, and every parallel mode
+training the same model to the same losses."""
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from companion import launch, train
+
+CONFIG = train.TrainConfig(steps=3, batch=4, seq_len=16, width=32, depth=2, heads=2, vocab=32,
+                           accumulation=2, checkpointing=True)
+
+
+def test_torchrun_two_gloo_ranks_print_peak_memory_and_step_time():
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "companion", "train", "--parallel", "zero3", "--steps", "3",
+               "--accumulation", "2", "--checkpointing", "--precision", "bf16",
+               "--width", "32", "--seq-len", "16", "--vocab", "32"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("rank ")]
+    assert [ln.split(":")[0] for ln in lines] == ["rank 0", "rank 1"]
+    assert all("peak" in ln and " ms" in ln and "sent" in ln for ln in lines)
+
+
+def _every_mode(rank, world_size):
+    losses = {mode: train.train(dataclasses.replace(CONFIG, parallel=mode))["losses"]
+              for mode in ("ddp", "zero1", "zero2", "zero3")}
+    bf16 = train.train(dataclasses.replace(CONFIG, parallel="zero2", precision="bf16"))
+    return losses, bf16["losses"]
+
+
+def test_ddp_and_every_zero_stage_train_to_the_same_losses():
+    for losses, bf16 in launch.run(_every_mode, 2, timeout=120):
+        for mode in ("zero1", "zero2", "zero3"):
+            assert losses[mode] == pytest.approx(losses["ddp"], rel=1e-5), mode
+        assert bf16 == pytest.approx(losses["ddp"], rel=0.05)
+
+
+def test_one_process_without_torchrun_and_clear_option_errors(capsys):
+    assert train.main(["--parallel", "zero1", "--steps", "2", "--width", "32", "--seq-len",
+                       "16", "--vocab", "32"]) == 0
+    assert "rank 0: peak" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        train.parse(["--batch", "5", "--accumulation", "2"])
+    assert "equal micro-batches" in capsys.readouterr().err
