@@ -64,13 +64,18 @@ class Sizes:
     ckpt_batch: int = 256   # its batch (large enough that activations dominate)
     ckpt_gpt_depth: int = 8  # transformer blocks of the GPT-style stack that chapter 04 checkpoints
     ckpt_gpt_batch: int = 8  # its batch of sequences
+    zero_width: int = 512    # width of the MLP whose model states chapter 07 shards
+    zero_depth: int = 4      # its Linear layers: about zero_depth · zero_width² parameters
+    zero_batch: int = 8      # its rows per rank (few, so that model states dominate)
+    zero_vocab: int = 16384  # rows of the one large matrix in chapter 07's balance demo
 
 
 _SIZES = {
     "cpu": Sizes(batch=32, width=256, depth=8, seq_len=64, n_examples=512, epochs=20, steps=3),
     "cuda": Sizes(batch=64, width=4096, depth=24, seq_len=1024, n_examples=8192, epochs=50, steps=10,
                   gpt_width=1024, gpt_depth=12, gpt_heads=16, vocab=50257,
-                  ckpt_depth=64, ckpt_batch=8192, ckpt_gpt_depth=16, ckpt_gpt_batch=16),
+                  ckpt_depth=64, ckpt_batch=8192, ckpt_gpt_depth=16, ckpt_gpt_batch=16,
+                  zero_width=8192, zero_depth=8, zero_batch=64, zero_vocab=262144),
 }
 
 

@@ -433,3 +433,13 @@ def test_clear_errors():
         assert "companion.ddp.DDP" in no_matrix
         assert "finish_gradient_synchronization()" in early
         assert "consolidate_state_dict" in wrong_rank
+
+
+def test_chapter_sizes_for_a_gpu_fit_an_80_gb_device_at_60_percent():
+    from companion.device import _SIZES
+    s = _SIZES["cuda"]
+    n = estimate.mlp_params(s.zero_width, s.zero_width, s.zero_depth, 16)
+    states = estimate.model_states(n, optimizer="adamw").total          # stage 0: the largest
+    activations = estimate.mlp_activations(s.zero_batch, s.zero_width, s.zero_depth, 16)
+    embedding = estimate.model_states(s.zero_vocab * 64, optimizer="adamw").total
+    assert states + activations <= 0.6 * 80e9 and embedding <= 0.6 * 80e9
