@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from companion import checkpointing as ck
+from companion.checks import ch04
 from companion.checks.ch04 import (check_checkpoint_function, check_saved_bytes,
                                    check_segments_for_budget)
 from companion.checks.core import CheckFailed
@@ -143,3 +144,24 @@ def test_garbage_fails_cleanly(check, garbage):
 def test_a_hang_fails_within_the_time_limit(check):
     with pytest.raises(CheckFailed, match="did not finish"):
         check(_hangs, timeout=1.0)
+
+
+def test_selective_policy_reference_passes(capsys):
+    ch04.check_selective_policy(ck.save_linear_outputs)
+    assert "your policy" in capsys.readouterr().out
+
+
+_aten = torch.ops.aten
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda op: True, "keeping everything saves nothing"),
+    (lambda op: False, "keep what nn.Linear computes"),
+    (ck.save_matmul_outputs, "attention's q·kᵀ"),
+    (lambda op: op.overloadpacket in (_aten.mm, _aten.addmm, _aten._softmax), "softmax"),
+    (lambda op: 1, "return a bool"),
+    (lambda op: op.name(), "return a bool"),
+])
+def test_selective_policy_wrong_answers_fail(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        ch04.check_selective_policy(wrong)

@@ -4,12 +4,14 @@ from __future__ import annotations
 import random
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from companion import checkpointing
+from companion import checkpointing, models
 from companion.checks.core import CheckFailed, call, compare, exercise, fresh_seeds, require
-from companion.memory import format_bytes
+from companion.memory import format_bytes, track
 
-__all__ = ["check_saved_bytes", "check_checkpoint_function", "check_segments_for_budget"]
+__all__ = ["check_saved_bytes", "check_checkpoint_function", "check_selective_policy",
+           "check_segments_for_budget"]
 
 
 def _block(seed: int, width: int, p: float) -> torch.nn.Module:
@@ -103,6 +105,87 @@ def check_checkpoint_function(answer) -> str:
             raise
     return (f"same gradients as plain autograd; saved for backward "
             f"{format_bytes(saved_plain)} -> {format_bytes(saved_mine)}")
+
+
+class _Operators(TorchDispatchMode):
+    """Records, in order, every operator that computes a new tensor (views and in-place ops are
+    left out: keeping their output keeps nothing new)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        returns = func._schema.returns
+        if returns and not all(r.alias_info is not None for r in returns):
+            self.ops.setdefault(func, None)
+        return func(*args, **(kwargs or {}))
+
+
+_POLICY_HINTS = {
+    "keep": "keep what nn.Linear computes, aten.mm and aten.addmm: the expensive matrix "
+            "multiplies, costly to run again.",
+    "bmm": "aten.bmm here is attention's q·kᵀ and weights·v: it reads and writes (T, T) "
+           "tensors that grow with the square of the sequence, and costs little to redo; "
+           "recompute it.",
+    "other": "element-wise operators, softmax and LayerNorm are cheap: recompute them, keep "
+             "only the Linear layers' outputs.",
+}
+
+
+def _block_gradients(block, x, policy):
+    block.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    y = block(x) if policy is False else checkpointing.checkpoint_hooks(block, x, policy=policy)
+    (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+    return tuple(p.grad.clone() for p in block.parameters()) + (x.grad,)
+
+
+def _kept_bytes(block, x, policy) -> int:
+    """Bytes a checkpointed (or plain, policy False) block keeps between forward and backward."""
+    with track(x.device) as tracker:
+        y = block(x) if policy is False else checkpointing.checkpoint_hooks(block, x, policy=policy)
+        kept = tracker.current - y.untyped_storage().nbytes()
+    return kept
+
+
+@exercise(points=2, timeout=30.0)
+def check_selective_policy(answer) -> str:
+    """answer(op) -> bool: True to keep the output of the aten operator `op` in forward, False to
+    recompute it in backward. Keep what nn.Linear computes; recompute the rest."""
+    kept = {"plain": 0, "full": 0, "yours": 0}
+    for seed, (width, heads, T) in zip(fresh_seeds(2), [(24, 3, 13), (40, 5, 9)]):
+        torch.manual_seed(seed)
+        block = models.Block(width, heads)
+        x = torch.randn(3, T, width, generator=torch.Generator().manual_seed(seed),
+                        requires_grad=True)
+        # 1. Ask the policy about every operator the block runs, outside autograd's hooks.
+        with _Operators() as seen:
+            block(x)
+        table = {}
+        for op in seen.ops:
+            keep = call(answer, op)
+            require(isinstance(keep, bool), f"policy({op}) returned {keep!r}, not True or False",
+                    hint="return a bool: True keeps the operator's output, False recomputes it.")
+            table[op] = keep
+        require(not all(table.values()), "your policy keeps every operator's output",
+                hint="keeping everything saves nothing, it is plain autograd with extra steps: "
+                     "keep only aten.mm and aten.addmm, what nn.Linear computes.")
+        for op, keep in table.items():
+            want = checkpointing.save_linear_outputs(op)
+            if keep != want:
+                key = "keep" if want else "bmm" if op.overloadpacket == torch.ops.aten.bmm else "other"
+                raise CheckFailed(f"your policy {'keeps' if keep else 'recomputes'} {op}",
+                                  expected=want, got=keep, hint=_POLICY_HINTS[key])
+        # 2. Same gradients as no checkpointing, with the policy's table in charge (views: False).
+        yours = lambda op: table.get(op, False)
+        compare(_block_gradients(block, x, yours), _block_gradients(block, x, False),
+                name="(parameter and input gradients)")
+        for name, policy in (("plain", False), ("full", None), ("yours", yours)):
+            kept[name] += _kept_bytes(block, x, policy)
+    return (f"kept between forward and backward: plain {format_bytes(kept['plain'])}, full "
+            f"recompute {format_bytes(kept['full'])}, your policy {format_bytes(kept['yours'])} "
+            "(the Linear outputs: no matrix multiply of a Linear runs twice)")
 
 
 @exercise(points=1)
