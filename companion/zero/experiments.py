@@ -49,13 +49,25 @@ def predicted_model_states(n_sharded: int, n_replicated: int = 0, *, stage: int,
                                                 (rest.params, rest.grads, rest.optimizer))))
 
 
+def _device() -> torch.device:
+    """This rank's GPU under NCCL (launch.run gives each rank its own), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _data(rank: int, world_size: int, width: int, batch: int, classes: int):
     """This rank's slice (batch rows) of a global batch of world_size·batch rows."""
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(world_size * batch, width, generator=g)
     y = torch.randint(classes, (world_size * batch,), generator=g)
     mine = slice(rank * batch, (rank + 1) * batch)
-    return x[mine], y[mine]
+    return x[mine].to(_device()), y[mine].to(_device())
+
+
+def _sample(params: list[torch.Tensor]) -> torch.Tensor:
+    """Every 97th element of the flattened parameters: enough to compare runs cheaply."""
+    return torch.cat([p.detach().reshape(-1).cpu() for p in params])[::97].clone()
 
 
 def _wrap(stage: int, model: nn.Module, opt: str, ring: bool):
@@ -87,8 +99,8 @@ def stage_report(rank: int, world_size: int, stages: list[int], width: int, dept
     reports = []
     for stage in stages:
         comm = None
-        with track() as t:
-            model = MLP(width, width, depth, classes, seed=0)
+        with track(_device()) as t:
+            model = MLP(width, width, depth, classes, seed=0, device=_device())
             n_1d = sum(p.numel() for p in model.parameters() if p.dim() < 2)
             n = sum(p.numel() for p in model.parameters())
             net, opt, comm, sync = _wrap(stage, model, optimizer, ring)
@@ -103,7 +115,9 @@ def stage_report(rank: int, world_size: int, stages: list[int], width: int, dept
                 if step < steps - 1:
                     opt.zero_grad()              # the last step's gradients stay, to be measured
         kinds = t.breakdown("current")
+        final = net.gather_full_params().values() if stage == 3 else model.parameters()
         reports.append({"stage": stage, "n_params": n, "n_replicated": n_1d,
+                        "sample": _sample(list(final)),
                         "params": kinds["parameters"], "grads": kinds["gradients"],
                         "optimizer_state": kinds["optimizer_state"], "peak": t.peak,
                         "sent_bytes": comm.traffic.sent_bytes, "payload": dict(comm.payload),
@@ -134,10 +148,11 @@ def imbalance_report(rank: int, world_size: int, vocab: int, width: int) -> dict
 
     g = torch.Generator().manual_seed(rank)
     tokens, labels = torch.randint(vocab, (16,), generator=g), torch.randint(8, (16,), generator=g)
+    tokens, labels = tokens.to(_device()), labels.to(_device())
     out = {}
     for name in ("ours", "torch"):
-        with track() as t:
-            model = _Imbalanced(vocab, width)
+        with track(_device()) as t:
+            model = _Imbalanced(vocab, width).to(_device())
             if name == "ours":
                 opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
                 owned = opt.buckets[0].layout.shard
@@ -216,8 +231,8 @@ def fsdp_comparison(rank: int, world_size: int, width: int, depth: int, batch: i
     from torch.distributed.fsdp import fully_shard
 
     x, y = _data(rank, world_size, width, batch, classes)
-    ours = FSDP(MLP(width, width, depth, classes, seed=0))
-    theirs = MLP(width, width, depth, classes, seed=0)
+    ours = FSDP(MLP(width, width, depth, classes, seed=0, device=_device()))
+    theirs = MLP(width, width, depth, classes, seed=0, device=_device())
     for layer in theirs.net:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
