@@ -1,0 +1,323 @@
+"""Offload: keep master weights, optimizer state and activations in host memory, not on the device.
+
+Adam in fp32 needs 16 bytes per parameter (weights 4, gradients 4, two moments 8); the forward
+needs only the 4 bytes of weights. ZeRO-Offload (Ren et al., 2021, "ZeRO-Offload: Democratizing
+Billion-Scale Model Training", USENIX ATC) keeps the rest on the host and splits a step in three:
+  1. backward on the device; each gradient is copied down to the host as soon as it is ready, and
+     its device copy freed;
+  2. the optimizer steps on the CPU, over fp32 master weights and state that live on the host;
+  3. the updated weights are copied back up.
+Device memory: the weights (plus activations and a gradient in flight). Host memory: fp32 master
+weights, gradients and optimizer state (16 bytes per parameter with Adam, 2 more for the 16-bit
+copy of 16-bit weights). Cost: the model crosses the host-device link twice per step (gradients
+down, weights up), and a CPU optimizer step.
+
+`offload_activations` does the same for activations: tensors saved for backward go to the host in
+forward and come back in backward (device activation memory for transfer time).
+
+Example:
+    >>> opt = CPUOffloadOptimizer(model.parameters(), lr=1e-3)     # AdamW on the host
+    >>> model.loss(x, y).backward()                                # gradients move down as ready
+    >>> opt.step(); opt.zero_grad()                                # CPU step, weights move up
+    >>> with offload_activations(min_bytes=2**20) as moved:
+    ...     model.loss(x, y).backward()                            # moved.bytes_to_host
+
+Simplified vs DeepSpeed (ZeRO-Offload): one process (no ZeRO partitioning across ranks), a copy per
+parameter instead of contiguous buckets, PyTorch's fused CPU optimizer instead of DeepSpeed's
+CPUAdam, and no one-step delayed update (which overlaps the CPU step with the next forward).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from companion.placement import on_host
+
+__all__ = ["to_host", "to_device", "CPUOffloadOptimizer", "OffloadActivations",
+           "offload_activations", "step_phases"]
+
+
+def to_host(t: torch.Tensor, *, dtype: torch.dtype | None = None,
+            pin_memory: bool | None = None) -> torch.Tensor:
+    """A copy of `t` in host memory, contiguous, in `dtype` (default: t's).
+
+    Pinned (page-locked) when `t` is on a GPU, so that copies to and from it can run asynchronously;
+    on a CPU-only machine it is allocated inside `companion.placement.on_host()`, so trackers count
+    it as host memory. Example: `master = to_host(weight, dtype=torch.float32)`."""
+    pin = t.is_cuda if pin_memory is None else pin_memory
+    with on_host():
+        out = torch.empty(t.shape, dtype=dtype or t.dtype, device="cpu", pin_memory=pin)
+        out.copy_(t, non_blocking=pin)                     # device -> host
+    return out
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A copy of host tensor `t` on `device` (a new tensor also when device is the CPU)."""
+    return t.to(device, non_blocking=t.is_pinned(), copy=True)   # host -> device
+
+
+def _fastest(optimizer_cls: type, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
+    """optimizer_cls over host tensors, with PyTorch's fastest CPU path: fused (one kernel for
+    every tensor), else foreach (one kernel per operation), else the per-tensor loop."""
+    if "fused" in defaults or "foreach" in defaults:
+        return optimizer_cls(groups)                       # the caller chose
+    for choice in ({"fused": True}, {"foreach": True}, {}):
+        try:
+            return optimizer_cls(groups, **choice)
+        except (TypeError, RuntimeError, ValueError):      # not supported by this optimizer
+            continue
+    raise AssertionError("unreachable: the last choice passes no option")
+
+
+class CPUOffloadOptimizer(torch.optim.Optimizer):
+    """ZeRO-Offload for one device: the weights stay on the device, everything else on the host.
+
+    Memory, per parameter with AdamW: device 4 bytes (fp32 weights) or 2 (16-bit weights);
+    host 4 (fp32 master) + 4 (fp32 gradient) + 8 (two moments), + 2 for the 16-bit copy sent up
+    when the weights are 16-bit. Cost per step: gradients down and weights up over the
+    host-device link, and the optimizer on the CPU. In fp32 training equals `optimizer_cls` on
+    the device exactly, when both use the same implementation (fused, foreach or loop).
+
+        >>> opt = CPUOffloadOptimizer(model.parameters(), lr=1e-3, weight_decay=0.1)
+        >>> for x, y in data:
+        ...     model.loss(x, y).backward(); opt.step(); opt.zero_grad()
+
+    Args: `params` (tensors or param groups, like any optimizer), `optimizer_cls` (run on the host;
+    `fused=True` is chosen when it supports it, else `foreach=True`), `pin_memory` (default: when
+    the weights are on CUDA), `**defaults` for optimizer_cls (lr, betas, weight_decay, ...).
+    Create it after loading the weights: the masters are copied from them here.
+
+    Simplified vs DeepSpeed: see the module docstring. `step_times` holds, per step, the seconds
+    spent copying down, stepping on the host and copying up (issue time on CUDA unless `profile`).
+    """
+
+    def __init__(self, params: Iterable, optimizer_cls: type = torch.optim.AdamW, *,
+                 pin_memory: bool | None = None, profile: bool = False, **defaults):
+        params = list(params)
+        if not params:
+            raise ValueError("CPUOffloadOptimizer got no parameters: pass model.parameters()")
+        super().__init__(params, defaults)
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        _check_params(self._params)
+        first = self._params[0]
+        self._stream = torch.cuda.Stream(first.device) if first.is_cuda else None
+        self._pin = self._stream is not None if pin_memory is None else pin_memory
+        self.profile, self.step_times = profile, []
+        self._times = dict.fromkeys(("copy_down", "host_step", "copy_up"), 0.0)
+        # 1. On the host: an fp32 master copy of each weight, a gradient buffer, and for 16-bit
+        #    weights a 16-bit copy to send up (half the bytes on the link).
+        self.master_params = [self._host_master(i, p) for i, p in enumerate(self._params)]
+        self._grads = [self._host_empty(m, torch.float32) for m in self.master_params]
+        self._staging = [self._host_empty(p, p.dtype) if p.dtype != torch.float32 else None
+                         for p in self._params]
+        self._has_grad = [False] * len(self._params)
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": self.master_params[start:start + len(g["params"])]}
+                  for g, start in zip(self.param_groups, _starts(self.param_groups))]
+        self.optimizer = _fastest(optimizer_cls, groups, defaults)   # runs on the host
+        # 2. A hook per weight: its gradient goes down as soon as backward has finished it.
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._copy_down, i))
+                       for i, p in enumerate(self._params)]
+
+    def _host_master(self, index: int, p: torch.Tensor) -> torch.Tensor:
+        return to_host(p.detach(), dtype=torch.float32, pin_memory=self._pin)
+
+    def _host_empty(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        with on_host():
+            return torch.zeros(like.shape, dtype=dtype, pin_memory=self._pin)
+
+    def _copy_down(self, i: int, p: torch.Tensor) -> None:
+        """Runs inside backward when p.grad is complete: move it to the host, free it here."""
+        start, host, grad = time.perf_counter(), self._grads[i], p.grad
+        if self._has_grad[i]:                      # a second backward before step: accumulate
+            self._wait()                           # host-device sync
+            with on_host():
+                host.add_(grad.to("cpu", torch.float32))           # device -> host, then add
+        elif self._stream is None:
+            host.copy_(grad)                                       # device -> host
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(grad.device))
+            with torch.cuda.stream(self._stream):
+                host.copy_(grad, non_blocking=True)                # device -> host, async
+            grad.record_stream(self._stream)       # not reused before the copy has read it
+        self._has_grad[i] = True
+        p.grad = None                              # the device keeps only the weights
+        self._times["copy_down"] += time.perf_counter() - start
+
+    def _wait(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()             # host-device sync: every copy has landed
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """Wait for the gradients, step on the host, copy the weights up. Returns closure()."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        start = time.perf_counter()
+        self._wait()                               # 1. every gradient is on the host
+        self._times["copy_down"] += time.perf_counter() - start
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})   # lr schedules
+        self._update(list(range(len(self._params))))                 # 2. and 3.
+        self.step_times.append(dict(self._times))
+        self._times = dict.fromkeys(self._times, 0.0)
+        return loss
+
+    def _update(self, indices: list[int]) -> None:
+        """Step the host optimizer over the masters in `indices` that have a gradient, and copy
+        those weights up to the device."""
+        start, chosen = time.perf_counter(), set(indices)
+        for i, (master, grad) in enumerate(zip(self.master_params, self._grads)):
+            master.grad = grad if i in chosen and self._has_grad[i] else None   # None: skipped
+        with on_host():
+            self.optimizer.step()                  # on the CPU: fused AdamW when available
+        middle = time.perf_counter()
+        updated = [i for i in indices if self._has_grad[i]]
+        for i in updated:
+            source = self.master_params[i]
+            if self._staging[i] is not None:       # 16-bit weights: cast on the host
+                source = self._staging[i].copy_(source)
+            with _on(self._stream):
+                self._params[i].copy_(source, non_blocking=self._pin)   # host -> device
+        if self._stream is not None:               # the next forward waits for the weights
+            torch.cuda.current_stream(self._params[0].device).wait_stream(self._stream)
+            if self.profile:
+                self._wait()                       # host-device sync, for honest timings
+        self._times["host_step"] += middle - start
+        self._times["copy_up"] += time.perf_counter() - middle
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients on the host (and any on the device)."""
+        super().zero_grad(set_to_none)
+        self._has_grad = [False] * len(self._params)
+
+    def state_dict(self) -> dict:
+        """The host optimizer's state (moments, step counts) and hyperparameters."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
+            outer.update({k: v for k, v in inner.items() if k != "params"})
+
+    def remove_hooks(self) -> None:
+        """Stop moving gradients down (the hooks stay on the parameters otherwise)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Tensors saved for backward that hold at least `min_bytes` go to the host in forward and
+    come back to their device in backward (the idea of `torch.autograd.graph.save_on_cpu`).
+
+    Memory: the device keeps only the small saved tensors and the parameters; the large ones wait
+    on the host. Cost: each one crosses the link twice (down in forward, up in backward).
+    Counters: `bytes_to_host`, `bytes_to_device`, `tensors_moved`, `tensors_kept`.
+
+        >>> with offload_activations(min_bytes=2**20) as moved:
+        ...     model.loss(x, y).backward()
+        >>> moved.bytes_to_host
+
+    Simplified vs PyTorch's save_on_cpu: it skips parameters (they stay on the device anyway) and
+    small tensors; like it, a tensor saved twice is copied twice, and the copies are not overlapped
+    with compute on a separate stream.
+    """
+
+    def __init__(self, *, min_bytes: int = 2**20, pin_memory: bool | None = None):
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}")
+        self.min_bytes, self.pin_memory = min_bytes, pin_memory
+        self.bytes_to_host = self.bytes_to_device = self.tensors_moved = self.tensors_kept = 0
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        nbytes = t.numel() * t.element_size()
+        if nbytes < self.min_bytes or _is_parameter(t) or (t.device.type == "cpu"
+                                                             and torch.cuda.is_available()):
+            self.tensors_kept += 1
+            return t                               # small, a parameter, or already on the host
+        self.bytes_to_host += nbytes
+        self.tensors_moved += 1
+        return t.device, to_host(t, pin_memory=self.pin_memory)     # device -> host
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        self.bytes_to_device += host.numel() * host.element_size()
+        return to_device(host, device)                              # host -> device
+
+    def __enter__(self) -> "OffloadActivations":
+        super().__enter__()
+        return self
+
+
+def offload_activations(*, min_bytes: int = 2**20,
+                        pin_memory: bool | None = None) -> OffloadActivations:
+    """`with offload_activations(min_bytes=...) as moved:` — see `OffloadActivations`."""
+    return OffloadActivations(min_bytes=min_bytes, pin_memory=pin_memory)
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A leaf that requires grad (a parameter), or a view of one (a Linear saves weight.t())."""
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
+
+
+def step_phases(loss_fn: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, *,
+                steps: int = 5, device: torch.device | str | None = None) -> dict[str, float]:
+    """Median seconds of each phase of `steps` training steps: forward (`loss_fn()`), backward,
+    optimizer step; for a `CPUOffloadOptimizer` also its copy_down (inside backward and at the
+    start of step), host_step and copy_up. One warm-up step first (it allocates the state)."""
+    cuda = torch.device(device).type == "cuda" if device is not None else False
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+    for n in range(steps + 1):
+        sync()                                     # host-device sync around each phase
+        t0 = time.perf_counter()
+        loss = loss_fn()
+        sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        sync()
+        t2 = time.perf_counter()
+        optimizer.step()
+        sync()
+        t3 = time.perf_counter()
+        optimizer.zero_grad()
+        if n:                                      # the first step is the warm-up
+            for name, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                times[name].append(seconds)
+    out = {name: statistics.median(values) for name, values in times.items()}
+    for name in getattr(optimizer, "step_times", [{}])[-1]:
+        out[name] = statistics.median(s[name] for s in optimizer.step_times[-steps:])
+    return out
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _starts(groups: list[dict]) -> list[int]:
+    sizes = [len(g["params"]) for g in groups]
+    return [sum(sizes[:k]) for k in range(len(sizes))]
+
+
+def _check_params(params: list[torch.Tensor]) -> None:
+    for p in params:
+        if not (p.is_floating_point() and p.requires_grad):
+            raise ValueError(f"every parameter must be a floating-point tensor that requires "
+                             f"grad; got {p.dtype} with requires_grad={p.requires_grad}: pass only "
+                             "the trainable ones, [p for p in model.parameters() if p.requires_grad]")
+    if len({p.device for p in params}) > 1:
+        devices = sorted({str(p.device) for p in params})
+        raise ValueError(f"parameters on several devices ({devices}): one CPUOffloadOptimizer "
+                         "per device")

@@ -1,0 +1,285 @@
+"""companion.offload: offloaded training equals plain training bit for bit, the device keeps only
+the weights (measured, against offload_placement), activation offload restores tensors exactly."""
+import copy
+
+import pytest
+import torch
+
+from companion.checkpointing import saved_for_backward
+from companion.estimate import offload_placement
+from companion.memory import memory_budget, track
+from companion.models import GPT, make_tokens
+from companion.offload import (CPUOffloadOptimizer, offload_activations, step_phases, to_device,
+                               to_host)
+
+
+def _gpt(seed=0, dtype=torch.float32):
+    return GPT(32, 16, 32, 2, 4, seed=seed, dtype=dtype)
+
+
+def _data(seed=0):
+    return make_tokens(6, 16, vocab=32, seed=seed)
+
+
+def _train(model, opt, steps=4, *, micro=1, scheduler=None):
+    losses = []
+    for step in range(steps):
+        for k in range(micro):
+            x, y = _data(seed=10 * step + k)
+            loss = model.loss(x, y) / micro
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+def _equal(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("options", [{}, {"foreach": False}, {"foreach": True}])
+def test_offloaded_adamw_equals_plain_adamw_bit_for_bit(options):
+    plain, offloaded = _gpt(), _gpt()
+    reference = torch.optim.AdamW(plain.parameters(), lr=3e-3, weight_decay=0.1,
+                                  **(options or {"fused": True}))
+    opt = CPUOffloadOptimizer(offloaded.parameters(), lr=3e-3, weight_decay=0.1, **options)
+    assert opt.optimizer.defaults.get("fused") is (True if not options else None)
+    assert _train(plain, reference) == _train(offloaded, opt)
+    assert _equal(plain, offloaded)
+
+
+def test_groups_schedules_and_accumulation_match_too():
+    plain, offloaded = _gpt(), _gpt()
+
+    def groups(model):
+        decay = [p for p in model.parameters() if p.ndim == 2]
+        return [{"params": decay, "weight_decay": 0.1},
+                {"params": [p for p in model.parameters() if p.ndim < 2], "lr": 1e-3}]
+
+    reference = torch.optim.AdamW(groups(plain), lr=3e-3, fused=True)
+    opt = CPUOffloadOptimizer(groups(offloaded), lr=3e-3)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
+                 for o in (reference, opt)]
+    assert (_train(plain, reference, micro=2, scheduler=schedules[0])
+            == _train(offloaded, opt, micro=2, scheduler=schedules[1]))
+    assert _equal(plain, offloaded)
+    assert opt.param_groups[1]["lr"] == reference.param_groups[1]["lr"] == 1e-3 / 16
+
+
+def test_other_optimizers_run_on_the_host_too():
+    plain, offloaded = _gpt(), _gpt()
+    reference = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9, fused=True)
+    opt = CPUOffloadOptimizer(offloaded.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    assert _train(plain, reference) == _train(offloaded, opt)
+    assert _equal(plain, offloaded)
+
+
+def test_gradients_leave_the_device_as_backward_makes_them():
+    plain, offloaded = _gpt(), _gpt()
+    opt = CPUOffloadOptimizer(offloaded.parameters())
+    seen = []
+    for p in offloaded.parameters():                       # runs after the optimizer's own hook
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad))
+    x, y = _data()
+    plain.loss(x, y).backward()
+    offloaded.loss(x, y).backward()
+    assert all(p.grad is None for p in offloaded.parameters()) and set(map(id, seen)) == {id(None)}
+    assert all(torch.equal(p.grad, g) for p, g in zip(plain.parameters(), opt._grads))
+
+
+def test_the_device_keeps_only_the_weights_measured_against_offload_placement():
+    x, y = _data()
+    with track("cpu") as t:
+        model = _gpt()
+        opt = CPUOffloadOptimizer(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            model.loss(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    n = sum(p.numel() for p in model.parameters())
+    placed = offload_placement(n, zero_stage=2, offload_optimizer="cpu", convention="course",
+                               param_bytes=4)
+    step_counters = 4 * len(list(model.parameters()))      # AdamW's step: one fp32 per tensor
+    assert t.current == placed.device
+    assert t.host_current == placed.host + step_counters
+    host = t.breakdown("current", where="host")
+    assert (host["parameters"], host["gradients"], host["optimizer_state"] - step_counters) == (
+        4 * n, 4 * n, 8 * n)
+
+
+def _run(optimizer_cls):
+    model = _gpt()
+    _train(model, optimizer_cls(model.parameters()), steps=2)
+
+
+def test_a_budget_too_small_for_adam_trains_with_offload():
+    peaks = {}
+    for cls in (torch.optim.AdamW, CPUOffloadOptimizer):
+        with track("cpu") as t:
+            _run(cls)
+        peaks[cls] = t.peak
+    n = sum(p.numel() for p in _gpt().parameters())
+    assert peaks[torch.optim.AdamW] - peaks[CPUOffloadOptimizer] >= 8 * n   # Adam's two moments
+    budget = (peaks[torch.optim.AdamW] + peaks[CPUOffloadOptimizer]) // 2
+    with pytest.raises(torch.OutOfMemoryError):
+        with memory_budget(budget):
+            _run(torch.optim.AdamW)
+    with memory_budget(budget):
+        _run(CPUOffloadOptimizer)
+
+
+def test_16_bit_weights_keep_an_fp32_master_on_the_host():
+    model, plain = _gpt(dtype=torch.bfloat16), _gpt(dtype=torch.bfloat16)
+    masters = [p.detach().float().requires_grad_() for p in plain.parameters()]
+    reference = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2)
+    for step in range(2):
+        x, y = _data(seed=step)
+        for m in (model, plain):
+            m.loss(x, y).backward()
+        for p, m in zip(plain.parameters(), masters):
+            m.grad = p.grad.float()                        # what the hook copies down
+        reference.step()
+        for p, m in zip(plain.parameters(), masters):
+            p.grad = None
+            p.data.copy_(m.data)                           # fp32 master -> bf16 weights
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(m, r) for m, r in zip(opt.master_params, masters))
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, m.to(torch.bfloat16))
+               for p, m in zip(model.parameters(), masters))
+
+
+def test_state_dict_round_trip_continues_identically():
+    a, b = _gpt(), _gpt()
+    opt_a = CPUOffloadOptimizer(a.parameters(), lr=1e-2)
+    _train(a, opt_a, steps=2)
+    b.load_state_dict(a.state_dict())
+    opt_b = CPUOffloadOptimizer(b.parameters(), lr=5.0)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))   # as torch.save + torch.load
+    assert opt_b.param_groups[0]["lr"] == 1e-2
+    assert _train(a, opt_a, steps=2) == _train(b, opt_b, steps=2)
+    assert _equal(a, b)
+
+
+@pytest.mark.parametrize("params, message", [
+    ([], "no parameters"),
+    ([torch.zeros(3, dtype=torch.int64)], "floating-point"),
+    ([torch.zeros(3)], "requires grad"),
+])
+def test_bad_parameters_raise_clear_errors(params, message):
+    with pytest.raises(ValueError, match=message):
+        CPUOffloadOptimizer(params)
+
+
+def test_removed_hooks_stop_the_copies():
+    model = _gpt()
+    opt = CPUOffloadOptimizer(model.parameters())
+    opt.remove_hooks()
+    model.loss(*_data()).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_step_phases_reports_the_offloaded_phases():
+    model = _gpt()
+    opt = CPUOffloadOptimizer(model.parameters())
+    x, y = _data()
+    phases = step_phases(lambda: model.loss(x, y), opt, steps=2)
+    assert set(phases) == {"forward", "backward", "step", "copy_down", "host_step", "copy_up"}
+    assert all(v > 0 for v in phases.values()) and phases["host_step"] < phases["step"]
+
+
+def test_to_host_is_counted_on_the_host_and_to_device_makes_a_new_tensor():
+    x = torch.randn(5, 7).t()                              # not contiguous
+    with track("cpu") as t:
+        h = to_host(x, dtype=torch.float64)
+        d = to_device(h, "cpu")
+    assert (t.host_current, t.current) == (35 * 8, 35 * 8)
+    assert torch.equal(d, x.double()) and d.untyped_storage().data_ptr() != h.data_ptr()
+
+
+# ---------------------------------------------------------------- activation offload
+
+def _loss_and_grads(model, x, y, context):
+    model.zero_grad(set_to_none=True)
+    with context:
+        loss = model.loss(x, y)
+    loss.backward()
+    return [loss.detach()] + [p.grad for p in model.parameters()]
+
+
+def test_activation_offload_gives_the_same_gradients_and_counts_bytes():
+    model, (x, y) = _gpt(), _data()
+    min_bytes = 2048
+    saved = saved_for_backward(model.loss, x, y)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    expected = sum(s.nbytes for s in saved if s.nbytes >= min_bytes and s.storage not in params)
+    plain = _loss_and_grads(model, x, y, torch.enable_grad())
+    moved = offload_activations(min_bytes=min_bytes)
+    offloaded = _loss_and_grads(model, x, y, moved)
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+    assert moved.bytes_to_host == moved.bytes_to_device == expected > 0
+    assert moved.tensors_moved + moved.tensors_kept == len(saved)
+
+
+def test_pack_then_unpack_restores_every_saved_tensor_exactly():
+    hooks = offload_activations(min_bytes=0)
+    base = torch.randn(6, 10, requires_grad=True) * 3     # not a leaf: it is moved
+    for t in [base, base.t(), base[::2, 1:], base.to(torch.bfloat16), torch.arange(12.0).exp()]:
+        packed = hooks._pack(t)
+        back = hooks._unpack(packed)
+        assert isinstance(packed, tuple) and back.dtype == t.dtype and torch.equal(back, t)
+        assert back.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_activation_offload_leaves_parameters_and_small_tensors():
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(8, 64)
+    with offload_activations(min_bytes=0) as moved:
+        y = (x @ weight.t()).relu()                        # saves x, weight.t() (a view), y
+    assert moved.bytes_to_host == (x.numel() + y.numel()) * 4   # not the weight
+    with offload_activations(min_bytes=10**9) as moved:
+        (torch.randn(8, 64, requires_grad=True) * 2).exp()
+    assert (moved.tensors_moved, moved.bytes_to_host) == (0, 0)
+
+
+def test_activation_offload_lowers_the_device_peak_by_what_it_moves():
+    model, (x, y) = _gpt(), _data()
+    model.loss(x, y).backward()                            # gradients exist before measuring
+    with track("cpu") as plain:
+        model.loss(x, y).backward()
+    with track("cpu") as offloaded:
+        with offload_activations(min_bytes=2048) as moved:
+            loss = model.loss(x, y)
+        loss.backward()
+    assert offloaded.peak < plain.peak and offloaded.host_peak == moved.bytes_to_host
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1 MiB", True])
+def test_activation_offload_rejects_a_bad_threshold(bad):
+    with pytest.raises(ValueError, match="min_bytes"):
+        offload_activations(min_bytes=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_offload_pins_host_memory_and_tracks_plain_training():
+    plain, offloaded = _gpt().cuda(), copy.deepcopy(_gpt()).cuda()
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
+    opt = CPUOffloadOptimizer(offloaded.parameters(), lr=1e-3)
+    assert all(m.is_pinned() and not m.is_cuda for m in opt.master_params)
+    for step in range(3):
+        x, y = (t.cuda() for t in _data(seed=step))
+        for model, o in ((plain, reference), (offloaded, opt)):
+            model.loss(x, y).backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(plain.parameters(), offloaded.parameters()):   # CUDA's and the CPU's fused
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)     # kernels round alike, not same
+    with offload_activations(min_bytes=0) as moved:
+        loss = offloaded.loss(x, y)
+    loss.backward()
+    assert moved.bytes_to_host == moved.bytes_to_device > 0
