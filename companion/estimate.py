@@ -29,7 +29,7 @@ __all__ = ["ModelStates", "model_states", "bytes_per_element", "mlp_params", "gp
            "PRECISIONS", "Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload"]
 
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
-PRECISIONS = ("fp32", "mixed", "bf16", "fp16")
+PRECISIONS = ("fp32", "mixed", "bf16", "fp16", "autocast")
 _STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}   # tensors of state per parameter
 
 
@@ -57,6 +57,8 @@ def model_states(n_params: int, *, optimizer: str = "adam", precision: str = "fp
         (4) and fp32 states: K = 12 for Adam, 8 for SGD with momentum, 4 for plain SGD -> Adam 16.
         Mixed precision does not shrink model states; it shrinks activations.
       - "bf16"/"fp16": pure 16-bit training, states in 16-bit too: 2 + 2 + 2 per state -> Adam 8.
+      - "autocast": torch.amp, fp32 weights, gradients and states as in "fp32" -> Adam 16. The
+        16-bit weight copies autocast makes in forward are saved for backward: activations.
     `fp32_grads=True` keeps gradients in fp32 (4 bytes): mixed Adam becomes 18 bytes, the figure in
     Hugging Face's "Model training anatomy" (6 bytes of weights counting the fp32 copy, 4 of fp32
     gradients, 8 of Adam state). Sources that say 20 count a 16-bit gradient and its fp32 copy at
@@ -74,8 +76,8 @@ def model_states(n_params: int, *, optimizer: str = "adam", precision: str = "fp
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    weight = 4 if precision == "fp32" else 2
-    grad = 4 if (precision == "fp32" or fp32_grads) else 2
+    weight = 4 if precision in ("fp32", "autocast") else 2
+    grad = 4 if (precision in ("fp32", "autocast") or fp32_grads) else 2
     if precision == "mixed":
         state = 4 + 4 * _STATES[optimizer]                           # fp32 master + fp32 states
     else:
@@ -87,7 +89,7 @@ def model_states(n_params: int, *, optimizer: str = "adam", precision: str = "fp
 
 def bytes_per_element(precision: str) -> int:
     """Bytes of one activation value: 4 in fp32, 2 in 16-bit (and, as a lower bound, under
-    autocast "mixed", which keeps a few tensors such as softmax and LayerNorm inputs in fp32)."""
+    "autocast", which keeps some tensors in fp32: see `gpt_activations`)."""
     _check_choice("precision", precision, PRECISIONS)
     return 4 if precision == "fp32" else 2
 
@@ -104,17 +106,27 @@ def gpt_params(vocab: int, seq_len: int, width: int, depth: int) -> int:
 
 
 def mlp_activations(batch: int, width: int, depth: int, d_out: int, *,
-                    precision: str = "fp32") -> int:
+                    precision: str = "fp32", d_in: int | None = None) -> int:
     """Bytes `MLP.loss` saves for backward, beyond its input batch and labels.
 
     Each hidden layer keeps its ReLU output (B·width values; the next Linear saves the same
-    tensor), the loss keeps the log-softmax of the logits (B·d_out) and a one-value total weight."""
+    tensor), the loss keeps the log-softmax of the logits (B·d_out) and a one-value total weight.
+    "autocast" (an fp32 model under 16-bit autocast; needs `d_in`): the ReLU outputs in 16 bits,
+    plus the 16-bit copies the Linears save: of the input batch (B·d_in) for the first layer's
+    weight gradient, and of every weight matrix but the first (whose input needs no gradient);
+    the loss is on autocast's fp32 list, so the log-softmax stays fp32."""
+    if precision == "autocast":
+        if d_in is None:
+            raise ValueError("precision='autocast' also counts the 16-bit copy of the input: "
+                             "pass d_in")
+        weights = (depth - 1) * width * width + width * d_out
+        return 2 * batch * d_in + 2 * weights + depth * batch * width * 2 + 4 * batch * d_out + 4
     e = bytes_per_element(precision)
     return depth * batch * width * e + batch * d_out * e + e
 
 
 def gpt_activations(batch: int, seq_len: int, width: int, depth: int, heads: int, vocab: int, *,
-                    precision: str = "fp32") -> int:
+                    precision: str = "fp32", device_type: str = "cpu") -> int:
     """Bytes `GPT.loss` saves for backward, beyond its input tokens and targets.
 
     Per block, with N = batch·seq_len tokens and C = width (values of e bytes):
@@ -125,11 +137,41 @@ def gpt_activations(batch: int, seq_len: int, width: int, depth: int, heads: int
       T² bytes of causal mask, and 2 LayerNorms × (mean, rstd) × N values (in the activations'
       dtype on CPU; CUDA's kernels keep these in fp32, 8·N more bytes per LayerNorm in 16-bit).
     Outside the blocks: the final LayerNorm's input and output (2·N·C) and statistics, the
-    log-softmax of the logits (N·vocab), the position indices (8·T bytes) and a one-value weight."""
+    log-softmax of the logits (N·vocab), the position indices (8·T bytes) and a one-value weight.
+    "autocast": see `_gpt_autocast_activations`; `device_type` matters only there."""
+    if precision == "autocast":
+        return _gpt_autocast_activations(batch, seq_len, width, depth, heads, vocab, device_type)
     e = bytes_per_element(precision)
     N, T = batch * seq_len, seq_len
     block = 16 * N * width * e + batch * heads * T * T * e + T * T + 2 * 2 * N * e
     return depth * block + 2 * N * width * e + 2 * N * e + N * vocab * e + 8 * T + e
+
+
+def _gpt_autocast_activations(batch: int, seq_len: int, width: int, depth: int, heads: int,
+                              vocab: int, device_type: str) -> int:
+    """Bytes `GPT.loss` of an fp32 model saves under 16-bit autocast (bf16 or fp16: 2 bytes).
+
+    What runs in which dtype (read off with `companion.amp.autocast_dtypes`): the matmuls in 16
+    bits (autocast's lower-precision list), the cross-entropy in fp32 (its fp32 list); other ops
+    in their inputs' dtype. The residual stream stays fp32 (fp32 embeddings + 16-bit branch
+    outputs promote to fp32), so LayerNorm inputs and statistics stay fp32. Per block:
+      36·N·C: 2 LayerNorm inputs in fp32 (8) and, in 16 bits, the copies of their outputs that
+              the Linears save (4), q, k, v (6), the attention output (2), the fc output and
+              GELU's output (16);
+      24·C² : 16-bit copies of the four weight matrices (12·C² values), made in forward and
+              freed in backward, like activations;
+      16·N  : LayerNorm means and rstds in fp32; T² bytes of mask;
+      softmax weights: 2·B·heads·T² on CPU, where softmax runs in its input's dtype; on CUDA
+              softmax is on the fp32 list, so 4·B·heads·T² in fp32 plus the 16-bit copy the
+              product with v saves, 6·B·heads·T² (PyTorch's "Autocast Op Reference").
+    Outside the blocks: the final LayerNorm (6·N·C + 8·N), the head's weight copy (2·C·vocab), the
+    fp32 log-softmax (4·N·vocab), position indices (8·T) and a one-value weight (4)."""
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    N, T, C = batch * seq_len, seq_len, width
+    softmax = (2 if device_type == "cpu" else 6) * batch * heads * T * T
+    block = 36 * N * C + 24 * C * C + 16 * N + softmax + T * T
+    return depth * block + 6 * N * C + 8 * N + 2 * C * vocab + 4 * N * vocab + 8 * T + 4
 
 
 def gpt_shape(n_params: int, *, vocab: int = 50257, seq_len: int = 1024) -> dict[str, int]:

@@ -18,6 +18,7 @@ from companion.models import GPT, MLP, make_classification, make_tokens
     ("sgd_momentum", "fp32", False, 12),
     ("sgd", "mixed", False, 8),         # the fp32 master copy is optimizer state
     ("sgd_momentum", "mixed", False, 12),
+    ("adam", "autocast", False, 16),    # torch.amp: fp32 weights, grads and states
 ])
 def test_bytes_per_parameter(optimizer, precision, fp32_grads, per_param):
     states = E.model_states(1000, optimizer=optimizer, precision=precision, fp32_grads=fp32_grads)
@@ -118,6 +119,79 @@ def test_gpt_activations_within_5_percent_of_measurement(dtype, precision, B, T,
     assert abs(saved - predicted) <= 0.05 * predicted
     assert t.breakdown("current")["activations"] >= 0.95 * predicted
     loss.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B, D, W, L, K", [(32, 20, 64, 3, 10), (100, 7, 33, 5, 3), (1, 4, 8, 1, 2)])
+def test_mlp_autocast_activations_within_5_percent_of_measurement(dtype, B, D, W, L, K):
+    model = MLP(D, W, L, K)                           # fp32 model, 16-bit autocast
+    X, y = make_classification(B, D, K)
+    with track("cpu") as t:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = model.loss(X, y)
+    predicted = E.mlp_activations(B, W, L, K, precision="autocast", d_in=D)
+    saved = t.current - loss.untyped_storage().nbytes()
+    assert abs(saved - predicted) <= 0.05 * predicted
+    loss.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B, T, C, L, H, V", [(3, 32, 48, 1, 4, 64), (2, 96, 32, 2, 2, 50),
+                                              (5, 17, 24, 3, 3, 31), (32, 64, 64, 2, 4, 128)])
+def test_gpt_autocast_activations_within_5_percent_of_measurement(dtype, B, T, C, L, H, V):
+    model = GPT(vocab=V, seq_len=T, width=C, depth=L, heads=H)
+    x, y = make_tokens(B, T, vocab=V)
+    with track("cpu") as t:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = model.loss(x, y)
+    predicted = E.gpt_activations(B, T, C, L, H, V, precision="autocast")
+    saved = t.current - loss.untyped_storage().nbytes()
+    assert abs(saved - predicted) <= 0.05 * predicted
+    assert t.breakdown("current")["activations"] >= 0.95 * predicted
+    loss.backward()
+
+
+def test_autocast_needs_d_in_for_the_mlp_and_a_known_device():
+    with pytest.raises(ValueError, match="d_in"):
+        E.mlp_activations(4, 8, 2, 3, precision="autocast")
+    with pytest.raises(ValueError, match="device_type"):
+        E.gpt_activations(2, 8, 16, 1, 2, 10, precision="autocast", device_type="tpu")
+
+
+def test_cuda_autocast_keeps_softmax_in_fp32_and_saves_a_16_bit_copy():
+    cpu, cuda = (E.gpt_activations(2, 64, 32, 3, 4, 50, precision="autocast", device_type=d)
+                 for d in ("cpu", "cuda"))
+    assert cuda - cpu == 3 * 4 * 2 * 4 * 64 * 64      # depth · (6 - 2) bytes · B·heads·T²
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpt_autocast_activations_on_cuda():
+    B, T, C, L, H, V = 4, 64, 64, 2, 4, 100
+    model = GPT(vocab=V, seq_len=T, width=C, depth=L, heads=H, device="cuda")
+    x, y = (t.cuda() for t in make_tokens(B, T, vocab=V))
+    with track("cuda") as t:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model.loss(x, y)
+    predicted = E.gpt_activations(B, T, C, L, H, V, precision="autocast", device_type="cuda")
+    assert abs(t.breakdown("current")["activations"] - predicted) <= 0.05 * predicted
+
+
+def test_autocast_model_states_are_fp32_measured():
+    model = MLP(13, 40, 3, 5)
+    opt = torch.optim.Adam(model.parameters())
+    X, y = make_classification(16, 13, 5)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(X, y)
+        loss.backward()
+        opt.step()
+
+    end = measure(step).breakdown("current")
+    predicted = E.model_states(E.mlp_params(13, 40, 3, 5), precision="autocast")
+    assert predicted.total == 16 * E.mlp_params(13, 40, 3, 5)
+    assert end["gradients"] == predicted.grads
+    assert end["optimizer_state"] == predicted.optimizer + 4 * 8      # + Adam's step counters
 
 
 def test_activations_grow_linearly_in_batch_and_quadratically_in_sequence():
