@@ -20,7 +20,8 @@ STEPS = 20
 
 
 def balance(vocab: int, width: int) -> None:
-    print(f"Stage 1, Embedding({vocab}, {width}) + 2 small Linear, AdamW, optimizer state per rank:")
+    print(f"Stage 1, Embedding({vocab}, {width}) + 2 small Linear, AdamW, optimizer state "
+          "per rank:")
     for world in (2, 4):
         results = launch.run(experiments.imbalance_report, world, vocab, width, timeout=600)
         for impl, name in (("ours", "ShardedOptimizer"), ("torch", "ZeroRedundancyOptimizer")):

@@ -142,7 +142,7 @@ def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group,
 
 
 def _equal_chunks(full: torch.Tensor, shard: torch.Tensor, world: int) -> list[torch.Tensor]:
-    """`full` (flat, contiguous) seen as N chunks of shard's size, or a ValueError saying why not."""
+    """`full` (flat, contiguous) as N chunks of shard's size, or a ValueError saying why not."""
     if full.dim() != 1 or not full.is_contiguous() or not shard.is_contiguous():
         raise ValueError("the full tensor must be flat (1-D) and contiguous, the shard contiguous")
     if full.numel() != world * shard.numel() or full.dtype != shard.dtype:

@@ -38,7 +38,7 @@ from companion.memory import format_bytes, track
 from companion.models import GPT, make_tokens
 from companion.zero import FSDP, ShardedOptimizer
 
-__all__ = ["TrainConfig", "train", "worker", "parse", "main"]
+__all__ = ["TrainConfig", "train", "worker", "parse", "main", "report_table"]
 
 PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3")
 
@@ -63,7 +63,8 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.parallel not in PARALLEL:
-            raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+            raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, "
+                             f"got {self.parallel!r}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
         if self.accumulation < 1 or self.batch % self.accumulation:
@@ -178,7 +179,8 @@ def parse(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--lr", type=float, default=defaults.lr)
     args = parser.parse_args(argv)
     try:
-        return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+        return TrainConfig(**{f.name: getattr(args, f.name)
+                              for f in dataclasses.fields(TrainConfig)})
     except ValueError as e:
         parser.error(str(e))
 
@@ -200,13 +202,14 @@ def main(argv: list[str] | None = None) -> int:
         reports = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(report, reports, dst=0)                     # collective
         if dist.get_rank() == 0:
-            print(_table(config, reports), flush=True)
+            print(report_table(config, reports), flush=True)
     finally:
         dist.destroy_process_group()
     return 0
 
 
-def _table(config: TrainConfig, reports: list[dict]) -> str:
+def report_table(config: TrainConfig, reports: list[dict]) -> str:
+    """Rank 0's printout: the run's techniques, then one line per rank."""
     techniques = [config.parallel, f"accumulation {config.accumulation}", config.precision] + \
         (["checkpointing"] if config.checkpointing else [])
     lines = [f"GPT {config.depth} x {config.width}, {len(reports)} rank(s), "

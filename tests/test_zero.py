@@ -1,13 +1,10 @@
-"""companion.zero: every stage trains like one process, balanced shards, memory and traffic per rank.
+"""companion.zero: every stage trains like one process; balanced shards; memory, traffic per rank.
 
 Workers live at module level so that gloo ranks can import them. Each launch costs about a second,
 so one worker usually checks several things.
 """
-import contextlib
-
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
@@ -212,8 +209,8 @@ def _tied_run(rank, world, kind, micro):
         net, optimizer = model, torch.optim.AdamW(_groups(model, tied_twice=False), lr=0.05)
     else:
         net = model
-        optimizer = ShardedOptimizer(_groups(model, tied_twice=True), torch.optim.AdamW, stage=kind, lr=0.05,
-                                     bucket_cap_mb=0.0001)
+        optimizer = ShardedOptimizer(_groups(model, tied_twice=True), torch.optim.AdamW,
+                                     stage=kind, lr=0.05, bucket_cap_mb=0.0001)
     launched = []
     for step in range(STEPS):
         x, y = _tied_batch(step)

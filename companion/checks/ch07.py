@@ -13,9 +13,9 @@ from torch import nn
 
 from companion import collectives, estimate
 from companion.checks.ch06 import _on_ranks, _packed, _point_to_point_only, _rank_tensor
-from companion.checks.core import CheckFailed, call, compare, exercise, fresh_seeds, require
+from companion.checks.core import call, compare, exercise, fresh_seeds, require
 from companion.memory import format_bytes
-from companion.zero import flat_partition, per_rank_state_bytes, register_gather_hooks
+from companion.zero import flat_partition, per_rank_state_bytes
 
 __all__ = ["check_flat_partition", "check_ring_reduce_scatter", "check_gather_hooks",
            "check_per_rank_model_states"]
@@ -183,7 +183,8 @@ class _Sharded(nn.Module):
 
 def _gather_run(answer, seed: int, d_in: int, d_out: int) -> str:
     g = torch.Generator().manual_seed(seed)
-    full = {"weight": torch.randn(d_out, d_in, generator=g), "bias": torch.randn(d_out, generator=g)}
+    full = {"weight": torch.randn(d_out, d_in, generator=g),
+            "bias": torch.randn(d_out, generator=g)}
     module, calls, alive = _Sharded(d_in, d_out), [], []
 
     def gather(name):
@@ -211,7 +212,8 @@ def _gather_run(answer, seed: int, d_in: int, d_out: int) -> str:
     require(isinstance(handles, (tuple, list)) and len(handles) == 2 and
             all(hasattr(h, "remove") for h in handles),
             f"expected the two hook handles, got {type(handles).__name__}",
-            hint="return (module.register_forward_pre_hook(...), module.register_forward_hook(...)).")
+            hint="return (module.register_forward_pre_hook(...), "
+                 "module.register_forward_hook(...)).")
     for h in handles:
         h.remove()
     calls.clear()

@@ -206,9 +206,10 @@ class FSDP(nn.Module):
 
     def _pack(self, t: torch.Tensor) -> Any:
         """A saved tensor that is a view of gathered weights becomes a token to gather again."""
+        where = t.untyped_storage().data_ptr()
         for g, group in enumerate(self.groups):
             full = group.live() if group.live is not None else None
-            if full is not None and t.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+            if full is not None and where == full.untyped_storage().data_ptr():
                 return ("gather", g, t.storage_offset(), t.shape, t.stride())
         if self._outer is not None:                              # someone else's hooks, e.g. track
             return ("outer", self._outer[0](t), self._outer[1])

@@ -7,7 +7,7 @@ to *update* 1/N of the parameters:
 - Stage 1 (P_os): rank r keeps the optimizer state of its slice only. After backward the
   gradients are reduce-scattered (rank r receives the averaged gradient of its slice), rank r
   steps its slice, and an all-gather sends every updated slice to every rank. Memory per rank:
-  4Ψ + 4Ψ + 8Ψ/N (fp32 Adam). Traffic: reduce-scatter + all-gather = one all-reduce's volume, 2Ψ.
+  4Ψ + 4Ψ + 8Ψ/N (fp32 Adam). Traffic: reduce-scatter + all-gather, one all-reduce's volume: 2Ψ.
 - Stage 2 (P_os+g): the same, but each bucket of gradients is reduce-scattered *during backward*
   as soon as it is complete, and the full gradients are dropped: a rank keeps 4Ψ/N of gradients.
   Same traffic.
@@ -68,9 +68,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, optimizer_cls: type, *, stage: int = 1,
                  bucket_cap_mb: float = 25.0, process_group=None, ring: bool = False,
                  **defaults):
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        if not (isinstance(optimizer_cls, type)
+                and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch optimizer class such as "
-                            f"torch.optim.AdamW (the class, not an instance), got {optimizer_cls!r}")
+                            f"torch.optim.AdamW (the class, not an instance), "
+                            f"got {optimizer_cls!r}")
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 shards the parameters: use FSDP), "
                              f"got {stage!r}")

@@ -59,8 +59,8 @@ def per_rank_state_bytes(n_params: int, stage: int, world_size: int, weight_byte
 class FlatLayout:
     """Where each of a list of tensors sits in one padded flat buffer of world_size·shard elements.
 
-    `flatten` builds such a buffer, `views` cuts one back into tensors of the original shapes (views,
-    no copy), and `chunk` is rank r's shard: elements [r·shard, (r+1)·shard)."""
+    `flatten` builds such a buffer, `views` cuts one back into tensors of the original shapes
+    (views, no copy), and `chunk` is rank r's shard: elements [r·shard, (r+1)·shard)."""
 
     shapes: tuple[torch.Size, ...]
     world_size: int
