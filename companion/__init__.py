@@ -4,7 +4,8 @@ Readable reference implementations of memory-saving techniques, tools that measu
 memory on any device, widgets, and the checks that grade the course's exercises. Import the module
 you need (``from companion import memory``); this file only lists them.
 
-Measure and predict: `memory` (track, measure, memory_budget), `estimate`, `device`, `models`.
+Measure and predict: `memory` (track, measure, memory_budget), `estimate`, `device`, `models`,
+`network` (the α–β model of communication).
 Techniques: `gd`, `floats`, `accumulation`, `checkpointing`, `collectives`, `dp`, `ddp`, `launch`,
 `lora`, `zero` (ZeRO stages 1-3), `train` (the `python -m companion train` launcher).
 The course itself: `widgets`, `results`, `checks`, `notebooks`, `grading`.
@@ -25,6 +26,7 @@ __all__ = [
     "lora",
     "memory",
     "models",
+    "network",
     "notebooks",
     "results",
     "train",

@@ -1,0 +1,63 @@
+"""companion.network: the α–β fit recovers known latency and bandwidth, the predictions follow the
+formulas, and the overlap model picks the bucket count a brute-force schedule would."""
+import math
+import random
+
+import pytest
+
+from companion import launch, network
+
+
+def test_fit_recovers_alpha_and_beta_from_synthetic_timings():
+    alpha, beta = 50e-6, 1 / 2e9                              # 50 µs, 2 GB/s
+    sizes = [2**k for k in range(4, 27, 2)]
+    rng = random.Random(0)
+    noisy = [(alpha + beta * n) * (1 + rng.uniform(-0.03, 0.03)) for n in sizes]
+    a, b = network.fit_alpha_beta(sizes, noisy)
+    assert a == pytest.approx(alpha, rel=0.1) and b == pytest.approx(beta, rel=0.05)
+    exact = network.fit_alpha_beta(sizes, [alpha + beta * n for n in sizes])
+    assert exact == pytest.approx((alpha, beta), rel=1e-9)
+
+
+@pytest.mark.parametrize("sizes, times", [([1, 1], [1.0, 2.0]), ([1, 2], [1.0]), ([1, 2], [0, 1])])
+def test_fit_rejects_what_it_cannot_fit(sizes, times):
+    with pytest.raises(ValueError):
+        network.fit_alpha_beta(sizes, times)
+
+
+def test_all_reduce_formulas():
+    a, b, S = 1e-5, 1e-9, 8e6
+    assert network.all_reduce_seconds(S, 1, alpha=a, beta=b) == 0
+    for N in (2, 3, 8):
+        ring = network.all_reduce_seconds(S, N, alpha=a, beta=b)
+        assert ring == pytest.approx(2 * (N - 1) * a + 2 * (N - 1) / N * S * b)
+        naive = network.all_reduce_seconds(S, N, alpha=a, beta=b, algorithm="naive")
+        assert naive == pytest.approx(2 * (N - 1) * (a + S * b))
+        four = network.all_reduce_seconds(S, N, alpha=a, beta=b, buckets=4)
+        assert four - ring == pytest.approx(3 * 2 * (N - 1) * a)    # latency paid 4 times
+    with pytest.raises(ValueError, match="ring"):
+        network.all_reduce_seconds(S, 2, alpha=a, beta=b, algorithm="tree")
+
+
+def test_exposed_time_and_best_bucket_count():
+    a, b, S, N = 1e-3, 1e-9, 64e6, 2                          # 1 ms latency, 1 GB/s
+    one = network.all_reduce_seconds(S, N, alpha=a, beta=b)
+    assert network.exposed_seconds(0.05, S, N, alpha=a, beta=b, buckets=1) == pytest.approx(one)
+    # backward far shorter than communication: bucket 1 waits 1/8 of it, then all 8 go in a row
+    assert network.exposed_seconds(1e-6, S, N, alpha=a, beta=b, buckets=8) == pytest.approx(
+        network.all_reduce_seconds(S, N, alpha=a, beta=b, buckets=8) + 1e-6 / 8 - 1e-6, rel=1e-9)
+    best = network.best_bucket_count(0.2, S, N, alpha=a, beta=b, most=256)
+    brute = min(range(1, 257), key=lambda k: network.exposed_seconds(0.2, S, N, alpha=a, beta=b,
+                                                                     buckets=k))
+    assert best == brute and 1 < best < 256                  # neither extreme wins
+    slow_start = network.best_bucket_count(0.2, S, N, alpha=100 * a, beta=b, most=256)
+    assert slow_start < best                                  # more latency: fewer buckets
+
+
+def test_point_to_point_timings_grow_with_size():
+    sizes = [64, 2**20, 2**23]
+    results = launch.run(network.time_point_to_point, 2, sizes, 3, timeout=60)
+    assert results[0] == results[1]                            # every rank gets rank 0's figures
+    times = results[0]
+    assert all(t > 0 for t in times) and times[2] > times[0]
+    assert math.isfinite(network.fit_alpha_beta(sizes, times)[1])
