@@ -11,8 +11,10 @@ backward the gradients must be averaged over ranks, so that every copy takes the
   complete its all-reduce starts *asynchronously* while backward goes on with earlier layers.
 
 Memory: each rank keeps full weights, gradients and optimizer state (data parallelism saves none;
-chapter 07's ZeRO shards them), plus here one bucket copy of the gradients. Communication: one
-all-reduce of all gradients per step, 2(N-1)/N·S bytes per rank with a ring.
+chapter 07's ZeRO shards them), plus the buckets: one more copy of the gradients, unless
+`gradient_as_bucket_view=True` makes every `param.grad` a view into its bucket (autograd then
+accumulates straight into the bucket, and the copy disappears). Communication: one all-reduce of
+all gradients per step, 2(N-1)/N·S bytes per rank with a ring.
 
 Example (inside a rank started by `companion.launch.run`):
     >>> model = DDP(make_model(), bucket_cap_mb=1.0)       # doctest: +SKIP
@@ -20,10 +22,9 @@ Example (inside a rank started by `companion.launch.run`):
     >>> model.finish_gradient_synchronization()             # wait for the last ones
     >>> optimizer.step()
 
-Simplified vs PyTorch: no gradient-as-bucket-view (an extra copy of the gradients), no bucket
-rebuilding from the order seen in the first step, no find_unused_parameters (a parameter without a
-gradient contributes zeros and then receives the average), and finishing is explicit, where torch
-queues it at the end of backward.
+Simplified vs PyTorch: no bucket rebuilding from the order seen in the first step, no
+find_unused_parameters (a parameter without a gradient contributes zeros and then receives the
+average), and finishing is explicit, where torch queues it at the end of backward.
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DDP", "SyncStats", "average_gradients", "broadcast_parameters", "accumulation_step",
-           "time_training_step"]
+__all__ = ["DDP", "SyncStats", "BucketTimes", "average_gradients", "broadcast_parameters",
+           "accumulation_step", "time_training_step"]
 
 
 @dataclasses.dataclass
@@ -66,10 +67,19 @@ def average_gradients(module: nn.Module, group=None) -> None:
 
 
 @dataclasses.dataclass
+class BucketTimes:
+    """When one step's communication happened, in seconds since that step's forward began."""
+
+    backward_end: float = 0.0                     # the last gradient hook of the backward
+    buckets: list = dataclasses.field(default_factory=list)   # (bucket, bytes, start, end) each
+
+
+@dataclasses.dataclass
 class _Bucket:
     params: list[nn.Parameter]
     flat: torch.Tensor                 # (sum of numels,) one buffer that is all-reduced at once
     views: list[torch.Tensor]          # slices of flat, one per parameter
+    index: int = 0                     # its place in launch order
     ready: set = dataclasses.field(default_factory=set)
     work: object = None                # the async all-reduce's handle while it runs
 
@@ -82,14 +92,21 @@ class DDP(nn.Module):
         bucket_cap_mb: the largest bucket in MiB. Small buckets start communicating sooner but pay
             more per-message latency; large ones overlap less.
         process_group: the group to average over (default: the whole world).
+        gradient_as_bucket_view: make each `param.grad` a view into its bucket, so gradients are
+            not stored twice (set at every forward; `zero_grad(set_to_none=True)` is fine).
+
+    `last_times` (a `BucketTimes`) says when each bucket's all-reduce started and ended in the
+    last step, against the end of its backward: the picture of overlap.
     """
 
-    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0, process_group=None):
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0, process_group=None,
+                 gradient_as_bucket_view: bool = False):
         super().__init__()
         self.module, self.process_group = module, process_group
         self.world_size = dist.get_world_size(process_group)
-        self.stats = SyncStats()
-        self._sync, self._pending, self._next = True, False, 0
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.stats, self.last_times = SyncStats(), BucketTimes()
+        self._sync, self._pending, self._next, self._t0 = True, False, 0, 0.0
         broadcast_parameters(module, process_group)                       # 1. same start
         trainable = [p for p in module.parameters() if p.requires_grad]   # shared ones once
         self.buckets = _make_buckets(trainable[::-1], int(bucket_cap_mb * 2**20))  # 2. buckets
@@ -102,7 +119,24 @@ class DDP(nn.Module):
             raise RuntimeError("gradients from the last backward are still being averaged: call "
                                "model.finish_gradient_synchronization() after backward, before "
                                "optimizer.step() and the next forward.")
+        if self.gradient_as_bucket_view:
+            self._point_grads_into_buckets()
+        if self._sync:
+            self._t0, self.last_times = time.perf_counter(), BucketTimes()
         return self.module(*args, **kwargs)
+
+    def _point_grads_into_buckets(self) -> None:
+        """Make every `param.grad` a view of its slice of the bucket (autograd then accumulates
+        in place, into the bucket): a gradient set to None starts again from zero."""
+        for bucket in self.buckets:
+            for param, view in zip(bucket.params, bucket.views):
+                if param.grad is None:
+                    view.zero_()
+                elif param.grad.data_ptr() != view.data_ptr():
+                    view.copy_(param.grad.reshape(-1))
+                else:
+                    continue
+                param.grad = view.view_as(param)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -118,6 +152,7 @@ class DDP(nn.Module):
         if not self._sync:
             return
         self._pending = True
+        self.last_times.backward_end = time.perf_counter() - self._t0
         self._bucket_of[param].ready.add(param)
         while self._next < len(self.buckets) and self._is_full(self.buckets[self._next]):
             self._launch(self.buckets[self._next])      # in bucket order, the same on every rank
@@ -131,13 +166,18 @@ class DDP(nn.Module):
         for param, view in zip(bucket.params, bucket.views):
             if param.grad is None:
                 view.zero_()                            # unused in this step: contribute zeros
-            else:
-                view.copy_(param.grad.reshape(-1))
+            elif param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad.reshape(-1))      # the copy a bucket view avoids
         bucket.flat.div_(self.world_size)               # average = sum of (grad / N)
         bucket.work = dist.all_reduce(bucket.flat, group=self.process_group,
                                       async_op=True)    # collective, asynchronous
+        nbytes = bucket.flat.numel() * bucket.flat.element_size()
         self.stats.all_reduces += 1
-        self.stats.bytes += bucket.flat.numel() * bucket.flat.element_size()
+        self.stats.bytes += nbytes
+        times = [bucket.index, nbytes, time.perf_counter() - self._t0, None]
+        self.last_times.buckets.append(times)
+        bucket.work.get_future().then(                  # runs when the all-reduce completes
+            lambda _: times.__setitem__(3, time.perf_counter() - self._t0))
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all-reduce and write the averages into `param.grad`."""
@@ -150,7 +190,7 @@ class DDP(nn.Module):
             for param, view in zip(bucket.params, bucket.views):
                 if param.grad is None:
                     param.grad = view.view_as(param).clone()
-                else:
+                elif param.grad.data_ptr() != view.data_ptr():
                     param.grad.copy_(view.view_as(param))
             bucket.ready.clear()
             bucket.work = None
@@ -173,7 +213,7 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
         flat = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype,
                            device=group[0].device)
         views = list(torch.split(flat, [p.numel() for p in group]))
-        buckets.append(_Bucket(group, flat, views))
+        buckets.append(_Bucket(group, flat, views, index=len(buckets)))
     return buckets
 
 

@@ -56,8 +56,9 @@ def _single_process(kind):
 
 def _train(rank, world_size, kind, wrapper, bucket_cap_mb):
     model = _model(kind, seed=rank)                   # different starts: DDP must broadcast
-    if wrapper == "ours":
-        wrapped = ddp.DDP(model, bucket_cap_mb=bucket_cap_mb)
+    if wrapper in ("ours", "ours-view"):
+        wrapped = ddp.DDP(model, bucket_cap_mb=bucket_cap_mb,
+                          gradient_as_bucket_view=wrapper == "ours-view")
     elif wrapper == "torch":
         wrapped = nn.parallel.DistributedDataParallel(model)
     else:
@@ -69,26 +70,27 @@ def _train(rank, world_size, kind, wrapper, bucket_cap_mb):
         x, y, loss_fn = _data(kind, step)
         mine = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
         loss_fn(wrapped(x[mine]), y[mine]).backward()
-        if wrapper == "ours":
+        if wrapper.startswith("ours"):
             launched_during_backward.append(wrapped.stats.all_reduces)
             wrapped.finish_gradient_synchronization()
         elif wrapper == "naive":
             ddp.average_gradients(model)
         opt.step()
         opt.zero_grad()
-    buckets = len(wrapped.buckets) if wrapper == "ours" else 0
+    buckets = len(wrapped.buckets) if wrapper.startswith("ours") else 0
     return [p.detach().clone() for p in model.parameters()], launched_during_backward, buckets
 
 
 @pytest.mark.parametrize("world_size, kind", [(2, "mlp"), (3, "mlp"), (2, "tied")])
 def test_matches_one_process_and_torch_ddp(world_size, kind):
     expected = _single_process(kind)
-    for wrapper, cap in [("ours", 0.0002), ("ours", 25.0), ("torch", None), ("naive", None)]:
+    for wrapper, cap in [("ours", 0.0002), ("ours", 25.0), ("ours-view", 0.0002), ("torch", None),
+                         ("naive", None)]:
         results = launch.run(_train, world_size, kind, wrapper, cap, timeout=60)
         for params, launched, buckets in results:
             for got, want in zip(params, expected):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-            if wrapper == "ours":          # every bucket started during backward: overlap
+            if wrapper.startswith("ours"):   # every bucket started during backward: overlap
                 assert launched == [buckets * (s + 1) for s in range(STEPS)]
                 assert (buckets > 1) == (cap < 0.01)
 
@@ -151,3 +153,32 @@ def test_buckets_respect_the_cap_and_one_dtype_each():
     buckets = ddp._make_buckets(params, cap_bytes=800)
     assert [[p.numel() for p in b.params] for b in buckets] == [[100, 100], [300], [10]]
     assert [b.flat.dtype for b in buckets] == [torch.float32] * 2 + [torch.float64]
+
+
+def _bucket_memory(rank, world_size, as_view):
+    from companion.memory import track
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    with track("cpu") as t:
+        wrapped = ddp.DDP(model, bucket_cap_mb=0.02, gradient_as_bucket_view=as_view)
+        x = torch.randn(8, 64)
+        for _ in range(2):                    # the second step reuses what the first allocated
+            wrapped(x).square().mean().backward()
+            wrapped.finish_gradient_synchronization()
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+            model.zero_grad(set_to_none=False)
+    shared = all(p.grad.untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()
+                 for b in wrapped.buckets for p in b.params)
+    times = wrapped.last_times
+    return t.current, grads, shared, len(wrapped.buckets), times
+
+
+def test_gradient_as_bucket_view_keeps_the_gradients_once():
+    (copy_bytes, grads, shared_copy, n, times), _ = launch.run(_bucket_memory, 2, False)
+    (view_bytes, _, shared_view, _, _), _ = launch.run(_bucket_memory, 2, True)
+    assert shared_view and not shared_copy
+    assert copy_bytes - view_bytes == grads           # the second copy of the gradients is gone
+    assert n > 3 and len(times.buckets) == n          # one record per bucket, in launch order
+    assert [b[0] for b in times.buckets] == list(range(n))
+    assert all(0 < start <= end for _, _, start, end in times.buckets)
+    assert times.buckets[0][2] <= times.backward_end  # the first bucket left during backward
