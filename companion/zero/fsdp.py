@@ -133,7 +133,9 @@ class FSDP(nn.Module):
             functools.partial(_check_synchronized, weakref.ref(self)))
 
     def __del__(self) -> None:
-        self._guard.remove()
+        guard = getattr(self, "_guard", None)             # absent if __init__ raised
+        if guard is not None:
+            guard.remove()
 
     def _shard(self, module: nn.Module, params: dict) -> dict:
         """Replace each module's parameters by slots; keep this rank's chunk of the matrices."""
