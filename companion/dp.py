@@ -12,15 +12,18 @@ One training step, in the order the data moves:
 8. step        the optimizer updates the master's parameters;
 9. broadcast   the next step copies them out again (step 1).
 
-The master holds the whole batch, every output and the reduced gradients on top of its own
-replica's share, and all traffic goes through its link: that is the bottleneck DDP removes.
-Here the replicas live on `devices` (default: N copies on the CPU standing in for N devices) and run
-one after another, so the time measured is the serial time, phase by phase.
+The master holds the whole batch, every output, the loss's saved tensors for the whole batch and
+the reduced gradients on top of its own replica's share, and all traffic goes through its link:
+that is the bottleneck DDP removes. Here the replicas live on `devices` (default: N copies on the
+CPU standing in for N devices) and run one after another, so the time measured is the serial time,
+phase by phase. The bytes each phase allocates on the master are measured with
+`companion.memory.track` (gather, loss and reduce run on the master only, so on a CPU the count is
+the master's alone).
 
 Example:
     >>> dp = DataParallel(model, n_replicas=4)
     >>> loss = dp.train_step(x, y, nn.functional.mse_loss, optimizer)   # optimizer on model
-    >>> dp.last_report.seconds, dp.last_report.master_extra_bytes
+    >>> dp.last_report.seconds, dp.last_report.master_bytes
 
 Simplified vs PyTorch: torch's replicas keep autograd links to the master parameters (Broadcast's
 backward is the reduce), runs replicas in threads, and scatters keyword arguments too.
@@ -35,6 +38,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from companion.memory import track
+
 __all__ = ["DataParallel", "StepReport", "PHASES"]
 
 PHASES = ("replicate", "scatter", "forward", "gather", "loss", "backward", "reduce", "step")
@@ -46,7 +51,15 @@ class StepReport:
 
     seconds: dict[str, float]
     replica_bytes: list[int]          # per device: parameters + its input slice + saved activations
-    master_extra_bytes: int           # on the master only: whole batch, gathered outputs, grads
+    master_bytes: dict[str, int]      # on the master: the batch, and the most gather, gather +
+                                      # loss, and reduce had allocated at once (measured)
+
+    @property
+    def master_extra_bytes(self) -> int:
+        """What the master holds beyond a replica at its busiest: the whole batch, plus the most
+        the master-only phases add at once (gathered outputs, the loss, the reduced gradients)."""
+        return self.master_bytes["batch"] + max(v for k, v in self.master_bytes.items()
+                                                if k != "batch")
 
 
 class DataParallel:
@@ -63,7 +76,8 @@ class DataParallel:
                    optimizer: torch.optim.Optimizer) -> float:
         """One step of steps 1-8 above; the master is `self.module` on `self.devices[0]`."""
         seconds = dict.fromkeys(PHASES, 0.0)
-        clock = _Clock(seconds)
+        clock, master = _Clock(seconds), self.devices[0]
+        on_master = {"batch": _nbytes(x) + _nbytes(y)}
         with clock("replicate"):
             replicas = [copy.deepcopy(self.module).to(d) for d in self.devices]        # 1.
         with clock("scatter"):
@@ -73,25 +87,27 @@ class DataParallel:
         for i, (replica, part) in enumerate(zip(replicas, slices)):
             with clock("forward"), _count_saved(saved, i, replica):
                 outputs.append(replica(part))                                          # 3.
-        with clock("gather"):
-            master = self.devices[0]
+        with clock("gather"), track(master) as gather:
             gathered = torch.cat([o.to(master) for o in outputs])    # (B, ...) on the master 4.
-        with clock("loss"):
+        with clock("loss"), track(master) as in_loss:
             loss = loss_fn(gathered, y.to(master))                                     # 5.
         with clock("backward"):
             loss.backward()                                                            # 6.
-        with clock("reduce"):
+        with clock("reduce"), track(master) as reduce:
             for name, param in self.module.named_parameters():                         # 7.
-                grads = [r.get_parameter(name).grad for r in replicas]
-                param.grad = torch.stack([g.to(master) for g in grads]).sum(0)
+                total = torch.zeros_like(param)
+                for r in replicas:
+                    total += r.get_parameter(name).grad.to(master)  # one replica's at a time
+                param.grad = total
         with clock("step"):
             optimizer.step()                                                           # 8.
             optimizer.zero_grad(set_to_none=False)
+        on_master.update(gather=gather.peak, loss=gather.current + in_loss.peak,
+                         reduce=reduce.peak)
         params = sum(p.numel() * p.element_size() for p in self.module.parameters())
         self.last_report = StepReport(
-            seconds=seconds,
-            replica_bytes=[params + _nbytes(s) + a for s, a in zip(slices, saved)],
-            master_extra_bytes=_nbytes(x) + _nbytes(gathered) + params)
+            seconds=seconds, master_bytes=on_master,
+            replica_bytes=[params + _nbytes(s) + a for s, a in zip(slices, saved)])
         return float(loss.detach())
 
 

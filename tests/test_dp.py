@@ -39,7 +39,12 @@ def test_report_accounts_the_master_extra_bytes_and_every_phase():
     report = parallel.last_report
     assert set(report.seconds) == set(dp.PHASES) and all(s >= 0 for s in report.seconds.values())
     params = sum(p.numel() * 4 for p in model.parameters())
-    assert report.master_extra_bytes == 11 * 5 * 4 + 11 * 3 * 4 + params  # batch, outputs, grads
+    outputs = 11 * 3 * 4                                       # the gathered (11, 3) outputs
+    master = report.master_bytes
+    assert (master["batch"], master["gather"], master["reduce"]) == (11 * 5 * 4 + outputs, outputs,
+                                                                      params)
+    assert master["loss"] >= outputs + 4                       # the outputs kept, plus the loss
+    assert report.master_extra_bytes == master["batch"] + max(master["loss"], params)
     assert len(report.replica_bytes) == 3
     # a replica with 4 rows saves more activations than one with 3 (slices of 4, 4, 3)
     assert report.replica_bytes[0] == report.replica_bytes[1] > report.replica_bytes[2] > params
@@ -60,3 +65,15 @@ def test_matches_torch_data_parallel_on_two_gpus():
     their_opt.step()
     for got, want in zip(model.parameters(), theirs.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_master_holds_the_whole_batch_whatever_the_replica_count():
+    model, x, y = _setup()
+    extra, replica = {}, {}
+    for n in (1, 2, 4):
+        parallel = dp.DataParallel(copy.deepcopy(model), n_replicas=n)
+        parallel.train_step(x.repeat(8, 1), y.repeat(8, 1), nn.functional.mse_loss,
+                            torch.optim.SGD(parallel.module.parameters(), lr=0.1))
+        extra[n], replica[n] = parallel.last_report.master_extra_bytes, parallel.last_report.replica_bytes
+    assert extra[1] == extra[2] == extra[4]                   # the master's extra does not shrink
+    assert replica[4][0] < replica[2][0] < replica[1][0]       # each replica's share does
