@@ -68,6 +68,11 @@ class Sizes:
     zero_depth: int = 4      # its Linear layers: about zero_depth · zero_width² parameters
     zero_batch: int = 8      # its rows per rank (few, so that model states dominate)
     zero_vocab: int = 16384  # rows of the one large matrix in chapter 07's balance demo
+    offload_width: int = 256  # width of the GPT whose Adam states chapter 08 offloads
+    offload_depth: int = 4    # its blocks: about 12 · depth · width² parameters
+    offload_batch: int = 2    # its batch of sequences (few, so that model states dominate)
+    act_offload_batch: int = 32  # batch of the course GPT (gpt_width, gpt_depth) whose
+                                 # activations chapter 08 offloads
 
 
 _SIZES = {
@@ -75,7 +80,8 @@ _SIZES = {
     "cuda": Sizes(batch=64, width=4096, depth=24, seq_len=1024, n_examples=8192, epochs=50, steps=10,
                   gpt_width=1024, gpt_depth=12, gpt_heads=16, vocab=50257,
                   ckpt_depth=64, ckpt_batch=8192, ckpt_gpt_depth=16, ckpt_gpt_batch=16,
-                  zero_width=8192, zero_depth=8, zero_batch=64, zero_vocab=262144),
+                  zero_width=8192, zero_depth=8, zero_batch=64, zero_vocab=262144,
+                  offload_width=1536, offload_depth=16, offload_batch=1, act_offload_batch=8),
 }
 
 
