@@ -1,0 +1,421 @@
+"""companion.amp against PyTorch's own: GradScaler beside torch.amp.GradScaler step for step,
+the scale rule and the unscale kernel beside torch's, MasterWeights beside fp32 training, and
+autocast_dtypes beside the dtypes the tensors really have."""
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+from companion import amp
+from companion import estimate as E
+from companion.memory import track
+from companion.models import GPT, MLP, make_classification, make_tokens
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These models are tiny: one thread is as fast, and on a loaded 2-core machine two OpenMP
+    threads that wait for each other make every operator many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _twins(seed=0, dtype=torch.float32, device="cpu"):
+    model = MLP(9, 24, 3, 5, seed=seed, dtype=dtype, device=device)
+    return model, copy.deepcopy(model)
+
+
+def _run_side_by_side(ours, theirs, steps, *, autocast=torch.float16, inject=True, clip=True,
+                      device="cpu"):
+    """Train two copies of one model, one with each scaler; return (our, their) models, optimizers
+    and the scale after every step."""
+    m1, m2 = _twins(device=device)
+    o1, o2 = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (m1, m2))
+    X, y = (t.to(device) for t in make_classification(33, 9, 5))
+    trace = []
+    for step in range(steps):
+        for model, opt, scaler in ((m1, o1, ours), (m2, o2, theirs)):
+            opt.zero_grad()
+            with torch.autocast(device, dtype=autocast):
+                loss = model.loss(X, y)
+            scaled = scaler.scale(loss)
+            if inject and step % 13 == 5:
+                scaled = scaled * math.inf                    # every gradient becomes inf/NaN
+            if inject and step % 29 == 11:
+                scaled = scaled * math.nan
+            scaled.backward()
+            if clip:
+                scaler.unscale_(opt)                          # true gradients before clipping
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
+        trace.append((ours.get_scale(), theirs.get_scale()))
+    return (m1, o1), (m2, o2), trace
+
+
+@pytest.mark.parametrize("autocast, clip", [(torch.float16, True), (torch.bfloat16, False)])
+def test_same_scale_trajectory_and_parameters_bit_for_bit_as_torch(autocast, clip):
+    kwargs = dict(init_scale=2.0**12, growth_interval=7)
+    ours, theirs = amp.GradScaler("cpu", **kwargs), torch.amp.GradScaler("cpu", **kwargs)
+    (m1, o1), (m2, o2), trace = _run_side_by_side(ours, theirs, 300, autocast=autocast, clip=clip)
+    scales = [a for a, _ in trace]
+    assert all(a == b for a, b in trace)
+    assert any(b < a for a, b in zip(scales, scales[1:]))          # backoffs happened
+    assert any(b > a for a, b in zip(scales, scales[1:]))          # growth happened
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+    for s1, s2 in zip(o1.state.values(), o2.state.values()):
+        assert all(torch.equal(s1[k], s2[k]) for k in s2)
+    assert ours.state_dict() == theirs.state_dict()
+
+
+def test_a_skipped_step_leaves_parameters_and_optimizer_untouched():
+    scaler = amp.GradScaler("cpu")
+    model, _ = _twins()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    X, y = make_classification(8, 9, 5)
+    before = [p.detach().clone() for p in model.parameters()]
+    (scaler.scale(model.loss(X, y)) * math.inf).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not opt.state                                            # Adam never ran
+    assert scaler.get_scale() == 2.0**15
+
+
+@pytest.mark.parametrize("growth_factor, backoff_factor, interval", [(2.0, 0.5, 3), (1.7, 0.3, 2),
+                                                                     (3.0, 0.9, 1)])
+def test_update_scale_matches_torchs_kernel(growth_factor, backoff_factor, interval):
+    rng = random.Random(interval)
+    scale, tracker = torch.full((), 2.0**120), torch.zeros((), dtype=torch.int32)
+    ours = (scale.item(), 0)
+    for _ in range(400):                                  # reaches float32's top: growth refused
+        found = rng.random() < 0.1
+        torch._amp_update_scale_(scale, tracker, torch.full((), float(found)), growth_factor,
+                                 backoff_factor, interval)
+        ours = amp.update_scale(*ours, found, growth_factor=growth_factor,
+                                backoff_factor=backoff_factor, growth_interval=interval)
+        assert ours == (scale.item(), tracker.item())
+        assert math.isfinite(ours[0])
+
+
+@pytest.mark.parametrize("inv_scale", [2.0**-16, 1 / 3, 1.0])
+def test_unscale_grads_matches_torchs_kernel(inv_scale):
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(37, generator=g), torch.randn(5, 3, generator=g).bfloat16(),
+             torch.randn(4, generator=g) * 1e30]
+    for poison in [None, math.inf, -math.inf, math.nan]:
+        ours = [t.clone() for t in grads]
+        theirs = [t.clone() for t in grads]
+        if poison is not None:
+            ours[1][2, 1] = theirs[1][2, 1] = poison
+        found = torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_(theirs, found, torch.tensor(inv_scale))
+        flag = amp.unscale_grads_(ours, torch.tensor(inv_scale))
+        assert flag.item() == found.item() == float(poison is not None)
+        assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(ours, theirs))
+
+
+def _one_backward(scaler, model, opt):
+    X, y = make_classification(8, 9, 5)
+    opt.zero_grad()
+    scaler.scale(model.loss(X, y)).backward()
+
+
+@pytest.mark.parametrize("make", [lambda: amp.GradScaler("cpu"), lambda: torch.amp.GradScaler("cpu")])
+def test_misuse_raises_the_same_errors_as_torch(make):
+    scaler, (model, _) = make(), _twins()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _one_backward(scaler, model, opt)
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called on this "
+                                           "optimizer since the last update\\(\\)"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) is being called after step\\(\\)"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="step\\(\\) has already been called since the last "
+                                           "update\\(\\)"):
+        scaler.step(opt)
+    scaler.update()
+    _one_backward(scaler, model, opt)
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+        scaler.step(opt, closure=lambda: None)
+
+
+def test_errors_say_what_to_do():
+    model, _ = _twins()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="before scale"):
+        amp.GradScaler("cpu").unscale_(opt)
+    scaler = amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    with pytest.raises(RuntimeError, match="No inf checks"):
+        scaler.step(opt)                                   # no parameter has a gradient
+    with pytest.raises(RuntimeError, match="No inf checks"):
+        scaler.update()
+    half, _ = _twins(dtype=torch.float16)
+    opt16 = torch.optim.SGD(half.parameters(), lr=0.1)
+    opt16.zero_grad()
+    X, y = make_classification(8, 9, 5)
+    scaler.scale(half.loss(X.half(), y)).backward()
+    with pytest.raises(ValueError, match="FP16 gradients.*MasterWeights"):
+        scaler.unscale_(opt16)
+    for bad in [dict(growth_factor=1.0), dict(backoff_factor=1.0), dict(growth_interval=0),
+                dict(growth_interval=2.5)]:
+        with pytest.raises(ValueError):
+            amp.GradScaler("cpu", **bad)
+    with pytest.raises(ValueError, match="Tensor"):
+        amp.GradScaler("cpu").scale("loss")
+    with pytest.raises(ValueError, match="new_scale"):
+        scaler.update(new_scale=torch.ones(2))
+
+
+def test_state_dict_loads_across_implementations():
+    kwargs = dict(init_scale=2.0**10, growth_interval=5)
+    ours, theirs = amp.GradScaler("cpu", **kwargs), torch.amp.GradScaler("cpu", **kwargs)
+    _run_side_by_side(ours, theirs, 33)
+    assert ours.state_dict()["_growth_tracker"] > 0           # mid-interval: the count matters
+    for source in (ours, theirs):
+        for load_into in (amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")):
+            load_into.load_state_dict(source.state_dict())
+            assert load_into.state_dict() == source.state_dict()
+    with pytest.raises(RuntimeError, match="empty"):
+        amp.GradScaler("cpu").load_state_dict({})
+
+
+def test_state_dict_mid_run_continues_the_same_trajectory():
+    kwargs = dict(init_scale=2.0**10, growth_interval=5)
+    straight = amp.GradScaler("cpu", **kwargs)
+    model, _ = _twins()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    X, y = make_classification(8, 9, 5)
+
+    def steps(scaler, n, start):
+        out = []
+        for i in range(start, start + n):
+            opt.zero_grad()
+            loss = scaler.scale(model.loss(X, y))
+            (loss * (math.inf if i % 9 == 4 else 1.0)).backward()
+            scaler.step(opt)
+            scaler.update()
+            out.append(scaler.get_scale())
+        return out
+
+    reference = steps(straight, 40, 0)
+    model, _ = _twins()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    first = amp.GradScaler("cpu", **kwargs)
+    head = steps(first, 17, 0)
+    second = amp.GradScaler("cpu")
+    second.load_state_dict(first.state_dict())
+    assert head + steps(second, 23, 17) == reference
+
+
+def test_disabled_scaler_does_nothing():
+    scaler = amp.GradScaler("cpu", enabled=False)
+    model, twin = _twins()
+    opt, opt2 = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    X, y = make_classification(8, 9, 5)
+    loss = model.loss(X, y)
+    assert scaler.scale(loss) is loss
+    loss.backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    twin.loss(X, y).backward()
+    opt2.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {} and not scaler.is_enabled()
+
+
+def test_scale_lists_and_update_to_a_given_scale():
+    scaler = amp.GradScaler("cpu", init_scale=4.0)
+    a, b = scaler.scale([torch.ones(2), (torch.ones(()),)])
+    assert torch.equal(a, torch.full((2,), 4.0)) and b[0].item() == 4.0
+    scaler.update(new_scale=8.0)
+    assert scaler.get_scale() == 8.0
+    scaler.update(new_scale=torch.tensor([2.0]))
+    assert scaler.get_scale() == 2.0
+
+
+def test_two_optimizers_back_off_together_like_torch():
+    results = []
+    for make in (amp.GradScaler, torch.amp.GradScaler):
+        scaler = make("cpu", init_scale=2.0**8)
+        first, second = _twins()
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (first, second)]
+        X, y = make_classification(8, 9, 5)
+        for i in range(6):
+            for o in opts:
+                o.zero_grad()
+            loss = first.loss(X, y) + second.loss(X, y) * (math.inf if i == 2 else 1.0)
+            scaler.scale(loss).backward()
+            for o in opts:
+                scaler.step(o)
+            scaler.update()
+        results.append((scaler.get_scale(), [p.clone() for p in first.parameters()]))
+    assert results[0][0] == results[1][0] == 2.0**7
+    assert all(torch.equal(p, q) for p, q in zip(results[0][1], results[1][1]))
+
+
+@pytest.mark.gpu
+def test_same_as_torch_on_cuda():
+    kwargs = dict(init_scale=2.0**12, growth_interval=7)
+    ours, theirs = amp.GradScaler("cuda", **kwargs), torch.amp.GradScaler("cuda", **kwargs)
+    (m1, _), (m2, _), trace = _run_side_by_side(ours, theirs, 100, device="cuda")
+    assert all(a == b for a, b in trace)
+    assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
+
+
+# ---------------------------------------------------------------- MasterWeights
+
+def _teacher_data(seed=0):
+    """Labels from a random teacher network: learnable, but not in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(2048, 16, generator=g)
+    with torch.no_grad():
+        y = (MLP(16, 32, 1, 4, seed=seed + 100)(X) * 3).argmax(1)
+    return X, y
+
+
+def _train(model, step, *, steps=300, seed=0):
+    """Mean loss of the last 50 of `steps` Adam steps on batches of 64."""
+    X, y = _teacher_data(seed)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(len(X), (64,), generator=g)
+        loss = model.loss(X[idx].to(next(model.parameters()).dtype), y[idx])
+        loss.backward()
+        step()
+        losses.append(loss.item())
+    return sum(losses[-50:]) / 50
+
+
+def test_master_weights_train_as_well_as_fp32_and_pure_bf16_does_not():
+    lr = 1e-4                            # Adam's steps of ~1e-4 are below half a bf16 ulp of ~0.1
+    fp32 = MLP(16, 64, 3, 4, seed=1)
+    opt = torch.optim.Adam(fp32.parameters(), lr=lr)
+    fp32_loss = _train(fp32, lambda: (opt.step(), opt.zero_grad()))
+
+    model = MLP(16, 64, 3, 4, seed=1).to(torch.bfloat16)
+    master = amp.MasterWeights(model.parameters())
+    opt = torch.optim.Adam(master.master_params, lr=lr)
+    master_loss = _train(model, lambda: master.step(opt))
+
+    pure = MLP(16, 64, 3, 4, seed=1).to(torch.bfloat16)
+    opt = torch.optim.Adam(pure.parameters(), lr=lr)
+    pure_loss = _train(pure, lambda: (opt.step(), opt.zero_grad()))
+
+    X, y = _teacher_data()
+    start = MLP(16, 64, 3, 4, seed=1).loss(X, y).item()
+    assert fp32_loss < 0.7 * start                                  # fp32 learned something
+    assert abs(master_loss - fp32_loss) <= 0.05 * fp32_loss         # and so did the master copy
+    assert pure_loss > fp32_loss + 0.2                              # bf16 weights alone lag
+
+
+def test_small_updates_survive_in_the_master_copy_not_in_bf16():
+    model = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)
+    torch.nn.init.ones_(model.weight)
+    master = amp.MasterWeights(model.parameters())
+    opt = torch.optim.SGD(master.master_params, lr=1e-3)
+    plain = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)
+    torch.nn.init.ones_(plain.weight)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
+    for _ in range(100):                         # each update 1e-3, below half a bf16 ulp at 1.0
+        for m in (model, plain):
+            m(torch.ones(1, 1, dtype=torch.bfloat16)).sum().backward()
+        master.step(opt)
+        plain_opt.step()
+        plain_opt.zero_grad()
+    assert plain.weight.item() == 1.0                           # every update rounded away
+    assert master.master_params[0].item() == pytest.approx(0.9, abs=1e-4)
+    assert model.weight.item() == master.master_params[0].to(torch.bfloat16).item()
+
+
+def test_master_weights_with_a_scaler_skip_overflowing_steps():
+    model = MLP(16, 32, 2, 4, seed=0).to(torch.float16)
+    master = amp.MasterWeights(model.parameters())
+    opt = torch.optim.Adam(master.master_params, lr=1e-3)
+    scaler = amp.GradScaler("cpu")
+    X, y = make_classification(32, 16, 4)
+    before = [p.clone() for p in model.parameters()]
+    (scaler.scale(model.loss(X.half(), y)) * math.inf).backward()
+    master.step(opt, scaler)
+    scaler.update()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert scaler.get_scale() == 2.0**15
+    scaler.scale(model.loss(X.half(), y)).backward()
+    master.step(opt, scaler)
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in [*model.parameters(), *master.master_params])  # all freed
+    with pytest.raises(ValueError, match="16-bit"):
+        amp.MasterWeights(MLP(4, 4, 1, 2).parameters())
+
+
+def _states_at_end_of_backward(layout):
+    """Bytes by kind live at the end of the second backward (the first step made Adam's state)."""
+    V, T, C, L, H = 64, 16, 32, 2, 4
+    x, y = make_tokens(4, T, vocab=V)
+    with track("cpu") as t:                     # everything made inside: all of it counted
+        if layout == "autocast":
+            model = GPT(V, T, C, L, H, seed=0)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            forward = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
+            step = opt.step
+        else:
+            model = GPT(V, T, C, L, H, seed=0, dtype=torch.bfloat16)
+            master = amp.MasterWeights(model.parameters())
+            opt = torch.optim.Adam(master.master_params, lr=1e-3)
+            forward = torch.enable_grad
+            step = lambda: master.step(opt)                                 # noqa: E731
+        for i in range(2):
+            with forward():
+                loss = model.loss(x, y)
+            loss.backward()
+            if i == 0:
+                step()
+    return E.gpt_params(V, T, C, L), t.breakdown("current")   # labels are final once it exits
+
+
+@pytest.mark.parametrize("layout", ["autocast", "master"])
+def test_both_mixed_layouts_hold_16_bytes_per_parameter(layout):
+    n, parts = _states_at_end_of_backward(layout)
+    states = parts["parameters"] + parts["gradients"] + parts["optimizer_state"]
+    assert parts["activations"] == 0 and parts["temporaries"] <= 4        # only the loss is left
+    counters = 4 * sum(1 for _ in GPT(64, 16, 32, 2, 4).parameters())   # Adam's step, fp32 each
+    assert states - counters == 16 * n
+    precision = "autocast" if layout == "autocast" else "mixed"
+    assert E.model_states(n, precision=precision).total == 16 * n
+
+
+# ---------------------------------------------------------------- autocast_dtypes
+
+def test_autocast_dtypes_on_the_course_gpt_cpu_bf16():
+    model = GPT(50, 16, 32, 1, 4)
+    x, y = make_tokens(2, 16, vocab=50)
+    ops = amp.autocast_dtypes(model.loss, x, y)
+    by_op: dict[str, set] = {}
+    for o in ops:
+        by_op.setdefault(o.op, set()).add(o.output)
+    assert by_op["addmm"] == by_op["bmm"] == {torch.bfloat16}             # lower-precision list
+    assert by_op["_log_softmax"] == by_op["nll_loss_forward"] == {torch.float32}   # fp32 list
+    assert by_op["native_layer_norm"] == {torch.float32}                  # fp32 residual stream
+    assert by_op["_softmax"] == by_op["gelu"] == {torch.bfloat16}         # input's dtype on CPU
+    assert {o.output for o in ops if o.op == "_to_copy"} == {torch.bfloat16, torch.float32}
+    assert not any(o.op.endswith("view") or o.op in ("t", "transpose") for o in ops)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(x).dtype == by_op["addmm"].pop()                     # the head's output
+
+
+def test_autocast_dtypes_follow_the_dtype_asked_for():
+    model = MLP(8, 16, 2, 3)
+    X, y = make_classification(4, 8, 3)
+    ops = amp.autocast_dtypes(model.loss, X, y, dtype=torch.float16)
+    assert {o.output for o in ops if o.op == "addmm"} == {torch.float16}
+    assert {o.output for o in ops if o.op == "_log_softmax"} == {torch.float32}
