@@ -6,12 +6,14 @@ you need (``from companion import memory``); this file only lists them.
 
 Measure and predict: `memory` (track, measure, memory_budget), `estimate`, `device`, `models`,
 `network` (the α–β model of communication).
-Techniques: `gd`, `floats`, `accumulation`, `checkpointing`, `collectives`, `dp`, `ddp`, `launch`,
+Techniques: `gd`, `floats`, `accumulation`, `checkpointing`, `amp` (GradScaler, MasterWeights,
+autocast_dtypes), `collectives`, `dp`, `ddp`, `launch`,
 `lora`, `zero` (ZeRO stages 1-3), `train` (the `python -m companion train` launcher).
 The course itself: `widgets`, `results`, `checks`, `notebooks`, `grading`.
 """
 __all__ = [
     "accumulation",
+    "amp",
     "checkpointing",
     "checks",
     "collectives",
