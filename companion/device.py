@@ -73,6 +73,15 @@ class Sizes:
     offload_batch: int = 2    # its batch of sequences (few, so that model states dominate)
     act_offload_batch: int = 32  # batch of the course GPT (gpt_width, gpt_depth) whose
                                  # activations chapter 08 offloads
+    amp_gpt_batch: int = 16   # batch of the course GPT whose states and activations chapter 05
+                              # measures in fp32 and mixed precision
+    amp_width: int = 128      # width of the MLP that chapter 05 trains in fp32, bf16 and fp16
+    amp_depth: int = 4        # its hidden layers
+    amp_batch: int = 256      # its micro-batch
+    amp_accum: int = 4096     # micro-batches per update (amp_batch · amp_accum = 2^20 examples):
+                              # each micro-step's loss is divided by it, as in accumulation
+    amp_steps: int = 300      # its training steps
+    amp_matmul: int = 1024    # side of the square matrices whose 16-bit matmul chapter 05 times
 
 
 _SIZES = {
@@ -81,7 +90,9 @@ _SIZES = {
                   gpt_width=1024, gpt_depth=12, gpt_heads=16, vocab=50257,
                   ckpt_depth=64, ckpt_batch=8192, ckpt_gpt_depth=16, ckpt_gpt_batch=16,
                   zero_width=8192, zero_depth=8, zero_batch=64, zero_vocab=262144,
-                  offload_width=1536, offload_depth=16, offload_batch=1, act_offload_batch=8),
+                  offload_width=1536, offload_depth=16, offload_batch=1, act_offload_batch=8,
+                  amp_gpt_batch=8, amp_width=1024, amp_depth=8, amp_batch=4096, amp_accum=256,
+                  amp_steps=500, amp_matmul=8192),
 }
 
 

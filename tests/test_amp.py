@@ -419,3 +419,17 @@ def test_autocast_dtypes_follow_the_dtype_asked_for():
     ops = amp.autocast_dtypes(model.loss, X, y, dtype=torch.float16)
     assert {o.output for o in ops if o.op == "addmm"} == {torch.float16}
     assert {o.output for o in ops if o.op == "_log_softmax"} == {torch.float32}
+
+
+def test_chapter_sizes_for_a_gpu_fit_an_80_gb_device_at_60_percent():
+    from companion.device import _SIZES
+    s = _SIZES["cuda"]
+    n = E.gpt_params(s.vocab, s.seq_len, s.gpt_width, s.gpt_depth)
+    fp32 = E.gpt_activations(s.amp_gpt_batch, s.seq_len, s.gpt_width, s.gpt_depth, s.gpt_heads,
+                             s.vocab)                           # the largest of the three layouts
+    logits_grad = 4 * s.amp_gpt_batch * s.seq_len * s.vocab     # arrives at the peak of backward
+    assert E.model_states(n).total + fp32 + logits_grad <= 0.6 * 80e9
+    mlp = E.mlp_params(32, s.amp_width, s.amp_depth, 10)
+    assert E.model_states(mlp).total + E.mlp_activations(s.amp_batch, s.amp_width, s.amp_depth,
+                                                         10) <= 0.6 * 80e9
+    assert s.amp_batch * s.amp_accum == _SIZES["cpu"].amp_batch * _SIZES["cpu"].amp_accum == 2**20
