@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from companion import ddp, launch
+from companion.ddp.core import _make_buckets
 
 BATCH, STEPS = 12, 3
 
@@ -150,9 +151,24 @@ def test_accumulation_with_no_sync_matches_the_full_batch_and_syncs_once():
 def test_buckets_respect_the_cap_and_one_dtype_each():
     params = [nn.Parameter(torch.zeros(100)), nn.Parameter(torch.zeros(100)),
               nn.Parameter(torch.zeros(300)), nn.Parameter(torch.zeros(10, dtype=torch.float64))]
-    buckets = ddp._make_buckets(params, cap_bytes=800)
+    buckets = _make_buckets(params, cap_bytes=800)
     assert [[p.numel() for p in b.params] for b in buckets] == [[100, 100], [300], [10]]
     assert [b.flat.dtype for b in buckets] == [torch.float32] * 2 + [torch.float64]
+
+
+def test_step_memory_counts_the_buckets_as_one_more_gradient_copy():
+    copy_, view = (launch.run(ddp.step_memory, 2, 32, 3, 4, v)[0] for v in (False, True))
+    assert copy_["buckets"] == view["buckets"] == copy_["gradients"]
+    assert copy_["held"] - view["held"] == copy_["gradients"]
+
+
+def test_profile_buckets_reports_every_cap():
+    out = launch.run(ddp.profile_buckets, 2, 32, 6, 4, [0.001, 1.0], 2)[0]
+    assert out["parameters"] == 12 and out["gradient_bytes"] == 6 * (32 * 32 + 32) * 4
+    assert out["caps"][0.001]["buckets"] == 12 and out["caps"][1.0]["buckets"] == 1
+    for cap in out["caps"].values():
+        assert len(cap["times"].buckets) == cap["buckets"] and cap["seconds"] > 0
+    assert out["backward_seconds"] > 0
 
 
 def _bucket_memory(rank, world_size, as_view):

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["DDP", "SyncStats", "BucketTimes", "average_gradients", "broadcast_parameters",
-           "accumulation_step", "time_training_step"]
+           "accumulation_step"]
 
 
 @dataclasses.dataclass
@@ -235,43 +235,3 @@ def accumulation_step(model: DDP, micro_batches: list, loss_fn: Callable,
     optimizer.step()
     optimizer.zero_grad()
     return total
-
-
-def time_training_step(rank: int, world_size: int, impl: str, width: int, depth: int, batch: int,
-                       steps: int, bucket_cap_mb: float = 25.0, micro_steps: int = 1,
-                       use_no_sync: bool = True) -> dict:
-    """A worker for `launch.run`: train an MLP (depth Linear+ReLU layers of `width`) on `batch`
-    rows per rank and micro-step, and return the mean seconds per optimizer step (after one
-    warm-up step) and the bytes all-reduced per step. impl: "ours", "torch" or "naive"."""
-    torch.manual_seed(0)
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
-    model.to(device)
-    if impl == "ours":
-        wrapped = DDP(model, bucket_cap_mb=bucket_cap_mb)
-    elif impl == "torch":
-        wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    else:
-        broadcast_parameters(model)
-        wrapped = model
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
-    seconds = []
-    for _ in range(steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        for i in range(micro_steps):
-            skip = use_no_sync and i < micro_steps - 1 and impl != "naive"
-            with wrapped.no_sync() if skip else contextlib.nullcontext():
-                nn.functional.mse_loss(wrapped(x), y).backward()
-            if impl == "ours":
-                wrapped.finish_gradient_synchronization()     # a no-op after a no_sync pass
-        if impl == "naive":
-            average_gradients(model)
-        optimizer.step()
-        optimizer.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)                                # host-device sync
-        seconds.append(time.perf_counter() - start)
-    sent = wrapped.stats.bytes / (steps + 1) if impl == "ours" else None
-    return {"seconds": sum(seconds[1:]) / steps, "all_reduce_bytes": sent}

@@ -1,0 +1,118 @@
+"""Measuring DDP on real ranks: workers for `companion.launch.run` that time a training step, time
+it against the bucket size (with each bucket's all-reduce on a timeline), and measure what the
+buckets cost in memory. Used by chapter 06 and benchmarks/bench_ddp.py."""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from companion.ddp.core import DDP, average_gradients, broadcast_parameters
+
+__all__ = ["time_training_step", "profile_buckets", "step_memory"]
+
+
+def time_training_step(rank: int, world_size: int, impl: str, width: int, depth: int, batch: int,
+                       steps: int, bucket_cap_mb: float = 25.0, micro_steps: int = 1,
+                       use_no_sync: bool = True) -> dict:
+    """A worker for `launch.run`: train an MLP (depth Linear+ReLU layers of `width`) on `batch`
+    rows per rank and micro-step, and return the mean seconds per optimizer step (after one
+    warm-up step) and the bytes all-reduced per step. impl: "ours", "torch" or "naive"."""
+    torch.manual_seed(0)
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
+    model.to(device)
+    if impl == "ours":
+        wrapped = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    elif impl == "torch":
+        wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    else:
+        broadcast_parameters(model)
+        wrapped = model
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
+    seconds = []
+    for _ in range(steps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        for i in range(micro_steps):
+            skip = use_no_sync and i < micro_steps - 1 and impl != "naive"
+            with wrapped.no_sync() if skip else contextlib.nullcontext():
+                nn.functional.mse_loss(wrapped(x), y).backward()
+            if impl == "ours":
+                wrapped.finish_gradient_synchronization()     # a no-op after a no_sync pass
+        if impl == "naive":
+            average_gradients(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)                                # host-device sync
+        seconds.append(time.perf_counter() - start)
+    sent = wrapped.stats.bytes / (steps + 1) if impl == "ours" else None
+    return {"seconds": sum(seconds[1:]) / steps, "all_reduce_bytes": sent}
+
+
+def profile_buckets(rank: int, world_size: int, width: int, depth: int, batch: int,
+                    caps_mb: list[float], steps: int = 5) -> dict:
+    """A worker for `launch.run`: an MLP of `depth` Linear(width, width) + ReLU layers trained with
+    our DDP at each bucket cap. Returns the model's gradient bytes, the median backward time with no
+    communication (under no_sync), and per cap: buckets, median step seconds (after a warm-up
+    step), and the last step's `BucketTimes`."""
+    def make_model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for _ in range(depth)
+                               for m in (nn.Linear(width, width), nn.ReLU())])
+
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    model = make_model()
+    out = {"gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+           "parameters": len(list(model.parameters())), "caps": {}}
+    for cap in caps_mb:
+        model = make_model()                       # a fresh one: DDP's hooks stay on a model
+        wrapped = DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        seconds = []
+        for _ in range(steps + 1):
+            dist.barrier()                                                # start together
+            start = time.perf_counter()
+            nn.functional.mse_loss(wrapped(x), y).backward()
+            wrapped.finish_gradient_synchronization()
+            optimizer.step()
+            seconds.append(time.perf_counter() - start)
+        out["caps"][cap] = {"buckets": len(wrapped.buckets), "times": wrapped.last_times,
+                            "seconds": statistics.median(seconds[1:])}
+    local = []
+    for _ in range(steps):
+        with wrapped.no_sync():
+            loss = nn.functional.mse_loss(wrapped(x), y)
+            start = time.perf_counter()
+            loss.backward()
+            local.append(time.perf_counter() - start)
+    out["backward_seconds"] = statistics.median(local)
+    return out
+
+
+def step_memory(rank: int, world_size: int, width: int, depth: int, batch: int,
+                gradient_as_bucket_view: bool) -> dict:
+    """A worker for `launch.run`: bytes one rank holds after two DDP steps of an MLP, measured with
+    `companion.memory.track` from before DDP is built: gradients, buckets and the rest."""
+    from companion.memory import track
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    with track("cpu") as tracker:
+        wrapped = DDP(model, gradient_as_bucket_view=gradient_as_bucket_view)
+        for _ in range(2):                       # the second step reuses what the first made
+            nn.functional.mse_loss(wrapped(x), y).backward()
+            wrapped.finish_gradient_synchronization()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    buckets = sum(b.flat.numel() * b.flat.element_size() for b in wrapped.buckets)
+    return {"held": tracker.current, "buckets": buckets, "by_kind": tracker.breakdown("current"),
+            "gradients": sum(p.numel() * p.element_size() for p in model.parameters())}
