@@ -64,6 +64,9 @@ class Sizes:
     ckpt_batch: int = 256   # its batch (large enough that activations dominate)
     ckpt_gpt_depth: int = 8  # transformer blocks of the GPT-style stack that chapter 04 checkpoints
     ckpt_gpt_batch: int = 8  # its batch of sequences
+    ddp_width: int = 512     # chapter 06's bucket experiment: an MLP of ddp_depth Linear layers
+    ddp_depth: int = 32      # (32 MiB of gradients at 512 x 32: many buckets at every cap); its
+    ddp_batch: int = 16      # rows per rank. Gloo ranks on the CPU on any machine: same on CUDA.
     zero_width: int = 512    # width of the MLP whose model states chapter 07 shards
     zero_depth: int = 4      # its Linear layers: about zero_depth · zero_width² parameters
     zero_batch: int = 8      # its rows per rank (few, so that model states dominate)
