@@ -1,0 +1,281 @@
+"""Chapter 05's checks pass on the reference and fail on known-wrong answers, each with its hint."""
+import math
+
+import pytest
+import torch
+
+from companion.checks.ch05 import (check_autocast_activation_bytes, check_master_step,
+                                   check_unscale_grads, check_update_scale)
+from companion.checks.core import CheckFailed
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)           # tiny models: two threads on a loaded machine only wait
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- the update rule
+
+def update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, interval):
+    """The notebook's solution: written out, floats only."""
+    if found_inf:
+        return scale * backoff_factor, 0
+    tracker += 1
+    if tracker == interval:
+        grown = scale * growth_factor
+        if grown <= torch.finfo(torch.float32).max:
+            scale = grown
+        tracker = 0
+    return scale, tracker
+
+
+def _keeps_count(scale, tracker, found, gf, bf, n):
+    if found:
+        return scale * bf, tracker
+    return update_scale(scale, tracker, found, gf, bf, n)
+
+
+def _ignores_inf(scale, tracker, found, gf, bf, n):
+    return update_scale(scale, tracker, False, gf, bf, n)
+
+
+def _grows_every_step(scale, tracker, found, gf, bf, n):
+    return update_scale(scale, tracker, found, gf, bf, 1)
+
+
+def _grows_late(scale, tracker, found, gf, bf, n):
+    return update_scale(scale, tracker, found, gf, bf, n + 1)
+
+
+def _never_resets(scale, tracker, found, gf, bf, n):
+    if found:
+        return scale * bf, 0
+    tracker += 1
+    return (scale * gf if tracker >= n else scale), tracker
+
+
+def _grows_to_float64(scale, tracker, found, gf, bf, n):
+    if found:
+        return scale * bf, 0
+    return (scale * gf, 0) if tracker + 1 == n else (scale, tracker + 1)
+
+
+def test_update_scale_reference_passes():
+    from companion.amp import update_scale as ours
+    check_update_scale(update_scale)
+    check_update_scale(lambda s, t, f, g, b, n: ours(s, t, f, growth_factor=g, backoff_factor=b,
+                                                     growth_interval=n))
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_keeps_count, "starts again at 0"),
+    (_ignores_inf, "multiply it by backoff_factor"),
+    (_grows_every_step, "not after every one"),
+    (_grows_late, "not one step later"),
+    (_never_resets, "reset the count"),
+    (_grows_to_float64, "float32"),
+    (lambda s, t, f, g, b, n: s, "two values"),
+    (lambda s, t, f, g, b, n: (s, t), None),
+])
+def test_update_scale_wrong_answers_fail(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_update_scale(wrong)
+
+
+# ---------------------------------------------------------------- unscale and find infs
+
+def unscale_grads(grads, inv_scale):
+    found_inf = torch.zeros(())
+    for g in grads:
+        found_inf += (~torch.isfinite(g)).any()
+        g.mul_(inv_scale)
+    return found_inf > 0
+
+
+def _isinf_only(grads, inv_scale):
+    found = any(bool(g.isinf().any()) for g in grads)
+    for g in grads:
+        g.mul_(inv_scale)
+    return found
+
+
+def _first_only(grads, inv_scale):
+    found = not bool(torch.isfinite(grads[0]).all())
+    for g in grads:
+        g.mul_(inv_scale)
+    return found
+
+
+def _copies(grads, inv_scale):
+    found = any(not bool(torch.isfinite(g).all()) for g in grads)
+    for i, g in enumerate(grads):
+        grads[i] = g * inv_scale                 # new tensors: p.grad never sees them
+    return found
+
+
+def _divides(grads, inv_scale):
+    found = any(not bool(torch.isfinite(g).all()) for g in grads)
+    for g in grads:
+        g.div_(inv_scale)
+    return found
+
+
+def _always(grads, inv_scale):
+    unscale_grads(grads, inv_scale)
+    return True
+
+
+def test_unscale_grads_reference_passes():
+    from companion.amp import unscale_grads_
+    check_unscale_grads(unscale_grads)
+    check_unscale_grads(unscale_grads_)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_isinf_only, "isinf misses NaN"),
+    (_first_only, "every gradient tensor"),
+    (_copies, "in place"),
+    (_divides, "multiply by inv_scale"),
+    (_always, "flag only inf and NaN"),
+    (lambda grads, inv_scale: None, "found_inf as a bool"),
+])
+def test_unscale_grads_wrong_answers_fail(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_unscale_grads(wrong)
+
+
+# ---------------------------------------------------------------- master weights
+
+def master_step(model, master_params, optimizer):
+    for p, m in zip(model.parameters(), master_params):
+        m.grad = p.grad.float()                     # 2 bytes -> 4 bytes per element
+        p.grad = None
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), master_params):
+            p.copy_(m)                              # rounded to 16 bits
+            m.grad = None
+
+
+def _no_copy_back(model, master_params, optimizer):
+    for p, m in zip(model.parameters(), master_params):
+        m.grad, p.grad = p.grad.float(), None
+    optimizer.step()
+    for m in master_params:
+        m.grad = None
+
+
+def _copy_first(model, master_params, optimizer):
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), master_params):
+            p.copy_(m)
+    _no_copy_back(model, master_params, optimizer)
+
+
+def _no_grads_moved(model, master_params, optimizer):
+    model.zero_grad(set_to_none=True)
+    optimizer.step()
+
+
+def _keeps_grads(model, master_params, optimizer):
+    for p, m in zip(model.parameters(), master_params):
+        m.grad = p.grad.float()
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), master_params):
+            p.copy_(m)
+
+
+def _replaces_params(model, master_params, optimizer):
+    _no_copy_back(model, master_params, optimizer)
+    for p, m in zip(model.parameters(), master_params):
+        p.data = m.detach().clone()                  # the model silently becomes fp32
+
+
+def _steps_16_bit(model, master_params, optimizer):
+    with torch.no_grad():                           # plain SGD on the 16-bit weights
+        for p in model.parameters():
+            p -= 1e-3 * p.grad
+            p.grad = None
+
+
+def test_master_step_reference_passes():
+    from companion.amp import MasterWeights
+
+    def with_helper(model, master_params, optimizer):
+        helper = MasterWeights(model.parameters())
+        helper.master_params = master_params
+        helper.step(optimizer)
+
+    check_master_step(master_step)
+    check_master_step(with_helper)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_no_copy_back, "copy the master weights back"),
+    (_copy_first, "one step behind"),
+    (_no_grads_moved, "set each master's .grad"),
+    (_keeps_grads, "free each 16-bit gradient"),
+    (_replaces_params, "do not replace them"),
+    (_steps_16_bit, "set each master's .grad"),
+])
+def test_master_step_wrong_answers_fail(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_master_step(wrong)
+
+
+# ---------------------------------------------------------------- a prediction
+
+def autocast_activation_bytes(batch, d_in, width, depth, d_out):
+    input_copy = 2 * batch * d_in                                   # saved by the first Linear
+    weight_copies = 2 * ((depth - 1) * width * width + width * d_out)   # not the first's
+    relu_outputs = 2 * depth * batch * width
+    log_softmax = 4 * batch * d_out                                 # fp32: the loss's list
+    return input_copy + weight_copies + relu_outputs + log_softmax + 4
+
+
+def test_autocast_activation_bytes_reference_passes():
+    check_autocast_activation_bytes(autocast_activation_bytes)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda B, d, W, L, K: 2 * (L * B * W + B * K + 1), "half of fp32"),
+    (lambda B, d, W, L, K: 4 * (L * B * W + B * K + 1), "ReLU outputs are 16-bit"),
+    (lambda B, d, W, L, K: 2 * B * d + 2 * L * B * W + 4 * B * K + 4, "weight matrix"),
+    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 2 * d * W, "first Linear's"),
+    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) - 2 * B * K, "fp32 list"),
+    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) - 2 * B * d, "input batch"),
+    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 1, None),
+])
+def test_autocast_activation_bytes_wrong_answers_fail(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_autocast_activation_bytes(wrong)
+
+
+# ---------------------------------------------------------------- garbage and hangs
+
+CHECKS = [check_update_scale, check_unscale_grads, check_master_step,
+          check_autocast_activation_bytes]
+
+
+def _hangs(*args):
+    while True:
+        pass
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("garbage", [None, "answer", 1.0, lambda *a: None, lambda *a: 1 / 0,
+                                     lambda *a: torch.tensor(math.nan),
+                                     lambda *a: torch.ones(3, dtype=torch.int64)])
+def test_garbage_fails_cleanly(check, garbage):
+    with pytest.raises(CheckFailed):
+        check(garbage)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_a_hang_fails_within_the_time_limit(check):
+    with pytest.raises(CheckFailed, match="did not finish"):
+        check(_hangs, timeout=1.0)
