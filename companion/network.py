@@ -1,8 +1,8 @@
 """The α–β model of communication: a message of n bytes takes α + β·n seconds.
 
 α is the latency (the fixed cost of any message: software, synchronisation, the wire's delay) and
-β the inverse bandwidth (seconds per byte). Two numbers, fitted to timed point-to-point messages,
-predict what the chapter measures (Hockney 1994; Thakur, Rabenseifner & Gropp 2005, "Optimization
+β the inverse bandwidth (seconds per byte). Two numbers, fitted to timed all-reduces of growing
+size, predict what the chapter measures (Hockney 1994; Thakur, Rabenseifner & Gropp 2005, "Optimization
 of Collective Communication Operations in MPICH", for the ring's cost):
 
 - ring all-reduce of S bytes on N ranks: 2(N-1) steps of S/N bytes, 2(N-1)·α + 2(N-1)/N·S·β;
@@ -12,7 +12,7 @@ of Collective Communication Operations in MPICH", for the ring's cost):
   left after backward ends (`exposed_seconds`), which picks the best bucket size.
 
 Example:
-    >>> alpha, beta = fit_alpha_beta([1e3, 1e6, 1e7], [60e-6, 0.9e-3, 8.5e-3])
+    >>> alpha, beta = fit_alpha_beta([1e3, 1e6, 1e7], [60e-6, 0.9e-3, 8.5e-3])   # one message
     >>> all_reduce_seconds(100 * 2**20, 4, alpha=alpha, beta=beta)            # 100 MiB, ring
 
 Simplified vs real networks: one link per rank at one speed, no contention between links, no
@@ -28,8 +28,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["fit_alpha_beta", "all_reduce_seconds", "exposed_seconds", "best_bucket_count",
-           "time_point_to_point"]
+from companion import collectives
+
+__all__ = ["fit_alpha_beta", "fit_all_reduce", "all_reduce_seconds", "exposed_seconds",
+           "best_bucket_count", "time_all_reduce_sizes"]
 
 
 def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -84,26 +86,34 @@ def best_bucket_count(backward_seconds: float, nbytes: float, world_size: int, *
         backward_seconds, nbytes, world_size, alpha=alpha, beta=beta, buckets=b))
 
 
-def time_point_to_point(rank: int, world_size: int, sizes: Sequence[int],
-                        repeats: int = 9) -> list[float]:
-    """A worker for `launch.run`: ranks 0 and 1 bounce a message of each size (bytes) back and
-    forth; returns, per size, the median one-way time (half a round trip), on every rank."""
+def time_all_reduce_sizes(rank: int, world_size: int, impl: str, sizes: Sequence[int],
+                          repeats: int = 5) -> list[float]:
+    """A worker for `launch.run`: per size (bytes of float32), the median seconds of `repeats`
+    all-reduces after a warm-up, on the slowest rank. impl: "gloo" (dist.all_reduce), "ring" or
+    "naive" (ours, from `companion.collectives`)."""
+    run = {"ring": collectives.ring_all_reduce, "naive": collectives.naive_all_reduce,
+           "gloo": dist.all_reduce}[impl]
     out = []
     for nbytes in sizes:
-        buffer = torch.zeros(max(nbytes // 4, 1))                         # float32
+        tensor = torch.ones(max(nbytes // 4, 1))
         times = []
         for i in range(repeats + 1):                                      # +1: a warm-up
             dist.barrier()                                                # start together
             start = time.perf_counter()
-            if rank == 0:
-                dist.send(buffer, 1)                                      # point-to-point
-                dist.recv(buffer, 1)
-            elif rank == 1:
-                dist.recv(buffer, 0)
-                dist.send(buffer, 0)
+            run(tensor)                                                   # collective
             if i:
-                times.append((time.perf_counter() - start) / 2)
+                times.append(time.perf_counter() - start)
         out.append(statistics.median(times))
-    result = torch.tensor(out, dtype=torch.float64)
-    dist.broadcast(result, 0)                                             # rank 0's timings
-    return result.tolist()
+    slowest = torch.tensor(out, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)                        # collective
+    return slowest.tolist()
+
+
+def fit_all_reduce(nbytes: Sequence[float], seconds: Sequence[float],
+                   world_size: int) -> tuple[float, float]:
+    """(α, β) of one message from timed ring all-reduces: fit seconds ≈ A + B·S, then
+    A = 2(N-1)·α and B = 2(N-1)/N·β."""
+    if world_size < 2:
+        raise ValueError("an all-reduce on one rank sends nothing: use world_size >= 2")
+    a, b = fit_alpha_beta(nbytes, seconds)
+    return a / (2 * (world_size - 1)), b * world_size / (2 * (world_size - 1))

@@ -1,6 +1,5 @@
 """companion.network: the α–β fit recovers known latency and bandwidth, the predictions follow the
 formulas, and the overlap model picks the bucket count a brute-force schedule would."""
-import math
 import random
 
 import pytest
@@ -54,10 +53,19 @@ def test_exposed_time_and_best_bucket_count():
     assert slow_start < best                                  # more latency: fewer buckets
 
 
-def test_point_to_point_timings_grow_with_size():
-    sizes = [64, 2**20, 2**23]
-    results = launch.run(network.time_point_to_point, 2, sizes, 3, timeout=60)
-    assert results[0] == results[1]                            # every rank gets rank 0's figures
-    times = results[0]
-    assert all(t > 0 for t in times) and times[2] > times[0]
-    assert math.isfinite(network.fit_alpha_beta(sizes, times)[1])
+def test_fit_all_reduce_inverts_the_ring_formula():
+    a, b = 40e-6, 2e-10
+    sizes = [2**k for k in range(8, 26, 3)]
+    for N in (2, 4):
+        times = [network.all_reduce_seconds(n, N, alpha=a, beta=b) for n in sizes]
+        assert network.fit_all_reduce(sizes, times, N) == pytest.approx((a, b), rel=1e-9)
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        network.fit_all_reduce(sizes, times, 1)
+
+
+@pytest.mark.parametrize("impl", ["gloo", "ring", "naive"])
+def test_all_reduce_timings_grow_with_size(impl):
+    sizes = [64, 2**24]
+    times = launch.run(network.time_all_reduce_sizes, 2, impl, sizes, 3, timeout=60)
+    assert times[0] == times[1]                                # the slowest rank's, on every rank
+    assert times[0][0] > 0 and times[0][1] > 16 * 2**20 / 100e9   # 16 MiB: not faster than 100 GB/s
