@@ -24,6 +24,7 @@ import errno
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from typing import Iterable
 
@@ -57,7 +58,7 @@ class NVMeOffloadOptimizer(CPUOffloadOptimizer):
     group's master and state while it steps; disk (1 + number of state tensors) x 4 bytes per
     parameter (AdamW: 12), `disk_bytes`. Put each block in its own group for smaller pages.
     Files are removed by `close()`, on leaving a `with` block, when a step fails, and when the
-    optimizer is garbage-collected. Raises a clear error when `directory` is not a writable
+    optimizer is garbage-collected. `step_times` adds the seconds of page_in and page_out. Raises a clear error when `directory` is not a writable
     directory or has too little free space.
     """
 
@@ -75,6 +76,7 @@ class NVMeOffloadOptimizer(CPUOffloadOptimizer):
         except BaseException:
             self._remove()                         # no files left behind
             raise
+        self._times.update(page_in=0.0, page_out=0.0)   # seconds per step, in step_times
 
     def _file(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """A float32 tensor shaped like `like`, backed by the file `name` (zeros when new)."""
@@ -104,9 +106,14 @@ class NVMeOffloadOptimizer(CPUOffloadOptimizer):
             for group in _group_indices(self.param_groups):
                 chosen = [i for i in group if i in wanted and self._has_grad[i]]
                 if chosen:
+                    start = time.perf_counter()
                     self._page_in(chosen)          # 1. disk -> RAM
+                    middle = time.perf_counter()
                     super()._update(chosen)        # 2. step, copy the weights up
+                    end = time.perf_counter()
                     self._page_out(chosen)         # 3. RAM -> disk
+                    self._times["page_in"] += middle - start
+                    self._times["page_out"] += time.perf_counter() - end
         except BaseException:
             self.close()                           # a failed step leaves no files behind
             raise

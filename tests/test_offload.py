@@ -283,3 +283,19 @@ def test_cuda_offload_pins_host_memory_and_tracks_plain_training():
         loss = offloaded.loss(x, y)
     loss.backward()
     assert moved.bytes_to_host == moved.bytes_to_device > 0
+
+
+def test_chapter_sizes_for_a_gpu_fit_an_80_gb_device_at_60_percent():
+    from companion import estimate
+    from companion.device import _SIZES
+    s = _SIZES["cuda"]
+    n = estimate.gpt_params(s.vocab, s.seq_len, s.offload_width, s.offload_depth)
+    states = estimate.model_states(n, optimizer="adamw").total
+    activations = estimate.gpt_activations(s.offload_batch, s.seq_len, s.offload_width,
+                                           s.offload_depth, s.gpt_heads, s.vocab)
+    plain = states + activations
+    n_act = estimate.gpt_params(s.vocab, s.seq_len, s.gpt_width, s.gpt_depth)
+    activation_demo = estimate.model_states(n_act).total + estimate.gpt_activations(
+        s.act_offload_batch, s.seq_len, s.gpt_width, s.gpt_depth, s.gpt_heads, s.vocab)
+    assert plain <= 0.6 * 80e9 and activation_demo <= 0.6 * 80e9
+    assert states > 2 * activations          # the model states are what does not fit
