@@ -4,11 +4,13 @@ Readable reference implementations of memory-saving techniques, tools that measu
 memory on any device, widgets, and the checks that grade the course's exercises. Import the module
 you need (``from companion import memory``); this file only lists them.
 
-Measure and predict: `memory` (track, measure, memory_budget), `estimate`, `device`, `models`,
-`network` (the α–β model of communication).
+Measure and predict: `memory` (track, measure, memory_budget; `memory_plot`), `placement` (device,
+host or disk), `estimate` (with `estimate_offload`), `device`, `models`, `network` (the α–β model
+of communication).
 Techniques: `gd`, `floats`, `accumulation`, `checkpointing`, `amp` (GradScaler, MasterWeights,
 autocast_dtypes), `collectives`, `dp`, `ddp`, `launch`,
-`lora`, `zero` (ZeRO stages 1-3), `train` (the `python -m companion train` launcher).
+`lora`, `zero` (ZeRO stages 1-3), `offload` (ZeRO-Offload, activation offload), `nvme` (the NVMe
+tier), `train` (the `python -m companion train` launcher).
 The course itself: `widgets`, `results`, `checks`, `notebooks`, `grading`.
 """
 __all__ = [
@@ -21,15 +23,20 @@ __all__ = [
     "device",
     "dp",
     "estimate",
+    "estimate_offload",
     "floats",
     "gd",
     "grading",
     "launch",
     "lora",
     "memory",
+    "memory_plot",
     "models",
     "network",
     "notebooks",
+    "nvme",
+    "offload",
+    "placement",
     "results",
     "train",
     "widgets",
