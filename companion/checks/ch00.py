@@ -28,7 +28,7 @@ def _number(got, name: str) -> float:
     return float(got)
 
 
-@exercise(points=1)
+@exercise(points=1, reference="companion.floats.parameter_bytes")
 def check_param_bytes(answer) -> str:
     """answer(model) -> bytes of the model's parameters (each counted once, in its own dtype)."""
     for seed in fresh_seeds(4):
@@ -58,7 +58,7 @@ def _state_reference(n: int, optimizer: str, precision: str) -> tuple[int, int, 
     return s.params, s.grads, s.optimizer
 
 
-@exercise(points=2)
+@exercise(points=2, reference="companion.estimate.model_states")
 def check_model_state_bytes(answer) -> str:
     """answer(n_params, optimizer, precision) -> (params, grads, optimizer_state) bytes, for
     optimizer in "sgd", "sgd_momentum", "adam" and precision in "fp32", "mixed"."""
@@ -87,7 +87,8 @@ def check_model_state_bytes(answer) -> str:
             f"(1B parameters: {adam / 1e9:.0f} GB)")
 
 
-@exercise(points=2, timeout=20.0)
+@exercise(points=2, timeout=20.0, reference=("companion.estimate.mlp_activations",
+                                             "companion.memory.track", "companion.memory.measure"))
 def check_activation_bytes(answer) -> str:
     """answer(batch, width, depth, n_classes, bytes_per_value) -> bytes `MLP.loss` saves for
     backward (beyond its input batch and labels), held against a measurement."""

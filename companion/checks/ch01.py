@@ -17,7 +17,7 @@ def _problem(seed: int, m: int, d: int):
     return X, y, torch.randn(d, generator=g), torch.randn((), generator=g)
 
 
-@exercise(points=1)
+@exercise(points=1, reference=("companion.gd.mse_gradient", "companion.gd.autograd_gradient"))
 def check_mse_gradient(answer) -> str:
     """answer(X, y, w, b) -> (dw, db), the gradient of the mean squared error by hand."""
     for seed, (m, d) in zip(fresh_seeds(3), [(37, 5), (1, 3), (128, 1)]):
@@ -32,7 +32,7 @@ def check_mse_gradient(answer) -> str:
     return "matches the hand-derived gradient (2/m)·Xᵀr, (2/m)·Σr on 3 random batches"
 
 
-@exercise(points=1)
+@exercise(points=1, reference="companion.gd.sgd_step")
 def check_sgd_step(answer) -> str:
     """answer(w, b, dw, db, lr) -> (w_new, b_new): one gradient-descent update."""
     for seed, d in zip(fresh_seeds(3), [5, 1, 17]):
@@ -64,7 +64,7 @@ def _one_batch_for_all(X, y, w, b, lr, batch_size):
     return w, b
 
 
-@exercise(points=2)
+@exercise(points=2, reference=("companion.gd.train_epoch", "companion.gd.train"))
 def check_train_epoch(answer) -> str:
     """answer(X, y, w, b, lr, batch_size) -> (w, b) after one in-order epoch of mini-batch SGD."""
     for seed, (m, d, bs) in zip(fresh_seeds(3), [(50, 3, 8), (29, 4, 29), (33, 2, 10)]):

@@ -53,7 +53,7 @@ def _bf16_wrong(bits: int) -> dict[str, float]:
                 1 + mantissa / 2**23) * 2.0 ** (exponent - 127)}
 
 
-@exercise(points=1)
+@exercise(points=1, reference="companion.floats.decode")
 def check_decode_bf16(answer) -> str:
     """answer(bits: int) -> float: the value of a 16-bit bf16 pattern, every kind of pattern."""
     fixed = [0x3F80, 0xC000, 0x3DCD, 0x0000, 0x8000, 0x0001, 0x807F, 0x0080, 0x7F7F, 0x7F80,
@@ -82,7 +82,7 @@ def _pow2(k: int) -> float:
     return math.inf if k > 1023 else 2.0**k
 
 
-@exercise(points=1)
+@exercise(points=1, reference="companion.floats.FloatFormat")
 def check_max_normal(answer) -> str:
     """answer(exponent_bits, mantissa_bits) -> float: the largest finite value of an IEEE layout."""
     for e, m in _LAYOUTS:
@@ -102,7 +102,7 @@ def check_max_normal(answer) -> str:
     return "fp16's 65504, bf16's 3.39e38 and fp64's 1.80e308 all follow from the layout"
 
 
-@exercise(points=1)
+@exercise(points=1, reference="companion.floats.FloatFormat")
 def check_min_subnormal(answer) -> str:
     """answer(exponent_bits, mantissa_bits) -> float: the smallest positive (subnormal) value."""
     for e, m in _LAYOUTS:
@@ -122,7 +122,8 @@ def check_min_subnormal(answer) -> str:
 
 # ---------------------------------------------------------------- summing in low precision
 
-@exercise(points=2, timeout=10.0)
+@exercise(points=2, timeout=10.0, reference=("companion.floats.running_sum",
+                                             "companion.floats.running_totals"))
 def check_low_precision_sum(answer) -> str:
     """answer(values, dtype) -> 0-d tensor of dtype: values added one at a time in dtype."""
     seeds = fresh_seeds(2)
@@ -157,7 +158,7 @@ def _model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-@exercise(points=1)
+@exercise(points=1, reference="companion.floats.parameter_bytes")
 def check_bytes_per_format(answer) -> str:
     """answer(model, dtype) -> int: bytes the model's parameters take when stored in dtype."""
     dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn]

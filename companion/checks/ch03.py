@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from companion import accumulation
-from companion.checks.core import CheckFailed, call, compare, exercise, fresh_seeds, require
+from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
+                                   require)
 
 __all__ = ["check_accumulation_step", "check_choose_micro_batch", "check_batch_size_search"]
 
@@ -53,28 +54,41 @@ def _reject_known_wrong(got, known_wrong: dict[str, tuple]) -> None:
             raise CheckFailed("this is a known mistake", expected=None, got=None, hint=hint)
 
 
-@exercise(points=2, timeout=30.0)     # the first optimizer step of a process imports a lot
+def _stale(model, seed: int) -> list[torch.Tensor]:
+    """Gradients left in .grad by an earlier step."""
+    g = torch.Generator().manual_seed(seed + 2)
+    return [torch.randn(p.shape, generator=g) for p in model.parameters()]
+
+
+@harness
+def _accumulation_run(answer, seed: int, k: int, b: int) -> tuple:
+    """Run the answer on the seed's model (stale gradients in .grad, SGD with momentum); return
+    (its parameters after, how many optimizer steps ran, the batch sizes the model saw)."""
+    model, x, y = _setup(seed, k * b)
+    for p, g in zip(model.parameters(), _stale(model, seed)):
+        p.grad = g
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    seen, steps = [], []
+    model.register_forward_pre_hook(lambda module, inputs: seen.append(len(inputs[0])))
+    opt.register_step_post_hook(lambda *args: steps.append(1))
+    call(answer, model, F.cross_entropy, opt, x.clone(), y.clone(), k)
+    return tuple(p.detach() for p in model.parameters()), len(steps), seen
+
+
+@exercise(points=2, timeout=30.0, reference="companion.accumulation.accumulation_step")
 def check_accumulation_step(answer) -> str:
     """answer(model, loss_fn, optimizer, x, y, accum_steps): one optimizer step on (x, y) made of
     accum_steps equal micro-batches (len(x) is a multiple of accum_steps)."""
     for seed, (k, b) in zip(fresh_seeds(3), [(4, 6), (3, 7), (5, 1)]):
         model, x, y = _setup(seed, k * b)
-        stale = [torch.randn_like(p) for p in model.parameters()]   # left from an earlier step
-        mine = copy.deepcopy(model)
-        for p, g in zip(mine.parameters(), stale):
-            p.grad = g.clone()
-        opt = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
-        seen, steps = [], []
-        mine.register_forward_pre_hook(lambda module, inputs: seen.append(len(inputs[0])))
-        opt.register_step_post_hook(lambda *args: steps.append(1))
-        call(answer, mine, F.cross_entropy, opt, x.clone(), y.clone(), k)
-        require(len(steps) == 1, f"optimizer.step() ran {len(steps)} times; expected once",
+        stale = _stale(model, seed)
+        got, steps, seen = _accumulation_run(answer, seed, k, b)
+        require(steps == 1, f"optimizer.step() ran {steps} times; expected once",
                 hint="accumulate the gradients of all micro-batches, then step once, after the loop.")
         require(max(seen, default=len(x)) <= b and len(seen) == k,
                 f"the model saw batches of sizes {seen}; expected {k} micro-batches of {b}",
                 hint="split x and y into accum_steps pieces (x.chunk(k)) and run the model on each: "
                      "that is what keeps the activations small.")
-        got = tuple(p.detach() for p in mine.parameters())
         expected = _step_params(model, x, y, k)
         if not all(torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(got, expected)):
             _reject_known_wrong(got, {
@@ -92,7 +106,7 @@ def check_accumulation_step(answer) -> str:
             "b examples at a time")
 
 
-@exercise(points=1)
+@exercise(points=1, reference="companion.accumulation.choose_micro_batch")
 def check_choose_micro_batch(answer) -> str:
     """answer(target, max_batch) -> (b, k): b·k == target, b <= max_batch, b as large as possible."""
     rng = random.Random(fresh_seeds(1)[0])
@@ -118,28 +132,34 @@ def _search_problem(seed: int):
     return limit, rng.randrange(1, 9)
 
 
-@exercise(points=2, timeout=10.0)
+@harness
+def _search_run(answer, limit: int, start: int) -> tuple:
+    """Run the answer with a step(b) that fails above `limit`; return (its answer, the sizes tried)."""
+    tried: list[int] = []
+
+    def step(b):
+        require(isinstance(b, int) and not isinstance(b, bool) and b >= 1,
+                f"step was called with batch size {b!r}", hint="batch sizes are ints >= 1.")
+        tried.append(b)
+        if b > limit:
+            raise torch.OutOfMemoryError(f"Tried to allocate memory for a batch of {b}")
+
+    try:
+        return call(answer, step, start), tried
+    except CheckFailed as failure:
+        if "OutOfMemoryError" in failure.summary:
+            failure.hint = ("wrap each try in `try: step(b) except torch.OutOfMemoryError:` "
+                            "and treat the error as 'does not fit'.")
+        raise
+
+
+@exercise(points=2, timeout=10.0, reference="companion.accumulation.find_max_batch_size")
 def check_batch_size_search(answer) -> str:
     """answer(step, start) -> int: the largest b for which step(b) runs without
     torch.OutOfMemoryError, assuming every smaller batch fits when b does, and start fits."""
     for seed in fresh_seeds(4):
         limit, start = _search_problem(seed)
-        tried: list[int] = []
-
-        def step(b):
-            require(isinstance(b, int) and not isinstance(b, bool) and b >= 1,
-                    f"step was called with batch size {b!r}", hint="batch sizes are ints >= 1.")
-            tried.append(b)
-            if b > limit:
-                raise torch.OutOfMemoryError(f"Tried to allocate memory for a batch of {b}")
-
-        try:
-            got = call(answer, step, start)
-        except CheckFailed as failure:
-            if "OutOfMemoryError" in failure.summary:
-                failure.hint = ("wrap each try in `try: step(b) except torch.OutOfMemoryError:` "
-                                "and treat the error as 'does not fit'.")
-            raise
+        got, tried = _search_run(answer, limit, start)
         powers = [b for b in tried if b <= limit]
         compare(got, limit, name=f"largest batch (start={start})",
                 hint="double until a step fails, then bisect between the last that ran and the "

@@ -7,7 +7,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from companion import checkpointing, models
-from companion.checks.core import CheckFailed, call, compare, exercise, fresh_seeds, require
+from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
+                                   require)
 from companion.memory import format_bytes, track
 
 __all__ = ["check_saved_bytes", "check_checkpoint_function", "check_selective_policy",
@@ -20,7 +21,16 @@ def _block(seed: int, width: int, p: float) -> torch.nn.Module:
                                torch.nn.Dropout(p), torch.nn.Linear(3 * width, width), torch.nn.Tanh())
 
 
-@exercise(points=1)
+def _square(t: torch.Tensor) -> torch.Tensor:
+    return t * t
+
+
+def _sigmoid_exp_matmul(t: torch.Tensor) -> torch.Tensor:
+    return t.sigmoid().exp() @ t.T
+
+
+@exercise(points=1, reference=("companion.checkpointing.activation_bytes",
+                               "companion.checkpointing.saved_for_backward"))
 def check_saved_bytes(answer) -> str:
     """answer(fn, x) -> int: bytes of the tensors `fn(x)` saves for backward that are not
     parameters of `fn`, each storage counted once."""
@@ -28,8 +38,8 @@ def check_saved_bytes(answer) -> str:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(7, width, generator=g, requires_grad=True)
         block = _block(seed, width, 0.0)
-        cases = [(block, "an MLP block"), (lambda t: t * t, "x * x"),
-                 (lambda t: t.sigmoid().exp() @ t.T, "sigmoid, exp, matmul")]
+        cases = [(block, "an MLP block"), (_square, "x * x"),
+                 (_sigmoid_exp_matmul, "sigmoid, exp, matmul")]
         for fn, label in cases:
             got = call(answer, fn, x)
             saved = checkpointing.saved_for_backward(fn, x)
@@ -64,19 +74,40 @@ def _gradients(fn_wrapper, block, x, seed):
     return y.detach(), grads + (x.grad if x.grad is not None else torch.zeros_like(x),)
 
 
-@exercise(points=3, timeout=20.0)
+def _input(seed: int, width: int) -> torch.Tensor:
+    return torch.randn(5, width, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+
+
+@harness
+def _checkpoint_forward(answer, seed: int, width: int, p: float) -> tuple[int, int]:
+    """(bytes the answer's forward keeps for backward, how many times it ran fn)."""
+    block, calls = _block(seed, width, p), []
+    counted = lambda t: (calls.append(1), block(t))[1]
+    torch.manual_seed(seed)
+    kept = checkpointing.activation_bytes(lambda t: call(answer, counted, t), _input(seed, width))
+    return kept, len(calls)
+
+
+@harness
+def _checkpoint_backward(answer, seed: int, width: int, p: float) -> tuple[tuple, int]:
+    """((output, gradients) through the answer, how many times fn ran in forward and backward)."""
+    block, calls = _block(seed, width, p), []
+    counted = lambda t: (calls.append(1), block(t))[1]
+    got = _gradients(lambda m, t: call(answer, counted, t), block, _input(seed, width), seed)
+    return got, len(calls)
+
+
+@exercise(points=3, timeout=20.0, reference=("companion.checkpointing.Checkpoint",
+                                             "companion.checkpointing.checkpoint",
+                                             "torch.utils.checkpoint.checkpoint"))
 def check_checkpoint_function(answer) -> str:
     """answer(fn, x) -> fn(x), keeping only x for backward and recomputing fn inside backward.
     x requires grad; fn may use dropout."""
     saved_plain = saved_mine = 0
     for seed, width, p in zip(fresh_seeds(3), [6, 11, 16], [0.0, 0.5, 0.3]):
-        block = _block(seed, width, p)
-        x = torch.randn(5, width, generator=torch.Generator().manual_seed(seed), requires_grad=True)
-        calls = []
-        counted = lambda t: (calls.append(1), block(t))[1]
-        torch.manual_seed(seed)
-        mine_saved = checkpointing.activation_bytes(lambda t: call(answer, counted, t), x)
-        require(len(calls) == 1, f"fn ran {len(calls)} times in forward; expected once",
+        block, x = _block(seed, width, p), _input(seed, width)
+        mine_saved, calls = _checkpoint_forward(answer, seed, width, p)
+        require(calls == 1, f"fn ran {calls} times in forward; expected once",
                 hint="forward runs fn once, under torch.no_grad().")
         plain_saved = checkpointing.activation_bytes(block, x)
         require(mine_saved <= x.numel() * x.element_size(),
@@ -85,10 +116,9 @@ def check_checkpoint_function(answer) -> str:
                 hint="run fn under torch.no_grad() in forward, so autograd saves nothing inside it; "
                      "ctx.save_for_backward(x) is all you keep.")
         saved_plain, saved_mine = saved_plain + plain_saved, saved_mine + mine_saved
-        calls.clear()
-        got = _gradients(lambda m, t: call(answer, counted, t), block, x, seed)
-        require(len(calls) == 2, f"fn ran {len(calls)} times in forward and backward; expected "
-                                 "twice (once more to recompute)",
+        got, calls = _checkpoint_backward(answer, seed, width, p)
+        require(calls == 2, f"fn ran {calls} times in forward and backward; expected "
+                            "twice (once more to recompute)",
                 hint="in backward, run fn again on a detached copy of x with grad enabled, then "
                      "backpropagate through that.")
         want = _gradients(lambda m, t: m(t), block, x, seed)
@@ -149,7 +179,7 @@ def _kept_bytes(block, x, policy) -> int:
     return kept
 
 
-@exercise(points=2, timeout=30.0)
+@exercise(points=2, timeout=30.0, reference="companion.checkpointing.save_linear_outputs")
 def check_selective_policy(answer) -> str:
     """answer(op) -> bool: True to keep the output of the aten operator `op` in forward, False to
     recompute it in backward. Keep what nn.Linear computes; recompute the rest."""
@@ -188,7 +218,7 @@ def check_selective_policy(answer) -> str:
             "(the Linear outputs: no matrix multiply of a Linear runs twice)")
 
 
-@exercise(points=1)
+@exercise(points=1, reference="companion.checkpointing.segments_for_budget")
 def check_segments_for_budget(answer) -> str:
     """answer(n_layers, layer_bytes, budget_bytes) -> int or None: the fewest segments whose
     predicted peak, ((segments - 1) + longest segment) · layer_bytes, fits the budget."""

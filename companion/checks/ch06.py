@@ -16,8 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from companion import collectives, ddp, launch
-from companion.checks.core import (CheckFailed, NotDone, compare, exercise, fresh_seeds, require,
-                                   require_function)
+from companion.checks.core import (CheckFailed, NotDone, compare, exercise, fresh_seeds, harness,
+                                   require, require_function)
+from companion.checks.harness import Remote
 
 __all__ = ["check_ring_all_reduce", "check_ddp_average_gradients", "check_no_sync_accumulation"]
 
@@ -29,8 +30,12 @@ _P2P = ("send", "isend")
 # ---------------------------------------------------------------- running answers on ranks
 
 def _packed(answer: Any) -> bytes:
-    """The answer, pickled by reference for the workers, or a CheckFailed saying how to fix it."""
+    """The answer, pickled by reference for the workers, or a CheckFailed saying how to fix it.
+    Under the grader the answer lives in its sandbox: this becomes a token that `_on_ranks`
+    (a harness, run there) receives as the pickled answer."""
     require_function(answer)
+    if isinstance(answer, Remote):
+        return answer.through(_packed)
     try:
         return pickle.dumps(answer)
     except Exception:
@@ -39,8 +44,10 @@ def _packed(answer: Any) -> bytes:
                                "%load_ext companion.launch), so the workers can import it.") from None
 
 
+@harness
 def _on_ranks(worker: Callable, world_size: int, *args, timeout: float) -> list:
-    """launch.run, with a rank's exception or hang turned into a CheckFailed naming the rank."""
+    """launch.run, with a rank's exception or hang turned into a CheckFailed naming the rank.
+    A harness: under the grader the ranks start in the learner's sandbox."""
     try:
         return launch.run(worker, world_size, *args, timeout=timeout)
     except launch.WorkerTimeout as e:
@@ -116,7 +123,8 @@ def _chunk_hint(got: torch.Tensor, expected: torch.Tensor, own: torch.Tensor) ->
             "(rank - s - 1) % N; in all-gather, send (rank + 1 - s) % N, receive (rank - s) % N.")
 
 
-@exercise(points=2, timeout=90.0)
+@exercise(points=2, timeout=90.0, reference=("companion.collectives.ring_all_reduce",
+                                             "companion.collectives.naive_all_reduce"))
 def check_ring_all_reduce(answer, *, worker_timeout: float = 20.0) -> str:
     """answer(tensor, group=None): sum `tensor` over all ranks in place, with a ring of sends."""
     packed, seed = _packed(answer), fresh_seeds(1)[0]
@@ -170,7 +178,7 @@ def _average_worker(rank: int, world_size: int, packed: bytes, seed: int):
     return [None if p.grad is None else p.grad for p in model.parameters()]
 
 
-@exercise(points=1, timeout=90.0)
+@exercise(points=1, timeout=90.0, reference="companion.ddp.average_gradients")
 def check_ddp_average_gradients(answer, *, worker_timeout: float = 20.0) -> str:
     """answer(module, group=None): replace every gradient by its average over the ranks."""
     packed = _packed(answer)
@@ -221,7 +229,7 @@ def _one_process_step(seed: int, world: int, k: int, scale: float) -> list:
     return [p.detach() for p in model.parameters()]
 
 
-@exercise(points=1, timeout=90.0)
+@exercise(points=1, timeout=90.0, reference="companion.ddp.accumulation_step")
 def check_no_sync_accumulation(answer, *, worker_timeout: float = 20.0) -> str:
     """answer(model, micro_batches, loss_fn, optimizer): one step over k micro-batches, syncing
     gradients only after the last backward."""

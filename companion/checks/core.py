@@ -38,10 +38,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from companion.checks.harness import GraderError, Remote, harness
+
 __all__ = [
     "CheckFailed",
     "NotDone",
+    "GraderError",
     "exercise",
+    "evaluate",
+    "harness",
     "call",
     "compare",
     "require",
@@ -98,7 +103,12 @@ class NotDone(CheckFailed):
 
 class _TimeUp(BaseException):
     """Raised inside the learner's code when its time is up. BaseException, so `except Exception` in
-    the learner's code cannot swallow it."""
+    the learner's code cannot swallow it. `where`: the learner's frames, when they were taken in
+    another process (the grader's sandbox)."""
+
+    def __init__(self, *args, where: list[str] | None = None):
+        super().__init__(*args)
+        self.where = where
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +117,8 @@ class CheckInfo:
     points: int
     timeout: float
     module: str
+    reference: tuple[str, ...] = ()     # companion functions an answer must not call
+    function: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 # ---------------------------------------------------------------- running the learner's code
@@ -156,8 +168,11 @@ def require_function(answer: Any) -> None:
 
 
 def call(answer: Any, *args, **kwargs) -> Any:
-    """Call the learner's function; turn anything it does wrong into a CheckFailed that says so."""
+    """Call the learner's function; turn anything it does wrong into a CheckFailed that says so.
+    Under the grader the answer is a `Remote`: it runs in its sandbox and its result comes back."""
     require_function(answer)
+    if isinstance(answer, Remote):
+        return answer.call(args, kwargs)
     try:
         return answer(*args, **kwargs)
     except NotImplementedError as e:
@@ -327,43 +342,58 @@ def _short(value: Any, limit: int = 160) -> str:
 
 # ---------------------------------------------------------------- the decorator and display
 
-def exercise(*, points: int = 1, timeout: float = 5.0) -> Callable:
+def exercise(*, points: int = 1, timeout: float = 5.0,
+             reference: str | tuple[str, ...] = ()) -> Callable:
     """Make a function a graded check: time limit, clean failures, a pass message, a registry entry.
 
     The decorated function takes the learner's answer first and returns a short success message
     (what the learner achieved, e.g. the memory saved). `timeout` is seconds for the whole check;
-    a learner's call can pass `timeout=` to allow longer.
+    a learner's call can pass `timeout=` to allow longer. `reference` names the companion
+    functions or classes ("companion.gd.mse_gradient") that an answer to this exercise must not
+    call: the grader scores an answer that does 0.
     """
     def wrap(check: Callable[..., str]) -> Callable[..., None]:
         name = check.__name__
         if name in REGISTRY:
             raise ValueError(f"two checks are named {name}; check names must be unique")
-        REGISTRY[name] = CheckInfo(name, points, timeout, check.__module__)
+        refs = (reference,) if isinstance(reference, str) else tuple(reference)
+        REGISTRY[name] = CheckInfo(name, points, timeout, check.__module__, refs, check)
 
         @functools.wraps(check)
         def run(answer: Any = None, *args, timeout: float = timeout, **kwargs) -> None:
             try:
-                with time_limit(timeout):
-                    message = check(answer, *args, **kwargs)
+                message = evaluate(name, answer, *args, timeout=timeout, **kwargs)
             except NotDone as not_done:
                 _show_not_done(name, points, not_done.summary)    # no raise: Run All goes on
                 return
-            except CheckFailed as failure:
-                failure.check = name
-                raise failure.with_traceback(None) from None
-            except _TimeUp as stopped:
-                raise CheckFailed(f"did not finish within {timeout:g} s: is there a loop that never "
-                                  "ends?", check=name, where=learner_frames(stopped, limit=1),
-                                  hint="check the loop's stop condition; pass timeout=... to "
-                                       "allow longer.") from None
-            except Exception as e:
-                raise CheckFailed(f"could not use your answer: {type(e).__name__}: {e}", check=name,
-                                  hint="compare the type and shape of what you return with the "
-                                       "docstring.") from None
             _show_pass(name, points, message)
 
         return run
     return wrap
+
+
+def evaluate(name: str, answer: Any, *args, timeout: float | None = None, **kwargs) -> str:
+    """Run the registered check `name` on `answer` without showing anything: return its success
+    message, or raise NotDone (not written yet) or CheckFailed (with `.check` set). The grader
+    calls this with a `Remote` answer; the `exercise` wrapper with the learner's own function."""
+    info = REGISTRY[name]
+    timeout = info.timeout if timeout is None else timeout
+    try:
+        with answer.limit(timeout) if isinstance(answer, Remote) else time_limit(timeout):
+            return info.function(answer, *args, **kwargs)
+    except CheckFailed as failure:                    # NotDone too: the wrapper shows it
+        failure.check = name
+        raise failure.with_traceback(None) from None
+    except _TimeUp as stopped:
+        raise CheckFailed(f"did not finish within {timeout:g} s: is there a loop that never "
+                          "ends?", check=name,
+                          where=stopped.where or learner_frames(stopped, limit=1),
+                          hint="check the loop's stop condition; pass timeout=... to "
+                               "allow longer.") from None
+    except Exception as e:
+        raise CheckFailed(f"could not use your answer: {type(e).__name__}: {e}", check=name,
+                          hint="compare the type and shape of what you return with the "
+                               "docstring.") from None
 
 
 def _points(n: int) -> str:
