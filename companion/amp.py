@@ -104,10 +104,11 @@ class GradScaler:
             scaler.update()                     # back off after an overflow, grow after
                                                 # `growth_interval` clean steps
 
-    The policy (Micikevicius et al., 2018, "Mixed Precision Training", section 3.2): start high
-    (2^16); an overflow halves the scale and skips the step; `growth_interval` clean steps in a
-    row double it. The scale therefore sits near the largest value that does not overflow, which
-    lifts small gradients clear of fp16's floor.
+    Loss scaling and skipping the update on overflow: Micikevicius et al., 2018, "Mixed Precision
+    Training", section 3.2. The dynamic policy is PyTorch's: start high (2^16); an overflow halves
+    the scale and skips the step; `growth_interval` clean steps in a row double it. The scale
+    therefore sits near the largest value that does not overflow, which lifts small gradients
+    clear of fp16's floor.
     """
 
     def __init__(self, device: str = "cpu", *, init_scale: float = 2.0**16,
@@ -119,7 +120,6 @@ class GradScaler:
             raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks), got {backoff_factor}")
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
             raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
-        self._device = str(device)
         if enabled and torch.device(device).type == "cuda" and not torch.cuda.is_available():
             warnings.warn("GradScaler is enabled, but CUDA is not available. Disabling.")
             enabled = False
