@@ -79,9 +79,11 @@ def unscale_grads_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.
         groups[(g.device, g.dtype)].append(g)
     with torch.no_grad():
         for (device, _), group in groups.items():
-            # 1. The largest |g| of a tensor is inf or NaN exactly when one of its elements is.
-            worst = torch.stack(torch._foreach_norm(group, ord=math.inf))   # (n_tensors,)
-            found_inf += (~worst.isfinite()).any().to(found_inf.device)
+            # 1. A tensor holds inf or NaN exactly when its min or max is not finite (NaN
+            #    propagates through both): 2 values per tensor, no mask of its size.
+            ends = [v for g in group if g.numel() for v in torch.aminmax(g)]
+            if ends:
+                found_inf += (~torch.stack(ends).isfinite()).any().to(found_inf.device)
             # 2. Unscale in place, (1/s)·g, as PyTorch's kernel does: exact for powers of two.
             torch._foreach_mul_(group, inv_scale.to(device))
     return found_inf

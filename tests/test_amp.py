@@ -107,7 +107,7 @@ def test_update_scale_matches_torchs_kernel(growth_factor, backoff_factor, inter
 def test_unscale_grads_matches_torchs_kernel(inv_scale):
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(37, generator=g), torch.randn(5, 3, generator=g).bfloat16(),
-             torch.randn(4, generator=g) * 1e30]
+             torch.randn(4, generator=g) * 1e30, torch.empty(0)]
     for poison in [None, math.inf, -math.inf, math.nan]:
         ours = [t.clone() for t in grads]
         theirs = [t.clone() for t in grads]
