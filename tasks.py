@@ -96,10 +96,14 @@ def lab(args: list[str]) -> None:
 
 
 def test(args: list[str]) -> int:
-    """Unit tests, browser tests and every source notebook under nbval, in one pytest run."""
+    """Unit tests, browser tests and every source notebook under nbval, in one pytest run, spread
+    over up to 4 worker processes (pytest-xdist): a notebook, a browser notebook run and a test
+    file each stay on one worker (see tests/conftest.py)."""
     notebooks = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "course").glob("[0-9][0-9]_*.ipynb"))
+    workers = max(1, min(4, os.cpu_count() or 1))
     cmd = [str(PYTHON), "-m", "pytest", "-p", "no:cacheprovider", "--nbval-lax",
-           "--nbval-cell-timeout=600", "tests", *notebooks, *args]
+           "--nbval-cell-timeout=600", "-n", str(workers), "--dist", "loadgroup", "--durations=25",
+           "tests", *notebooks, *args]
     print("+", " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT).returncode
 

@@ -18,9 +18,6 @@ import pytest
 from labdriver import CHROMIUM, COURSE, REPO, Chromium, LabServer
 
 SCREENSHOTS = REPO / "build" / "browser-screenshots"
-_SHOTS_TAKEN = pytest.StashKey[bool]()
-
-
 def unavailable() -> str | None:
     """Why the browser tests cannot run here, or None."""
     if not CHROMIUM.exists():
@@ -41,8 +38,14 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+def pytest_configure(config):
+    """Empty the screenshot folder once, in the main process, before any worker writes to it."""
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(SCREENSHOTS, ignore_errors=True)
+
+
 def pytest_terminal_summary(terminalreporter, config):
-    if config.stash.get(_SHOTS_TAKEN, False) and any(SCREENSHOTS.iterdir()):
+    if SCREENSHOTS.is_dir() and any(SCREENSHOTS.iterdir()):
         terminalreporter.write_line(f"browser screenshots: {SCREENSHOTS}")
 
 
@@ -79,10 +82,8 @@ def browser(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def screenshots(pytestconfig) -> pathlib.Path:
-    """build/browser-screenshots/, emptied at the start of the session."""
-    shutil.rmtree(SCREENSHOTS, ignore_errors=True)
-    SCREENSHOTS.mkdir(parents=True)
-    pytestconfig.stash[_SHOTS_TAKEN] = True
+    """build/browser-screenshots/ (emptied at the start of the run, see pytest_configure)."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     print(f"\nbrowser screenshots go to {SCREENSHOTS}")
     return SCREENSHOTS
 
