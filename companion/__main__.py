@@ -34,17 +34,41 @@ def _reset(args) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    """'8GiB', '512 MiB', '2G', '0' (no cap) -> bytes."""
+    units = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    number = text.strip().lower().removesuffix("b").removesuffix("i")
+    unit = number[-1:] if number[-1:] in units else ""
+    try:
+        return int(float(number.removesuffix(unit).strip()) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 8GiB)") from None
+
+
 def _grade(args) -> int:
+    from companion.grader.sandbox import harden_self
     from companion.grading import format_table, grade, write_reports
 
-    missing = [p for p in args.paths if not pathlib.Path(p).is_file()]
+    harden_self()         # a subreaper for what notebooks leave; not ptrace-able by them
+
+    missing = [p for p in args.paths if not pathlib.Path(p).exists()]
     if missing:
         print(f"no such notebook: {', '.join(map(str, missing))}", file=sys.stderr)
         return 2
-    rows = grade(args.paths, cell_timeout=args.cell_timeout)
+
+    def progress(path, rows, seconds):
+        got, top = sum(r.points for r in rows), sum(r.max_points for r in rows)
+        print(f"graded {path}: {got}/{top} ({seconds:.0f} s)", flush=True)
+
+    rows = grade(args.paths, cell_timeout=args.cell_timeout, exercise_timeout=args.exercise_timeout,
+                 notebook_timeout=args.notebook_timeout, memory=args.memory, output=args.output_cap,
+                 jobs=args.jobs, source=args.source, run_as=args.run_as, out=args.out,
+                 progress=progress)
     json_path, csv_path = write_reports(rows, args.out)
     print(format_table(rows))
-    print(f"wrote {json_path} and {csv_path}")
+    print(f"wrote {json_path} and {csv_path}; their SHA-256 (also in {args.out / 'grades.sha256'}, "
+          "check with sha256sum -c):")
+    print((args.out / "grades.sha256").read_text(), end="")
     return 0
 
 
@@ -78,10 +102,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dest", default=REPO / "workbook", type=pathlib.Path)
     p.set_defaults(run=_reset)
 
-    p = sub.add_parser("grade", help="grade notebooks; write grades.json and grades.csv")
-    p.add_argument("paths", nargs="+", type=pathlib.Path)
+    p = sub.add_parser("grade", help="grade notebooks; write grades.json and grades.csv",
+                       description="Grade notebooks in sandboxes; see docs/GRADING.md.")
+    p.add_argument("paths", nargs="+", type=pathlib.Path, help="notebooks, or folders of them")
     p.add_argument("--out", default=pathlib.Path("grades"), type=pathlib.Path)
-    p.add_argument("--cell-timeout", default=60, type=int, help="seconds per cell (default 60)")
+    p.add_argument("--source", default=REPO / "course", type=pathlib.Path,
+                   help="the course's source notebooks, with solutions (default course/)")
+    p.add_argument("--jobs", default=1, type=int, help="notebooks graded at once (default 1)")
+    p.add_argument("--cell-timeout", default=120, type=float, help="seconds per cell (default 120)")
+    p.add_argument("--exercise-timeout", default=60, type=float,
+                   help="seconds at least for each exercise's check (default 60)")
+    p.add_argument("--notebook-timeout", default=1800, type=float,
+                   help="seconds per notebook, all included (default 1800)")
+    p.add_argument("--memory", default="8GiB", type=_size,
+                   help="address-space cap of each notebook's process (default 8GiB; 0: none)")
+    p.add_argument("--output-cap", default="1MiB", type=_size,
+                   help="printed output kept per notebook (default 1MiB)")
+    p.add_argument("--run-as", default="auto",
+                   help="user the notebooks run as: auto (nobody when root), self, or a name")
     p.set_defaults(run=_grade)
 
     p = sub.add_parser("execute", help="run source notebooks and save them with outputs")

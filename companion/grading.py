@@ -1,136 +1,100 @@
-"""Grade learners' notebooks: run each in a fresh kernel, read every check's result, write scores.
+"""Grade learners' notebooks so that an instructor can trust the scores.
 
-    python -m companion grade workbook/01_gradient_descent.ipynb --out grades/
+    python -m companion grade submissions/ --out grades/ --jobs 4
 
-Each notebook runs on a copy in memory with a time limit per cell; errors do not stop the run, and a
-cell that runs too long is interrupted so the cells after it still run. The notebook on disk is
-never written. One row per notebook and exercise: passed, points, message.
+- The grader knows what to expect: exercises, checks and points come from the course's source
+  notebooks (`--source`, default course/) and the check registry, never from the submission.
+  One row per expected exercise; a deleted or changed check line scores 0 as "tampered"; a check
+  called twice counts once.
+- Results the learner's code cannot forge: each notebook's cells run in a sandbox (a fresh
+  interpreter in a session of its own, as user `nobody` when the grader is root) and the checks
+  run in a grading process that runs no learner code. Only return values come back, read as plain
+  data (`torch.load(weights_only=True)`, plain tensors only) and compared there with a reference
+  computed there. Displayed output is never read. An answer that calls the exercise's reference
+  implementation scores 0.
+- Hard limits: a deadline per cell, per exercise and per notebook, after which the sandbox's
+  process group is killed; a memory cap (RLIMIT_AS); an output cap; every process a notebook
+  started is killed when it is done (the grading process is a child subreaper).
+- One bad notebook never costs the others: each is graded in its own processes; unreadable files
+  become a row with the reason; reports are rewritten atomically after every notebook, so a killed
+  grader leaves those finished; their SHA-256 is printed and stored in grades.sha256.
+
+See docs/GRADING.md for what this guarantees, what it does not, and how to grade in containers.
 """
 from __future__ import annotations
 
-import copy
-import csv
+import contextlib
 import dataclasses
-import importlib
-import json
 import pathlib
-import pkgutil
-import re
 
-import nbformat
+from companion.grader.batch import Batch, child_env, sandbox_user
+from companion.grader.expected import read_chapter
+from companion.grader.integrity import Snapshot
+from companion.grader.reports import Row, escape_csv, format_table, write_reports
+from companion.grader.sandbox import Limits, end_descendants
 
-from companion.checks.core import REGISTRY, RESULT_MIME
+__all__ = ["Row", "grade", "grade_notebook", "write_reports", "format_table", "escape_csv"]
 
-__all__ = ["Row", "run_copy", "grade_notebook", "grade", "write_reports", "format_table"]
-
-_CALL = re.compile(r"^\s*(check_\w+)\s*\(", re.MULTILINE)
-_FAILED = re.compile(r"^(check_\w+): ")
-
-
-@dataclasses.dataclass
-class Row:
-    notebook: str
-    exercise: str
-    passed: bool
-    points: int
-    max_points: int
-    message: str
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _max_points(name: str) -> int:
-    if name not in REGISTRY:
-        import companion.checks as package
-        for info in pkgutil.iter_modules(package.__path__):
-            if re.fullmatch(r"ch\d\d", info.name):
-                importlib.import_module(f"companion.checks.{info.name}")
-    return REGISTRY[name].points if name in REGISTRY else 1
+def _notebooks(paths) -> list[pathlib.Path]:
+    out = []
+    for p in map(pathlib.Path, paths):
+        if p.is_dir():
+            out += sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts)
+        else:
+            out.append(p)
+    return out
 
 
-def _result(cell, name: str) -> tuple[bool, str]:
-    """Did `name`'s check pass in this executed cell, and what did it say?"""
-    for out in cell.get("outputs", []):
-        data = out.get("data", {})
-        record = data.get(RESULT_MIME)
-        if isinstance(record, dict) and record.get("check") == name:
-            message = str(record.get("message", ""))
-            if record.get("passed") is True:
-                return True, message or "passed"
-            return False, message or "not done yet"
-    for out in cell.get("outputs", []):
-        if out.get("output_type") != "error":
-            continue
-        text = out.get("evalue") or ""
-        match = _FAILED.match(text)
-        if match is None:
-            return False, f"{out.get('ename')}: {text}".strip()
-        if match.group(1) == name:
-            return False, text[match.end():]
-    return False, "not run: an earlier line of its cell stopped it, or the cell never ran"
+def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
+          notebook_timeout: float = 1800.0, memory: int = 8 * 2**30, output: int = 2**20,
+          jobs: int = 1, source: str | pathlib.Path | None = None, run_as: str = "auto",
+          out: str | pathlib.Path | None = None, progress=None) -> list[Row]:
+    """Grade notebooks (files, or folders of them) against the source notebooks in `source`.
 
-
-def run_copy(path: str | pathlib.Path, *, cell_timeout: int = 60):
-    """Execute an in-memory copy of a notebook; return (executed notebook, note on a dead kernel)."""
-    from nbclient import NotebookClient
-    from nbclient.exceptions import DeadKernelError
-
-    path = pathlib.Path(path)
-    nb = copy.deepcopy(nbformat.read(path, as_version=4))
-    client = NotebookClient(nb, timeout=cell_timeout, allow_errors=True, interrupt_on_timeout=True,
-                            kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent.resolve())}})
+    Returns one Row per expected exercise of each notebook (or one row saying why a file could
+    not be graded). With `out`, the reports are rewritten there after every notebook. `run_as`:
+    "auto" (nobody when root, else yourself), "self", or a user name (needs root)."""
+    sources = sorted(pathlib.Path(source or REPO / "course").glob("[0-9][0-9]_*.ipynb"))
+    import companion
+    package = pathlib.Path(companion.__file__).resolve().parent
+    user = sandbox_user(run_as)
+    snapshot = Snapshot(package, sources)
+    private = snapshot.private_copy()
+    limits = Limits(cell=cell_timeout, exercise=exercise_timeout, notebook=notebook_timeout,
+                    memory=memory, output=output)
+    spec = {"chapters": [str(private / "sources" / p.name) for p in sources],
+            "limits": dataclasses.asdict(limits), "user": user, "child_env": child_env()}
+    chapters = [read_chapter(private / "sources" / p.name) for p in sources]
+    subreaper = _subreaper(True)
+    batch = Batch(_notebooks(paths), chapters=chapters, private=private, spec=spec, jobs=jobs,
+                   snapshot=None if user else snapshot, out=out, progress=progress)
     try:
-        client.execute()
-    except DeadKernelError as e:
-        return nb, f"the kernel died ({e}); exercises after that point were not graded"
-    return nb, ""
+        return batch.run()
+    finally:
+        for job in batch.running.values():
+            with contextlib.suppress(OSError):
+                os.killpg(job.proc.pid, signal.SIGKILL)
+        end_descendants(keep=batch.before)
+        _subreaper(subreaper)
+        Snapshot.remove(private)
 
 
-def grade_notebook(path: str | pathlib.Path, *, cell_timeout: int = 60) -> list[Row]:
-    """Execute a copy of one notebook and return a Row per exercise check it calls."""
-    nb, note = run_copy(path, cell_timeout=cell_timeout)
-    rows = []
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        for name in dict.fromkeys(_CALL.findall(cell.source)):
-            passed, message = _result(cell, name)
-            top = _max_points(name)
-            rows.append(Row(str(path), name.removeprefix("check_"), passed,
-                            top if passed else 0, top,
-                            message if passed or not note else f"{message} ({note})"))
-    return rows
+def _subreaper(on: bool) -> bool:
+    """Make this process a child subreaper (or not); return whether it was one before."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        was = ctypes.c_int(0)
+        libc.prctl(37, ctypes.byref(was), 0, 0, 0)          # PR_GET_CHILD_SUBREAPER
+        libc.prctl(36, int(on), 0, 0, 0)                    # PR_SET_CHILD_SUBREAPER
+        return bool(was.value)
+    except (OSError, AttributeError):
+        return False
 
 
-def grade(paths, *, cell_timeout: int = 60) -> list[Row]:
-    """Grade every notebook in `paths`, in order, carrying on past any failure."""
-    rows: list[Row] = []
-    for path in paths:
-        rows += grade_notebook(path, cell_timeout=cell_timeout)
-    return rows
-
-
-def write_reports(rows: list[Row], out_dir: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """Write grades.json and grades.csv into out_dir; return their paths."""
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    records = [dataclasses.asdict(r) for r in rows]
-    json_path, csv_path = out_dir / "grades.json", out_dir / "grades.csv"
-    json_path.write_text(json.dumps(records, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    with open(csv_path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=[field.name for field in dataclasses.fields(Row)])
-        writer.writeheader()
-        writer.writerows(records)
-    return json_path, csv_path
-
-
-def format_table(rows: list[Row]) -> str:
-    """A short plain-text table: one line per exercise, a total per notebook."""
-    lines, width = [], max([len(r.exercise) for r in rows] + [8])
-    for notebook in dict.fromkeys(r.notebook for r in rows):
-        mine = [r for r in rows if r.notebook == notebook]
-        lines.append(f"{notebook}: {sum(r.points for r in mine)}/{sum(r.max_points for r in mine)}")
-        for r in mine:
-            mark = "pass" if r.passed else "FAIL"
-            lines.append(f"  {mark}  {r.exercise:<{width}}  {r.points}/{r.max_points}  "
-                         f"{r.message.splitlines()[0][:70] if r.message else ''}")
-    return "\n".join(lines) if lines else "no exercises found"
+def grade_notebook(path: str | pathlib.Path, **options) -> list[Row]:
+    """Grade one notebook; the options are those of `grade`."""
+    return grade([path], **options)

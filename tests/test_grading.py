@@ -1,89 +1,284 @@
-"""Grading: full marks for a source notebook, zero for a fresh workbook, hangs do not stop it,
-and the graded notebook is never modified."""
+"""Grading a class: one batch of notebooks, graded with `python -m companion grade DIR --jobs 4`.
+
+In the batch: the honest source notebooks of chapters 00-04 and 06 (setup and exercise cells), a
+fresh workbook, answers that fail the harness-run checks, notebooks that cheat (forged result
+records, deleted and duplicated checks, patched check modules, tensor subclasses, calls into the
+reference, cancelled timers, SIGINT-ignoring loops, a notebook that tries to kill the grader, that
+leaves processes behind, prints without end or allocates too much), files that are not notebooks,
+and a notebook whose name is a spreadsheet formula. Every cheat scores 0 or is flagged, and every
+honest notebook keeps full marks, whatever else ran beside it.
+"""
+import csv
+import hashlib
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
-import nbformat
 import pytest
 
-from companion.grading import format_table, grade_notebook, run_copy, write_reports
-from companion.notebooks import make_workbooks
+import grading_notebooks as gn
+from grading_notebooks import EPOCH, MSE, SETUP, SGD, body, edit, insert, save, trimmed
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-CHAPTER = REPO / "course" / "01_gradient_descent.ipynb"
+pytestmark = pytest.mark.slow
+HONEST = ["00", "01", "02", "03", "04", "06"]
+LINGER = ("9029", "9031")          # sleep durations that mark processes a notebook left behind
 
+FORGE = '''from IPython.display import display
+display({"application/vnd.companion.check+json": {"check": "check_mse_gradient", "passed": True,
+         "points": 1, "message": "forged"}, "text/plain": "✓ check_mse_gradient passed"}, raw=True)
+return X.sum(), y.sum()'''
 
-def test_source_notebook_gets_full_marks_and_is_not_modified(tmp_path):
-    before = CHAPTER.read_bytes()
-    result = subprocess.run([sys.executable, "-m", "companion", "grade", str(CHAPTER),
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert CHAPTER.read_bytes() == before
-    rows = json.loads((tmp_path / "grades.json").read_text())
-    assert len(rows) >= 3 and all(r["passed"] and r["points"] == r["max_points"] for r in rows)
-    assert (tmp_path / "grades.csv").read_text().startswith("notebook,exercise,passed,points")
-    assert "4/4" in result.stdout
+SUBCLASS = '''class Always(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return torch.tensor(True)
+return w.as_subclass(Always), b.as_subclass(Always)'''
 
+PATCH = '''import companion.checks.ch01 as ch01, companion.checks.core as core
+ch01.compare = core.compare = lambda *a, **k: 0.0
+ch01.require = core.require = lambda *a, **k: None'''
 
-def test_fresh_workbook_runs_to_the_end_and_scores_zero(tmp_path):
-    make_workbooks(REPO / "course", tmp_path)
-    workbook = tmp_path / CHAPTER.name
-    before = workbook.read_bytes()
-    nb, note = run_copy(workbook, cell_timeout=120)
-    assert note == "" and workbook.read_bytes() == before
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if o.output_type == "error"]
-    assert not errors, [f"{e.ename}: {e.evalue}" for e in errors]
-    assert nb.cells[-2].outputs, "the last code cell did not run"
-    rows = grade_notebook(workbook, cell_timeout=120)
-    assert len(rows) >= 3 and all(r.points == 0 and not r.passed for r in rows)
-    assert all(r.message.startswith("not done yet") for r in rows), [r.message for r in rows]
+CANCEL_TIMER = '''import signal
+signal.setitimer(signal.ITIMER_REAL, 0)
+signal.signal(signal.SIGALRM, signal.SIG_IGN)
+while True:
+    pass'''
 
+IGNORE_SIGINT = '''import signal, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+while True:
+    time.sleep(0.1)'''
 
-def _variant(tmp_path, *edits: tuple[str, str]) -> pathlib.Path:
-    nb = nbformat.read(CHAPTER, as_version=4)
-    for old, new in edits:
-        hits = [c for c in nb.cells if old in c.source]
-        assert len(hits) == 1
-        hits[0].source = hits[0].source.replace(old, new)
-    path = tmp_path / CHAPTER.name
-    nbformat.write(nb, path)
-    return path
+LEAVE_PROCESSES = f'''import os, subprocess
+subprocess.Popen(["sleep", "{LINGER[0]}"], start_new_session=True)
+os.system("setsid sh -c 'sleep {LINGER[1]} &'")'''
 
 
-def test_hangs_are_stopped_and_the_other_exercises_still_graded(tmp_path):
-    path = _variant(tmp_path,
-                    ("check_mse_gradient(mse_gradient)",                 # a cell that hangs
-                     "import time\ntime.sleep(3600)\ncheck_mse_gradient(mse_gradient)"),
-                    ("    return w - lr * dw, b - lr * db\n",             # an exercise that loops
-                     "    while True:\n        pass\n"))
-    rows = {r.exercise: r for r in grade_notebook(path, cell_timeout=8)}
-    assert not rows["mse_gradient"].passed and "KeyboardInterrupt" in rows["mse_gradient"].message
-    assert not rows["sgd_step"].passed and "did not finish" in rows["sgd_step"].message
-    assert rows["train_epoch"].passed and rows["train_epoch"].points == 2
+def _cheats() -> dict[str, object]:
+    """Chapter 01 notebooks, each cheating in several ways that do not get in each other's way."""
+    forged = trimmed("01")                       # forged record, deleted check, duplicated check
+    body(forged, MSE, FORGE)
+    edit(forged, SGD, "check_sgd_step(sgd_step)", "")
+    body(forged, SGD, 'raise NotImplementedError("Exercise")')
+    for _ in range(2):
+        insert(forged, EPOCH, "check_train_epoch(train_epoch)")
+    insert(forged, None, "for _ in range(3):\n    check_train_epoch(train_epoch)")
+
+    patched = trimmed("01")                      # patched checks, tensor subclass, reference
+    insert(patched, SETUP, PATCH)
+    edit(patched, MSE, "2 / m * (X.T @ r), 2 / m * r.sum()", "2 * (X.T @ r), 2 * r.sum()")
+    body(patched, SGD, SUBCLASS)
+    body(patched, EPOCH, "return gd.train_epoch(X, y, w, b, lr=lr, batch_size=batch_size)[:2]")
+
+    hangs = trimmed("01")                        # cancelled timer, hidden reference
+    body(hangs, MSE, CANCEL_TIMER)
+    insert(hangs, SGD, 'import companion.gd as _g\n_train = getattr(_g, "train_" + "epoch")')
+    body(hangs, EPOCH, "return _train(X, y, w, b, lr=lr, batch_size=batch_size)[:2]")
+
+    deaf = trimmed("01")                         # a cell that ignores SIGINT and never ends
+    insert(deaf, MSE, IGNORE_SIGINT)
+
+    rough = trimmed("01")                        # kill the grader, leave processes, exit, flood
+    insert(rough, SETUP, "import os\nos.kill(os.getppid(), 9)")
+    insert(rough, SETUP, LEAVE_PROCESSES)
+    body(rough, SGD, "import os\nos._exit(3)")
+    insert(rough, SGD, 'print("x" * (3 * 2**20))')
+    insert(rough, SGD, "import torch\nbig = torch.ones(4 * 2**30)    # 16 GiB")
+    return {"cheat_forged": forged, "cheat_patched": patched, "cheat_hangs": hangs,
+            "cheat_deaf": deaf, "cheat_rough": rough}
 
 
-def test_wrong_answer_is_reported_with_its_hint(tmp_path):
-    path = _variant(tmp_path, ("    return 2 / m * (X.T @ r), 2 / m * r.sum()",
-                               "    return 2 * (X.T @ r), 2 * r.sum()"))
-    rows = {r.exercise: r for r in grade_notebook(path)}
-    assert not rows["mse_gradient"].passed and rows["mse_gradient"].points == 0
-    assert "does not match" in rows["mse_gradient"].message and "divide" in rows["mse_gradient"].message
-    assert rows["sgd_step"].passed
+def _harness_failures() -> dict[str, object]:
+    """Wrong answers to checks that run the learner's code in @harness functions."""
+    ch03 = trimmed("03")
+    edit(ch03, "da227f19", "        loss.backward()\n    optimizer.step()",
+         "        loss.backward()\n        optimizer.step()")
+    ch04 = trimmed("04")
+    edit(ch04, "85058923", "        with torch.random.fork_rng(devices=[]):\n"
+                           "            torch.set_rng_state(ctx.rng_state)\n"
+                           "            with torch.enable_grad():\n"
+                           "                y = ctx.fn(x)",
+         "        with torch.enable_grad():\n            y = ctx.fn(x)")
+    edit(ch04, "1bc69285", "    for s in range(1, n_layers + 1):",
+         "    return checkpointing.segments_for_budget(n_layers, layer_bytes, budget_bytes)\n"
+         "    for s in range(1, n_layers + 1):")
+    ch06 = trimmed("06")
+    edit(ch06, "b6185215", "    rank, world = dist.get_rank(), dist.get_world_size()",
+         "    dist.all_reduce(tensor)\n    return\n"
+         "    rank, world = dist.get_rank(), dist.get_world_size()")
+    edit(ch06, "cc53e810", "    world = dist.get_world_size(group)",
+         "    from companion import ddp\n    return ddp.average_gradients(module, group)\n"
+         "    world = dist.get_world_size(group)")
+    return {"harness_03": ch03, "harness_04": ch04, "harness_06": ch06}
 
 
-def test_reports_and_table(tmp_path):
-    from companion.grading import Row
-    rows = [Row("a.ipynb", "x", True, 2, 2, "ok"), Row("a.ipynb", "y", False, 0, 1, "not done")]
-    json_path, csv_path = write_reports(rows, tmp_path)
-    assert json.loads(json_path.read_text())[1]["message"] == "not done"
-    assert len(csv_path.read_text().splitlines()) == 3
-    assert "a.ipynb: 2/3" in format_table(rows)
+def _not_notebooks(folder: pathlib.Path) -> None:
+    (folder / "bad_json.ipynb").write_text("{not json")
+    (folder / "empty.ipynb").write_text("")
+    (folder / "binary.ipynb").write_bytes(bytes(range(256)) * 64)
+    (folder / "no_cells.ipynb").write_text('{"nbformat": 4, "nbformat_minor": 5, "cells": 3}')
+    (folder / "01_gradient_descent_broken.ipynb").write_text("[1, 2")
 
 
-def test_grade_missing_file_is_a_clear_error(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "companion", "grade", str(tmp_path / "nope.ipynb")],
-                            capture_output=True, text=True, timeout=60)
+def _lingering() -> list[str]:
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if any(f"sleep {mark}" in cmdline for mark in LINGER):
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("class")
+    for chapter in HONEST[:1] + HONEST[2:]:
+        save(trimmed(chapter), folder / f"honest_{chapter}.ipynb")
+    save(trimmed("01"), folder / "=2+3.ipynb")               # honest, named like a formula
+    save(trimmed("01", solved=False), folder / "fresh_workbook_01.ipynb")
+    for name, nb in {**_cheats(), **_harness_failures()}.items():
+        save(nb, folder / f"{name}.ipynb")
+    _not_notebooks(folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    out = tmp_path_factory.mktemp("grades")
+    result = subprocess.run([sys.executable, "-m", "companion", "grade", ".", "--out", str(out),
+                             "--jobs", "4", "--cell-timeout", "30", "--exercise-timeout", "15",
+                             "--output-cap", "64KiB"],
+                            cwd=folder, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((out / "grades.json").read_text())
+    return {"rows": rows, "out": out, "stdout": result.stdout, "folder": folder, "before": before,
+            "by": {(r["notebook"], r["exercise"]): r for r in rows}}
+
+
+def _rows(batch, notebook: str) -> dict[str, dict]:
+    return {r["exercise"]: r for r in batch["rows"] if r["notebook"] == notebook}
+
+
+def _flags(batch, notebook: str) -> str:
+    return next(iter(_rows(batch, notebook).values()))["flags"]
+
+
+# ---------------------------------------------------------------- honest notebooks
+
+@pytest.mark.parametrize("chapter", HONEST)
+def test_honest_notebooks_get_full_marks_beside_the_cheats(batch, chapter):
+    name = "=2+3.ipynb" if chapter == "01" else f"honest_{chapter}.ipynb"
+    rows = _rows(batch, name)
+    assert rows and all(r["passed"] and r["points"] == r["max_points"] for r in rows.values()), \
+        {k: (r["status"], r["message"][:200]) for k, r in rows.items()}
+    assert "ran as nobody" in _flags(batch, name) and "review" not in _flags(batch, name)
+
+
+def test_a_fresh_workbook_scores_zero_with_not_done_yet(batch):
+    rows = _rows(batch, "fresh_workbook_01.ipynb")
+    assert len(rows) == 3 and all(r["points"] == 0 and r["status"] == "not done" and
+                                  r["message"].startswith("not done yet") for r in rows.values())
+
+
+def test_graded_notebooks_are_not_modified(batch):
+    assert {p.name: p.read_bytes() for p in batch["folder"].iterdir()} == batch["before"]
+
+
+# ---------------------------------------------------------------- cheats
+
+def test_forged_records_deleted_and_duplicated_checks(batch):
+    rows = _rows(batch, "cheat_forged.ipynb")
+    assert rows["mse_gradient"]["points"] == 0 and rows["mse_gradient"]["status"] == "failed"
+    assert rows["sgd_step"]["status"] == "tampered" and "deleted" in rows["sgd_step"]["message"]
+    assert rows["train_epoch"]["points"] == 2 and "ignored" in rows["train_epoch"]["message"]
+    assert sum(r["points"] for r in rows.values()) == 2
+    assert "check-result record" in _flags(batch, "cheat_forged.ipynb")
+
+
+def test_patched_checks_tensor_subclasses_and_the_reference_earn_nothing(batch):
+    rows = _rows(batch, "cheat_patched.ipynb")
+    assert "divide the sums by m" in rows["mse_gradient"]["message"]
+    assert rows["sgd_step"]["status"] == "failed" and "subclass" in rows["sgd_step"]["message"]
+    assert rows["train_epoch"]["status"] == "reference"
+    assert "companion.gd.train_epoch" in rows["train_epoch"]["message"]
+    assert sum(r["points"] for r in rows.values()) == 0
+    assert "check or grading code" in _flags(batch, "cheat_patched.ipynb")
+
+
+def test_cancelled_timers_and_ignored_interrupts_are_killed_and_the_rest_graded(batch):
+    rows = _rows(batch, "cheat_hangs.ipynb")
+    assert rows["mse_gradient"]["status"] == "failed"
+    assert "did not finish" in rows["mse_gradient"]["message"]
+    assert rows["sgd_step"]["passed"], rows["sgd_step"]["message"]       # after a restart
+    assert rows["train_epoch"]["status"] == "reference"                  # seen while it ran
+    flags = _flags(batch, "cheat_hangs.ipynb")
+    assert "lost 1 time(s)" in flags and "timers or signal handlers" in flags
+    deaf = _rows(batch, "cheat_deaf.ipynb")
+    assert all(r["passed"] for r in deaf.values()), deaf
+    assert "lost 1 time(s)" in _flags(batch, "cheat_deaf.ipynb")
+
+
+def test_a_notebook_cannot_kill_the_grader_or_leave_processes_behind(batch):
+    rows = _rows(batch, "cheat_rough.ipynb")
+    assert rows["mse_gradient"]["passed"] and rows["train_epoch"]["passed"]
+    assert rows["sgd_step"]["points"] == 0 and "ended while your code ran" in \
+        rows["sgd_step"]["message"]
+    flags = _flags(batch, "cheat_rough.ipynb")
+    assert re.search(r"printed 3\.\d MiB; the grader kept 0\.1 MiB", flags), flags
+    assert "other processes" in flags
+    assert _lingering() == []
+
+
+def test_harness_checks_fail_wrong_answers_with_their_hints(batch):
+    ch03, ch04, ch06 = (_rows(batch, f"harness_{n}.ipynb") for n in ("03", "04", "06"))
+    assert "optimizer.step() ran" in ch03["accumulation_step"]["message"]
+    assert ch03["batch_size_search"]["passed"] and ch03["choose_micro_batch"]["passed"]
+    assert "same masks" in ch04["checkpoint_function"]["message"]
+    assert ch04["segments_for_budget"]["status"] == "reference"
+    assert ch04["saved_bytes"]["passed"] and ch04["selective_policy"]["passed"]
+    assert ch06["ring_all_reduce"]["status"] == "failed" and "collective" in \
+        ch06["ring_all_reduce"]["message"]
+    assert ch06["ddp_average_gradients"]["status"] == "reference"
+    assert ch06["no_sync_accumulation"]["passed"]
+
+
+# ---------------------------------------------------------------- bad files and the reports
+
+def test_files_that_are_not_notebooks_become_rows_with_the_reason(batch):
+    for name, words in [("bad_json.ipynb", "not a readable notebook"), ("empty.ipynb", "empty"),
+                        ("binary.ipynb", "not a readable notebook"),
+                        ("no_cells.ipynb", "not a readable notebook")]:
+        (row,) = _rows(batch, name).values()
+        assert row["status"] == "unreadable" and words in row["message"], row
+    rows = _rows(batch, "01_gradient_descent_broken.ipynb")     # its name says which chapter
+    assert set(rows) == {"mse_gradient", "sgd_step", "train_epoch"}
+    assert all(r["status"] == "unreadable" and r["max_points"] > 0 for r in rows.values())
+
+
+def test_reports_escape_formulas_and_carry_a_digest(batch):
+    out = batch["out"]
+    records = list(csv.DictReader((out / "grades.csv").open(newline="")))
+    assert {r["notebook"] for r in records if "2+3" in r["notebook"]} == {"'=2+3.ipynb"}
+    for line in (out / "grades.sha256").read_text().splitlines():
+        digest, name = line.split("  ")
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+        assert line in batch["stdout"]
+
+
+def test_a_missing_path_is_a_clear_error(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "companion", "grade", str(tmp_path / "no.ipynb")],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "no such notebook" in result.stderr
+
+
+def test_no_grading_process_or_sandbox_is_left(batch):
+    left = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "companion.grader." in cmdline:
+            left.append(cmdline)
+    assert left == []

@@ -1,0 +1,201 @@
+"""Grade a batch: up to `jobs` notebooks at a time, each in a grading process of its own
+(`python -m companion.grader.job`), whose events become rows.
+
+A grading process that dies (a notebook that kills it, a crash) costs only its own notebook: the
+exercises it had not reported are "not graded", with the reason. After each notebook, processes
+it left behind are ended (this process is their subreaper), the grader's files are checked when
+the notebook ran with the grader's own permissions, and the reports are rewritten.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import pwd
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from companion.grader.expected import Chapter
+from companion.grader.integrity import Snapshot
+from companion.grader.reports import Row, write_reports
+from companion.grader.sandbox import children_of, end_descendants
+
+__all__ = ["Batch", "sandbox_user", "child_env"]
+
+
+@dataclasses.dataclass
+class _Job:
+    index: int
+    path: pathlib.Path
+    proc: subprocess.Popen
+    started: float
+    stderr: object
+    buffer: bytes = b""
+    events: list = dataclasses.field(default_factory=list)
+
+
+def sandbox_user(run_as: str) -> tuple[int, int] | None:
+    """(uid, gid) for the sandbox, or None to run it as this process's user."""
+    if run_as == "self" or (run_as == "auto" and os.geteuid() != 0):
+        return None
+    entry = pwd.getpwnam("nobody" if run_as == "auto" else run_as)
+    if os.geteuid() != 0 and entry.pw_uid != os.geteuid():
+        raise PermissionError(f"only root can run notebooks as {entry.pw_name!r}")
+    return entry.pw_uid, entry.pw_gid
+
+
+def child_env() -> dict[str, str]:
+    keep = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+    return {k: os.environ[k] for k in keep if k in os.environ}
+
+
+class Batch:
+    """Runs up to `jobs` grading processes at a time and turns their events into rows."""
+
+    def __init__(self, paths, *, chapters: list[Chapter], private: pathlib.Path, spec: dict,
+                 jobs: int, snapshot: Snapshot | None, out, progress):
+        self.paths, self.chapters, self.private, self.spec = paths, chapters, private, spec
+        self.jobs, self.snapshot, self.out, self.progress = max(1, jobs), snapshot, out, progress
+        self.rows: dict[int, list[Row]] = {}
+        self.selector = selectors.DefaultSelector()
+        self.running: dict[int, _Job] = {}
+        self.halted = ""
+        self.suspects: set[int] = set()
+        self.before = frozenset(children_of(os.getpid()))    # not ours to end
+
+    def run(self) -> list[Row]:
+        pending = list(enumerate(self.paths))
+        while pending or self.running:
+            while pending and len(self.running) < self.jobs and not self.halted:
+                self._start(*pending.pop(0))
+            if self.halted and pending:
+                for index, path in pending:
+                    self.rows[index] = self._fallback(path, [], f"not graded: {self.halted}")
+                pending = []
+            self._poll()
+        return [row for index in sorted(self.rows) for row in self.rows[index]]
+
+    def _start(self, index: int, path: pathlib.Path) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(self.private)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                   if p]))
+        spec = dict(self.spec, notebook=str(path.resolve()), label=str(path))
+        stderr = tempfile.TemporaryFile()
+        proc = subprocess.Popen([sys.executable, "-s", "-m", "companion.grader.job"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                env=env, cwd=self.private, start_new_session=True)
+        proc.stdin.write(json.dumps(spec).encode())
+        proc.stdin.close()
+        job = _Job(index, path, proc, time.monotonic(), stderr)
+        self.running[proc.pid] = job
+        self.suspects.add(index)
+        self.selector.register(proc.stdout, selectors.EVENT_READ, job)
+
+    def _poll(self) -> None:
+        for key, _ in self.selector.select(timeout=1.0):
+            job = key.data
+            chunk = os.read(key.fileobj.fileno(), 1 << 16)
+            if chunk and len(job.buffer) < (16 << 20):
+                job.buffer += chunk
+                continue
+            self.selector.unregister(key.fileobj)
+            self._finish(job, job.proc.wait())
+        limit = self.spec["limits"]["notebook"] + 180      # the job keeps its own deadline
+        for job in list(self.running.values()):
+            if time.monotonic() - job.started > limit:
+                with contextlib.suppress(OSError):
+                    os.killpg(job.proc.pid, signal.SIGKILL)
+
+    def _finish(self, job: _Job, code: int) -> None:
+        del self.running[job.proc.pid]
+        end_descendants(keep=self.before | set(self.running))   # what its sandbox left behind
+        events = []
+        for line in job.buffer.decode(errors="replace").splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue
+        reason = "" if any(e.get("event") in ("done", "unreadable") for e in events) else \
+            _death(code, job.stderr)
+        job.stderr.close()
+        rows = self._rows(job.path, events, reason)
+        self._integrity(job, rows)
+        self.rows[job.index] = rows
+        if self.out is not None:
+            write_reports([r for i in sorted(self.rows) for r in self.rows[i]], self.out)
+        if self.progress:
+            self.progress(job.path, rows, time.monotonic() - job.started)
+
+    def _rows(self, path: pathlib.Path, events: list[dict], reason: str) -> list[Row]:
+        """The notebook's rows: one per expected exercise, from the events, checked."""
+        by_name = {c.path.name: c for c in self.chapters}
+        for event in events:
+            if event.get("event") == "unreadable":
+                return self._fallback(path, [], str(event.get("reason")),
+                                      by_name.get(event.get("chapter")), status="unreadable")
+        chapter = next((by_name.get(e.get("chapter")) for e in events
+                        if e.get("event") == "expected"), None)
+        done = next((e for e in events if e.get("event") == "done"), {})
+        flags = [str(f) for f in done.get("flags", []) if isinstance(f, str)]
+        flags.append(self._ran_as(done.get("ran_as")))
+        if chapter is None:
+            return self._fallback(path, flags, f"not graded: {reason or 'no result'}")
+        got = {e["row"].get("exercise"): e["row"] for e in events
+               if e.get("event") == "row" and isinstance(e.get("row"), dict)}
+        rows = []
+        for ex in chapter.exercises:
+            r = got.get(ex.name, {})
+            status = str(r.get("status", "not graded"))
+            passed = status == "passed" and r.get("passed") is True
+            message = str(r.get("message", f"not graded: {reason or 'no result'}"))
+            rows.append(Row(str(path), ex.name, passed, ex.points if passed else 0, ex.points,
+                            message, status, "; ".join(flags), chapter.path.name))
+        return rows
+
+    def _fallback(self, path, flags, reason, chapter=None, *, status="not graded") -> list[Row]:
+        flags = "; ".join(flags)
+        if chapter is None:
+            return [Row(str(path), "-", False, 0, 0, reason, status, flags, "")]
+        return [Row(str(path), ex.name, False, 0, ex.points, reason, status, flags,
+                    chapter.path.name) for ex in chapter.exercises]
+
+    def _ran_as(self, uid) -> str:
+        if self.spec.get("user"):
+            return f"ran as {pwd.getpwuid(self.spec['user'][0]).pw_name} (uid {self.spec['user'][0]})"
+        return (f"ran with your permissions (uid {os.geteuid()}): the notebook's code could read "
+                "and change your files; see docs/GRADING.md")
+
+    def _integrity(self, job: _Job, rows: list[Row]) -> None:
+        """Same-user grading: put the grader's files back if a notebook changed them."""
+        if self.snapshot is None:
+            return
+        changed = self.snapshot.changes()
+        self.snapshot.clean_caches()
+        if not changed:
+            self.suspects = {j.index for j in self.running.values()}
+            return
+        who = sorted(self.suspects)
+        note = f"changed the grader's files: {', '.join(changed[:4])}"
+        if len(who) > 1:
+            note = f"it or a notebook graded at the same time ({len(who)} in all) " + note
+        for r in rows:
+            r.flags = "; ".join(filter(None, [r.flags, note]))
+            r.status, r.points, r.passed = "tampered", 0, False
+        if self.snapshot.environment_changes():
+            self.halted = f"an earlier notebook changed site-packages ({changed[-1]}); reinstall " \
+                          "the environment and grade again, as root or in a container"
+        self.snapshot.restore()
+        self.suspects = {j.index for j in self.running.values()}
+
+
+def _death(code: int, stderr) -> str:
+    stderr.seek(0)
+    last = [ln for ln in stderr.read()[-4000:].decode(errors="replace").splitlines() if ln.strip()]
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    return f"the grading process ended early ({how}{': ' + last[-1][:200] if last else ''})"

@@ -1,0 +1,254 @@
+"""Grade one notebook in a process of its own (started by `companion.grading`, one per notebook).
+
+    python -m companion.grader.job < spec.json          (one JSON event per line on stdout)
+
+It reads the submission and its source chapter, plans the steps, runs the cells in a sandbox
+(`sandbox.Child`), and runs every expected check here, in a process that runs no learner code,
+on a `SandboxAnswer`. If the sandbox dies or hangs, it is started again and the cells run so far
+are replayed (the one that killed it is skipped), so one exercise cannot cost the others. Events:
+"expected" (the rows it will fill), "row" (one exercise done), "done" (notebook-level flags).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+import nbformat
+
+from companion.checks.core import CheckFailed, GraderError, NotDone, evaluate
+from companion.grader.answer import SandboxAnswer
+from companion.grader.expected import Chapter, Exercise, match_chapter, make_plan, read_chapter
+from companion.grader.sandbox import Child, ChildLost, Limits, harden_self
+from companion.grader.scan import reference_uses, review_flags
+
+__all__ = ["Session", "grade_notebook", "main"]
+
+_MAX_RESTARTS = 3
+
+
+class Session:
+    """The notebook's sandbox, restarted (with the cells so far replayed) when it is lost."""
+
+    def __init__(self, spec: dict, limits: Limits):
+        self.spec, self.limits = spec, limits
+        self.deadline = time.monotonic() + limits.notebook
+        self.child: Child | None = None
+        self.history: list[str] = []          # code run so far, replayed after a restart
+        self.starts, self.losses, self.output_total, self.ran_as = 0, [], 0, None
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def lose(self, lost: ChildLost) -> None:
+        self._collect()
+        self.child = None
+        self.losses.append(lost.reason)
+
+    def _collect(self) -> None:
+        if self.child is not None:
+            self.output_total += self.child.output_total
+
+    def ensure(self) -> bool:
+        """A running sandbox with the history replayed, or False when none can be had."""
+        while self.child is None:
+            if self.starts > _MAX_RESTARTS or self.left() <= 0:
+                return False
+            self.starts += 1
+            child = Child(limits=self.limits, user=_user(self.spec), env=self.spec["child_env"])
+            try:
+                self.ran_as = child.start(timeout=min(120.0, self.left())).get("uid")
+                self.child = child
+                self._replay()
+            except ChildLost as lost:
+                self.lose(lost)
+        return True
+
+    def _replay(self) -> None:
+        for source in list(self.history):
+            try:
+                self.child.request({"op": "exec", "source": source}, interrupt=True,
+                                   timeout=min(self.limits.cell, self.left()))
+            except ChildLost:
+                self.history.remove(source)    # it ended the sandbox again: leave it out
+                raise
+
+    def run_cell(self, source: str) -> str:
+        """Run code; return '' or what went wrong."""
+        if not self.ensure():
+            return "not run: " + self.why_stopped()
+        try:
+            reply = self.child.request({"op": "exec", "source": source}, interrupt=True,
+                                       timeout=min(self.limits.cell, self.left()))
+        except ChildLost as lost:
+            self.lose(lost)
+            return f"its cell was stopped: {lost.reason}"
+        error = reply.get("error") if type(reply.get("error")) is str else ""
+        if reply.get("status") == "raised":             # an interrupt that came just too late
+            error = f"{reply.get('type')}: {reply.get('message')}"
+        if not error.startswith("KeyboardInterrupt"):       # interrupted at its limit: not again
+            self.history.append(source)
+        return error and (f"its cell ran past {self.limits.cell:g} s and was interrupted"
+                          if error.startswith("KeyboardInterrupt") else error)
+
+    def why_stopped(self) -> str:
+        if self.left() <= 0:
+            return f"the notebook's time limit ({self.limits.notebook:g} s) ran out"
+        return f"the notebook's process was lost {len(self.losses)} times (last: " \
+               f"{self.losses[-1] if self.losses else '?'})"
+
+    def close(self) -> None:
+        self._collect()
+        if self.child is not None:
+            self.child.kill()
+            self.child = None
+
+
+def _user(spec: dict) -> tuple[int, int] | None:
+    return tuple(spec["user"]) if spec.get("user") else None
+
+
+def _row(spec: dict, ex: Exercise, status: str, message: str, *, points: int = 0) -> dict:
+    return {"notebook": spec["label"], "exercise": ex.name, "passed": status == "passed",
+            "points": points, "max_points": ex.points, "message": message, "status": status}
+
+
+# ---------------------------------------------------------------- one exercise
+
+def _grade_exercise(session: Session, spec: dict, nb, ex: Exercise) -> dict:
+    uses = reference_uses(nb, ex)
+    if uses:
+        return _row(spec, ex, "reference", f"uses the reference for this exercise: {uses[0]}; "
+                                           "write it yourself")
+    if not session.ensure():
+        return _row(spec, ex, "not graded", session.why_stopped())
+    try:
+        reply = session.child.request({"op": "resolve", "name": ex.answer}, timeout=30.0)
+    except ChildLost as lost:
+        session.lose(lost)
+        return _row(spec, ex, "not graded", f"the notebook's process was lost: {lost.reason}")
+    if reply.get("kind") == "missing":
+        return _row(spec, ex, "failed", f"the notebook defines no `{ex.answer}`: keep the name the "
+                                        "workbook gives the answer")
+    answer = (SandboxAnswer(ex.answer, session, ex.references) if reply.get("kind") == "callable"
+              else reply.get("value"))
+    timeout = min(max(ex.timeout, session.limits.exercise), max(session.left(), 1.0))
+    try:
+        message, status = evaluate(ex.check, answer, timeout=timeout), "passed"
+    except NotDone as e:
+        message, status = e.summary, "not done"
+    except CheckFailed as e:
+        message, status = str(e).removeprefix(f"{ex.check}: "), "failed"
+    except GraderError as e:
+        message, status = f"the grader cannot run this check in its sandbox: {e}", "ungradable"
+    hits = getattr(answer, "hits", {})
+    if hits:
+        name, n = next(iter(hits.items()))
+        return _row(spec, ex, "reference", f"calls {name} ({n} time{'s' if n > 1 else ''}), the "
+                                           "reference for this exercise: write it yourself")
+    return _row(spec, ex, status, message, points=ex.points if status == "passed" else 0)
+
+
+# ---------------------------------------------------------------- one notebook
+
+def _read(path: str, max_bytes: int):
+    """The submission as a notebook, or ValueError saying why it is not one."""
+    size = os.path.getsize(path)
+    if size == 0:
+        raise ValueError("the file is empty")
+    if size > max_bytes:
+        raise ValueError(f"the file is {size / 2**20:.0f} MiB, over the {max_bytes / 2**20:.0f} MiB "
+                         "a notebook may have")
+    try:
+        nb = nbformat.reads(pathlib.Path(path).read_text(encoding="utf-8"), as_version=4)
+    except Exception as e:
+        raise ValueError(f"not a readable notebook ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(nb.get("cells"), list):
+        raise ValueError("not a notebook: it has no cells")
+    return nb
+
+
+def grade_notebook(spec: dict, emit) -> None:
+    """Grade spec["notebook"]; report with emit(event, **data)."""
+    try:
+        nb = _read(spec["notebook"], spec.get("max_bytes", 50 * 2**20))
+    except (ValueError, OSError) as e:
+        named = [Chapter(pathlib.Path(p), [], set()) for p in spec["chapters"]]
+        emit("unreadable", reason=str(e), chapter=_chapter_name(
+            match_chapter(nbformat.v4.new_notebook(), spec["notebook"], named)))
+        return
+    chapters = [read_chapter(p) for p in spec["chapters"]]
+    chapter = match_chapter(nb, spec["notebook"], chapters)
+    if chapter is None:
+        emit("unreadable", reason="none of its cells comes from a course notebook and its file "
+                                  "name names no chapter", chapter="")
+        return
+    emit("expected", chapter=_chapter_name(chapter))
+    _run_plan(spec, nb, chapter, emit)
+
+
+def _chapter_name(chapter: Chapter | None) -> str:
+    return chapter.path.name if chapter else ""
+
+
+def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
+    limits = Limits(**spec["limits"])
+    plan, session, done = make_plan(nb, chapter), Session(spec, limits), set()
+    for ex in chapter.exercises:
+        if ex.check in plan.tampered:
+            emit("row", row=_row(spec, ex, "tampered", plan.tampered[ex.check]))
+            done.add(ex.check)
+    cell_errors: dict[int, str] = {}
+    try:
+        for step in plan.steps:
+            if step.kind == "exec":
+                error = session.run_cell(step.source)
+                cell_errors[step.cell] = cell_errors.get(step.cell) or error
+                continue
+            ex = step.exercise
+            if ex.check in done:
+                continue
+            done.add(ex.check)
+            if cell_errors.get(step.cell):
+                row = _row(spec, ex, "failed", "not run: its cell stopped before the check line: "
+                                               f"{cell_errors[step.cell]}")
+            else:
+                row = _grade_exercise(session, spec, nb, ex)
+            row["message"] += "".join(f" ({note})" for note in plan.notes.get(ex.check, []))
+            emit("row", row=row)
+    finally:
+        session.close()
+    for ex in chapter.exercises:
+        if ex.check not in done:
+            emit("row", row=_row(spec, ex, "not graded", session.why_stopped()))
+    emit("done", flags=_flags(nb, session), ran_as=session.ran_as)
+
+
+def _flags(nb, session: Session) -> list[str]:
+    flags = [f"review: {why}" for why in review_flags(nb.cells)]
+    if session.output_total > session.limits.output:
+        flags.append(f"printed {session.output_total / 2**20:.1f} MiB; the grader kept "
+                     f"{session.limits.output / 2**20:.1f} MiB")
+    if session.losses:
+        flags.append(f"its process was lost {len(session.losses)} time(s) and restarted: "
+                     + "; ".join(session.losses[:3]))
+    return flags
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.read())
+    harden_self()
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)                      # anything else printed goes to stderr, not to the events
+
+    def emit(event: str, **data) -> None:
+        out.write(json.dumps({"event": event, **data}) + "\n")
+
+    grade_notebook(spec, emit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The grader's reports: one row per expected exercise, as JSON and CSV, written atomically, with
+their SHA-256 so that a report changed after the grader wrote it can be told apart."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import pathlib
+import tempfile
+
+__all__ = ["Row", "escape_csv", "write_reports", "digest", "format_table"]
+
+
+@dataclasses.dataclass
+class Row:
+    notebook: str
+    exercise: str
+    passed: bool
+    points: int
+    max_points: int
+    message: str
+    status: str = ""       # passed, failed, not done, tampered, reference, not graded, ...
+    flags: str = ""        # for the instructor: how it ran, what to look at
+    chapter: str = ""
+
+
+def escape_csv(value):
+    """A CSV cell a spreadsheet will not run as a formula (OWASP: = + - @ tab CR first)."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
+def _atomic_write(path: pathlib.Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_reports(rows: list[Row], out_dir: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """Write grades.json, grades.csv and their SHA-256 (grades.sha256) into out_dir, each file
+    replaced atomically; return the JSON and CSV paths."""
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = [dataclasses.asdict(r) for r in rows]
+    as_json = (json.dumps(records, indent=2, ensure_ascii=False) + "\n").encode()
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=[f.name for f in dataclasses.fields(Row)])
+    writer.writeheader()
+    writer.writerows({k: escape_csv(v) for k, v in r.items()} for r in records)
+    as_csv = text.getvalue().encode()
+    json_path, csv_path = out_dir / "grades.json", out_dir / "grades.csv"
+    _atomic_write(json_path, as_json)
+    _atomic_write(csv_path, as_csv)
+    _atomic_write(out_dir / "grades.sha256", digest(as_json, as_csv).encode())
+    return json_path, csv_path
+
+
+def digest(as_json: bytes, as_csv: bytes) -> str:
+    """`sha256sum -c` lines for the two reports, as written."""
+    return "".join(f"{hashlib.sha256(data).hexdigest()}  {name}\n"
+                   for name, data in (("grades.json", as_json), ("grades.csv", as_csv)))
+
+
+def format_table(rows: list[Row]) -> str:
+    """A short plain-text table: one line per exercise, a total per notebook."""
+    lines, width = [], max([len(r.exercise) for r in rows] + [8])
+    for notebook in dict.fromkeys(r.notebook for r in rows):
+        mine = [r for r in rows if r.notebook == notebook]
+        chapter = f" ({mine[0].chapter})" if mine[0].chapter else ""
+        lines.append(f"{notebook}{chapter}: {sum(r.points for r in mine)}/"
+                     f"{sum(r.max_points for r in mine)}")
+        for r in mine:
+            mark = "pass" if r.passed else (r.status or "FAIL").upper()[:8]
+            first = r.message.splitlines()[0][:70] if r.message else ""
+            lines.append(f"  {mark:<8}  {r.exercise:<{width}}  {r.points}/{r.max_points}  {first}")
+        if mine[0].flags:
+            lines.append(f"  flags: {mine[0].flags}")
+    return "\n".join(lines) if lines else "no exercises found"

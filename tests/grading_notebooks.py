@@ -1,0 +1,76 @@
+"""Notebooks for the grading tests, built from the course's source notebooks.
+
+`trimmed(chapter)` keeps the setup cell and the exercise cells (the demos are left out: the
+grader needs neither, and the tests run in seconds instead of minutes). `edit` changes one cell,
+found by its id, the way a learner would in JupyterLab.
+"""
+import pathlib
+
+import nbformat
+
+from companion.grader.expected import read_chapter
+from companion.notebooks import strip_solutions
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+COURSE = REPO / "course"
+
+# chapter 01's cells: setup, then the three exercises (function and check line in one cell)
+SETUP, MSE, SGD, EPOCH = "6604fae2", "2708ca2b", "ba777239", "d86cb309"
+
+
+def source(chapter: str) -> pathlib.Path:
+    return next(COURSE.glob(f"{chapter}_*.ipynb"))
+
+
+def trimmed(chapter: str, *, solved: bool = True) -> nbformat.NotebookNode:
+    """The chapter's setup cell and exercise cells, with solutions (or as a fresh workbook)."""
+    path = source(chapter)
+    exercises = read_chapter(path).exercises
+    keep = {e.cell_id for e in exercises} | {e.solution_cell_id for e in exercises}
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    nb.cells = [code[0]] + [c for c in code[1:] if c.get("id") in keep]
+    nb = strip_solutions(nb) if not solved else nb
+    for cell in nb.cells:
+        cell.outputs, cell.execution_count = [], None
+    return nb
+
+
+def cell(nb, cell_id: str):
+    return next(c for c in nb.cells if c.get("id") == cell_id)
+
+
+def edit(nb, cell_id: str, old: str, new: str) -> nbformat.NotebookNode:
+    """Replace `old` by `new` in one cell (old must be there)."""
+    target = cell(nb, cell_id)
+    assert old in target.source, (cell_id, old)
+    target.source = target.source.replace(old, new)
+    return nb
+
+
+def body(nb, cell_id: str, code: str) -> nbformat.NotebookNode:
+    """Replace the solution between the markers (or the workbook's stub) by `code`."""
+    target = cell(nb, cell_id)
+    lines = target.source.splitlines()
+    start = next(i for i, ln in enumerate(lines) if "BEGIN SOLUTION" in ln or "NotImplementedError"
+                 in ln)
+    end = next(i for i, ln in enumerate(lines) if "END SOLUTION" in ln or "NotImplementedError"
+               in ln and i >= start)
+    indent = lines[start][:len(lines[start]) - len(lines[start].lstrip())]
+    new = [indent + ln for ln in code.strip("\n").splitlines()]
+    target.source = "\n".join(lines[:start] + new + lines[end + 1:])
+    return nb
+
+
+def insert(nb, after_id: str | None, code: str) -> nbformat.NotebookNode:
+    """A new code cell after the cell `after_id` (at the end when None)."""
+    new = nbformat.v4.new_code_cell(code)
+    index = len(nb.cells) if after_id is None else \
+        next(i for i, c in enumerate(nb.cells) if c.get("id") == after_id) + 1
+    nb.cells.insert(index, new)
+    return nb
+
+
+def save(nb, path: pathlib.Path) -> pathlib.Path:
+    nbformat.write(nb, path)
+    return path
