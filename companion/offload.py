@@ -179,8 +179,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         with on_host():
             self.optimizer.step()                  # on the CPU: fused AdamW when available
         middle = time.perf_counter()
-        updated = [i for i in indices if self._has_grad[i]]
-        for i in updated:
+        if self._stream is not None:               # kernels still reading the weights go first
+            self._stream.wait_stream(torch.cuda.current_stream(self._params[0].device))
+        for i in [i for i in indices if self._has_grad[i]]:
             source = self.master_params[i]
             if self._staging[i] is not None:       # 16-bit weights: cast on the host
                 source = self._staging[i].copy_(source)
@@ -227,8 +228,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         >>> moved.bytes_to_host
 
     Simplified vs PyTorch's save_on_cpu: it skips parameters (they stay on the device anyway) and
-    small tensors; like it, a tensor saved twice is copied twice, and the copies are not overlapped
-    with compute on a separate stream.
+    small tensors; like it, a tensor saved twice is copied twice (a CPU tensor too), and the
+    copies are not overlapped with compute on a separate stream.
     """
 
     def __init__(self, *, min_bytes: int = 2**20, pin_memory: bool | None = None):
@@ -240,10 +241,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, t: torch.Tensor):
         nbytes = t.numel() * t.element_size()
-        if nbytes < self.min_bytes or _is_parameter(t) or (t.device.type == "cpu"
-                                                             and torch.cuda.is_available()):
+        if nbytes < self.min_bytes or _is_parameter(t):
             self.tensors_kept += 1
-            return t                               # small, a parameter, or already on the host
+            return t                               # small, or on the device anyway
         self.bytes_to_host += nbytes
         self.tensors_moved += 1
         return t.device, to_host(t, pin_memory=self.pin_memory)     # device -> host
