@@ -104,6 +104,9 @@ class Batch:
             if chunk and len(job.buffer) < (16 << 20):
                 job.buffer += chunk
                 continue
+            if chunk:                                    # 16 MiB of events: something is wrong
+                with contextlib.suppress(OSError):
+                    os.killpg(job.proc.pid, signal.SIGKILL)
             self.selector.unregister(key.fileobj)
             self._finish(job, job.proc.wait())
         limit = self.spec["limits"]["notebook"] + 180      # the job keeps its own deadline
@@ -167,7 +170,8 @@ class Batch:
 
     def _ran_as(self, uid) -> str:
         if self.spec.get("user"):
-            return f"ran as {pwd.getpwuid(self.spec['user'][0]).pw_name} (uid {self.spec['user'][0]})"
+            uid = self.spec["user"][0]
+            return f"ran as {pwd.getpwuid(uid).pw_name} (uid {uid})"
         return (f"ran with your permissions (uid {os.geteuid()}): the notebook's code could read "
                 "and change your files; see docs/GRADING.md")
 

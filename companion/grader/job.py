@@ -159,8 +159,8 @@ def _read(path: str, max_bytes: int):
     if size == 0:
         raise ValueError("the file is empty")
     if size > max_bytes:
-        raise ValueError(f"the file is {size / 2**20:.0f} MiB, over the {max_bytes / 2**20:.0f} MiB "
-                         "a notebook may have")
+        raise ValueError(f"the file is {size / 2**20:.0f} MiB, over the "
+                         f"{max_bytes / 2**20:.0f} MiB a notebook may have")
     try:
         nb = nbformat.reads(pathlib.Path(path).read_text(encoding="utf-8"), as_version=4)
     except Exception as e:

@@ -43,7 +43,8 @@ def _atomic_write(path: pathlib.Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_reports(rows: list[Row], out_dir: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+def write_reports(rows: list[Row],
+                  out_dir: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     """Write grades.json, grades.csv and their SHA-256 (grades.sha256) into out_dir, each file
     replaced atomically; return the JSON and CSV paths."""
     out_dir = pathlib.Path(out_dir)

@@ -29,7 +29,7 @@ class WireError(Exception):
 
 class Opaque:
     """Stands in for an object the learner returned that is not plain data: its class is named
-    after the learner's type and its repr is the learner's repr, so messages read as in a notebook."""
+    after the learner's type and its repr is the learner's, so messages read as in a notebook."""
 
     def __init__(self, text: str):
         self.text = text
@@ -178,7 +178,7 @@ class AnswerPickler(pickle.Pickler):
 
 
 def answer_unpickler(body: bytes, resolve) -> Any:
-    """Unpickle a request in the sandbox; resolve(name, via) gives the real answer for a reference."""
+    """Unpickle a request in the sandbox; resolve(name, via) gives the answer for a reference."""
     class Unpickler(pickle.Unpickler):
         def persistent_load(self, pid):
             kind, name, via = pid
