@@ -113,6 +113,19 @@ def _flag(value) -> bool:
     return bool(value)
 
 
+@harness
+def _unscale_run(answer, seed: int, inv_scale: float, where, value) -> tuple:
+    """The answer's flag, and the gradients the optimizer would then read from p.grad."""
+    grads = _grads(seed)
+    if where is not None:
+        grads[where].view(-1)[seed % grads[where].numel()] = value
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    found = call(answer, [p.grad for p in params], torch.tensor(inv_scale))
+    return found, [p.grad for p in params]
+
+
 @exercise(points=2, reference=("companion.amp.unscale_grads_", "companion.amp.GradScaler"))
 def check_unscale_grads(answer) -> str:
     """answer(grads, inv_scale) -> found_inf: multiply every gradient by inv_scale (a 0-d tensor)
@@ -121,18 +134,13 @@ def check_unscale_grads(answer) -> str:
     for seed in fresh_seeds(2):
         for inv_scale in (2.0**-12, 2.0**-7):
             for where, value in poisons:
-                grads = _grads(seed)
-                if where is not None:
-                    grads[where].view(-1)[seed % grads[where].numel()] = value
-                originals = [g.clone() for g in grads]
-                mine = list(grads)                           # the tensors the optimizer reads
-                found = _flag(call(answer, mine, torch.tensor(inv_scale)))
-                _judge_flag(found, where, value)
+                found, grads = _unscale_run(answer, seed, inv_scale, where, value)
+                _judge_flag(_flag(found), where, value)
                 if where is None:
+                    originals = _grads(seed)
                     expected = [g.clone() for g in originals]
                     amp.unscale_grads_(expected, torch.tensor(inv_scale))
-                    compare(tuple(grads), tuple(expected),
-                            name="gradients after unscaling",
+                    compare(tuple(grads), tuple(expected), name="p.grad after unscaling",
                             known_wrong={
                                 "unscale in place (g.mul_(inv_scale)): the optimizer reads the "
                                 "same tensors in p.grad; new tensors would not reach it.":
