@@ -1,4 +1,4 @@
-"""Mixed precision: our GradScaler against torch.amp.GradScaler, and activation bytes under autocast.
+"""Mixed precision: our GradScaler against torch.amp.GradScaler; activation bytes under autocast.
 
 1. Speed. The course GPT (sizes from `companion.device.sizes`) with Adam. Before each timed call,
    the same scaled fp32 gradients are copied into .grad (one in every `--inf-every` with an inf,
@@ -50,7 +50,8 @@ def bench_speed(steps: int, inf_every: int, device: torch.device) -> dict[str, t
     clock = _clock(device)
     setups = {}
     for name, make in [("ours", amp.GradScaler), ("torch", torch.amp.GradScaler)]:
-        replica = GPT(s.vocab, s.seq_len, s.gpt_width, s.gpt_depth, s.gpt_heads, seed=0, device=device)
+        replica = GPT(s.vocab, s.seq_len, s.gpt_width, s.gpt_depth, s.gpt_heads, seed=0,
+                      device=device)
         setups[name] = (replica, torch.optim.Adam(replica.parameters(), lr=1e-4), make(device.type))
     times = {name: {"step": [], "unscale": []} for name in setups}
     for i in range(steps):

@@ -119,8 +119,10 @@ class GradScaler:
         if not growth_factor > 1.0:
             raise ValueError(f"growth_factor must be > 1 (the scale grows), got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks), got {backoff_factor}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks), "
+                             f"got {backoff_factor}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
+                or growth_interval < 1:
             raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
         if enabled and torch.device(device).type == "cuda" and not torch.cuda.is_available():
             warnings.warn("GradScaler is enabled, but CUDA is not available. Disabling.")
@@ -159,7 +161,7 @@ class GradScaler:
         return self._scale
 
     def unscale_(self, optimizer) -> None:
-        """Divide `optimizer`'s gradients by the scale, in place, once per step (before clipping)."""
+        """Divide `optimizer`'s gradients by the scale in place, once per step (before clipping)."""
         if not self._enabled:
             return
         scale = self._require_scale("unscale_")
@@ -206,7 +208,8 @@ class GradScaler:
             return
         scale = self._require_scale("update")
         if new_scale is not None:
-            if isinstance(new_scale, torch.Tensor) and new_scale.numel() == 1 and not new_scale.requires_grad:
+            if isinstance(new_scale, torch.Tensor) and new_scale.numel() == 1 \
+                    and not new_scale.requires_grad:
                 scale.copy_(new_scale.reshape(()))
             elif isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
                 scale.fill_(float(new_scale))
@@ -317,7 +320,8 @@ class _Dtypes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        outs = [t for t in tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.is_floating_point()]
         name = func.overloadpacket.__name__
         aliases = name.endswith("view") or all(r.alias_info is not None
                                                for r in func._schema.returns)

@@ -126,7 +126,8 @@ def _one_backward(scaler, model, opt):
     scaler.scale(model.loss(X, y)).backward()
 
 
-@pytest.mark.parametrize("make", [lambda: amp.GradScaler("cpu"), lambda: torch.amp.GradScaler("cpu")])
+@pytest.mark.parametrize("make", [lambda: amp.GradScaler("cpu"),
+                                  lambda: torch.amp.GradScaler("cpu")])
 def test_misuse_raises_the_same_errors_as_torch(make):
     scaler, (model, _) = make(), _twins()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -182,7 +182,7 @@ def _master_observe(model, master) -> tuple:
 
 @harness
 def _master_run(answer, seed: int, width: int, dtype_name: str, steps: int) -> list:
-    """Train `steps` steps with the answer as the step; what the model and master hold after each."""
+    """`steps` steps with the answer as the step; what model and masters hold after each."""
     model, master, opt, x, y = _master_setup(seed, width, getattr(torch, dtype_name))
     seen = []
     for _ in range(steps):
