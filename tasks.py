@@ -98,14 +98,17 @@ def lab(args: list[str]) -> None:
 def test(args: list[str]) -> int:
     """Unit tests, browser tests and every source notebook under nbval, in one pytest run, spread
     over up to 4 worker processes (pytest-xdist): a notebook, a browser notebook run and a test
-    file each stay on one worker (see tests/conftest.py)."""
+    file each stay on one worker (see conftest.py)."""
     notebooks = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "course").glob("[0-9][0-9]_*.ipynb"))
     workers = max(1, min(4, os.cpu_count() or 1))
     cmd = [str(PYTHON), "-m", "pytest", "-p", "no:cacheprovider", "--nbval-lax",
            "--nbval-cell-timeout=600", "-n", str(workers), "--dist", "loadgroup", "--durations=25",
            "tests", *notebooks, *args]
+    # One thread per worker process and per kernel: N workers that each spin N threads on N cores
+    # make small steps 10-50x slower (OpenMP threads busy-wait for each other).
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     print("+", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=ROOT).returncode
+    return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
 
 def reset(args: list[str]) -> int:
