@@ -114,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds at least for each exercise's check (default 60)")
     p.add_argument("--notebook-timeout", default=1800, type=float,
                    help="seconds per notebook, all included (default 1800)")
-    p.add_argument("--memory", default="8GiB", type=_size,
-                   help="address-space cap of each notebook's process (default 8GiB; 0: none)")
+    p.add_argument("--memory", default=None, type=_size,
+                   help="address-space cap of each notebook's process (default 8GiB, none where "
+                        "CUDA is available; 0: none)")
     p.add_argument("--output-cap", default="1MiB", type=_size,
                    help="printed output kept per notebook (default 1MiB)")
     p.add_argument("--run-as", default="auto",

@@ -49,20 +49,25 @@ def _notebooks(paths) -> list[pathlib.Path]:
 
 
 def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
-          notebook_timeout: float = 1800.0, memory: int = 8 * 2**30, output: int = 2**20,
+          notebook_timeout: float = 1800.0, memory: int | None = None, output: int = 2**20,
           jobs: int = 1, source: str | pathlib.Path | None = None, run_as: str = "auto",
           out: str | pathlib.Path | None = None, progress=None) -> list[Row]:
     """Grade notebooks (files, or folders of them) against the source notebooks in `source`.
 
     Returns one Row per expected exercise of each notebook (or one row saying why a file could
     not be graded). With `out`, the reports are rewritten there after every notebook. `run_as`:
-    "auto" (nobody when root, else yourself), "self", or a user name (needs root)."""
+    "auto" (nobody when root, else yourself), "self", or a user name (needs root). `memory`:
+    bytes of address space per notebook, 0 for no cap; None: 8 GiB, or no cap where CUDA is
+    available (CUDA reserves far more address space than it uses)."""
     sources = sorted(pathlib.Path(source or REPO / "course").glob("[0-9][0-9]_*.ipynb"))
     import companion
     package = pathlib.Path(companion.__file__).resolve().parent
     user = sandbox_user(run_as)
     snapshot = Snapshot(package, sources)
     private = snapshot.private_copy()
+    if memory is None:
+        import torch
+        memory = 0 if torch.cuda.is_available() else 8 * 2**30
     limits = Limits(cell=cell_timeout, exercise=exercise_timeout, notebook=notebook_timeout,
                     memory=memory, output=output)
     spec = {"chapters": [str(private / "sources" / p.name) for p in sources],

@@ -38,7 +38,16 @@ return w.as_subclass(Always), b.as_subclass(Always)'''
 
 PATCH = '''import companion.checks.ch01 as ch01, companion.checks.core as core
 ch01.compare = core.compare = lambda *a, **k: 0.0
-ch01.require = core.require = lambda *a, **k: None'''
+ch01.require = core.require = lambda *a, **k: None
+
+def _forged_call(answer, X, y, w, b):            # the right gradient, whatever the answer does
+    r = X @ w + b - y
+    return 2 * X.T @ r / len(y), 2 * r.mean()
+ch01.call = core.call = _forged_call'''
+
+MALFORMED = '''from IPython.display import display
+display({"application/vnd.companion.check+json": {"check": ["x"], "passed": "yes",
+         "points": "=1+1", "message": {"a": 1}}}, raw=True)'''
 
 CANCEL_TIMER = '''import signal
 signal.setitimer(signal.ITIMER_REAL, 0)
@@ -65,6 +74,7 @@ def _cheats() -> dict[str, object]:
     for _ in range(2):
         insert(forged, EPOCH, "check_train_epoch(train_epoch)")
     insert(forged, None, "for _ in range(3):\n    check_train_epoch(train_epoch)")
+    insert(forged, None, MALFORMED)
 
     patched = trimmed("01")                      # patched checks, tensor subclass, reference
     insert(patched, SETUP, PATCH)

@@ -169,11 +169,12 @@ class Batch:
                     chapter.path.name) for ex in chapter.exercises]
 
     def _ran_as(self, uid) -> str:
+        cap = "" if self.spec["limits"]["memory"] else "; no memory cap"
         if self.spec.get("user"):
             uid = self.spec["user"][0]
-            return f"ran as {pwd.getpwuid(uid).pw_name} (uid {uid})"
+            return f"ran as {pwd.getpwuid(uid).pw_name} (uid {uid}){cap}"
         return (f"ran with your permissions (uid {os.geteuid()}): the notebook's code could read "
-                "and change your files; see docs/GRADING.md")
+                f"and change your files; see docs/GRADING.md{cap}")
 
     def _integrity(self, job: _Job, rows: list[Row]) -> None:
         """Same-user grading: put the grader's files back if a notebook changed them."""

@@ -18,7 +18,7 @@ import time
 
 import nbformat
 
-from companion.checks.core import CheckFailed, GraderError, NotDone, evaluate
+from companion.checks.core import REGISTRY, CheckFailed, GraderError, NotDone, evaluate
 from companion.grader.answer import SandboxAnswer
 from companion.grader.expected import Chapter, Exercise, match_chapter, make_plan, read_chapter
 from companion.grader.sandbox import Child, ChildLost, Limits, harden_self
@@ -32,8 +32,8 @@ _MAX_RESTARTS = 3
 class Session:
     """The notebook's sandbox, restarted (with the cells so far replayed) when it is lost."""
 
-    def __init__(self, spec: dict, limits: Limits):
-        self.spec, self.limits = spec, limits
+    def __init__(self, spec: dict, limits: Limits, modules: tuple[str, ...] = ()):
+        self.spec, self.limits, self.modules = spec, limits, modules
         self.deadline = time.monotonic() + limits.notebook
         self.child: Child | None = None
         self.history: list[str] = []          # code run so far, replayed after a restart
@@ -57,7 +57,8 @@ class Session:
             if self.starts > _MAX_RESTARTS or self.left() <= 0:
                 return False
             self.starts += 1
-            child = Child(limits=self.limits, user=_user(self.spec), env=self.spec["child_env"])
+            child = Child(limits=self.limits, user=_user(self.spec), env=self.spec["child_env"],
+                          modules=self.modules)
             try:
                 self.ran_as = child.start(timeout=min(120.0, self.left())).get("uid")
                 self.child = child
@@ -195,7 +196,8 @@ def _chapter_name(chapter: Chapter | None) -> str:
 
 def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
     limits = Limits(**spec["limits"])
-    plan, session, done = make_plan(nb, chapter), Session(spec, limits), set()
+    modules = tuple(sorted({REGISTRY[ex.check].module for ex in chapter.exercises}))
+    plan, session, done = make_plan(nb, chapter), Session(spec, limits, modules), set()
     for ex in chapter.exercises:
         if ex.check in plan.tampered:
             emit("row", row=_row(spec, ex, "tampered", plan.tampered[ex.check]))

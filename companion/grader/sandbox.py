@@ -111,8 +111,9 @@ def _reap(keep: frozenset[int]) -> None:
 class Child:
     """One sandboxed interpreter (companion.grader.child) and the pipes to it."""
 
-    def __init__(self, *, limits: Limits, user: tuple[int, int] | None, env: dict[str, str]):
-        self.limits, self.user, self.base_env = limits, user, env
+    def __init__(self, *, limits: Limits, user: tuple[int, int] | None, env: dict[str, str],
+                 modules: tuple[str, ...] = ()):
+        self.limits, self.user, self.base_env, self.modules = limits, user, env, modules
         self.proc: subprocess.Popen | None = None
         self.output, self.output_total = bytearray(), 0
 
@@ -123,7 +124,7 @@ class Child:
         req_r, self.req_w = os.pipe()
         self.rep_r, rep_w = os.pipe()
         limits = {"memory": self.limits.memory, "file_size": self.limits.file_size,
-                  "processes": 4096 if self.user else 0}
+                  "processes": 4096 if self.user else 0, "modules": list(self.modules)}
         env = dict(self.base_env, HOME=self.workdir, TMPDIR=self.workdir,
                    MPLCONFIGDIR=os.path.join(self.workdir, ".matplotlib"), MPLBACKEND="Agg",
                    IPYTHONDIR=os.path.join(self.workdir, ".ipython"))
