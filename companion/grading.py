@@ -74,8 +74,9 @@ def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
             "limits": dataclasses.asdict(limits), "user": user, "child_env": child_env()}
     chapters = [read_chapter(private / "sources" / p.name) for p in sources]
     subreaper = _subreaper(True)
+    watch = not user or snapshot.open_to_all()      # can the notebooks write the grader's files?
     batch = Batch(_notebooks(paths), chapters=chapters, private=private, spec=spec, jobs=jobs,
-                   snapshot=None if user else snapshot, out=out, progress=progress)
+                  snapshot=snapshot if watch else None, out=out, progress=progress)
     try:
         return batch.run()
     finally:

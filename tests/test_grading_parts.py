@@ -241,3 +241,13 @@ def test_a_changed_package_is_found_and_restored_and_the_sources_copied(tmp_path
     assert (copy / "sources" / "01_x.ipynb").read_text() == "{}"
     assert oct(copy.stat().st_mode & 0o777) == "0o700"
     Snapshot.remove(copy)
+
+
+def test_a_chapter_whose_checks_do_not_import_is_read_with_the_reason(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from companion.checks.ch99 import check_nothing\ncheck_nothing(f)")])
+    path = tmp_path / "99_unfinished.ipynb"
+    nbformat.write(nb, path)
+    chapter = read_chapter(path)
+    assert chapter.exercises == [] and "ModuleNotFoundError" in chapter.error
+    assert chapter.cell_ids == {nb.cells[0].id}

@@ -140,8 +140,9 @@ class Batch:
         by_name = {c.path.name: c for c in self.chapters}
         for event in events:
             if event.get("event") == "unreadable":
+                status = "ungradable" if event.get("status") == "ungradable" else "unreadable"
                 return self._fallback(path, [], str(event.get("reason")),
-                                      by_name.get(event.get("chapter")), status="unreadable")
+                                      by_name.get(event.get("chapter")), status=status)
         chapter = next((by_name.get(e.get("chapter")) for e in events
                         if e.get("event") == "expected"), None)
         done = next((e for e in events if e.get("event") == "done"), {})
@@ -163,7 +164,7 @@ class Batch:
 
     def _fallback(self, path, flags, reason, chapter=None, *, status="not graded") -> list[Row]:
         flags = "; ".join(flags)
-        if chapter is None:
+        if chapter is None or not chapter.exercises:
             return [Row(str(path), "-", False, 0, 0, reason, status, flags, "")]
         return [Row(str(path), ex.name, False, 0, ex.points, reason, status, flags,
                     chapter.path.name) for ex in chapter.exercises]

@@ -46,6 +46,7 @@ class Chapter:
     path: pathlib.Path
     exercises: list[Exercise]
     cell_ids: set[str]
+    error: str = ""            # why its checks cannot be read (a chapter still being written)
 
 
 @dataclasses.dataclass
@@ -96,10 +97,15 @@ def _registry(cells) -> dict:
 
 
 def read_chapter(path: str | pathlib.Path) -> Chapter:
-    """The exercises of one source notebook, in order, with their points and references."""
+    """The exercises of one source notebook, in order, with their points and references; a
+    chapter whose check module does not import has none, and says why in `error`."""
     path = pathlib.Path(path)
     nb = nbformat.read(path, as_version=4)
-    registry = _registry(nb.cells)
+    ids = {c.get("id", "") for c in nb.cells} - {""}
+    try:
+        registry = _registry(nb.cells)
+    except Exception as e:
+        return Chapter(path, [], ids, f"its checks do not import ({type(e).__name__}: {e})")
     exercises, solution_id = [], ""
     for cell in nb.cells:
         if cell.cell_type != "code":
@@ -113,7 +119,7 @@ def read_chapter(path: str | pathlib.Path) -> Chapter:
                 name, info.points, arg.id if isinstance(arg, ast.Name) else "", cell.get("id", ""),
                 ast.dump(node.value), ast.unparse(node.value), solution_id, info.reference,
                 info.timeout))
-    return Chapter(path, exercises, {c.get("id", "") for c in nb.cells} - {""})
+    return Chapter(path, exercises, ids)
 
 
 def match_chapter(nb, filename: str, chapters: list[Chapter]) -> Chapter | None:

@@ -60,6 +60,12 @@ class Snapshot:
                         if entry.is_file() else "not a file"
         return out
 
+    def open_to_all(self) -> list[str]:
+        """Folders of the package or site-packages (top level) that any user may write."""
+        folders = [self.package, *(p for p in self.package.rglob("*") if p.is_dir()),
+                   *_site_dirs()]
+        return [str(p) for p in folders if p.stat().st_mode & 0o002]
+
     def changes(self) -> list[str]:
         """What differs from the snapshot, as paths (package files relative to the package)."""
         now = _files(self.package)

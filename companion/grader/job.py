@@ -186,6 +186,10 @@ def grade_notebook(spec: dict, emit) -> None:
         emit("unreadable", reason="none of its cells comes from a course notebook and its file "
                                   "name names no chapter", chapter="")
         return
+    if chapter.error:
+        emit("unreadable", reason=f"the grader cannot grade {chapter.path.name}: {chapter.error}",
+             chapter="", status="ungradable")
+        return
     emit("expected", chapter=_chapter_name(chapter))
     _run_plan(spec, nb, chapter, emit)
 
