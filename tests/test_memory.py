@@ -322,3 +322,14 @@ def test_cuda_reads_the_caching_allocator():
             torch.empty(2**30, device="cuda")
     torch.empty(2**28, device="cuda")                        # the cap is gone
     del x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tracker_counts_cpu_storages_as_host():
+    with track("cuda") as t:
+        x = torch.empty(1000, device="cuda")
+        y = torch.empty(100)                                 # CPU memory: the host
+        z = torch.empty(50, pin_memory=True)
+    assert t.host_current == 400 + 200 and t.breakdown("current")["temporaries"] == 4000
+    del x, y, z
