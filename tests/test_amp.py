@@ -89,10 +89,12 @@ def test_a_skipped_step_leaves_parameters_and_optimizer_untouched():
 
 @pytest.mark.parametrize("growth_factor, backoff_factor, interval", [(2.0, 0.5, 3), (1.7, 0.3, 2),
                                                                      (3.0, 0.9, 1)])
-def test_update_scale_matches_torchs_kernel(growth_factor, backoff_factor, interval):
+@pytest.mark.parametrize("start_count", [0, 5])
+def test_update_scale_matches_torchs_kernel(growth_factor, backoff_factor, interval, start_count):
+    """Also from a count past the interval (a shortened interval): torch grows only at `==`."""
     rng = random.Random(interval)
-    scale, tracker = torch.full((), 2.0**120), torch.zeros((), dtype=torch.int32)
-    ours = (scale.item(), 0)
+    scale, tracker = torch.full((), 2.0**120), torch.full((), start_count, dtype=torch.int32)
+    ours = (scale.item(), start_count)
     for _ in range(400):                                  # reaches float32's top: growth refused
         found = rng.random() < 0.1
         torch._amp_update_scale_(scale, tracker, torch.full((), float(found)), growth_factor,
@@ -174,6 +176,8 @@ def test_errors_say_what_to_do():
         amp.GradScaler("cpu").scale("loss")
     with pytest.raises(ValueError, match="new_scale"):
         scaler.update(new_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="growth_interval"):
+        scaler.set_growth_interval(0)
 
 
 def test_state_dict_loads_across_implementations():
@@ -239,9 +243,82 @@ def test_scale_lists_and_update_to_a_given_scale():
     a, b = scaler.scale([torch.ones(2), (torch.ones(()),)])
     assert torch.equal(a, torch.full((2,), 4.0)) and b[0].item() == 4.0
     scaler.update(new_scale=8.0)
-    assert scaler.get_scale() == 8.0
-    scaler.update(new_scale=torch.tensor([2.0]))
-    assert scaler.get_scale() == 2.0
+    assert scaler.get_scale() == 8.0 == scaler._scale.item()
+    scaler.update(new_scale=torch.tensor(2.0))
+    assert scaler.get_scale() == 2.0 == scaler._scale.item()
+
+
+@pytest.mark.parametrize("new_scale", [0.1, 3e38, math.inf, torch.tensor(3),
+                                       torch.tensor(0.1, dtype=torch.float64)])
+def test_update_to_a_given_scale_as_torch_does(new_scale):
+    """The same float32 value as torch's scaler, for floats and 0-d tensors of any dtype."""
+    results = []
+    for make in (amp.GradScaler, torch.amp.GradScaler):
+        scaler = make("cpu")
+        scaler.scale(torch.ones(()))
+        scaler.update(new_scale=new_scale)
+        results.append(scaler.get_scale())
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("new_scale", [8, True, 1e39, torch.tensor([2.0]), "8.0",
+                                       torch.ones((), requires_grad=True)])
+def test_update_rejects_what_torch_rejects(new_scale):
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.scale(torch.ones(()))
+    with pytest.raises((AssertionError, AttributeError, RuntimeError)):
+        theirs.update(new_scale=new_scale)
+    ours = amp.GradScaler("cpu")
+    ours.scale(torch.ones(()))
+    with pytest.raises(ValueError, match="new_scale should be a float .* or a 0-d tensor.*e.g."):
+        ours.update(new_scale=new_scale)
+
+
+def test_factor_getters_and_setters_like_torch():
+    """Changing the policy mid-run moves both scalers alike, including a count left past a
+    shortened interval (PyTorch's kernel grows only when the count reaches it exactly)."""
+    traces = []
+    for make in (amp.GradScaler, torch.amp.GradScaler):
+        scaler = make("cpu", init_scale=2.0**8, growth_interval=6)
+        model, _ = _twins()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        trace = []
+        for i in range(40):
+            if i == 4:
+                scaler.set_growth_interval(2)        # count 4 is already past 2
+            if i == 20:
+                scaler.set_growth_factor(4.0)
+                scaler.set_backoff_factor(0.25)
+            _one_backward(scaler, model, opt)
+            if i == 30:
+                next(model.parameters()).grad[0, 0] = math.inf
+            scaler.step(opt)
+            scaler.update()
+            trace.append(scaler.get_scale())
+        traces.append((trace, scaler.get_growth_factor(), scaler.get_backoff_factor(),
+                       scaler.get_growth_interval(), scaler.state_dict()))
+    assert traces[0] == traces[1]
+    trace = traces[0][0]
+    assert set(trace[:30]) == {2.0**8}                  # count past the interval: no growth
+    assert trace[30:33] == [2.0**6, 2.0**6, 2.0**8]    # backoff resets it; 2 clean steps grow
+
+
+def test_update_makes_no_host_device_sync(monkeypatch):
+    """`.item()` (a sync on CUDA) runs once per step, in `step`: `update` and `get_scale` read
+    the host copy of the scale."""
+    scaler, (model, _) = amp.GradScaler("cpu", growth_interval=1), _twins()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _one_backward(scaler, model, opt)
+    calls = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: (calls.append(1), item(t))[1])
+    scaler.step(opt)
+    scaler.update()
+    scaler.get_scale()
+    scaler.state_dict()
+    assert len(calls) == 1
+    monkeypatch.undo()
+    assert scaler.get_scale() == scaler._scale.item() == 2.0**17
 
 
 def test_two_optimizers_back_off_together_like_torch():
@@ -412,6 +489,18 @@ def test_autocast_dtypes_on_the_course_gpt_cpu_bf16():
     assert not any(o.op.endswith("view") or o.op in ("t", "transpose") for o in ops)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert model(x).dtype == by_op["addmm"].pop()                     # the head's output
+
+
+def test_autocast_dtypes_lists_in_place_ops_and_leaves_out_views():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(inplace=True),
+                                torch.nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    ops = amp.autocast_dtypes(lambda t: model(t).t().add_(1.0), x)
+    assert [o.op for o in ops if not o.op.startswith("_to_copy")] == ["addmm", "relu_", "addmm",
+                                                                       "add_"]
+    assert [o.output for o in ops if o.op in ("relu_", "add_")] == [torch.bfloat16] * 2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16
 
 
 def test_autocast_dtypes_follow_the_dtype_asked_for():

@@ -8,6 +8,7 @@ import random
 import torch
 
 from companion import amp, estimate
+from companion.amp.scaler import _float32
 from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
                                    require)
 from companion.memory import format_bytes, track
@@ -26,7 +27,7 @@ def _wrong_rule(kind: str):
             return scale * backoff_factor, (tracker if kind == "keep_count" else 0)
         clean = tracker + 1
         if kind == "every_step" or clean >= interval + (kind == "late"):
-            if kind == "float64" or math.isfinite(amp._float32(scale * growth_factor)):
+            if kind == "float64" or math.isfinite(_float32(scale * growth_factor)):
                 scale = scale * growth_factor
             return scale, (clean if kind == "no_reset" else 0)
         return scale, clean

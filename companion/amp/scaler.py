@@ -1,12 +1,5 @@
-"""Automatic mixed precision: loss scaling, fp32 master weights, and what autocast runs in 16 bits.
+"""Dynamic loss scaling: the scale's update rule, unscaling with inf/NaN detection, `GradScaler`.
 
-Mixed precision runs the matrix multiplies in a 16-bit format (bf16 or fp16) and keeps what needs
-range or precision in fp32. It halves most *activations* (the tensors saved for backward), not
-the *model states*: with Adam both layouts below hold 16 bytes per parameter.
-- torch.amp (autocast): fp32 parameters (4) + fp32 gradients (4) + Adam (8). Autocast casts each
-  weight to 16 bits in forward; those copies are saved for backward and freed there.
-- 16-bit model + fp32 master copy (Megatron-LM, DeepSpeed): 16-bit parameters (2) + 16-bit
-  gradients (2) + fp32 master weights and Adam (12). `MasterWeights` builds it.
 fp16's smallest subnormal is 6e-8, so small gradients flush to zero in backward. `GradScaler`
 multiplies the loss by a large scale before backward and divides the gradients by it before the
 step, skipping steps whose gradients overflowed; bf16 has fp32's range and needs no scaling.
@@ -19,24 +12,23 @@ Example:
     >>> scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     >>> scaler.step(opt); scaler.update(); opt.zero_grad()
 
-Simplified vs PyTorch (`torch.amp.GradScaler`): the scale update runs on the host after the one
-wait for the inf flag that `step` makes anyway (PyTorch's `_amp_update_scale_` runs on the
-device); no sparse gradients, no fused optimizers (`_step_supports_amp_scaling`), no pickling.
+Simplified vs PyTorch (`torch.amp.GradScaler`): the scale update runs on the host, from a host
+copy of the scale, after the one wait for the inf flag that `step` makes anyway (PyTorch's
+`_amp_update_scale_` runs on the device); no sparse gradients, no fused optimizers
+(`_step_supports_amp_scaling`), no pickling; misuse that PyTorch meets with an AssertionError or
+AttributeError raises a ValueError or RuntimeError that says what to do.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
+import struct
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-__all__ = ["GradScaler", "update_scale", "unscale_grads_", "MasterWeights", "OpDtype",
-           "autocast_dtypes"]
+__all__ = ["GradScaler", "update_scale", "unscale_grads_"]
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
@@ -46,8 +38,10 @@ def update_scale(scale: float, growth_tracker: int, found_inf: bool, *, growth_f
     """The dynamic loss-scale rule: (new scale, new count of clean steps in a row).
 
     An inf/NaN gradient means the scale was too large: back off and start counting again (the
-    step itself is skipped by `GradScaler.step`). After `growth_interval` clean steps in a row,
-    grow, unless the grown scale would overflow float32 (the scale is stored in float32).
+    step itself is skipped by `GradScaler.step`). When the count of clean steps in a row reaches
+    `growth_interval`, grow and start counting again, unless the grown scale would overflow
+    float32 (the scale is stored in float32). As in PyTorch's kernel, "reaches" is `==`: a count
+    already past the interval (after `set_growth_interval`) never grows the scale again.
 
     Example:
         >>> update_scale(65536.0, 1999, False)          # (131072.0, 0): grown
@@ -56,15 +50,18 @@ def update_scale(scale: float, growth_tracker: int, found_inf: bool, *, growth_f
     if found_inf:
         return _float32(scale * backoff_factor), 0                    # 1. back off, reset
     clean = growth_tracker + 1
-    if clean < growth_interval:
+    if clean != growth_interval:
         return scale, clean                                           # 2. keep counting
     grown = _float32(scale * growth_factor)
     return (grown if math.isfinite(grown) else scale), 0             # 3. grow, reset
 
 
 def _float32(x: float) -> float:
-    """x rounded to float32, where the scale lives (inf if it does not fit)."""
-    return torch.tensor(x, dtype=torch.float64).float().item()
+    """x rounded to float32, where the scale lives (inf if it does not fit); on the host."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:                                     # rounds to inf in float32
+        return math.copysign(math.inf, x)
 
 
 def unscale_grads_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
@@ -89,6 +86,17 @@ def unscale_grads_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.
     return found_inf
 
 
+def _check_factors(growth_factor: float, backoff_factor: float, growth_interval: int) -> None:
+    if not growth_factor > 1.0:
+        raise ValueError(f"growth_factor must be > 1 (the scale grows), got {growth_factor}")
+    if not 0.0 < backoff_factor < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks), "
+                         f"got {backoff_factor}")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
+            or growth_interval < 1:
+        raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
+
+
 class GradScaler:
     """Dynamic loss scaling, a drop-in for `torch.amp.GradScaler`.
 
@@ -111,30 +119,36 @@ class GradScaler:
     the scale and skips the step; `growth_interval` clean steps in a row double it. The scale
     therefore sits near the largest value that does not overflow, which lifts small gradients
     clear of fp16's floor.
+
+    Arguments:
+        device: where the loss and gradients live ("cpu", "cuda"); disabled, with a warning, for
+            "cuda" when no GPU is available.
+        init_scale: the first scale (float32).
+        growth_factor: the scale's multiplier after `growth_interval` clean steps (> 1).
+        backoff_factor: the scale's multiplier after a step with inf/NaN gradients (in (0, 1)).
+        growth_interval: clean steps in a row before the scale grows.
+        enabled: False makes `scale`, `unscale_` and `update` do nothing and `step` a plain
+            `optimizer.step()`: one training loop with an off switch, no branch.
     """
 
     def __init__(self, device: str = "cpu", *, init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True):
-        if not growth_factor > 1.0:
-            raise ValueError(f"growth_factor must be > 1 (the scale grows), got {growth_factor}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks), "
-                             f"got {backoff_factor}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
-                or growth_interval < 1:
-            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
-        if enabled and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        _check_factors(growth_factor, backoff_factor, growth_interval)
+        self._device = torch.device(device).type
+        if enabled and self._device == "cuda" and not torch.cuda.is_available():
             warnings.warn("GradScaler is enabled, but CUDA is not available. Disabling.")
             enabled = False
         self._enabled = enabled
         self._init_scale, self._growth_tracker = float(init_scale), 0
+        self._scale_value = _float32(init_scale)         # host copy of the scale: no sync to read
         self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
         self._growth_interval = growth_interval
         self._scale: torch.Tensor | None = None          # float32, made on the loss's device
         self._states: dict[int, dict[str, Any]] = {}     # per optimizer: stage, inf flag
 
     def is_enabled(self) -> bool:
+        """False when built with enabled=False (or for CUDA without a GPU): then it does nothing."""
         return self._enabled
 
     def scale(self, outputs):
@@ -143,7 +157,7 @@ class GradScaler:
             return outputs
         if isinstance(outputs, torch.Tensor):
             if self._scale is None:
-                self._scale = torch.full((), self._init_scale, dtype=torch.float32,
+                self._scale = torch.full((), self._scale_value, dtype=torch.float32,
                                          device=outputs.device)
             return outputs * self._scale.to(outputs.device, non_blocking=True)
         if isinstance(outputs, (list, tuple)):
@@ -203,19 +217,13 @@ class GradScaler:
         return None if state["found"] else optimizer.step(*args, **kwargs)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Set the scale for the next step: `new_scale` if given, else by `update_scale`."""
+        """Set the scale for the next step: `new_scale` if given (a float, or a 0-d tensor on the
+        scaler's device type), else by `update_scale`."""
         if not self._enabled:
             return
         scale = self._require_scale("update")
         if new_scale is not None:
-            if isinstance(new_scale, torch.Tensor) and new_scale.numel() == 1 \
-                    and not new_scale.requires_grad:
-                scale.copy_(new_scale.reshape(()))
-            elif isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
-                scale.fill_(float(new_scale))
-            else:
-                raise ValueError("new_scale should be a float or a 1-element tensor with "
-                                 "requires_grad=False.")
+            self._scale_value = self._given_scale(new_scale)
         else:
             flags = [s.get("found", s["found_inf"]) for s in self._states.values()
                      if s["found_inf"] is not None]
@@ -223,16 +231,52 @@ class GradScaler:
                 raise RuntimeError("No inf checks were recorded prior to update(): call "
                                    "step(optimizer) (or unscale_) after backward.")
             found = any(bool(f) for f in flags)                     # host-device sync if unstepped
-            value, self._growth_tracker = update_scale(
-                scale.item(), self._growth_tracker, found, growth_factor=self._growth_factor,
+            self._scale_value, self._growth_tracker = update_scale(
+                self._scale_value, self._growth_tracker, found, growth_factor=self._growth_factor,
                 backoff_factor=self._backoff_factor, growth_interval=self._growth_interval)
-            scale.fill_(value)
+        scale.fill_(self._scale_value)                               # from the host: no sync
         self._states = {}
 
+    def _given_scale(self, new_scale: float | torch.Tensor) -> float:
+        """`update(new_scale)`'s value rounded to float32; PyTorch's rules for what it accepts."""
+        if isinstance(new_scale, float) and math.isfinite(_float32(new_scale)) == math.isfinite(
+                new_scale):
+            return _float32(new_scale)
+        if isinstance(new_scale, torch.Tensor) and new_scale.dim() == 0 \
+                and new_scale.device.type == self._device and not new_scale.requires_grad:
+            return _float32(float(new_scale))                        # host-device sync
+        got = (f"a tensor of shape {tuple(new_scale.shape)} on {new_scale.device}"
+               if isinstance(new_scale, torch.Tensor) else repr(new_scale)[:40])
+        raise ValueError(f"new_scale should be a float within float32's range or a 0-d tensor on "
+                         f"{self._device} with requires_grad=False, got {got}: e.g. "
+                         "update(new_scale=1024.0).")
+
     def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled), read from the host copy."""
         if not self._enabled:
             return 1.0
-        return self._init_scale if self._scale is None else self._scale.item()
+        return self._init_scale if self._scale is None else self._scale_value
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        _check_factors(new_factor, self._backoff_factor, self._growth_interval)
+        self._growth_factor = new_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        _check_factors(self._growth_factor, new_factor, self._growth_interval)
+        self._backoff_factor = new_factor
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        _check_factors(self._growth_factor, self._backoff_factor, new_interval)
+        self._growth_interval = new_interval
 
     def state_dict(self) -> dict[str, Any]:
         """The same keys as torch.amp.GradScaler's, so either can load the other's."""
@@ -243,106 +287,18 @@ class GradScaler:
                 "_growth_tracker": self._growth_tracker}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from `state_dict()` of this class or of torch.amp.GradScaler: the same scale,
+        factors and count of clean steps, so the run continues on the same trajectory."""
         if not self._enabled:
             return
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
         self._init_scale = float(state_dict["scale"])
+        self._scale_value = _float32(self._init_scale)
         if self._scale is not None:
-            self._scale.fill_(self._init_scale)
+            self._scale.fill_(self._scale_value)
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])
         self._growth_interval = int(state_dict["growth_interval"])
         self._growth_tracker = int(state_dict["_growth_tracker"])
-
-
-class MasterWeights:
-    """A 16-bit model whose optimizer steps an fp32 master copy (Megatron-LM/DeepSpeed layout).
-
-    Memory per parameter: 16-bit weights (2) and gradients (2) on the model, fp32 master weights
-    (4) for the optimizer, plus its state (Adam: 8): 16 bytes, as with fp32 training. During
-    `step` the fp32 gradient copies add 4 (each 16-bit gradient is freed as it is copied).
-    Why fp32 master weights: an update smaller than half a 16-bit ulp of the weight (bf16 has 8
-    significant bits) would round away; added to an fp32 copy, it accumulates.
-
-        >>> model = MLP(32, 64, 2, 10, dtype=torch.bfloat16)
-        >>> master = MasterWeights(model.parameters())
-        >>> opt = torch.optim.Adam(master.master_params, lr=1e-3)
-        >>> model.loss(x, y).backward(); master.step(opt)        # fp32 step, copied back
-    """
-
-    def __init__(self, params: Iterable[torch.nn.Parameter]):
-        self.model_params = [p for p in params if p.requires_grad]
-        for p in self.model_params:
-            if p.dtype not in (torch.float16, torch.bfloat16):
-                raise ValueError(f"MasterWeights keeps a 16-bit model, got a {p.dtype} parameter: "
-                                 "convert the model first, e.g. model.to(torch.bfloat16).")
-        self.master_params = [p.detach().float().requires_grad_() for p in self.model_params]
-
-    def grads_to_master(self) -> None:
-        """fp32 copies of the 16-bit gradients on the master weights; the 16-bit ones are freed."""
-        for p, m in zip(self.model_params, self.master_params):
-            m.grad = None if p.grad is None else p.grad.float()     # 2 B -> 4 B per element
-            p.grad = None
-
-    def master_to_model(self) -> None:
-        """Round the fp32 master weights into the 16-bit model (in place)."""
-        with torch.no_grad():
-            for p, m in zip(self.model_params, self.master_params):
-                p.copy_(m)
-
-    def step(self, optimizer, scaler: GradScaler | None = None) -> None:
-        """Gradients up to fp32, one optimizer step on the master weights, weights back down."""
-        self.grads_to_master()                                       # 1. cast gradients up
-        if scaler is None:
-            optimizer.step()                                         # 2. step in fp32
-        else:
-            scaler.step(optimizer)                                   # 2'. unscaled, maybe skipped
-        self.master_to_model()                                       # 3. copy back, rounded
-        for m in self.master_params:
-            m.grad = None                                            # 4. fp32 gradients freed
-
-
-@dataclasses.dataclass(frozen=True)
-class OpDtype:
-    """One operator call: its name, the dtypes of its floating-point inputs and its output."""
-
-    op: str
-    inputs: tuple[torch.dtype, ...]
-    output: torch.dtype
-
-
-class _Dtypes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: list[OpDtype] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outs = [t for t in tree_leaves(out)
-                if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        name = func.overloadpacket.__name__
-        aliases = name.endswith("view") or all(r.alias_info is not None
-                                               for r in func._schema.returns)
-        if outs and not aliases:                                     # skip views: no compute
-            ins = tuple(t.dtype for t in tree_leaves((args, kwargs))
-                        if isinstance(t, torch.Tensor) and t.is_floating_point())
-            self.calls.append(OpDtype(name, ins, outs[0].dtype))
-        return out
-
-
-def autocast_dtypes(model: Callable, *inputs, device_type: str = "cpu",
-                    dtype: torch.dtype = torch.bfloat16) -> list[OpDtype]:
-    """Run `model(*inputs)` once under `torch.autocast(device_type, dtype)` and list, per operator
-    call in order, the dtypes it computed in. Casts autocast inserts show up as `_to_copy`.
-
-    A dispatch mode sees the operators after autocast has cast their inputs, so the list is what
-    ran, not what the lists in the documentation say should run. Views are left out.
-
-        >>> ops = autocast_dtypes(gpt.loss, x, y)
-        >>> {o.op: o.output for o in ops}["addmm"]     # torch.bfloat16
-    """
-    with torch.autocast(device_type, dtype=dtype), _Dtypes() as mode:
-        model(*inputs)
-    return mode.calls
