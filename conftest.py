@@ -7,6 +7,8 @@ JupyterLab), and each test file stays on one worker (its module fixtures are bui
 import pathlib
 
 import pytest
+import torch._dynamo  # noqa: F401  (imported here, whole: a check's time limit that interrupts
+                      # its first import, in some test, would leave it half-built for the rest)
 
 REPO = pathlib.Path(__file__).resolve().parent
 

@@ -35,6 +35,7 @@ class LabPage:
         self.page.goto(url, timeout=timeout * 1000)
         self.page.wait_for_function(
             f"""() => {{
+                if (!window.jupyterapp || !window.jupyterapp.shell) return false;
                 const panel = {_PANEL};
                 if (!panel || !panel.content || !panel.content.model) return false;
                 const n = panel.content.model.cells.length;

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.browser
 
 STUB = 'raise NotImplementedError("Exercise:'
 CHECK_CALL = re.compile(r"^check_\w+\(", re.MULTILINE)
+CONTROLS = "input, select, button, .noUi-handle"      # what a person can use in a widget
 
 
 @dataclasses.dataclass
@@ -134,6 +135,9 @@ def test_using_a_widget_changes_its_display(ran):
         if control.count():
             target = (view, control.first)
             break
+    if target is None and ran.stem not in INTERACTIONS and not any(
+            ran.page.output(i, k).locator(CONTROLS).count() for i, k in outputs):
+        pytest.skip(f"{ran.name} shows only widgets without controls (progress bars)")
     assert target, (f"{ran.name}: no widget has the control for '{interaction.what}'; "
                     "update INTERACTIONS in tests/browser/widget_interactions.py")
     view, control = target
