@@ -71,7 +71,8 @@ def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
     limits = Limits(cell=cell_timeout, exercise=exercise_timeout, notebook=notebook_timeout,
                     memory=memory, output=output)
     spec = {"chapters": [str(private / "sources" / p.name) for p in sources],
-            "limits": dataclasses.asdict(limits), "user": user, "child_env": child_env()}
+            "limits": dataclasses.asdict(limits), "user": user, "child_env": child_env(),
+            "spread": run_as == "auto"}
     chapters = [read_chapter(private / "sources" / p.name) for p in sources]
     subreaper = _subreaper(True)
     watch = not user or snapshot.open_to_all()      # can the notebooks write the grader's files?

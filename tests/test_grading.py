@@ -100,8 +100,11 @@ def _cheats() -> dict[str, object]:
     body(rough, SGD, "import os\nos._exit(3)")
     insert(rough, SGD, 'print("x" * (3 * 2**20))')
     insert(rough, SGD, "import torch\nbig = torch.ones(4 * 2**30)    # 16 GiB")
-    return {"cheat_forged": forged, "cheat_patched": patched, "cheat_hangs": hangs,
-            "cheat_deaf": deaf, "cheat_rough": rough}
+    notebooks = {"cheat_forged": forged, "cheat_patched": patched, "cheat_hangs": hangs,
+                 "cheat_deaf": deaf, "cheat_rough": rough}
+    if ROOT:                                     # signal every process it may: only its own
+        notebooks["cheat_kill_all"] = insert(trimmed("01"), SGD, "import os\nos.kill(-1, 9)")
+    return notebooks
 
 
 def _harness_failures() -> dict[str, object]:
@@ -191,8 +194,8 @@ def test_honest_notebooks_get_full_marks_beside_the_cheats(batch, chapter):
     rows = _rows(batch, name)
     assert rows and all(r["passed"] and r["points"] == r["max_points"] for r in rows.values()), \
         {k: (r["status"], r["message"][:200]) for k, r in rows.items()}
-    ran = "ran as nobody" if ROOT else "ran with your permissions"
-    assert ran in _flags(batch, name) and "review" not in _flags(batch, name)
+    ran = "ran as " if ROOT else "ran with your permissions"      # as nobody, or a uid of
+    assert ran in _flags(batch, name) and "review" not in _flags(batch, name)   # its own
 
 
 def test_a_fresh_workbook_scores_zero_with_not_done_yet(batch):
@@ -248,6 +251,16 @@ def test_a_notebook_cannot_kill_the_grader_or_leave_processes_behind(batch):
     assert re.search(r"printed 3\.\d MiB; the grader kept 0\.1 MiB", flags), flags
     assert "other processes" in flags or not ROOT
     assert _lingering() == []
+
+
+@pytest.mark.skipif(not ROOT, reason="kill(-1) as yourself would end the tests too")
+def test_notebooks_graded_together_run_as_different_users(batch):
+    rows = _rows(batch, "cheat_kill_all.ipynb")          # kill(-1) spares the caller itself
+    assert all(r["passed"] for r in rows.values()), rows
+    assert "other processes" in _flags(batch, "cheat_kill_all.ipynb")
+    users = {re.search(r"ran as [^;]*", r["flags"]).group() for r in batch["rows"]
+             if r["status"] != "unreadable"}
+    assert len(users) == 4, users                 # --jobs 4: nobody and three uids of their own
 
 
 def test_harness_checks_fail_wrong_answers_with_their_hints(batch):

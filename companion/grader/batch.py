@@ -26,7 +26,7 @@ from companion.grader.integrity import Snapshot
 from companion.grader.reports import Row, write_reports
 from companion.grader.sandbox import children_of, end_descendants
 
-__all__ = ["Batch", "sandbox_user", "child_env"]
+__all__ = ["Batch", "sandbox_user", "slot_user", "child_env"]
 
 
 @dataclasses.dataclass
@@ -36,6 +36,8 @@ class _Job:
     proc: subprocess.Popen
     started: float
     stderr: object
+    slot: int
+    user: tuple[int, int] | None
     buffer: bytes = b""
     events: list = dataclasses.field(default_factory=list)
 
@@ -48,6 +50,17 @@ def sandbox_user(run_as: str) -> tuple[int, int] | None:
     if os.geteuid() != 0 and entry.pw_uid != os.geteuid():
         raise PermissionError(f"only root can run notebooks as {entry.pw_name!r}")
     return entry.pw_uid, entry.pw_gid
+
+
+_SLOT_UIDS = 2_000_000_000      # unused uids: one per --jobs slot beyond the first (nobody)
+
+
+def slot_user(user: tuple[int, int] | None, slot: int, *, spread: bool):
+    """The user a job slot's sandbox runs as: notebooks graded at the same time as different
+    users cannot signal each other's processes or write each other's files."""
+    if user is None or not spread or slot == 0:
+        return user
+    return _SLOT_UIDS + slot, _SLOT_UIDS + slot
 
 
 def child_env() -> dict[str, str]:
@@ -85,14 +98,16 @@ class Batch:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(self.private)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                    if p]))
-        spec = dict(self.spec, notebook=str(path.resolve()), label=str(path))
+        slot = min(set(range(self.jobs)) - {j.slot for j in self.running.values()})
+        user = slot_user(self.spec["user"], slot, spread=self.spec.get("spread", False))
+        spec = dict(self.spec, notebook=str(path.resolve()), label=str(path), user=user)
         stderr = tempfile.TemporaryFile()
         proc = subprocess.Popen([sys.executable, "-s", "-m", "companion.grader.job"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                 env=env, cwd=self.private, start_new_session=True)
         proc.stdin.write(json.dumps(spec).encode())
         proc.stdin.close()
-        job = _Job(index, path, proc, time.monotonic(), stderr)
+        job = _Job(index, path, proc, time.monotonic(), stderr, slot, user)
         self.running[proc.pid] = job
         self.suspects.add(index)
         self.selector.register(proc.stdout, selectors.EVENT_READ, job)
@@ -127,7 +142,7 @@ class Batch:
         reason = "" if any(e.get("event") in ("done", "unreadable") for e in events) else \
             _death(code, job.stderr)
         job.stderr.close()
-        rows = self._rows(job.path, events, reason)
+        rows = self._rows(job, events, reason)
         self._integrity(job, rows)
         self.rows[job.index] = rows
         if self.out is not None:
@@ -135,9 +150,9 @@ class Batch:
         if self.progress:
             self.progress(job.path, rows, time.monotonic() - job.started)
 
-    def _rows(self, path: pathlib.Path, events: list[dict], reason: str) -> list[Row]:
+    def _rows(self, job: _Job, events: list[dict], reason: str) -> list[Row]:
         """The notebook's rows: one per expected exercise, from the events, checked."""
-        by_name = {c.path.name: c for c in self.chapters}
+        path, by_name = job.path, {c.path.name: c for c in self.chapters}
         for event in events:
             if event.get("event") == "unreadable":
                 status = "ungradable" if event.get("status") == "ungradable" else "unreadable"
@@ -147,7 +162,7 @@ class Batch:
                         if e.get("event") == "expected"), None)
         done = next((e for e in events if e.get("event") == "done"), {})
         flags = [str(f) for f in done.get("flags", []) if isinstance(f, str)]
-        flags.append(self._ran_as(done.get("ran_as")))
+        flags.append(self._ran_as(job))
         if chapter is None:
             return self._fallback(path, flags, f"not graded: {reason or 'no result'}")
         got = {e["row"].get("exercise"): e["row"] for e in events
@@ -169,11 +184,15 @@ class Batch:
         return [Row(str(path), ex.name, False, 0, ex.points, reason, status, flags,
                     chapter.path.name) for ex in chapter.exercises]
 
-    def _ran_as(self, uid) -> str:
+    def _ran_as(self, job: _Job) -> str:
         cap = "" if self.spec["limits"]["memory"] else "; no memory cap"
-        if self.spec.get("user"):
-            uid = self.spec["user"][0]
-            return f"ran as {pwd.getpwuid(uid).pw_name} (uid {uid}){cap}"
+        if job.user:
+            uid = job.user[0]
+            try:
+                name = pwd.getpwuid(uid).pw_name
+            except KeyError:
+                name = "a user of its own"
+            return f"ran as {name} (uid {uid}){cap}"
         return (f"ran with your permissions (uid {os.geteuid()}): the notebook's code could read "
                 f"and change your files; see docs/GRADING.md{cap}")
 

@@ -125,7 +125,8 @@ class Child:
         self.rep_r, rep_w = os.pipe()
         limits = {"memory": self.limits.memory, "file_size": self.limits.file_size,
                   "processes": 4096 if self.user else 0, "modules": list(self.modules)}
-        env = dict(self.base_env, HOME=self.workdir, TMPDIR=self.workdir,
+        env = dict(self.base_env, HOME=self.workdir, TMPDIR=self.workdir, USER="sandbox",
+                   LOGNAME="sandbox",
                    MPLCONFIGDIR=os.path.join(self.workdir, ".matplotlib"), MPLBACKEND="Agg",
                    IPYTHONDIR=os.path.join(self.workdir, ".ipython"))
         user = {}
