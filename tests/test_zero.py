@@ -3,12 +3,15 @@
 Workers live at module level so that gloo ranks can import them. Each launch costs about a second,
 so one worker usually checks several things.
 """
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from companion import checkpointing, estimate, launch
+from companion.models import MLP
 from companion.memory import track
 from companion.zero import FSDP, FlatLayout, ShardedOptimizer, experiments, flat_partition
 
@@ -266,6 +269,70 @@ def test_param_groups_frozen_and_tied_parameters_and_consolidated_state():
                 assert consolidated is None
 
 
+def _consolidate_one_element_shards(rank, world):
+    """Ψ == N: every shard holds one element, as many as AdamW's step counter."""
+    param = nn.Parameter(torch.tensor([1.0, -2.0]))
+    optimizer = ShardedOptimizer([param], torch.optim.AdamW, lr=0.1)
+    param.grad = torch.tensor([0.5, 1.5]) * (rank + 1)
+    optimizer.step()
+    return optimizer.consolidate_state_dict(to=0)
+
+
+def test_consolidated_state_keeps_the_step_counter_whole_when_shards_hold_one_element():
+    reference = nn.Parameter(torch.tensor([1.0, -2.0]))
+    adamw = torch.optim.AdamW([reference], lr=0.1)
+    reference.grad = torch.tensor([0.5, 1.5]) * (1 + 2) / 2          # the two ranks' average
+    adamw.step()
+    consolidated = launch.run(_consolidate_one_element_shards, 2, timeout=30)[0]
+    want = adamw.state_dict()["state"][0]
+    assert sorted(consolidated["state"][0]) == sorted(want)
+    for key, value in want.items():
+        torch.testing.assert_close(consolidated["state"][0][key], value)  # step: 0-dim, 1.0
+
+
+# ---------------------------------------------------------------- stage 2's bucket memory
+
+def _stage_2_bucket_memory(rank, world, ring):
+    """Stages 1 and 2 on a 6-layer MLP, 2 micro-batches per step, buckets of about one layer:
+    the peak (tracked), and after each stage-2 backward which buckets still hold full gradients."""
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, 64, generator=g), torch.randint(4, (8,), generator=g)
+    out = {}
+    for stage in (1, 2):
+        alive = []
+        with track() as t:
+            model = MLP(64, 64, 6, 4, seed=0)
+            layer_mb = 4 * (64 * 64 + 64) / 2**20
+            optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
+                                         ring=ring, bucket_cap_mb=layer_mb, lr=1e-3)
+            for _ in range(2):                                          # steps
+                for micro in range(2):
+                    (nn.functional.cross_entropy(model(x[micro::2]), y[micro::2]) / 2).backward()
+                    alive.append([b.grads.numel() * 4 for b in optimizer.buckets
+                                  if stage == 2 and b.grads is not None])
+                optimizer.step()
+                optimizer.zero_grad()
+        out[stage] = {"peak": t.peak, "alive": alive, "buckets": len(optimizer.buckets),
+                      "largest": max(4 * b.layout.padded for b in optimizer.buckets),
+                      "params": [p.detach().clone() for p in model.parameters()]}
+    out["n"] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "torch collectives"])
+def test_stage_2_keeps_at_most_one_bucket_of_full_gradients_after_backward(ring):
+    for r in launch.run(_stage_2_bucket_memory, 2, ring, timeout=60):
+        one, two = r[1], r[2]
+        assert two["buckets"] >= 3
+        assert all(len(alive) <= 1 for alive in two["alive"]), two["alive"]
+        for a, b in zip(one["params"], two["params"]):     # sums in another order: not bitwise
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        # stage 1 holds 4Ψ of flat gradients throughout; stage 2 at most two buckets (one in
+        # flight, one filling) and its 4Ψ/N shard gradients
+        saved = 4 * r["n"] - 2 * two["largest"] - 4 * r["n"] // 2
+        assert one["peak"] - two["peak"] >= saved, (one["peak"], two["peak"], saved)
+
+
 # ---------------------------------------------------------------- memory and traffic per rank
 
 def test_measured_model_states_follow_the_formulas_and_traffic_is_2_2_2_3_psi():
@@ -297,15 +364,24 @@ def test_our_partition_is_balanced_where_zero_redundancy_optimizer_is_not():
     assert max(ours) < max(theirs)
 
 
+def _settled(tracker, at_most: int) -> int:
+    """tracker.current once it is at most `at_most` bytes, or after 2 s. Gloo's worker thread drops
+    a finished collective's tensors a moment after wait() returns: give it that moment."""
+    deadline = time.monotonic() + 2.0
+    while tracker.current > at_most and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return tracker.current
+
+
 def _fsdp_memory(rank, world):
     torch.manual_seed(0)
     with track() as t:
         model = FSDP(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256),
                                    nn.ReLU(), nn.Linear(256, 4)))
-        shards = t.current
+        shards = _settled(t, sum(4 * p.numel() for p in model.parameters()))
         x = torch.randn(2, 256, requires_grad=True)      # input needs grad: all weights saved
         out = model(x)
-        after_forward = t.current
+        after_forward = _settled(t, shards + 4 * 256 * 256 // 4)
         alive = [g.live is not None and g.live() is not None for g in model.groups]
         out.square().sum().backward()
         model.finish_gradient_synchronization()

@@ -97,7 +97,8 @@ class FSDP(nn.Module):
     """Fully sharded data parallel: parameters, gradients and optimizer state split over ranks.
 
     Args:
-        module: the model (same architecture and seed-independent: rank 0's values are used).
+        module: the model, built the same way on every rank; rank 0's initial values are
+            broadcast to all.
             Create the optimizer *after* wrapping, over `FSDP.parameters()`.
         compute_dtype: gather and compute in this dtype (torch.bfloat16, torch.float16); the
             shards and the gradients the optimizer sees stay fp32.

@@ -9,8 +9,9 @@ to *update* 1/N of the parameters:
   steps its slice, and an all-gather sends every updated slice to every rank. Memory per rank:
   4Ψ + 4Ψ + 8Ψ/N (fp32 Adam). Traffic: reduce-scatter + all-gather, one all-reduce's volume: 2Ψ.
 - Stage 2 (P_os+g): the same, but each bucket of gradients is reduce-scattered *during backward*
-  as soon as it is complete, and the full gradients are dropped: a rank keeps 4Ψ/N of gradients.
-  Same traffic.
+  as soon as it is complete, and a bucket's full buffer is freed once its reduce-scatter is done,
+  which `_launch` waits for before starting the next one: a rank keeps 4Ψ/N of gradients plus at
+  most one bucket in flight (and one filling). Same traffic.
 
 Example (inside a rank started by `companion.launch.run`, no DDP wrapper needed):
     >>> opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
@@ -21,7 +22,9 @@ Example (inside a rank started by `companion.launch.run`, no DDP wrapper needed)
 Simplified vs PyTorch/DeepSpeed: the inner optimizer sees one flat tensor per bucket, so it must
 work element by element (SGD, Adam, AdamW do; LAMB or Adafactor, which use per-tensor norms, would
 not); a parameter that gets no gradient is stepped with zeros; no fp16 loss scaling, no
-gradient clipping across shards, no overlap of the all-gather with the next forward.
+gradient clipping across shards, no overlap of the all-gather with the next forward. Stage 2 keeps
+at most one reduce-scatter in flight, and with gradient accumulation every micro-batch's backward
+reduce-scatters (there is no `no_sync`: no full gradients are kept to accumulate into).
 """
 from __future__ import annotations
 
@@ -59,7 +62,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             are kept out of the shards; a parameter listed twice (tied weights) counts once.
         optimizer_cls: a torch optimizer class that works element by element (SGD, Adam, AdamW).
         stage: 1 reduce-scatters gradients in `step`; 2 during backward, keeping only the shard.
-        bucket_cap_mb: stage 2's bucket size (stage 1 uses one bucket per param group).
+        bucket_cap_mb: stage 2's bucket size (stage 1 uses one bucket per param group). A
+            bucket's full gradients live until its reduce-scatter is done: keep it well below
+            the model's size, or stage 2 holds as much gradient as stage 1 until step().
         process_group: the data-parallel group (default: the whole world).
         ring: communicate on companion.collectives' ring, counting every byte sent.
         **defaults: options of `optimizer_cls` (lr, weight_decay, ...).
@@ -131,7 +136,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if bucket.grads is None:
             bucket.grads = torch.zeros_like(bucket.flat)                  # (N·s,) transient
         bucket.layout.views(bucket.grads)[index].copy_(param.grad)
-        param.grad = None                               # the full gradient is dropped
+        param.grad = None                               # freed; its copy is in the bucket
         bucket.ready.add(param)
         while self._next < len(self.buckets) and \
                 len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
@@ -141,6 +146,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._next = 0                              # starts a new round
 
     def _launch(self, bucket: _Bucket) -> None:
+        """Start the bucket's reduce-scatter once the one in flight has finished."""
+        for earlier in self.buckets:                    # at most one in flight: finishing one
+            if earlier is not bucket and earlier.work is not None:   # frees its (N·s,) grads
+                self._wait(earlier)
         bucket.out = torch.empty_like(bucket.master)                      # (s,)
         bucket.work = self.comm.reduce_scatter(bucket.out, bucket.grads,
                                                async_op=True)   # collective, asynchronous
@@ -235,7 +244,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b, bucket in enumerate(self.buckets):
             keys = shards[0]["state"].get(b, {})
             for key, value in keys.items():
-                if torch.is_tensor(value) and value.numel() == bucket.layout.shard:
+                if torch.is_tensor(value) and value.dim() > 0 and \
+                        value.numel() == bucket.layout.shard:       # not a step counter
                     full = torch.cat([s["state"][b][key] for s in shards])       # (N·s,)
                     pieces = [v.clone() for v in bucket.layout.views(full)]
                 else:
