@@ -76,8 +76,10 @@ def _wrap(stage: int, model: nn.Module, opt: str, ring: bool):
     if stage == 0:                                 # data parallel: all-reduce every gradient
         comm = Comm(ring=ring)
         return model, cls(model.parameters(), **kw), comm, lambda: _average(model, comm)
-    if stage in (1, 2):
-        sharded = ShardedOptimizer(model.parameters(), cls, stage=stage, ring=ring, **kw)
+    if stage in (1, 2):                            # 2: buckets of about a quarter of the model
+        quarter_mb = sum(4 * p.numel() for p in model.parameters()) / 4 / 2**20
+        sharded = ShardedOptimizer(model.parameters(), cls, stage=stage, ring=ring,
+                                   bucket_cap_mb=quarter_mb, **kw)
         return model, sharded, sharded.comm, lambda: None
     fsdp = FSDP(model, ring=ring)
     return fsdp, cls(fsdp.parameters(), **kw), fsdp.comm, fsdp.finish_gradient_synchronization
@@ -89,12 +91,25 @@ def _average(model: nn.Module, comm: Comm) -> None:
         p.grad /= comm.world_size
 
 
+def _gradient_bytes(net: nn.Module, opt) -> int:
+    """Bytes of the distinct storages holding gradients now: every parameter's .grad, and
+    ShardedOptimizer's live bucket buffers and shard gradients, or FSDP's reduce-scatter in flight
+    (the tracker files bucket buffers under temporaries, so they are counted here instead)."""
+    tensors = [p.grad for p in net.parameters()]
+    for bucket in getattr(opt, "buckets", []):
+        tensors += [bucket.grads, bucket.master.grad]
+    if isinstance(net, FSDP) and net._in_flight is not None:
+        tensors.append(net._in_flight[2])                 # (N·s,) the full gradient
+    return _storage_bytes(t for t in tensors if t is not None)
+
+
 def stage_report(rank: int, world_size: int, stages: list[int], width: int, depth: int,
                  batch: int, steps: int = 2, optimizer: str = "adamw", ring: bool = True,
                  classes: int = 16) -> list[dict]:
     """For each stage (0 = data parallel, 1, 2, 3 = FSDP), train the course MLP for `steps` steps
-    and return this rank's model states in bytes (tracked), its peak, the bytes it sent in the
-    last step, the payload of each collective and the median step time."""
+    and return this rank's model states in bytes (tracked, after the last step), the gradient bytes
+    alive right after the last backward, its peak, the bytes it sent in the last step, the payload
+    of each collective and the median step time."""
     x, y = _data(rank, world_size, width, batch, classes)
     reports = []
     for stage in stages:
@@ -109,6 +124,7 @@ def stage_report(rank: int, world_size: int, stages: list[int], width: int, dept
                 comm.reset()
                 start = time.perf_counter()
                 F.cross_entropy(net(x), y).backward()
+                after_backward = _gradient_bytes(net, opt)
                 sync()
                 opt.step()
                 seconds.append(time.perf_counter() - start)
@@ -120,6 +136,8 @@ def stage_report(rank: int, world_size: int, stages: list[int], width: int, dept
                         "sample": _sample(list(final)),
                         "params": kinds["parameters"], "grads": kinds["gradients"],
                         "optimizer_state": kinds["optimizer_state"], "peak": t.peak,
+                        "grads_after_backward": after_backward,
+                        "buckets": len(getattr(opt, "buckets", [])),
                         "sent_bytes": comm.traffic.sent_bytes, "payload": dict(comm.payload),
                         "seconds": statistics.median(seconds)})
         del model, net, opt, comm
@@ -142,8 +160,9 @@ class _Imbalanced(nn.Module):
 
 
 def imbalance_report(rank: int, world_size: int, vocab: int, width: int) -> dict:
-    """Optimizer-state bytes (tracked) and elements owned on this rank, after one AdamW step with
-    ours and with torch's ZeroRedundancyOptimizer (which assigns whole tensors to ranks)."""
+    """Optimizer-state bytes (tracked), elements owned on this rank and the payload of each kind
+    of collective in the step (`count_collectives`), after one AdamW step with ours and with
+    torch's ZeroRedundancyOptimizer (which assigns whole tensors to ranks, and broadcasts them)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     g = torch.Generator().manual_seed(rank)
@@ -159,30 +178,32 @@ def imbalance_report(rank: int, world_size: int, vocab: int, width: int) -> dict
             else:
                 opt = ZeroRedundancyOptimizer(model.parameters(),
                                               optimizer_class=torch.optim.AdamW, lr=1e-3)
-            F.cross_entropy(model(tokens), labels).backward()
-            if name == "torch":                  # torch's expects averaged gradients (DDP)
-                for p in model.parameters():
-                    dist.all_reduce(p.grad)                               # collective
-                    p.grad /= world_size
-                owned = sum(p.numel() for g_ in opt.optim.param_groups for p in g_["params"])
-            opt.step()
+            with count_collectives() as payload:
+                F.cross_entropy(model(tokens), labels).backward()
+                if name == "torch":              # torch's expects averaged gradients (DDP)
+                    for p in model.parameters():
+                        dist.all_reduce(p.grad)                           # collective
+                        p.grad /= world_size
+                    owned = sum(p.numel() for g_ in opt.optim.param_groups for p in g_["params"])
+                opt.step()                       # torch's: broadcasts (collective)
         out[name] = {"optimizer_state": t.breakdown("current")["optimizer_state"],
-                     "owned": owned}
+                     "owned": owned, "payload": dict(payload)}
     out["n_params"] = sum(p.numel() for p in _Imbalanced(vocab, width).parameters())
     return out
 
 
 @contextlib.contextmanager
 def count_collectives() -> Iterator[collections.Counter]:
-    """Inside, torch's all-gather, reduce-scatter and all-reduce add the bytes of the full tensor
-    they move (payload) to the yielded Counter, by kind. Works on any code that calls them
-    through `torch.distributed` (ours with ring=False, torch's FSDP2)."""
+    """Inside, torch's all-gather, reduce-scatter, all-reduce and broadcast add the bytes of the
+    full tensor they move (payload) to the yielded Counter, by kind. Works on any code that calls
+    them through `torch.distributed` (ours with ring=False, FSDP2, ZeroRedundancyOptimizer)."""
     counter: collections.Counter = collections.Counter()
     full = {"all_gather_single": (0, "output_tensor", "all_gather"),       # where the full
             "all_gather_into_tensor": (0, "output_tensor", "all_gather"),  # tensor is passed
             "reduce_scatter_single": (1, "input", "reduce_scatter"),
             "reduce_scatter_tensor": (1, "input", "reduce_scatter"),
-            "all_reduce": (0, "tensor", "all_reduce")}
+            "all_reduce": (0, "tensor", "all_reduce"),
+            "broadcast": (0, "tensor", "broadcast")}
     saved = {n: getattr(dist, n) for n in full if hasattr(dist, n)}
 
     def counted(original, position, keyword, kind):
@@ -204,24 +225,24 @@ def count_collectives() -> Iterator[collections.Counter]:
 def state_bytes(params: list, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of the distinct storages behind parameters, gradients and optimizer state (the local
     shard of a DTensor), counted without the tracker."""
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    def total(tensors) -> int:
-        storages = {}
-        for t in tensors:
-            s = local(t).untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-        return sum(storages.values())
-
     state = [v for s in optimizer.state.values() for v in s.values()
              if torch.is_tensor(v) and v.dim() > 0]
     inner = getattr(optimizer, "optim", None)                 # ShardedOptimizer's shard
     if inner is not None:
         state += [v for s in inner.state.values() for v in s.values()
                   if torch.is_tensor(v) and v.dim() > 0]
-    return {"params": total(params), "grads": total(p.grad for p in params if p.grad is not None),
-            "optimizer_state": total(state)}
+    return {"params": _storage_bytes(params),
+            "grads": _storage_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer_state": _storage_bytes(state)}
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor's local shard)."""
+    storages = {}
+    for t in tensors:
+        s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
 
 
 def fsdp_comparison(rank: int, world_size: int, width: int, depth: int, batch: int,
