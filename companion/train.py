@@ -116,7 +116,9 @@ def _micro_batches(config: TrainConfig, step: int, rank: int, world: int, device
 
 
 def _step(config: TrainConfig, net, optimizer, finish, batches, device) -> float:
-    """One optimizer step over the micro-batches; returns the mean loss."""
+    """One optimizer step over the micro-batches; returns the mean loss. Gradients are cleared
+    first, so the last step's stay in memory to be measured with the other model states."""
+    optimizer.zero_grad()
     k, total = len(batches), 0.0
     use_autocast = config.precision == "bf16" and config.parallel != "zero3"
     for i, (x, y) in enumerate(batches):
@@ -129,7 +131,6 @@ def _step(config: TrainConfig, net, optimizer, finish, batches, device) -> float
         total += float(loss.detach())                                 # host-device sync
     finish()
     optimizer.step()
-    optimizer.zero_grad()
     return total
 
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from companion import launch, train
+from companion.models import GPT
 
 CONFIG = train.TrainConfig(steps=3, batch=4, seq_len=16, width=32, depth=2, heads=2, vocab=32,
                            accumulation=2, checkpointing=True)
@@ -25,17 +26,25 @@ def test_torchrun_two_gloo_ranks_print_peak_memory_and_step_time():
 
 
 def _every_mode(rank, world_size):
-    losses = {mode: train.train(dataclasses.replace(CONFIG, parallel=mode))["losses"]
-              for mode in ("ddp", "zero1", "zero2", "zero3")}
+    reports = {mode: train.train(dataclasses.replace(CONFIG, parallel=mode))
+               for mode in ("ddp", "zero1", "zero2", "zero3")}
     bf16 = train.train(dataclasses.replace(CONFIG, parallel="zero2", precision="bf16"))
-    return losses, bf16["losses"]
+    return {m: r["losses"] for m, r in reports.items()}, bf16["losses"], \
+        reports["zero3"]["model_states"]
 
 
-def test_ddp_and_every_zero_stage_train_to_the_same_losses():
-    for losses, bf16 in launch.run(_every_mode, 2, timeout=120):
+def test_ddp_and_every_zero_stage_train_to_the_same_losses_and_states_include_gradients():
+    gpt = GPT(CONFIG.vocab, CONFIG.seq_len, CONFIG.width, CONFIG.depth, CONFIG.heads)
+    n = sum(p.numel() for p in gpt.parameters())
+    n_1d = sum(p.numel() for p in gpt.parameters() if p.dim() < 2)
+    tensors = sum(any(p.dim() >= 2 for p in m.parameters(recurse=False)) for m in gpt.modules()) \
+        + sum(p.dim() < 2 for p in gpt.parameters())      # FSDP's flat shards + whole 1-D ones
+    for losses, bf16, states in launch.run(_every_mode, 2, timeout=120):
         for mode in ("zero1", "zero2", "zero3"):
             assert losses[mode] == pytest.approx(losses["ddp"], rel=1e-5), mode
         assert bf16 == pytest.approx(losses["ddp"], rel=0.05)
+        # fp32 AdamW: 16 B per parameter, the matrices' divided by N = 2, + a 4 B step each
+        assert states == 16 * (n - n_1d) // 2 + 16 * n_1d + 4 * tensors
 
 
 def test_one_process_without_torchrun_and_clear_option_errors(capsys):
