@@ -2,13 +2,16 @@
 
 The reduce-scatter answers live at module level, so the gloo workers can import them by name.
 """
+import pickle
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from companion import collectives
 from companion.checks import ch07
-from companion.checks.core import CheckFailed
+from companion.checks.core import CheckFailed, call, evaluate
+from companion.checks.harness import Remote, RemoteArg
 from companion.zero import flat_partition, per_rank_state_bytes, register_gather_hooks
 
 
@@ -21,6 +24,36 @@ def partition_with_empty_pieces(numels, world, rank):
         out.append((i, min(max(rank * s - offset, 0), n), min(max((rank + 1) * s - offset, 0), n)))
         offset += n
     return out
+
+
+def _partition(numels, world, rank, *, s=None, inclusive=False, remainder=False):
+    """A learner's flat partition, right or with one of the usual mistakes."""
+    total = sum(numels)
+    s = s or -(-total // world)
+    lo, hi = rank * s, total if remainder and rank == world - 1 else (rank + 1) * s
+    out, offset = [], 0
+    for i, n in enumerate(numels):
+        start, stop = max(lo, offset), min(hi, offset + n)
+        if start < stop:
+            out.append((i, start - offset, stop - offset - (1 if inclusive else 0)))
+        offset += n
+    return out
+
+
+def partition_inclusive_stop(numels, world, rank):
+    return _partition(numels, world, rank, inclusive=True)
+
+
+def partition_floor(numels, world, rank):
+    return _partition(numels, world, rank, s=sum(numels) // world)
+
+
+def partition_floor_plus_one(numels, world, rank):
+    return _partition(numels, world, rank, s=sum(numels) // world + 1)
+
+
+def partition_last_takes_remainder(numels, world, rank):
+    return _partition(numels, world, rank, s=sum(numels) // world, remainder=True)
 
 
 # ---------------------------------------------------------------- exercise 2
@@ -41,30 +74,35 @@ def _ring(output, input, *, shift=0, add_own=True):
     output.copy_(sending)
 
 
-def rs_wrong_chunk(output, input, group=None):
+def rs_wrong_chunk(output, input):
     _ring(output, input, shift=1)
 
 
-def rs_forgets_own_part(output, input, group=None):
+def rs_forgets_own_part(output, input):
     _ring(output, input, add_own=False)
 
 
-def rs_all_reduce_then_slice(output, input, group=None):
+def rs_all_reduce_then_slice(output, input):
     collectives.ring_all_reduce(input)
     output.copy_(input.view(dist.get_world_size(), -1)[dist.get_rank()])
 
 
-def rs_with_a_collective(output, input, group=None):
+def rs_with_a_collective(output, input):
     dist.reduce_scatter_single(output, input)
 
 
-def rs_returns_instead(output, input, group=None):
+def rs_returns_instead(output, input):
     result = torch.empty_like(output)
     collectives.ring_reduce_scatter(result, input)
     return result
 
 
-def rs_hangs(output, input, group=None):
+def rs_divides_by_n(output, input):
+    collectives.ring_reduce_scatter(output, input)
+    output /= dist.get_world_size()
+
+
+def rs_hangs(output, input):
     dist.recv(output, (dist.get_rank() - 1) % dist.get_world_size())
 
 
@@ -109,6 +147,28 @@ def hooks_without_handles(module, names, gather):
     register_gather_hooks(module, names, gather)
 
 
+def hooks_delete_the_attribute(module, names, gather):
+    def before(mod, inputs):
+        for n in names:
+            setattr(mod, n, gather(n))
+
+    def after(mod, inputs, output):
+        for n in names:
+            delattr(mod, n)
+    return module.register_forward_pre_hook(before), module.register_forward_hook(after)
+
+
+def hooks_free_in_a_second_pre_hook(module, names, gather):
+    def before(mod, inputs):
+        for n in names:
+            setattr(mod, n, gather(n))
+
+    def free(mod, inputs):
+        for n in names:
+            setattr(mod, n, None)
+    return module.register_forward_pre_hook(before), module.register_forward_pre_hook(free)
+
+
 # ---------------------------------------------------------------- exercise 4
 
 def states_floor(n, stage, world, w, g, k):
@@ -125,6 +185,11 @@ def states_only_optimizer(n, stage, world, w, g, k):
     return w * n, g * n, k * (-(-n // world) if stage else n)
 
 
+def states_psi_over_n(n, stage, world, w, g, k):
+    counts = [n / world if stage >= s else n for s in (3, 2, 1)]
+    return w * counts[0], g * counts[1], k * counts[2]
+
+
 def test_references_pass(capsys):
     ch07.check_flat_partition(flat_partition)
     ch07.check_ring_reduce_scatter(collectives.ring_reduce_scatter)
@@ -136,26 +201,46 @@ def test_references_pass(capsys):
 
 @pytest.mark.parametrize("check, answer, words", [
     (ch07.check_flat_partition, ch07._whole_tensors, "split by elements"),
-    (ch07.check_flat_partition, ch07._floor_slices, "ceil"),
+    (ch07.check_flat_partition, partition_floor, "ceil"),
     (ch07.check_flat_partition, ch07._flat_coordinates, "inside each parameter"),
     (ch07.check_flat_partition, partition_with_empty_pieces, "leave out those it misses"),
+    (ch07.check_flat_partition, partition_inclusive_stop, "stop is exclusive, like a Python slice"),
+    (ch07.check_flat_partition, partition_floor_plus_one, "when N divides Ψ, ceil(Ψ/N) = Ψ/N"),
+    (ch07.check_flat_partition, partition_last_takes_remainder,
+     "all shards must be the same size for the collectives; the last one is padded"),
     (ch07.check_ring_reduce_scatter, rs_wrong_chunk, "ended with the sum of chunk"),
     (ch07.check_ring_reduce_scatter, rs_forgets_own_part, "own part is missing"),
     (ch07.check_ring_reduce_scatter, rs_all_reduce_then_slice, "nothing more"),
     (ch07.check_ring_reduce_scatter, rs_with_a_collective, "collective"),
     (ch07.check_ring_reduce_scatter, rs_returns_instead, "still zeros"),
+    (ch07.check_ring_reduce_scatter, rs_divides_by_n, "averaging is the caller's job"),
     (ch07.check_gather_hooks, hooks_never_free, "forward hook"),
     (ch07.check_gather_hooks, hooks_gather_early, "before any forward"),
     (ch07.check_gather_hooks, hooks_keep_a_reference, "no other reference"),
     (ch07.check_gather_hooks, hooks_without_handles, "two hook handles"),
+    (ch07.check_gather_hooks, hooks_delete_the_attribute, "don't delete it"),
+    (ch07.check_gather_hooks, hooks_free_in_a_second_pre_hook, "not in a second pre-hook"),
     (ch07.check_per_rank_model_states, states_floor, "ceil"),
     (ch07.check_per_rank_model_states, states_shard_everything, "stage 1 shards only"),
     (ch07.check_per_rank_model_states, states_only_optimizer, "stage 2 shards the gradients"),
+    (ch07.check_per_rank_model_states, states_psi_over_n, "whole number of elements"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_checks_fail_on_known_wrong_answers_with_their_hint(check, answer, words):
     with pytest.raises(CheckFailed) as info:
         check(answer)
     assert words in str(info.value)
+
+
+def test_failures_show_whole_values_and_name_the_fields_not_an_index_path():
+    with pytest.raises(CheckFailed) as info:
+        ch07.check_flat_partition(partition_inclusive_stop)
+    summary, *rest = str(info.value).splitlines()
+    assert "ranks: not what the reference returns" in summary and "][" not in summary
+    assert any(line.strip().startswith("expected: [(0, 0,") for line in rest)
+    with pytest.raises(CheckFailed) as info:
+        ch07.check_per_rank_model_states(states_only_optimizer)
+    summary = str(info.value).splitlines()[0]
+    assert "stage 2" in summary and "the gradient bytes differ" in summary, summary
 
 
 def test_a_hanging_reduce_scatter_fails_within_the_worker_timeout():
@@ -170,3 +255,41 @@ def test_stage_3_without_sharding_parameters_gets_its_own_hint():
         return w * n, g * (shard if stage >= 2 else n), k * (shard if stage >= 1 else n)
     with pytest.raises(CheckFailed, match="stage 3 shards the parameters"):
         ch07.check_per_rank_model_states(no_param_sharding)
+
+
+class _Elsewhere(Remote):
+    """An answer that lives in another process, as under the grader: whatever crosses to it and
+    back is pickled, so a check that hands it a closure or a live module fails here too."""
+
+    def __init__(self, fn):
+        super().__init__(fn.__name__)
+        self.fn = fn
+
+    def call(self, args, kwargs):
+        args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
+        return pickle.loads(pickle.dumps(call(self.fn, *args, **kwargs)))
+
+    def run_harness(self, fn, args, kwargs):
+        args = [self.fn if a is self else a.fn(self.fn) if isinstance(a, RemoteArg) else a
+                for a in args]
+        return pickle.loads(pickle.dumps(fn(*args, **kwargs)))
+
+    def limit(self, seconds):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("name, reference", [
+    ("check_flat_partition", flat_partition),
+    ("check_ring_reduce_scatter", collectives.ring_reduce_scatter),
+    ("check_gather_hooks", register_gather_hooks),
+    ("check_per_rank_model_states", per_rank_state_bytes)])
+def test_checks_pass_on_an_answer_that_lives_in_another_process(name, reference):
+    assert evaluate(name, _Elsewhere(reference))
+
+
+def test_the_hooks_check_runs_the_answer_where_it_lives_and_judges_it_here():
+    with pytest.raises(CheckFailed, match="don't delete it"):
+        evaluate("check_gather_hooks", _Elsewhere(hooks_delete_the_attribute))
+    with pytest.raises(CheckFailed, match="not in a second pre-hook"):
+        evaluate("check_gather_hooks", _Elsewhere(hooks_free_in_a_second_pre_hook))

@@ -3,8 +3,10 @@ partition, the gather hooks and the memory prediction run here."""
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 import random
+import re
 import weakref
 
 import torch
@@ -13,7 +15,8 @@ from torch import nn
 
 from companion import collectives, estimate
 from companion.checks.ch06 import _on_ranks, _packed, _point_to_point_only, _rank_tensor
-from companion.checks.core import call, compare, exercise, fresh_seeds, require
+from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
+                                   require)
 from companion.memory import format_bytes
 from companion.zero import flat_partition, per_rank_state_bytes
 
@@ -33,9 +36,14 @@ def _whole_tensors(numels, world, rank):
     return [(i, 0, n) for i, n in enumerate(numels) if owner[i] == rank]
 
 
-def _floor_slices(numels, world, rank):
-    s = sum(numels) // world
-    return _pieces(numels, rank * s, (rank + 1) * s)
+def _slices(numels, world, rank, s, *, remainder=False):
+    """Known wrong: slices of s elements, the last rank taking the rest if `remainder`."""
+    return _pieces(numels, rank * s, sum(numels) if remainder and rank == world - 1
+                   else (rank + 1) * s)
+
+
+def _inclusive_stop(numels, world, rank):
+    return [(i, a, b - 1) for i, a, b in flat_partition(numels, world, rank)]
 
 
 def _flat_coordinates(numels, world, rank):
@@ -59,27 +67,68 @@ def _partition_cases(seed: int) -> list[tuple[list[int], int]]:
     return [(big, 2), (big, 4), (odd, 3), (odd, 7), ([5], 4), ([3, 3], 2)]
 
 
+def _compare_whole(got, expected, *, name: str, fields: tuple[str, ...] = (), **options) -> None:
+    """compare() with rtol = atol = 0, but a failure shows the whole expected and got values and
+    names the fields that differ, instead of an index path such as [0][2]."""
+    try:
+        compare(got, expected, rtol=0, atol=0, name=name, **options)
+    except CheckFailed as failure:
+        reason = re.sub(r"^(\[\d+\])+", "", failure.summary[len(name):])   # drop "[0][2]"
+        if reason.startswith(" does not match"):
+            reason = ": not what the reference returns"
+        if fields and isinstance(got, (tuple, list)) and len(got) == len(fields):
+            wrong = [f for f, g, e in zip(fields, got, expected) if _differs(g, e)]
+            reason = f": the {' and the '.join(wrong)} differ" if wrong else reason
+        failure.summary = name + reason
+        failure.expected, failure.got, failure.max_diff = expected, got, None
+        raise
+
+
+def _differs(got, expected) -> bool:
+    try:
+        compare(got, expected, rtol=0, atol=0)
+    except (CheckFailed, TypeError, RuntimeError, ValueError):
+        return True
+    return False
+
+
+def _partition_mistakes(numels, world) -> dict:
+    """Known-wrong partitions, each on every rank, and their hints (the first that matches is
+    shown). Matched on all ranks at once: on one rank two mistakes can give the same pieces."""
+    floor = sum(numels) // world
+    wrong = {
+        "split by elements, not whole tensors: with one large matrix, whole tensors leave one "
+        "rank holding almost everything.": _whole_tensors,
+        "stop is exclusive, like a Python slice: a piece (i, start, stop) holds elements "
+        "start … stop-1.": _inclusive_stop,
+        "every rank gets s = ceil(Ψ/N) elements (-(-total // N)): all shards must be the same "
+        "size for the collectives; the last one is padded.":
+            lambda *a: _slices(*a, floor, remainder=True),
+        "use s = ceil(Ψ / N) elements per rank (-(-total // N)): with the floor, the last "
+        "elements belong to no rank.": lambda *a: _slices(*a, floor),
+        "when N divides Ψ, ceil(Ψ/N) = Ψ/N: use -(-total // N), not total // N + 1.":
+            lambda *a: _slices(*a, floor + 1),
+        "start and stop count inside each parameter (subtract where the parameter begins in "
+        "the flat vector).": _flat_coordinates}
+    return {text: [fn(numels, world, r) for r in range(world)] for text, fn in wrong.items()}
+
+
 @exercise(points=1)
 def check_flat_partition(answer) -> str:
     """answer(numels, world_size, rank) -> [(param index, start, stop), ...]: the pieces of the
     flattened parameters that `rank` owns, start/stop inside each parameter."""
     for seed in fresh_seeds(2):
         for numels, world in _partition_cases(seed):
+            got = [call(answer, list(numels), world, rank) for rank in range(world)]
+            mistake = [text for text, wrong in _partition_mistakes(numels, world).items()
+                       if not _differs(got, wrong)]
             for rank in range(world):
-                got = call(answer, list(numels), world, rank)
-                compare(got, flat_partition(numels, world, rank), rtol=0, atol=0,
-                        name=f"rank {rank}'s pieces of {numels} on {world} ranks", known_wrong={
-                            "split by elements, not whole tensors: with one large matrix, whole "
-                            "tensors leave one rank holding almost everything.":
-                                _whole_tensors(numels, world, rank),
-                            "use s = ceil(Ψ / N) elements per rank (-(-total // N)): with the "
-                            "floor, the last elements belong to no rank.":
-                                _floor_slices(numels, world, rank),
-                            "start and stop count inside each parameter (subtract where the "
-                            "parameter begins in the flat vector).":
-                                _flat_coordinates(numels, world, rank)},
-                        hint="rank r owns flat elements [r·s, (r+1)·s); list each parameter "
-                             "that range overlaps, in order, and leave out those it misses.")
+                _compare_whole(got[rank], flat_partition(numels, world, rank),
+                               name=f"rank {rank}'s pieces of {numels} on {world} ranks",
+                               hint=mistake[0] if mistake else
+                               "rank r owns flat elements [r·s, (r+1)·s) with s = ceil(Ψ/N); "
+                               "list each parameter that range overlaps, in order, and leave "
+                               "out those it misses.")
     numels, world = _partition_cases(0)[1]
     ours = [sum(b - a for _, a, b in flat_partition(numels, world, r)) for r in range(world)]
     whole = [sum(b - a for _, a, b in _whole_tensors(numels, world, r)) for r in range(world)]
@@ -127,6 +176,9 @@ def _scatter_hint(got, rank, world, s, seed) -> str:
         return sum(_rank_tensor(seed, r, world * s).view(world, s)[c] for r in ranks)
     if torch.allclose(got, torch.zeros(s)):
         return "the output is still zeros: write the result into `output` (output.copy_(...))."
+    if torch.allclose(got * world, chunk_sum(rank, range(world)), atol=1e-5):
+        return ("your result is 1/N of the sum: a reduce-scatter sums; averaging is the "
+                "caller's job (ShardedOptimizer divides afterwards).")
     for c in range(world):
         if c != rank and torch.allclose(got, chunk_sum(c, range(world)), atol=1e-5):
             return (f"rank {rank} ended with the sum of chunk {c}: it must own chunk {rank}. In "
@@ -139,8 +191,8 @@ def _scatter_hint(got, rank, world, s, seed) -> str:
 
 @exercise(points=2, timeout=90.0)
 def check_ring_reduce_scatter(answer, *, worker_timeout: float = 20.0) -> str:
-    """answer(output, input, group=None): sum `input` (N·s elements) over ranks and leave chunk
-    `rank` of the sum in `output` (s elements), with point-to-point sends only."""
+    """answer(output, input): sum `input` (N·s elements) over the ranks of the world and leave
+    chunk `rank` of the sum in `output` (s elements), with point-to-point sends only."""
     packed, seed = _packed(answer), fresh_seeds(1)[0]
     shards = [257, 3, 1]
     for world in (2, 3):
@@ -177,11 +229,15 @@ class _Sharded(nn.Module):
 
     def forward(self, x):
         if self.weight is None or self.bias is None:
-            raise RuntimeError("weight is None: it was not gathered before forward")
+            raise RuntimeError("weight is None when forward ran: gather in a forward pre-hook "
+                               "and free in a forward hook (after), not in a second pre-hook")
         return nn.functional.linear(x, self.weight, self.bias)
 
 
-def _gather_run(answer, seed: int, d_in: int, d_out: int) -> str:
+@harness
+def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int) -> dict:
+    """Register the answer's hooks on a sharded layer and run it: what was gathered and when, the
+    output, what the layer holds after forward, and what remove() does. Plain data only."""
     g = torch.Generator().manual_seed(seed)
     full = {"weight": torch.randn(d_out, d_in, generator=g),
             "bias": torch.randn(d_out, generator=g)}
@@ -194,34 +250,49 @@ def _gather_run(answer, seed: int, d_in: int, d_out: int) -> str:
         return t
 
     handles = call(answer, module, ["weight", "bias"], gather)
-    require(not calls, "gather was called before any forward",
-            hint="gather inside the pre-forward hook, not when registering it: "
-                 "the full weights must not exist between forwards.")
+    seen = {"early": list(calls)}
     x = torch.randn(5, d_in, generator=g)
     with torch.no_grad():
-        out = call(module, x)
-    compare(out, nn.functional.linear(x, full["weight"], full["bias"]), name="the module's output")
-    require(sorted(calls) == ["bias", "weight"], f"gather was called {calls} in one forward",
+        seen["output"] = call(module, x)
+    seen["expected"] = nn.functional.linear(x, full["weight"], full["bias"])
+    seen["calls"], seen["kept"] = list(calls), hasattr(module, "weight") and hasattr(module, "bias")
+    seen["freed"] = seen["kept"] and module.weight is None and module.bias is None
+    seen["alive"] = any(ref() is not None for ref in alive)
+    seen["handles"] = type(handles).__name__ if not (
+        isinstance(handles, (tuple, list)) and len(handles) == 2 and
+        all(hasattr(h, "remove") for h in handles)) else None
+    seen["after_remove"] = None
+    if seen["handles"] is None:
+        for h in handles:
+            h.remove()
+        calls.clear()
+        with contextlib.suppress(RuntimeError, AttributeError), torch.no_grad():
+            module(x)                           # without hooks: None, or deleted, weights
+        seen["after_remove"] = list(calls)
+    return seen
+
+
+def _judge_gather_hooks(seen: dict) -> None:
+    require(not seen["early"], "gather was called before any forward",
+            hint="gather inside the pre-forward hook, not when registering it: "
+                 "the full weights must not exist between forwards.")
+    compare(seen["output"], seen["expected"], name="the module's output")
+    require(sorted(seen["calls"]) == ["bias", "weight"],
+            f"gather was called {seen['calls']} in one forward",
             hint="gather each name once per forward, in the pre-forward hook.")
-    require(module.weight is None and module.bias is None,
-            "after forward the module still holds the full weights",
+    require(seen["kept"], "after forward the module has no attribute weight (or bias) any more",
+            hint="set each name back to None in a forward hook (setattr(mod, name, None)); don't "
+                 "delete it: the module reads the attribute.")
+    require(seen["freed"], "after forward the module still holds the full weights",
             hint="set each name back to None in a forward hook (module.register_forward_hook), "
                  "so the full tensors can be freed.")
-    require(all(ref() is None for ref in alive), "a gathered tensor is still alive after forward",
+    require(not seen["alive"], "a gathered tensor is still alive after forward",
             hint="keep no other reference to the gathered tensors (no list, no closure).")
-    require(isinstance(handles, (tuple, list)) and len(handles) == 2 and
-            all(hasattr(h, "remove") for h in handles),
-            f"expected the two hook handles, got {type(handles).__name__}",
+    require(seen["handles"] is None, f"expected the two hook handles, got {seen['handles']}",
             hint="return (module.register_forward_pre_hook(...), "
                  "module.register_forward_hook(...)).")
-    for h in handles:
-        h.remove()
-    calls.clear()
-    with contextlib.suppress(RuntimeError), torch.no_grad():
-        module(x)
-    require(not calls, "gather still runs after removing the handles",
+    require(not seen["after_remove"], "gather still runs after removing the handles",
             hint="return the handles that register_forward_pre_hook / register_forward_hook gave.")
-    return format_bytes(4 * (d_in * d_out + d_out))
 
 
 @exercise(points=2)
@@ -229,8 +300,16 @@ def check_gather_hooks(answer) -> str:
     """answer(module, names, gather) -> (pre_handle, post_handle): before module's forward set each
     name to gather(name), after it set each to None."""
     for seed, (d_in, d_out) in zip(fresh_seeds(2), [(7, 5), (33, 17)]):
-        size = _gather_run(answer, seed, d_in, d_out)
-    return f"full weights exist only during forward ({size} for a 33 x 17 layer, then freed)"
+        try:
+            seen = _observe_gather_hooks(answer, seed, d_in, d_out)
+        except CheckFailed as failure:
+            if "when forward ran" in failure.summary:
+                failure.hint = ("free with module.register_forward_hook(fn), whose fn(mod, "
+                                "inputs, output) runs after forward.")
+            raise
+        _judge_gather_hooks(seen)
+    return (f"full weights exist only during forward ({format_bytes(4 * (33 * 17 + 17))} for a "
+            "33 x 17 layer, then freed)")
 
 
 # ---------------------------------------------------------------- exercise 4: memory per rank
@@ -239,10 +318,30 @@ _CONFIGS = [("fp32", "adamw", (4, 4, 8)), ("mixed", "adam", (2, 2, 12)),
             ("mixed", "sgd_momentum", (2, 2, 8)), ("fp32", "sgd", (4, 4, 0))]
 
 
-def _wrong(n, stage, world, w, g, k, *, shard_from=(3, 2, 1), floor=False):
-    shard = n // world if floor else -(-n // world)
+def _wrong(n, stage, world, w, g, k, *, shard_from=(3, 2, 1), floor=False, shard=None):
+    shard = shard if shard is not None else n // world if floor else -(-n // world)
     counts = [shard if stage >= s else n for s in shard_from]
     return w * counts[0], g * counts[1], k * counts[2]
+
+
+def _close(got, value) -> bool:
+    """got is three numbers within float rounding of `value` (a float answer, Ψ/N)."""
+    return isinstance(got, (tuple, list)) and len(got) == len(value) and all(
+        isinstance(a, (int, float)) and not isinstance(a, bool) and
+        math.isclose(a, b, rel_tol=1e-12) for a, b in zip(got, value))
+
+
+def _state_mistakes(n, stage, world, w, g, k) -> dict:
+    """Known-wrong per-rank bytes and their hints (the first that matches is shown)."""
+    return {
+        "a shard is ceil(Ψ / N) elements (-(-n // N)): the last one is padded.":
+            _wrong(n, stage, world, w, g, k, floor=True),
+        "stage 1 shards only the optimizer state; stage 2 adds the gradients; stage 3 the "
+        "parameters.": _wrong(n, stage, world, w, g, k, shard_from=(1, 1, 1)),
+        "stage 2 shards the gradients too, and stage 3 the parameters.":
+            _wrong(n, stage, world, w, g, k, shard_from=(4, 4, 1)),
+        "stage 3 shards the parameters as well.":
+            _wrong(n, stage, world, w, g, k, shard_from=(4, 2, 1))}
 
 
 @exercise(points=1)
@@ -255,22 +354,21 @@ def check_per_rank_model_states(answer) -> str:
             world = rng.choice([2, 3, 8, 64, 100])
             n = world * rng.randint(10**4, 10**7) + 1          # not a multiple: ceil != floor
             got = call(answer, n, stage, world, w, g, k)
-            expected = estimate.model_states(n, optimizer=optimizer, precision=precision,
-                                             zero_stage=stage, world_size=world)
-            compare(got, (expected.params, expected.grads, expected.optimizer), rtol=0, atol=0,
-                    name=f"stage {stage}, {world} ranks, {n:,} parameters, {w}+{g}+{k} bytes",
-                    known_wrong={
-                        "a shard is ceil(Ψ / N) elements (-(-n // N)): the last one is padded.":
-                            _wrong(n, stage, world, w, g, k, floor=True),
-                        "stage 1 shards only the optimizer state; stage 2 adds the gradients; "
-                        "stage 3 the parameters.": _wrong(n, stage, world, w, g, k,
-                                                          shard_from=(1, 1, 1)),
-                        "stage 2 shards the gradients too, and stage 3 the parameters.":
-                            _wrong(n, stage, world, w, g, k, shard_from=(4, 4, 1)),
-                        "stage 3 shards the parameters as well.":
-                            _wrong(n, stage, world, w, g, k, shard_from=(4, 2, 1))},
-                    hint="multiply bytes per element by Ψ, or by ceil(Ψ/N) for what the stage "
-                         "shards.")
+            states = estimate.model_states(n, optimizer=optimizer, precision=precision,
+                                           zero_stage=stage, world_size=world)
+            expected = (states.params, states.grads, states.optimizer)
+            require(not _close(got, _wrong(n, stage, world, w, g, k, shard=n / world)) or
+                    not _differs(got, expected),
+                    f"stage {stage}, {world} ranks, {n:,} parameters: got {got}, which counts "
+                    "Ψ/N elements per shard", hint="a shard is a whole number of elements, "
+                    "ceil(Ψ/N), not Ψ/N.")
+            _compare_whole(got, expected,
+                           name=f"stage {stage}, {world} ranks, {n:,} parameters, "
+                                f"{w}+{g}+{k} bytes per element",
+                           fields=("parameter bytes", "gradient bytes", "optimizer-state bytes"),
+                           known_wrong=_state_mistakes(n, stage, world, w, g, k),
+                           hint="multiply bytes per element by Ψ, or by ceil(Ψ/N) for what the "
+                                "stage shards.")
     figure = [sum(per_rank_state_bytes(7_500_000_000, k, 64, 2, 2, 12)) / 1e9 for k in range(4)]
     return ("per-rank bytes match the estimator; the ZeRO paper's Figure 1 (7.5B parameters, "
             "64 GPUs): " + " / ".join(f"{f:.1f}" for f in figure) + " GB")
