@@ -4,6 +4,7 @@ import csv
 import hashlib
 import io
 import json
+import os
 import pickle
 
 import nbformat
@@ -251,3 +252,30 @@ def test_a_chapter_whose_checks_do_not_import_is_read_with_the_reason(tmp_path):
     chapter = read_chapter(path)
     assert chapter.exercises == [] and "ModuleNotFoundError" in chapter.error
     assert chapter.cell_ids == {nb.cells[0].id}
+
+
+# ---------------------------------------------------------------- the sandbox's limits
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting the sandbox as nobody needs root")
+def test_the_sandbox_runs_as_nobody_under_limits_it_cannot_raise():
+    from companion.grader.sandbox import Child, ChildLost, Limits
+    child = Child(limits=Limits(memory=3 * 2**30, output=1000), user=(65534, 65534),
+                  env={"PATH": os.environ["PATH"]})
+    try:
+        assert child.start(timeout=120)["uid"] == 65534
+
+        def run(code, timeout=60.0):
+            return child.request({"op": "exec", "source": code}, timeout=timeout, interrupt=True)
+
+        assert "memory" in run("import torch\nbig = torch.ones(2**30)   # 4 GiB")["error"].lower()
+        assert "not allowed to raise" in run(
+            "import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))")["error"]
+        assert run("import os\nos.kill(1, 9)")["error"].startswith("PermissionError")
+        run("print('x' * 100_000)")
+        assert child.output_total > 100_000 and len(child.output) == 1000
+        with pytest.raises(ChildLost, match="time limit"):
+            run("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass",
+                timeout=2.0)
+        assert child.proc is None                    # killed, with its process group
+    finally:
+        child.kill()
