@@ -57,6 +57,23 @@ def _never_resets(scale, tracker, found, gf, bf, n):
     return (scale * gf if tracker >= n else scale), tracker
 
 
+def _divides_to_back_off(scale, tracker, found, gf, bf, n):
+    if found:
+        return scale / bf, 0
+    return update_scale(scale, tracker, found, gf, bf, n)
+
+
+def _keeps_count_at_the_ceiling(scale, tracker, found, gf, bf, n):
+    if found:
+        return scale * bf, 0
+    tracker += 1
+    if tracker == n:
+        grown = scale * gf
+        if grown <= torch.finfo(torch.float32).max:
+            return grown, 0                          # reset only when it grew
+    return scale, tracker
+
+
 def _grows_to_float64(scale, tracker, found, gf, bf, n):
     if found:
         return scale * bf, 0
@@ -76,13 +93,21 @@ def test_update_scale_reference_passes():
     (_grows_every_step, "not after every one"),
     (_grows_late, "not one step later"),
     (_never_resets, "reset the count"),
-    (_grows_to_float64, "float32"),
+    (_grows_to_float64, r"float32 \(largest"),
+    (_divides_to_back_off, "dividing by it doubles"),
+    (_keeps_count_at_the_ceiling, "even when float32's ceiling"),
     (lambda s, t, f, g, b, n: s, "two values"),
     (lambda s, t, f, g, b, n: (s, t), None),
 ])
 def test_update_scale_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
         check_update_scale(wrong)
+
+
+def test_update_scale_failure_shows_the_inf_steps():
+    with pytest.raises(CheckFailed, match=r"found_inf by step: [.I]{80}\[\d+\] does not") as failed:
+        check_update_scale(_divides_to_back_off)
+    assert "I" in failed.value.summary.split("found_inf by step: ")[1]
 
 
 # ---------------------------------------------------------------- unscale and find infs
@@ -195,6 +220,25 @@ def _replaces_params(model, master_params, optimizer):
         p.data = m.detach().clone()                  # the model silently becomes fp32
 
 
+def _copy_back_with_autograd(model, master_params, optimizer):
+    for p, m in zip(model.parameters(), master_params):
+        m.grad, p.grad = p.grad.float(), None
+    optimizer.step()
+    for p, m in zip(model.parameters(), master_params):
+        p.copy_(m)                                   # no torch.no_grad(): autograd refuses
+        m.grad = None
+
+
+def _copies_model_to_master(model, master_params, optimizer):
+    for p, m in zip(model.parameters(), master_params):
+        m.grad, p.grad = p.grad.float(), None
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), master_params):
+            m.copy_(p)                               # the wrong direction: the step is undone
+            m.grad = None
+
+
 def _steps_16_bit(model, master_params, optimizer):
     with torch.no_grad():                           # plain SGD on the 16-bit weights
         for p in model.parameters():
@@ -217,10 +261,12 @@ def test_master_step_reference_passes():
 @pytest.mark.parametrize("wrong, hint", [
     (_no_copy_back, "copy the master weights back"),
     (_copy_first, "one step behind"),
-    (_no_grads_moved, "set each master's .grad"),
+    (_no_grads_moved, "did not move: set m.grad = p.grad.float"),
     (_keeps_grads, "free each 16-bit gradient"),
     (_replaces_params, "do not replace them"),
-    (_steps_16_bit, "set each master's .grad"),
+    (_steps_16_bit, "did not move: set m.grad = p.grad.float"),
+    (_copy_back_with_autograd, r"under `with torch.no_grad\(\):` \(p.copy_\(m\)\): autograd"),
+    (_copies_model_to_master, "never model -> master"),
 ])
 def test_master_step_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
@@ -248,6 +294,15 @@ def test_autocast_activation_bytes_reference_passes():
     (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 2 * d * W, "first Linear's"),
     (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) - 2 * B * K, "fp32 list"),
     (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) - 2 * B * d, "input batch"),
+    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 2 * L * B * W,
+     "count it once"),
+    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 2 * B * K,
+     "16-bit logits are not saved"),
+    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 2 * ((L - 1) * W + K),
+     "does not save its bias"),
+    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) - 2 * B * W,
+     r"depth ReLU outputs, depth \+ 1 Linears"),
+    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) - 4, "total weight, 4 bytes"),
     (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 1, None),
 ])
 def test_autocast_activation_bytes_wrong_answers_fail(wrong, hint):

@@ -1,5 +1,6 @@
-"""Checks for chapter 05, mixed precision: the loss-scale rule, unscaling with inf/NaN detection,
-the master-weight step, and a prediction of activation bytes under autocast."""
+"""Checks for chapter 05, mixed precision, in the notebook's order: the master-weight step, a
+prediction of activation bytes under autocast, the loss-scale rule, and unscaling with inf/NaN
+detection."""
 from __future__ import annotations
 
 import math
@@ -14,22 +15,199 @@ from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_s
 from companion.memory import format_bytes, track
 from companion.models import MLP, make_classification
 
-__all__ = ["check_update_scale", "check_unscale_grads", "check_master_step",
-           "check_autocast_activation_bytes"]
+__all__ = ["check_master_step", "check_autocast_activation_bytes", "check_update_scale",
+           "check_unscale_grads"]
 
 
-# ---------------------------------------------------------------- exercise 1: the update rule
+# ---------------------------------------------------------------- exercise 1: master weights
+
+def _master_setup(seed: int, width: int, dtype: torch.dtype):
+    model = MLP(5, width, 2, 3, seed=seed).to(dtype)
+    master = [p.detach().float().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.Adam(master, lr=1e-3)
+    x, y = make_classification(17, 5, 3, seed=seed)
+    return model, master, opt, x.to(dtype), y
+
+
+def _master_observe(model, master) -> tuple:
+    return ([p.detach().clone() for p in model.parameters()],
+            [m.detach().clone() for m in master],
+            [p.grad is not None for p in model.parameters()],
+            [m.grad is not None for m in master])
+
+
+@harness
+def _master_run(answer, seed: int, width: int, dtype_name: str, steps: int) -> list:
+    """`steps` steps with the answer as the step; what model and masters hold after each."""
+    model, master, opt, x, y = _master_setup(seed, width, getattr(torch, dtype_name))
+    seen = []
+    for _ in range(steps):
+        model.loss(x, y).backward()
+        call(answer, model, master, opt)
+        seen.append(_master_observe(model, master))
+        if any(p.dtype != x.dtype for p in model.parameters()):
+            break                                   # the check reports it; forward would fail
+    return seen
+
+
+def _master_reference(seed: int, width: int, dtype_name: str, steps: int) -> list:
+    model, master, opt, x, y = _master_setup(seed, width, getattr(torch, dtype_name))
+    helper = amp.MasterWeights(model.parameters())
+    helper.master_params = master                   # the optimizer's tensors
+    seen = []
+    for _ in range(steps):
+        model.loss(x, y).backward()
+        helper.step(opt)
+        seen.append(_master_observe(model, master))
+    return seen
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _copy_back_hint(models: list, masters: list, dtype: torch.dtype) -> str | None:
+    """None if every step's model is its masters rounded to 16 bits; else what went wrong."""
+    rounded = [[m.to(dtype) for m in ms] for ms in masters]
+    if all(_same(models[k], rounded[k]) for k in range(1, len(models))):
+        return None
+    if all(_same(models[k], models[0]) for k in range(1, len(models))):
+        return ("copy the master weights back into the model after optimizer.step() (rounded to "
+                "16 bits): the next forward runs on the model.")
+    if all(_same(models[k], rounded[k - 1]) for k in range(1, len(models))):
+        return "copy back after the step, not before: the model is one step behind."
+    return "after optimizer.step(), copy each master into its 16-bit parameter: p.copy_(m)."
+
+
+_LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation"
+
+
+@exercise(points=2, timeout=20.0, reference="companion.amp.MasterWeights")
+def check_master_step(answer) -> str:
+    """answer(model, master_params, optimizer): one step of a 16-bit model whose optimizer holds
+    fp32 master copies: gradients cast up onto the masters (16-bit ones freed), optimizer.step(),
+    masters copied back into the model, fp32 gradients freed."""
+    for seed, width, dtype_name in zip(fresh_seeds(2), [7, 12], ["bfloat16", "float16"]):
+        dtype, steps = getattr(torch, dtype_name), 3
+        try:
+            got = _master_run(answer, seed, width, dtype_name, steps)
+        except CheckFailed as failure:
+            if _LEAF_IN_PLACE in failure.summary:
+                failure.hint = ("write into parameters under `with torch.no_grad():` "
+                                "(p.copy_(m)): autograd must not record the update.")
+            raise
+        want = _master_reference(seed, width, dtype_name, steps)
+        model, master = _master_setup(seed, width, dtype)[:2]
+        start = ([p.detach() for p in model.parameters()], [m.detach() for m in master])
+        require(all(p.dtype == dtype for g in got for p in g[0]),
+                f"after the step the model's parameters are "
+                f"{sorted({str(p.dtype) for g in got for p in g[0]})}, not {dtype}",
+                hint="copy into the 16-bit parameters (p.copy_(m) under torch.no_grad()); "
+                     "do not replace them with the fp32 masters.")
+        compare(tuple(got[0][1]), tuple(want[0][1]), name="master weights after one step",
+                rtol=1e-5, atol=1e-7, known_wrong={
+                    "the master weights did not move: set m.grad = p.grad.float() before "
+                    "optimizer.step(), then copy master -> model (p.copy_(m)), never model -> "
+                    "master.": tuple(start[1])})
+        hint = _copy_back_hint([start[0]] + [g[0] for g in got], [start[1]] + [g[1] for g in got],
+                               dtype)
+        require(hint is None, "the 16-bit weights are not the master weights rounded to 16 bits",
+                hint=hint or "")
+        for step, (g, w) in enumerate(zip(got, want), start=1):
+            compare(tuple(g[1]), tuple(w[1]), name=f"master weights after step {step}",
+                    rtol=1e-5, atol=1e-7)
+            require(not any(g[2]) and not any(g[3]),
+                    f"after step {step}, gradients are still held: 16-bit on {sum(g[2])} model "
+                    f"parameters, fp32 on {sum(g[3])} masters",
+                    hint="free each 16-bit gradient once it is copied (p.grad = None) and the fp32 "
+                         "ones after the step (m.grad = None): they cost 2 and 4 bytes/parameter.")
+    return ("the fp32 masters take every update, the 16-bit model gets them rounded: "
+            "2 + 2 + 12 bytes/parameter with Adam")
+
+
+# ---------------------------------------------------------------- exercise 2: a prediction
+
+def _mlp_variants(B: int, d_in: int, W: int, L: int, K: int) -> dict[str, int]:
+    weights = (L - 1) * W * W + W * K
+    ref = _reference_bytes(B, d_in, W, L, K)
+    return {
+        "half of fp32 is the notes' rule; autocast also saves 16-bit copies of the input and the "
+        "weights, and the loss's log-softmax stays fp32.":
+            estimate.mlp_activations(B, W, L, K, precision="bf16"),
+        "under autocast the ReLU outputs are 16-bit (2 bytes), not fp32.":
+            estimate.mlp_activations(B, W, L, K, precision="fp32"),
+        "each Linear (but the first) also saves the 16-bit copy of its weight matrix that autocast "
+        "made: 2 bytes per weight.": ref - 2 * weights,
+        "the first Linear's input needs no gradient, so its weight copy is not saved for "
+        "backward.": ref + 2 * d_in * W,
+        "cross_entropy is on autocast's fp32 list: its log-softmax (batch · d_out) is saved in "
+        "fp32, 4 bytes.": ref - 2 * B * K,
+        "the first Linear saves the 16-bit copy of the input batch (batch · d_in · 2 bytes).":
+            ref - 2 * B * d_in,
+        "the ReLU's output and the next Linear's input are one tensor: count it once.":
+            ref + 2 * L * B * W,
+        "the 16-bit logits are not saved: cross_entropy casts them to fp32 and saves its "
+        "log-softmax.": ref + 2 * B * K,
+        "a Linear does not save its bias (its gradient is a sum of the output gradient).":
+            ref + 2 * ((L - 1) * W + K),
+        "`depth` counts hidden Linear-ReLU layers: depth ReLU outputs, depth + 1 Linears.":
+            ref - 2 * B * W,
+        "add the loss's one-value total weight, 4 bytes.": ref - 4,
+    }
+
+
+def _distinct_case(rng: random.Random) -> tuple[int, int, int, int, int]:
+    """(batch, d_in, width, depth, d_out) at which the reference and every known-wrong count
+    differ, so that a matching wrong answer gets its own hint."""
+    while True:
+        case = (rng.randint(2, 300), rng.randint(2, 64), rng.randint(2, 200), rng.randint(1, 6),
+                rng.randint(2, 20))
+        values = [_reference_bytes(*case), *_mlp_variants(*case).values()]
+        if len(set(values)) == len(values):
+            return case
+
+
+def _reference_bytes(B: int, d_in: int, W: int, L: int, K: int) -> int:
+    return estimate.mlp_activations(B, W, L, K, precision="autocast", d_in=d_in)
+
+
+@exercise(points=1, reference="companion.estimate.mlp_activations")
+def check_autocast_activation_bytes(answer) -> str:
+    """answer(batch, d_in, width, depth, d_out) -> bytes that `MLP.loss` of an fp32 model saves for
+    backward under 16-bit autocast, not counting its fp32 input batch and labels."""
+    rng = random.Random(fresh_seeds(1)[0])
+    cases = [_distinct_case(rng) for _ in range(6)]
+    for B, d_in, W, L, K in cases:
+        got = call(answer, B, d_in, W, L, K)
+        compare(got, _reference_bytes(B, d_in, W, L, K),
+                name=f"bytes for batch={B}, d_in={d_in}, width={W}, depth={L}, d_out={K}",
+                rtol=0.0, atol=0.5, known_wrong=_mlp_variants(B, d_in, W, L, K),
+                hint="count per Linear what it saves, in 16 bits, then the loss's fp32 "
+                     "log-softmax and its one-value total weight (4 bytes).")
+    B, d_in, W, L, K = cases[0]
+    model = MLP(d_in, W, L, K)
+    X, y = make_classification(B, d_in, K)
+    with track("cpu") as t:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(X, y)
+    measured = t.current - loss.untyped_storage().nbytes()
+    return (f"predicted {format_bytes(call(answer, B, d_in, W, L, K))}, measured "
+            f"{format_bytes(measured)} (batch {B}, d_in {d_in}, width {W}, depth {L}, d_out {K})")
+
+
+# ---------------------------------------------------------------- exercise 3: the update rule
 
 def _wrong_rule(kind: str):
     """A known-wrong version of `amp.update_scale`, positional like the learner's."""
     def rule(scale, tracker, found, growth_factor, backoff_factor, interval):
         if found and kind != "ignore_inf":
-            return scale * backoff_factor, (tracker if kind == "keep_count" else 0)
+            scale = scale / backoff_factor if kind == "divide" else scale * backoff_factor
+            return scale, (tracker if kind == "keep_count" else 0)
         clean = tracker + 1
         if kind == "every_step" or clean >= interval + (kind == "late"):
             if kind == "float64" or math.isfinite(_float32(scale * growth_factor)):
-                scale = scale * growth_factor
-            return scale, (clean if kind == "no_reset" else 0)
+                return scale * growth_factor, (clean if kind == "no_reset" else 0)
+            return scale, (clean if kind in ("no_reset", "ceiling_count") else 0)
         return scale, clean
     return rule
 
@@ -61,6 +239,9 @@ _WRONG = {
     "reset the count to 0 when the scale grows, or it grows again on every next step.": "no_reset",
     "the scale is stored in float32 (largest 3.4e38): if the grown scale would be inf there, "
     "keep the old one.": "float64",
+    "back off by multiplying by backoff_factor: dividing by it doubles the scale.": "divide",
+    "reset the count to 0 whenever it reaches growth_interval, even when float32's ceiling "
+    "stops the growth.": "ceiling_count",
 }
 
 
@@ -79,7 +260,8 @@ def check_update_scale(answer) -> str:
         want = _trajectory(_reference_rule, start, flags, factors)
         got = _trajectory(lambda *a: call(answer, *a), start, flags, factors)
         label = (f"(scale, growth_tracker) after each of {n} steps, starting at {start:g}, "
-                 f"factors {factors}")
+                 f"factors {factors}, found_inf by step: "
+                 f"{''.join('I' if f else '.' for f in flags)}")
         compare([s for s, _ in got], [s for s, _ in want], name=f"scales {label}", rtol=1e-6,
                 known_wrong={hint: [s for s, _ in _trajectory(_wrong_rule(kind), start, flags,
                                                              factors)]
@@ -94,7 +276,7 @@ def check_update_scale(answer) -> str:
             f"{growths} growths")
 
 
-# ---------------------------------------------------------------- exercise 2: unscale, find infs
+# ---------------------------------------------------------------- exercise 4: unscale, find infs
 
 def _grads(seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -162,147 +344,3 @@ def _judge_flag(found: bool, where, value) -> None:
             hint="NaN counts too: torch.isfinite is False for inf, -inf and NaN (isinf misses "
                  "NaN)." if kind == "NaN" else
                  "look at every gradient tensor, not only the first, and at every element.")
-
-
-# ---------------------------------------------------------------- exercise 3: master weights
-
-def _master_setup(seed: int, width: int, dtype: torch.dtype):
-    model = MLP(5, width, 2, 3, seed=seed).to(dtype)
-    master = [p.detach().float().requires_grad_() for p in model.parameters()]
-    opt = torch.optim.Adam(master, lr=1e-3)
-    x, y = make_classification(17, 5, 3, seed=seed)
-    return model, master, opt, x.to(dtype), y
-
-
-def _master_observe(model, master) -> tuple:
-    return ([p.detach().clone() for p in model.parameters()],
-            [m.detach().clone() for m in master],
-            [p.grad is not None for p in model.parameters()],
-            [m.grad is not None for m in master])
-
-
-@harness
-def _master_run(answer, seed: int, width: int, dtype_name: str, steps: int) -> list:
-    """`steps` steps with the answer as the step; what model and masters hold after each."""
-    model, master, opt, x, y = _master_setup(seed, width, getattr(torch, dtype_name))
-    seen = []
-    for _ in range(steps):
-        model.loss(x, y).backward()
-        call(answer, model, master, opt)
-        seen.append(_master_observe(model, master))
-        if any(p.dtype != x.dtype for p in model.parameters()):
-            break                                   # the check reports it; forward would fail
-    return seen
-
-
-def _master_reference(seed: int, width: int, dtype_name: str, steps: int) -> list:
-    model, master, opt, x, y = _master_setup(seed, width, getattr(torch, dtype_name))
-    helper = amp.MasterWeights(model.parameters())
-    helper.master_params = master                   # the optimizer's tensors
-    seen = []
-    for _ in range(steps):
-        model.loss(x, y).backward()
-        helper.step(opt)
-        seen.append(_master_observe(model, master))
-    return seen
-
-
-def _same(a, b) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
-
-
-def _copy_back_hint(models: list, masters: list, dtype: torch.dtype) -> str | None:
-    """None if every step's model is its masters rounded to 16 bits; else what went wrong."""
-    rounded = [[m.to(dtype) for m in ms] for ms in masters]
-    if all(_same(models[k], rounded[k]) for k in range(1, len(models))):
-        return None
-    if all(_same(models[k], models[0]) for k in range(1, len(models))):
-        return ("copy the master weights back into the model after optimizer.step() (rounded to "
-                "16 bits): the next forward runs on the model.")
-    if all(_same(models[k], rounded[k - 1]) for k in range(1, len(models))):
-        return "copy back after the step, not before: the model is one step behind."
-    return "after optimizer.step(), copy each master into its 16-bit parameter: p.copy_(m)."
-
-
-@exercise(points=2, timeout=20.0, reference="companion.amp.MasterWeights")
-def check_master_step(answer) -> str:
-    """answer(model, master_params, optimizer): one step of a 16-bit model whose optimizer holds
-    fp32 master copies: gradients cast up onto the masters (16-bit ones freed), optimizer.step(),
-    masters copied back into the model, fp32 gradients freed."""
-    for seed, width, dtype_name in zip(fresh_seeds(2), [7, 12], ["bfloat16", "float16"]):
-        dtype, steps = getattr(torch, dtype_name), 3
-        got = _master_run(answer, seed, width, dtype_name, steps)
-        want = _master_reference(seed, width, dtype_name, steps)
-        model, master = _master_setup(seed, width, dtype)[:2]
-        start = ([p.detach() for p in model.parameters()], [m.detach() for m in master])
-        require(all(p.dtype == dtype for g in got for p in g[0]),
-                f"after the step the model's parameters are "
-                f"{sorted({str(p.dtype) for g in got for p in g[0]})}, not {dtype}",
-                hint="copy into the 16-bit parameters (p.copy_(m) under torch.no_grad()); "
-                     "do not replace them with the fp32 masters.")
-        compare(tuple(got[0][1]), tuple(want[0][1]), name="master weights after one step",
-                rtol=1e-5, atol=1e-7, known_wrong={
-                    "set each master's .grad to the fp32 copy of its 16-bit gradient "
-                    "(p.grad.float()) before optimizer.step(): the optimizer steps the masters "
-                    "only.": tuple(start[1])})
-        hint = _copy_back_hint([start[0]] + [g[0] for g in got], [start[1]] + [g[1] for g in got],
-                               dtype)
-        require(hint is None, "the 16-bit weights are not the master weights rounded to 16 bits",
-                hint=hint or "")
-        for step, (g, w) in enumerate(zip(got, want), start=1):
-            compare(tuple(g[1]), tuple(w[1]), name=f"master weights after step {step}",
-                    rtol=1e-5, atol=1e-7)
-            require(not any(g[2]) and not any(g[3]),
-                    f"after step {step}, gradients are still held: 16-bit on {sum(g[2])} model "
-                    f"parameters, fp32 on {sum(g[3])} masters",
-                    hint="free each 16-bit gradient once it is copied (p.grad = None) and the fp32 "
-                         "ones after the step (m.grad = None): they cost 2 and 4 bytes/parameter.")
-    return ("the fp32 masters take every update, the 16-bit model gets them rounded: "
-            "2 + 2 + 12 bytes/parameter with Adam")
-
-
-# ---------------------------------------------------------------- exercise 4: a prediction
-
-def _mlp_variants(B: int, d_in: int, W: int, L: int, K: int) -> dict[str, int]:
-    weights = (L - 1) * W * W + W * K
-    ref = estimate.mlp_activations(B, W, L, K, precision="autocast", d_in=d_in)
-    return {
-        "half of fp32 is the notes' rule; autocast also saves 16-bit copies of the input and the "
-        "weights, and the loss's log-softmax stays fp32.":
-            estimate.mlp_activations(B, W, L, K, precision="bf16"),
-        "under autocast the ReLU outputs are 16-bit (2 bytes), not fp32.":
-            estimate.mlp_activations(B, W, L, K, precision="fp32"),
-        "each Linear (but the first) also saves the 16-bit copy of its weight matrix that autocast "
-        "made: 2 bytes per weight.": ref - 2 * weights,
-        "the first Linear's input needs no gradient, so its weight copy is not saved for "
-        "backward.": ref + 2 * d_in * W,
-        "cross_entropy is on autocast's fp32 list: its log-softmax (batch · d_out) is saved in "
-        "fp32, 4 bytes.": ref - 2 * B * K,
-        "the first Linear saves the 16-bit copy of the input batch (batch · d_in · 2 bytes).":
-            ref - 2 * B * d_in,
-    }
-
-
-@exercise(points=1, reference="companion.estimate.mlp_activations")
-def check_autocast_activation_bytes(answer) -> str:
-    """answer(batch, d_in, width, depth, d_out) -> bytes that `MLP.loss` of an fp32 model saves for
-    backward under 16-bit autocast, beyond its input batch and labels."""
-    rng = random.Random(fresh_seeds(1)[0])
-    cases = [(rng.randint(2, 300), rng.randint(2, 64), rng.randint(2, 200), rng.randint(1, 6),
-              rng.randint(2, 20)) for _ in range(6)]
-    for B, d_in, W, L, K in cases:
-        got = call(answer, B, d_in, W, L, K)
-        compare(got, estimate.mlp_activations(B, W, L, K, precision="autocast", d_in=d_in),
-                name=f"bytes for batch={B}, d_in={d_in}, width={W}, depth={L}, d_out={K}",
-                rtol=0.0, atol=0.5, known_wrong=_mlp_variants(B, d_in, W, L, K),
-                hint="count per Linear what it saves, in 16 bits, then the loss's fp32 "
-                     "log-softmax and its one-value total weight (4 bytes).")
-    B, d_in, W, L, K = cases[0]
-    model = MLP(d_in, W, L, K)
-    X, y = make_classification(B, d_in, K)
-    with track("cpu") as t:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model.loss(X, y)
-    measured = t.current - loss.untyped_storage().nbytes()
-    return (f"predicted {format_bytes(call(answer, B, d_in, W, L, K))}, measured "
-            f"{format_bytes(measured)} (batch {B}, d_in {d_in}, width {W}, depth {L}, d_out {K})")
