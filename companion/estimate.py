@@ -183,16 +183,18 @@ def gpt_shape(n_params: int, *, vocab: int = 50257, seq_len: int = 1024) -> dict
 
 def training_memory(n_params: int, *, batch: int, seq_len: int, precision: str = "fp32",
                     optimizer: str = "adam", zero_stage: int = 0, world_size: int = 1,
-                    fp32_grads: bool = False, shape: dict[str, int] | None = None) -> dict[str, int]:
+                    fp32_grads: bool = False, shape: dict[str, int] | None = None,
+                    device_type: str = "cpu") -> dict[str, int]:
     """Predicted bytes per device by kind for training a GPT of about `n_params` parameters.
 
     Model states come from `model_states`; activations from `gpt_activations` with the per-device
-    batch, for `shape` (width, depth, heads, vocab) or, when None, `gpt_shape(n_params)`."""
+    batch, for `shape` (width, depth, heads, vocab) or, when None, `gpt_shape(n_params)`.
+    `device_type` ("cpu" or "cuda") matters only for precision="autocast" (CUDA's fp32 softmax)."""
     shape = shape or gpt_shape(n_params, seq_len=seq_len)
     states = model_states(n_params, optimizer=optimizer, precision=precision,
                           fp32_grads=fp32_grads, zero_stage=zero_stage, world_size=world_size)
     acts = gpt_activations(batch, seq_len, shape["width"], shape["depth"], shape["heads"],
-                           shape["vocab"], precision=precision)
+                           shape["vocab"], precision=precision, device_type=device_type)
     return {"parameters": states.params, "gradients": states.grads,
             "optimizer_state": states.optimizer, "activations": acts}
 

@@ -217,6 +217,17 @@ def test_training_memory_adds_states_and_activations():
     assert parts["activations"] == E.gpt_activations(8, 32, 64, 2, 4, 100, precision="mixed")
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_training_memory_passes_the_device_type_to_autocast_activations(device_type):
+    shape = {"width": 64, "depth": 2, "heads": 4, "vocab": 100}
+    n = E.gpt_params(100, 256, 64, 2)
+    parts = E.training_memory(n, batch=4, seq_len=256, precision="autocast", shape=shape,
+                              device_type=device_type)
+    assert parts["activations"] == E.gpt_activations(4, 256, 64, 2, 4, 100, precision="autocast",
+                                                     device_type=device_type)
+    assert parts["parameters"] + parts["gradients"] + parts["optimizer_state"] == 16 * n
+
+
 def test_memory_calculator_shows_the_estimate(monkeypatch):
     import matplotlib
     matplotlib.use("Agg")
