@@ -7,7 +7,8 @@
   One row per expected exercise; a deleted or changed check line scores 0 as "tampered"; a check
   called twice counts once.
 - Results the learner's code cannot forge: each notebook's cells run in a sandbox (a fresh
-  interpreter in a session of its own, as user `nobody` when the grader is root) and the checks
+  interpreter in a session of its own, as `nobody` when the grader is root, or as a uid of its own
+  when other notebooks are graded at the same time) and the checks
   run in a grading process that runs no learner code. Only return values come back, read as plain
   data (`torch.load(weights_only=True)`, plain tensors only) and compared there with a reference
   computed there. Displayed output is never read. An answer that calls the exercise's reference
