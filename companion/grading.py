@@ -8,9 +8,9 @@
   called twice counts once.
 - Results the learner's code cannot forge: each notebook's cells run in a sandbox (a fresh
   interpreter in a session of its own, as `nobody` when the grader is root, or as a uid of its own
-  when other notebooks are graded at the same time) and the checks
-  run in a grading process that runs no learner code. Only return values come back, read as plain
-  data (`torch.load(weights_only=True)`, plain tensors only) and compared there with a reference
+  when other notebooks are graded at the same time) and the checks run in a grading process that
+  runs no learner code. Only return values come back, read as plain data
+  (`torch.load(weights_only=True)`, plain tensors only) and compared there with a reference
   computed there. Displayed output is never read. An answer that calls the exercise's reference
   implementation scores 0.
 - Hard limits: a deadline per cell, per exercise and per notebook, after which the sandbox's
