@@ -63,4 +63,5 @@ def test_an_exercise_not_written_yet_is_a_notice_not_an_error(name, capsys):
     shown = capsys.readouterr().out
     points = REGISTRY[name].points
     assert shown.startswith(f"… {name}: not done yet"), shown
-    assert f"Worth {points} point" in shown and "cells below run" in shown, shown
+    assert f"({points} point" in shown and "cells below run" in shown, shown
+    assert "NotImplementedError" not in shown and len(shown) < 160, shown     # short

@@ -27,7 +27,6 @@ import ctypes
 import dataclasses
 import functools
 import html
-import math
 import pathlib
 import random
 import signal
@@ -378,6 +377,8 @@ def evaluate(name: str, answer: Any, *args, timeout: float | None = None, **kwar
     calls this with a `Remote` answer; the `exercise` wrapper with the learner's own function."""
     info = REGISTRY[name]
     timeout = info.timeout if timeout is None else timeout
+    import torch._dynamo  # noqa: F401  (whole, before the limit: optimizers import it on first
+                          # use, and a time limit that interrupted that import would break it)
     try:
         with answer.limit(timeout) if isinstance(answer, Remote) else time_limit(timeout):
             return info.function(answer, *args, **kwargs)
@@ -407,8 +408,8 @@ def _show_pass(name: str, points: int, message: str) -> None:
 
 def _show_not_done(name: str, points: int, summary: str) -> None:
     """A stub is not a wrong answer: say so, score nothing, and let the notebook run on."""
-    text = (f"… {name}: {summary}. Worth {_points(points)} once written; the cells below run "
-            "without it (they use the reference).")
+    text = (f"… {name}: not done yet ({_points(points)} once written). The cells below run "
+            "without it: they use the reference.")
     _show(text, "#9a6700", {"check": name, "passed": False, "not_done": True, "points": 0,
                             "message": summary})
 
