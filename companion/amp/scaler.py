@@ -257,6 +257,8 @@ class GradScaler:
             return 1.0
         return self._init_scale if self._scale is None else self._scale_value
 
+    # The policy's settings, read and changed as on torch.amp.GradScaler (the setters also check
+    # the values as __init__ does; PyTorch's take anything).
     def get_growth_factor(self) -> float:
         return self._growth_factor
 
