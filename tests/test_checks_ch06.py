@@ -2,13 +2,12 @@
 
 The answers below live at module level, so the gloo workers can import them by name.
 """
-import contextlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from companion import collectives, ddp
+from companion import collectives
 from companion.checks import ch06
 from companion.checks.core import CheckFailed, NotDone
 
@@ -54,66 +53,101 @@ def ring_not_done(tensor, group=None):
     raise NotImplementedError("ring all-reduce: reduce-scatter then all-gather")
 
 
-def average_sums(module, group=None):
-    for p in module.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
+class Averager:
+    """The exercise's answer: a flat buffer per bucket, filled by the hooks, launched in order."""
+
+    def __init__(self, buckets):
+        self.buckets = buckets
+        self.flat = [torch.zeros(sum(p.numel() for p in b)) for b in buckets]
+        self.where = {}
+        for i, bucket in enumerate(buckets):
+            offset = 0
+            for p in bucket:
+                self.where[p] = (i, offset)
+                offset += p.numel()
+                p.register_post_accumulate_grad_hook(self.hook)
+        self.ready, self.works, self.next = [0] * len(buckets), [], 0
+
+    def hook(self, param):
+        i, offset = self.where[param]
+        self.flat[i][offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        self.ready[i] += 1
+        self.launch_ready()
+
+    def launch_ready(self):
+        while self.next < len(self.buckets) and \
+                self.ready[self.next] == len(self.buckets[self.next]):
+            self.works.append(dist.all_reduce(self.flat[self.next], async_op=True))
+            self.next += 1
+
+    def finish(self):
+        for work in self.works:
+            work.wait()
+        for i, bucket in enumerate(self.buckets):
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p)
+                             / dist.get_world_size())
+                offset += p.numel()
+        self.ready, self.works, self.next = [0] * len(self.buckets), [], 0
 
 
-def average_nothing(module, group=None):
-    pass
+class AveragerSums(Averager):
+    def finish(self):
+        for work in self.works:
+            work.wait()
+        for i, bucket in enumerate(self.buckets):
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.ready, self.works, self.next = [0] * len(self.buckets), [], 0
 
 
-def average_forgets_frozen(module, group=None):
-    for p in module.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
+class AveragerBlocking(Averager):
+    def launch_ready(self):
+        while self.next < len(self.buckets) and \
+                self.ready[self.next] == len(self.buckets[self.next]):
+            dist.all_reduce(self.flat[self.next])
+            self.next += 1
 
 
-def average_nan(module, group=None):
-    ddp.average_gradients(module)
-    for p in module.parameters():
-        if p.grad is not None:
-            p.grad.fill_(float("nan"))
+class AveragerAfterBackward(Averager):
+    def hook(self, param):
+        i, offset = self.where[param]
+        self.flat[i][offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        self.ready[i] += 1
+
+    def finish(self):
+        self.launch_ready()
+        super().finish()
 
 
-def accumulate_without_no_sync(model, micro_batches, loss_fn, optimizer):
-    for x, y in micro_batches:
-        (loss_fn(model(x), y) / len(micro_batches)).backward()
-        model.finish_gradient_synchronization()
-    optimizer.step()
+class AveragerNeverResets(Averager):
+    def finish(self):
+        ready = self.ready
+        super().finish()
+        self.ready = ready
 
 
-def accumulate_without_scaling(model, micro_batches, loss_fn, optimizer):
-    for i, (x, y) in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else model.no_sync():
-            loss_fn(model(x), y).backward()
-    model.finish_gradient_synchronization()
-    optimizer.step()
+class AveragerPerParameter(Averager):
+    def hook(self, param):
+        super().hook(param)
+        self.works.append(dist.all_reduce(param.grad, async_op=True))
 
 
-def accumulate_without_finishing(model, micro_batches, loss_fn, optimizer):
-    for i, (x, y) in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else model.no_sync():
-            (loss_fn(model(x), y) / len(micro_batches)).backward()
-    optimizer.step()
-
-
-def accumulate_never_syncing(model, micro_batches, loss_fn, optimizer):
-    with model.no_sync():
-        for x, y in micro_batches:
-            (loss_fn(model(x), y) / len(micro_batches)).backward()
-    optimizer.step()
+class AveragerLeavesGrads(Averager):
+    def finish(self):
+        for work in self.works:
+            work.wait()
+        self.ready, self.works, self.next = [0] * len(self.buckets), [], 0
 
 
 def test_references_pass(capsys):
     ch06.check_ring_all_reduce(collectives.ring_all_reduce)
-    ch06.check_ddp_average_gradients(ddp.average_gradients)
-    ch06.check_no_sync_accumulation(ddp.accumulation_step)
+    ch06.check_bucketed_hooks(Averager)
     out = capsys.readouterr().out
-    assert out.count("passed") == 3 and "instead of" in out
+    assert out.count("passed") == 2 and "while backward was still running" in out
 
 
 @pytest.mark.parametrize("check, answer, words", [
@@ -121,14 +155,12 @@ def test_references_pass(capsys):
     (ch06.check_ring_all_reduce, ring_with_all_reduce, "all_reduce"),
     (ch06.check_ring_all_reduce, collectives.naive_all_reduce, "naive"),
     (ch06.check_ring_all_reduce, ring_returns_a_copy, "unchanged"),
-    (ch06.check_ddp_average_gradients, average_sums, "divide by the world size"),
-    (ch06.check_ddp_average_gradients, average_nothing, "own gradient"),
-    (ch06.check_ddp_average_gradients, average_forgets_frozen, "rank"),
-    (ch06.check_ddp_average_gradients, average_nan, "NaN"),
-    (ch06.check_no_sync_accumulation, accumulate_without_no_sync, "no_sync"),
-    (ch06.check_no_sync_accumulation, accumulate_without_scaling, "divide each micro-batch's loss by k"),
-    (ch06.check_no_sync_accumulation, accumulate_without_finishing, "finish_gradient_synchronization"),
-    (ch06.check_no_sync_accumulation, accumulate_never_syncing, "never averaged"),
+    (ch06.check_bucketed_hooks, AveragerSums, "divide by the world size"),
+    (ch06.check_bucketed_hooks, AveragerBlocking, "async_op=True"),
+    (ch06.check_bucketed_hooks, AveragerAfterBackward, "launch it from the hook"),
+    (ch06.check_bucketed_hooks, AveragerNeverResets, "reset what you count"),
+    (ch06.check_bucketed_hooks, AveragerPerParameter, "once, when its last gradient is in"),
+    (ch06.check_bucketed_hooks, AveragerLeavesGrads, "copy the averaged bucket back"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_checks_fail_on_known_wrong_answers_with_their_hint(check, answer, words):
     with pytest.raises(CheckFailed) as info:
@@ -136,8 +168,7 @@ def test_checks_fail_on_known_wrong_answers_with_their_hint(check, answer, words
     assert words in str(info.value)
 
 
-@pytest.mark.parametrize("check", [ch06.check_ring_all_reduce, ch06.check_ddp_average_gradients,
-                                   ch06.check_no_sync_accumulation])
+@pytest.mark.parametrize("check", [ch06.check_ring_all_reduce, ch06.check_bucketed_hooks])
 @pytest.mark.parametrize("answer", [None, "ring_all_reduce", lambda *args: None])
 def test_bad_answers_fail_cleanly_before_starting_workers(check, answer):
     with pytest.raises(CheckFailed):

@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from companion import collectives, ddp, launch
+from companion import collectives, launch
 from companion.checks.core import (CheckFailed, NotDone, compare, exercise, fresh_seeds, harness,
                                    require, require_function)
 from companion.checks.harness import Remote
 
-__all__ = ["check_ring_all_reduce", "check_ddp_average_gradients", "check_no_sync_accumulation"]
+__all__ = ["check_ring_all_reduce", "check_bucketed_hooks"]
 
 _COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
                 "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "gather", "scatter")
@@ -151,104 +151,94 @@ def check_ring_all_reduce(answer, *, worker_timeout: float = 20.0) -> str:
             f"{collectives.naive_root_bytes(s, 3)})")
 
 
-# ---------------------------------------------------------------- exercise 2: average gradients
+# ---------------------------------------------------------------- exercise 2: bucketed hooks
 
-def _grad_model(seed: int) -> nn.Module:
+def _bucket_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))
-    model[0].bias.requires_grad_(False)        # a frozen parameter: its grad stays None
-    return model
+    return nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 9), nn.Tanh(),
+                         nn.Linear(9, 3))
 
 
-def _rank_batch(seed: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed + 31 * rank)
+def _bucket_batch(seed: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 31 * rank + 977 * step)
     return torch.randn(5, 7, generator=g), torch.randn(5, 3, generator=g)
 
 
-def _local_grads(seed: int, rank: int) -> tuple[nn.Module, list]:
-    model = _grad_model(seed)
-    x, y = _rank_batch(seed, rank)
+def _buckets_of(model: nn.Module) -> list[list[nn.Parameter]]:
+    """Three buckets in the order backward makes the gradients: last layer first."""
+    last, middle, first = model[4], model[2], model[0]
+    return [[last.bias, last.weight, middle.bias], [middle.weight], [first.bias, first.weight]]
+
+
+def _bucket_worker(rank: int, world_size: int, packed: bytes, seed: int, steps: int):
+    """Build the learner's averager on a model, run `steps` backward + finish, and record every
+    all-reduce it starts: which bucket, asynchronous or not, and whether backward was running."""
+    model = _bucket_model(seed)
+    buckets = _buckets_of(model)
+    averager = pickle.loads(packed)(buckets)
+    launches, real = [], dist.all_reduce
+
+    def watched(tensor, *args, **kwargs):
+        sizes = [sum(p.numel() for p in b) for b in buckets]
+        which = sizes.index(tensor.numel()) if tensor.numel() in sizes else -1
+        in_backward = torch._C._current_graph_task_id() != -1
+        launches.append((which, bool(kwargs.get("async_op", False)), in_backward))
+        return real(tensor, *args, **kwargs)
+
+    grads = []
+    dist.all_reduce = watched
+    try:
+        for step in range(steps):
+            model.zero_grad(set_to_none=False)
+            x, y = _bucket_batch(seed, rank, step)
+            nn.functional.mse_loss(model(x), y).backward()
+            averager.finish()
+            grads.append([p.grad.clone() for p in model.parameters()])
+    finally:
+        dist.all_reduce = real
+    return grads, launches
+
+
+def _bucket_local_grads(seed: int, rank: int, step: int) -> list[torch.Tensor]:
+    model = _bucket_model(seed)
+    x, y = _bucket_batch(seed, rank, step)
     nn.functional.mse_loss(model(x), y).backward()
-    return model, [p.grad for p in model.parameters() if p.grad is not None]
+    return [p.grad for p in model.parameters()]
 
 
-def _average_worker(rank: int, world_size: int, packed: bytes, seed: int):
-    model, _ = _local_grads(seed, rank)
-    pickle.loads(packed)(model)
-    return [None if p.grad is None else p.grad for p in model.parameters()]
-
-
-@exercise(points=1, timeout=90.0, reference="companion.ddp.average_gradients")
-def check_ddp_average_gradients(answer, *, worker_timeout: float = 20.0) -> str:
-    """answer(module, group=None): replace every gradient by its average over the ranks."""
-    packed = _packed(answer)
+@exercise(points=3, timeout=90.0, reference=("companion.ddp.DDP",
+                                             "companion.ddp.average_gradients"))
+def check_bucketed_hooks(answer, *, worker_timeout: float = 20.0) -> str:
+    """answer(buckets) -> an object whose parameters' post-accumulate-grad hooks average the
+    gradients over the ranks, one asynchronous all-reduce per bucket launched during backward,
+    and whose finish() waits and leaves the averages in every param.grad."""
+    packed, world, steps = _packed(answer), 2, 2
     for seed in fresh_seeds(2):
-        world = 3
-        got = _on_ranks(_average_worker, world, packed, seed, timeout=worker_timeout)
-        local = [_local_grads(seed, r)[1] for r in range(world)]
-        expected = [sum(g[i] for g in local) / world for i in range(len(local[0]))]
-        for rank in range(world):
-            require(got[rank][1] is None, "the frozen bias (requires_grad=False) got a gradient",
-                    hint="skip parameters whose .grad is None.")
-            mine = [g for g in got[rank] if g is not None]
-            require(len(mine) == len(expected), f"rank {rank} has {len(mine)} gradients, "
-                    f"expected {len(expected)}", hint="keep every gradient; only average it.")
-            for i, (g, e) in enumerate(zip(mine, expected)):
-                compare(g, e, name=f"rank {rank}'s gradient {i}", known_wrong={
-                    "divide by the world size: DDP averages, so that a step matches one process "
-                    "on the whole batch.": e * world,
-                    "each rank still has its own gradient: all-reduce them.": local[rank][i]})
-    return "every rank holds the average of 3 ranks' gradients (one all-reduce per parameter)"
-
-
-# ---------------------------------------------------------------- exercise 3: no_sync
-
-def _accumulation_data(seed: int, rank: int, k: int) -> list:
-    g = torch.Generator().manual_seed(seed + 101 * rank)
-    return [(torch.randn(3, 7, generator=g), torch.randn(3, 3, generator=g)) for _ in range(k)]
-
-
-def _accumulation_worker(rank: int, world_size: int, packed: bytes, seed: int, k: int):
-    torch.manual_seed(seed)
-    model = ddp.DDP(nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3)),
-                    bucket_cap_mb=0.0004)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    pickle.loads(packed)(model, _accumulation_data(seed, rank, k), nn.functional.mse_loss,
-                         optimizer)
-    return ([p.detach() for p in model.parameters()], model.stats.all_reduces,
-            len(model.buckets), model._pending)
-
-
-def _one_process_step(seed: int, world: int, k: int, scale: float) -> list:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))
-    batches = [b for r in range(world) for b in _accumulation_data(seed, r, k)]
-    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-    (scale * nn.functional.mse_loss(model(x), y)).backward()
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
-    return [p.detach() for p in model.parameters()]
-
-
-@exercise(points=1, timeout=90.0, reference="companion.ddp.accumulation_step")
-def check_no_sync_accumulation(answer, *, worker_timeout: float = 20.0) -> str:
-    """answer(model, micro_batches, loss_fn, optimizer): one step over k micro-batches, syncing
-    gradients only after the last backward."""
-    packed, world, k = _packed(answer), 2, 3
-    for seed in fresh_seeds(2):
-        results = _on_ranks(_accumulation_worker, world, packed, seed, k, timeout=worker_timeout)
-        expected = _one_process_step(seed, world, k, 1.0)
-        for rank, (params, calls, buckets, pending) in enumerate(results):
-            require(not pending, "optimizer.step() ran before the gradients were averaged",
-                    hint="call model.finish_gradient_synchronization() after the last backward.")
-            require(calls > 0, "the gradients were never averaged over the ranks",
-                    hint="the last micro-batch's backward must run outside model.no_sync().")
-            wrong = _one_process_step(seed, world, k, float(k))
-            for i, (p, e) in enumerate(zip(params, expected)):
-                compare(p, e, name=f"rank {rank}'s parameter {i} after the step", known_wrong={
-                    f"divide each micro-batch's loss by k = {k}: the accumulated gradient must "
-                    "be a mean, not a sum.": wrong[i]})
-            require(calls == buckets, f"{calls} all-reduces for {k} micro-batches; one per bucket "
-                    f"({buckets}) is enough", hint="wrap the first k-1 forward+backward passes "
-                    "in `with model.no_sync():` so only the last one communicates.")
-    return (f"{k} micro-batches, {buckets} all-reduces instead of {k * buckets}: "
-            f"communication cut {k}x")
+        results = _on_ranks(_bucket_worker, world, packed, seed, steps, timeout=worker_timeout)
+        for rank, (grads, launches) in enumerate(results):
+            require(len(launches) == 3 * steps, f"rank {rank} started {len(launches)} all-reduces "
+                    f"in {steps} steps of 3 buckets; expected one per bucket per step, "
+                    f"{3 * steps}", hint="all-reduce a bucket's flat buffer once, when its last "
+                    "gradient is in; reset what you count in finish() for the next step.")
+            require([w for w, _, _ in launches] == [0, 1, 2] * steps, f"rank {rank} all-reduced "
+                    f"buckets in the order {[w for w, _, _ in launches]}",
+                    hint="launch bucket 0, then 1, then 2 (every rank in the same order, or "
+                         "their all-reduces do not match), each as soon as it is complete.")
+            require(all(a for _, a, _ in launches), "an all-reduce blocked backward",
+                    hint="start it with dist.all_reduce(flat, async_op=True) and keep the "
+                         "returned work; wait for it in finish().")
+            require(all(b for _, _, b in launches), "a bucket's all-reduce started after "
+                    "backward had finished", hint="launch it from the hook, as soon as the "
+                    "bucket's last gradient arrives: that is the overlap DDP is for.")
+            for step in range(steps):
+                local = [_bucket_local_grads(seed, r, step) for r in range(world)]
+                for i, g in enumerate(grads[step]):
+                    want = sum(grad[i] for grad in local) / world
+                    compare(g, want, name=f"rank {rank}'s gradient {i} after step {step + 1}",
+                            known_wrong={"divide by the world size: all_reduce sums.":
+                                         want * world,
+                                         "each rank still has its own gradient: copy the "
+                                         "averaged bucket back into param.grad in finish().":
+                                         local[rank][i]})
+    return ("3 buckets on 2 ranks, each all-reduced once, asynchronously, while backward was "
+            "still running, and every rank left with the average")
