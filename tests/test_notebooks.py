@@ -177,3 +177,20 @@ def test_each_exercise_heading_shows_the_points_its_check_gives(source):
             numbers.append(number)
             heading = None
     assert numbers == list(range(1, len(numbers) + 1)) and numbers, numbers
+
+
+def test_a_fresh_workbook_runs_to_its_last_cell_in_a_real_kernel(tmp_path):
+    """Run All on a workbook with every exercise not done: no cell raises (nbclient stops at the
+    first error, as JupyterLab's Run All does), and the last code cell has run."""
+    from nbclient import NotebookClient
+
+    created = make_workbooks(COURSE, tmp_path)["created"]
+    path = next(p for p in created if p.name.startswith("01_"))
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    code = [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
+    assert code[-1].execution_count is not None
+    notices = [o for c in code for o in c.outputs
+               if "not done yet" in "".join(o.get("data", {}).get("text/plain", ""))]
+    assert len(notices) == 3
