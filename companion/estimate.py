@@ -3,7 +3,8 @@
 Training memory has two parts. *Model states* (weights, gradients, optimizer state) scale with the
 parameter count and not with the batch. *Activations* (tensors the forward pass saves for backward)
 scale with batch × sequence length and not with the optimizer. `model_states` gives the first,
-`mlp_activations` and `gpt_activations` the second for `companion.models.MLP` and `GPT`, and
+`mlp_activations` and `gpt_activations` the second for `companion.models.MLP` and `GPT`
+(`transformer_activations`: the same in Korthikanti et al.'s general per-layer form), and
 `training_memory` adds them up by kind, which is what the chapter 00 calculator draws.
 `offload_placement` (from `companion.estimate_offload`) splits model states between device, host
 and disk under offload, in DeepSpeed's estimator conventions or the course's measured layout.
@@ -25,7 +26,8 @@ from companion.estimate_offload import (OFFLOAD_LADDER, Placement, choose_offloa
                                         offload_placement)
 
 __all__ = ["ModelStates", "model_states", "bytes_per_element", "mlp_params", "gpt_params",
-           "mlp_activations", "gpt_activations", "gpt_shape", "training_memory", "OPTIMIZERS",
+           "mlp_activations", "gpt_activations", "transformer_layer_activations",
+           "transformer_activations", "gpt_shape", "training_memory", "OPTIMIZERS",
            "PRECISIONS", "Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload"]
 
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
@@ -46,8 +48,9 @@ class ModelStates:
         return self.params + self.grads + self.optimizer
 
 
-def model_states(n_params: int, *, optimizer: str = "adam", precision: str = "fp32",
-                 fp32_grads: bool = False, zero_stage: int = 0, world_size: int = 1) -> ModelStates:
+def model_states(n_params: int | float, *, optimizer: str = "adam", precision: str = "fp32",
+                 fp32_grads: bool = False, fp32_grad_buffer: bool = False, zero_stage: int = 0,
+                 world_size: int = 1) -> ModelStates:
     """Bytes per device for the weights, gradients and optimizer state of `n_params` parameters.
 
     Per parameter, following the ZeRO paper (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations
@@ -59,10 +62,12 @@ def model_states(n_params: int, *, optimizer: str = "adam", precision: str = "fp
       - "bf16"/"fp16": pure 16-bit training, states in 16-bit too: 2 + 2 + 2 per state -> Adam 8.
       - "autocast": torch.amp, fp32 weights, gradients and states as in "fp32" -> Adam 16. The
         16-bit weight copies autocast makes in forward are saved for backward: activations.
-    `fp32_grads=True` keeps gradients in fp32 (4 bytes): mixed Adam becomes 18 bytes, the figure in
-    Hugging Face's "Model training anatomy" (6 bytes of weights counting the fp32 copy, 4 of fp32
-    gradients, 8 of Adam state). Sources that say 20 count a 16-bit gradient and its fp32 copy at
-    the same time (2 + 2 + 4 + 12).
+    `fp32_grads=True` keeps gradients in fp32 (4 bytes) instead of 16-bit: mixed Adam becomes 18
+    bytes, the figure in Hugging Face's "Model training anatomy" (6 bytes of weights counting the
+    fp32 copy, 4 of fp32 gradients, 8 of Adam state). `fp32_grad_buffer=True` keeps the 16-bit
+    gradients *and* an fp32 buffer they are accumulated into (2 + 4 bytes, filed under grads):
+    mixed Adam becomes 20 bytes, the Ultra-Scale Playbook's figure (2 + 2 + 4 + 8 + 4).
+    `n_params` may be a float that holds a whole number (7.5e9); 7.5e9 + 0.5 is an error.
 
     ZeRO (same paper, section 5) shards over `world_size` data-parallel ranks: stage 1 the
     optimizer state (which includes mixed precision's master weights), stage 2 also the gradients,
@@ -70,14 +75,16 @@ def model_states(n_params: int, *, optimizer: str = "adam", precision: str = "fp
     """
     _check_choice("optimizer", optimizer, OPTIMIZERS)
     _check_choice("precision", precision, PRECISIONS)
-    if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 0:
-        raise ValueError(f"n_params must be a non-negative int, got {n_params!r}")
+    n_params = _whole_count(n_params)
+    if fp32_grad_buffer and (fp32_grads or precision in ("fp32", "autocast")):
+        raise ValueError("fp32_grad_buffer adds an fp32 copy of 16-bit gradients: use it with "
+                         "precision 'mixed', 'bf16' or 'fp16' and without fp32_grads")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     weight = 4 if precision in ("fp32", "autocast") else 2
-    grad = 4 if (precision in ("fp32", "autocast") or fp32_grads) else 2
+    grad = 4 if (precision in ("fp32", "autocast") or fp32_grads) else 2 + 4 * fp32_grad_buffer
     if precision == "mixed":
         state = 4 + 4 * _STATES[optimizer]                           # fp32 master + fp32 states
     else:
@@ -174,6 +181,52 @@ def _gpt_autocast_activations(batch: int, seq_len: int, width: int, depth: int, 
     return depth * block + 6 * N * C + 8 * N + 2 * C * vocab + 4 * N * vocab + 8 * T + 4
 
 
+def transformer_layer_activations(batch: int, seq_len: int, width: int, heads: int, *,
+                                  dropout: bool = True) -> int:
+    """Bytes one transformer layer saves for backward with 16-bit activations, as counted by
+    Korthikanti et al., 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+    section 4.1), with s = seq_len, b = batch, h = width, a = heads, 2 bytes per value and 1 byte
+    per dropout-mask entry:
+
+      attention  11·sbh + 5·as²b: the input of the QKV Linear (2sbh), Q and K for QKᵀ (4sbh),
+                 softmax's output (2as²b), its dropout mask (as²b) and dropout's output with V for
+                 the product (2as²b + 2sbh), the input of the output Linear (2sbh), and the mask of
+                 the dropout after it (sbh);
+      MLP        19·sbh: the first Linear's input (2sbh), GELU's input (8sbh), the second Linear's
+                 input (8sbh), the dropout mask (sbh);
+      LayerNorms 4·sbh: the input of each (2sbh).
+    Total sbh·(34 + 5·as/h). Without dropout (the course's GPT) the three masks go, and the product
+    with V saves softmax's output itself: sbh·(32 + 2·as/h).
+
+    Simplified vs measurement: LayerNorm's mean and rstd (2 values per token each) and the causal
+    mask are left out, as in the paper; `companion.models.GPT` in bf16 saves 8·sb + s² bytes more
+    per layer (`gpt_activations(..., precision="bf16")` counts them).
+    """
+    s, b, h, a = seq_len, batch, width, heads
+    if dropout:
+        return 34 * s * b * h + 5 * a * s * s * b
+    return 32 * s * b * h + 2 * a * s * s * b
+
+
+def transformer_activations(batch: int, seq_len: int, width: int, depth: int, heads: int,
+                            vocab: int, *, dropout: bool = True) -> int:
+    """Bytes a GPT with 16-bit activations saves for backward: `depth` layers of
+    `transformer_layer_activations`, plus the embedding dropout's mask (sbh bytes, with dropout),
+    the final LayerNorm's input and the head's input (2sbh each), and the log-softmax of the
+    logits in fp32 (4·sbV: the loss runs in fp32, as autocast and Megatron-LM run it).
+
+    The last term grows with the vocabulary, not the depth: it dominates small models with large
+    vocabularies (GPT-2 small: 4V = 201,028 bytes per token against 34h + 5as = 87,552 per layer),
+    and chunked cross-entropy (`companion.chunked_loss`) removes most of it.
+
+    Example (GPT-2 XL's shape, batch 8 of 1024 tokens):
+        >>> transformer_activations(8, 1024, 1600, 48, 25, 50257) / 1e9      # 73.4 GB
+    """
+    s, b, h = seq_len, batch, width
+    layers = depth * transformer_layer_activations(batch, seq_len, width, heads, dropout=dropout)
+    return layers + s * b * h * dropout + 4 * s * b * h + 4 * s * b * vocab
+
+
 def gpt_shape(n_params: int, *, vocab: int = 50257, seq_len: int = 1024) -> dict[str, int]:
     """A GPT-2-like shape with about `n_params` parameters: width = 64·depth, 64-wide heads.
     (GPT-2 small has depth 12, width 768; this rule gives its width exactly.)"""
@@ -197,6 +250,18 @@ def training_memory(n_params: int, *, batch: int, seq_len: int, precision: str =
                            shape["vocab"], precision=precision, device_type=device_type)
     return {"parameters": states.params, "gradients": states.grads,
             "optimizer_state": states.optimizer, "activations": acts}
+
+
+def _whole_count(n: int | float) -> int:
+    """A parameter count as an int: ints, and floats that hold a whole number (7.5e9)."""
+    if isinstance(n, bool) or not isinstance(n, (int, float)):
+        raise ValueError(f"n_params must be a number of parameters, got {n!r}")
+    if isinstance(n, float) and not n.is_integer():
+        raise ValueError(f"n_params must be a whole number of parameters, got {n!r}: "
+                         "round it, e.g. model_states(round(n))")
+    if n < 0:
+        raise ValueError(f"n_params must be non-negative, got {n!r}")
+    return int(n)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -1,36 +1,63 @@
 """companion.estimate: published per-parameter figures, ZeRO's worked example, and predictions held
 against what companion.memory.track measures on the course's models."""
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from companion import estimate as E
 from companion.memory import measure, track
-from companion.models import GPT, MLP, make_classification, make_tokens
+from companion.models import GPT, MLP, Block, make_classification, make_tokens
 
 
-@pytest.mark.parametrize("optimizer, precision, fp32_grads, per_param", [
-    ("adam", "mixed", False, 16),       # ZeRO paper: 2 + 2 + K, K = 12
-    ("adamw", "mixed", True, 18),       # Hugging Face's anatomy: fp32 gradients
-    ("adam", "fp32", False, 16),
-    ("adam", "bf16", False, 8),
-    ("sgd", "fp32", False, 8),
-    ("sgd_momentum", "fp32", False, 12),
-    ("sgd", "mixed", False, 8),         # the fp32 master copy is optimizer state
-    ("sgd_momentum", "mixed", False, 12),
-    ("adam", "autocast", False, 16),    # torch.amp: fp32 weights, grads and states
+@pytest.mark.parametrize("optimizer, precision, options, per_param", [
+    ("adam", "mixed", {}, 16),                          # ZeRO paper: 2 + 2 + K, K = 12
+    ("adamw", "mixed", {"fp32_grads": True}, 18),       # Hugging Face's anatomy: fp32 gradients
+    ("adam", "mixed", {"fp32_grad_buffer": True}, 20),  # Ultra-Scale Playbook: + fp32 buffer
+    ("adam", "fp32", {}, 16),
+    ("adam", "bf16", {}, 8),
+    ("adam", "bf16", {"fp32_grad_buffer": True}, 12),
+    ("sgd", "fp32", {}, 8),
+    ("sgd_momentum", "fp32", {}, 12),
+    ("sgd", "mixed", {}, 8),                            # the fp32 master copy is optimizer state
+    ("sgd_momentum", "mixed", {}, 12),
+    ("adam", "autocast", {}, 16),                       # torch.amp: fp32 weights, grads, states
 ])
-def test_bytes_per_parameter(optimizer, precision, fp32_grads, per_param):
-    states = E.model_states(1000, optimizer=optimizer, precision=precision, fp32_grads=fp32_grads)
+def test_bytes_per_parameter(optimizer, precision, options, per_param):
+    states = E.model_states(1000, optimizer=optimizer, precision=precision, **options)
     assert states.total == per_param * 1000
 
 
+def test_the_fp32_buffer_sits_beside_the_16_bit_gradients():
+    states = E.model_states(1000, precision="mixed", fp32_grad_buffer=True)
+    assert (states.params, states.grads, states.optimizer) == (2000, 6000, 12000)
+    sharded = E.model_states(1000, precision="mixed", fp32_grad_buffer=True, zero_stage=2,
+                             world_size=4)
+    assert sharded.grads == 6 * 250                      # stage 2 shards the buffer with them
+
+
+@pytest.mark.parametrize("kwargs", [{"precision": "fp32"}, {"precision": "autocast"},
+                                    {"precision": "mixed", "fp32_grads": True}])
+def test_the_fp32_buffer_needs_16_bit_gradients(kwargs):
+    with pytest.raises(ValueError, match="fp32_grad_buffer"):
+        E.model_states(1000, fp32_grad_buffer=True, **kwargs)
+
+
 def test_zero_paper_gpt2_and_figure_1():
-    assert E.model_states(1_500_000_000, precision="mixed").total == 24 * 10**9  # "at least 24GB"
-    psi, gb = 7_500_000_000, 10**9
+    assert E.model_states(1.5e9, precision="mixed").total == 24 * 10**9  # "at least 24GB"
+    psi, gb = 7.5e9, 10**9                              # written as the paper writes it
     totals = [E.model_states(psi, precision="mixed", zero_stage=s, world_size=64).total / gb
               for s in range(4)]
     assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]     # Figure 1, N_d = 64
+    assert E.model_states(psi) == E.model_states(7_500_000_000)
+
+
+@pytest.mark.parametrize("n", [7.5e9 + 0.5, 0.5, float("nan"), float("inf"), "7.5e9", None])
+def test_a_parameter_count_must_be_whole(n):
+    with pytest.raises(ValueError, match="n_params"):
+        E.model_states(n)
 
 
 def test_zero_shards_only_what_its_stage_says():
@@ -192,6 +219,87 @@ def test_autocast_model_states_are_fp32_measured():
     assert predicted.total == 16 * E.mlp_params(13, 40, 3, 5)
     assert end["gradients"] == predicted.grads
     assert end["optimizer_state"] == predicted.optimizer + 4 * 8      # + Adam's step counters
+
+
+def _dropout(t):
+    """Dropout as CUDA runs it (and Megatron-LM counts it): a 1-byte bool mask saved."""
+    return torch.native_dropout(t, 0.1, True)[0]
+
+
+class _DropoutBlock(Block):
+    """The course's block with Megatron-LM's dropouts: after softmax, after the attention's
+    output Linear, after the MLP."""
+
+    def attention(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+                   for t in self.qkv(x).split(C, dim=2))
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // self.heads))
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        weights = _dropout(scores.masked_fill(mask, float("-inf")).softmax(dim=-1))
+        return _dropout(self.proj((weights @ v).transpose(1, 2).reshape(B, T, C)))
+
+    def forward(self, x):
+        x = x + self.attention(self.ln1(x))
+        return x + _dropout(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+def _saved_bf16_gpt(B, T, C, L, H, V, dropout):
+    """Bytes a bf16 GPT (with dropout: Megatron-style) saves, its loss in fp32."""
+    model = GPT(V, T, C, L, H, dtype=torch.bfloat16)
+    if dropout:
+        model.blocks = torch.nn.Sequential(*[_DropoutBlock(C, H, dtype=torch.bfloat16)
+                                             for _ in range(L)])
+    x, y = make_tokens(B, T, vocab=V)
+    with track("cpu") as t:
+        h = model.tok(x) + model.pos(torch.arange(T))
+        h = _dropout(h) if dropout else h
+        logits = model.head(model.ln(model.blocks(h)))
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        del logits                                    # the loss does not keep the bf16 logits
+    return t.current - loss.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("dropout", [True, False])
+@pytest.mark.parametrize("B, T, C, L, H, V", [(3, 32, 48, 1, 4, 64), (2, 40, 32, 2, 2, 50),
+                                              (5, 17, 24, 3, 3, 31)])
+def test_korthikanti_formula_matches_measurement_to_the_byte(dropout, B, T, C, L, H, V):
+    """sbh(34 + 5as/h) per layer with dropout, sbh(32 + 2as/h) without; what the paper leaves out
+    is exactly LayerNorm's mean and rstd (8 bytes per token per LayerNorm pair), the causal mask
+    (T² bytes per layer), the position indices (8T) and the loss's one-value weight (4)."""
+    N = B * T
+    left_out = L * (8 * N + T * T) + 4 * N + 8 * T + 4
+    predicted = E.transformer_activations(B, T, C, L, H, V, dropout=dropout)
+    assert _saved_bf16_gpt(B, T, C, L, H, V, dropout) == predicted + left_out
+
+
+def test_korthikanti_per_layer_terms():
+    s, b, h, a = 1024, 8, 1600, 25
+    assert E.transformer_layer_activations(b, s, h, a) == s * b * h * (34 + 5 * a * s // h)
+    assert E.transformer_layer_activations(b, s, h, a, dropout=False) == \
+        s * b * h * (32 + 2 * a * s // h)
+    two = E.transformer_activations(b, s, h, 2, a, 50257)
+    one = E.transformer_activations(b, s, h, 1, a, 50257)
+    assert two - one == E.transformer_layer_activations(b, s, h, a)
+
+
+def test_cpu_dropout_keeps_a_mask_in_the_activation_dtype():
+    """F.dropout on CPU multiplies by a mask of the input's dtype (2 bytes in bf16); CUDA's fused
+    kernel (native_dropout) keeps a 1-byte bool mask, which is what the paper counts."""
+    x = torch.randn(1000, dtype=torch.bfloat16, requires_grad=True)
+    for fn, mask_bytes in [(lambda t: F.dropout(t, 0.1), 2000), (_dropout, 1000)]:
+        with track("cpu") as t:
+            y = fn(x)
+        assert t.current - y.untyped_storage().nbytes() == mask_bytes
+
+
+def test_bf16_course_gpt_is_the_formula_without_dropout():
+    B, T, C, L, H, V = 4, 24, 32, 2, 4, 40
+    course = E.gpt_activations(B, T, C, L, H, V, precision="bf16")
+    N = B * T
+    # the course's bf16 loss keeps a bf16 log-softmax (2NV) where the formula has fp32 (4NV)
+    assert course == (E.transformer_activations(B, T, C, L, H, V, dropout=False) - 2 * N * V
+                      + L * (8 * N + T * T) + 4 * N + 8 * T + 2)
 
 
 def test_activations_grow_linearly_in_batch_and_quadratically_in_sequence():
