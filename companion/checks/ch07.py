@@ -113,7 +113,7 @@ def _partition_mistakes(numels, world) -> dict:
     return {text: [fn(numels, world, r) for r in range(world)] for text, fn in wrong.items()}
 
 
-@exercise(points=1)
+@exercise(points=1, reference="companion.zero.flat_partition")
 def check_flat_partition(answer) -> str:
     """answer(numels, world_size, rank) -> [(param index, start, stop), ...]: the pieces of the
     flattened parameters that `rank` owns, start/stop inside each parameter."""
@@ -189,7 +189,7 @@ def _scatter_hint(got, rank, world, s, seed) -> str:
             "part of that chunk; after N-1 steps it is your chunk, summed over all ranks.")
 
 
-@exercise(points=2, timeout=90.0)
+@exercise(points=2, timeout=90.0, reference="companion.collectives.ring_reduce_scatter")
 def check_ring_reduce_scatter(answer, *, worker_timeout: float = 20.0) -> str:
     """answer(output, input): sum `input` (N·s elements) over the ranks of the world and leave
     chunk `rank` of the sum in `output` (s elements), with point-to-point sends only."""
@@ -234,13 +234,19 @@ class _Sharded(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
+def _gather_case(seed: int, d_in: int, d_out: int) -> tuple[dict, torch.Tensor]:
+    """The full weights that gather() hands out, and the input, drawn from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    full = {"weight": torch.randn(d_out, d_in, generator=g),
+            "bias": torch.randn(d_out, generator=g)}
+    return full, torch.randn(5, d_in, generator=g)
+
+
 @harness
 def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int) -> dict:
     """Register the answer's hooks on a sharded layer and run it: what was gathered and when, the
     output, what the layer holds after forward, and what remove() does. Plain data only."""
-    g = torch.Generator().manual_seed(seed)
-    full = {"weight": torch.randn(d_out, d_in, generator=g),
-            "bias": torch.randn(d_out, generator=g)}
+    full, x = _gather_case(seed, d_in, d_out)
     module, calls, alive = _Sharded(d_in, d_out), [], []
 
     def gather(name):
@@ -251,10 +257,8 @@ def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int) -> dict:
 
     handles = call(answer, module, ["weight", "bias"], gather)
     seen = {"early": list(calls)}
-    x = torch.randn(5, d_in, generator=g)
     with torch.no_grad():
         seen["output"] = call(module, x)
-    seen["expected"] = nn.functional.linear(x, full["weight"], full["bias"])
     seen["calls"], seen["kept"] = list(calls), hasattr(module, "weight") and hasattr(module, "bias")
     seen["freed"] = seen["kept"] and module.weight is None and module.bias is None
     seen["alive"] = any(ref() is not None for ref in alive)
@@ -272,11 +276,11 @@ def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int) -> dict:
     return seen
 
 
-def _judge_gather_hooks(seen: dict) -> None:
+def _judge_gather_hooks(seen: dict, expected: torch.Tensor) -> None:
     require(not seen["early"], "gather was called before any forward",
             hint="gather inside the pre-forward hook, not when registering it: "
                  "the full weights must not exist between forwards.")
-    compare(seen["output"], seen["expected"], name="the module's output")
+    compare(seen["output"], expected, name="the module's output")
     require(sorted(seen["calls"]) == ["bias", "weight"],
             f"gather was called {seen['calls']} in one forward",
             hint="gather each name once per forward, in the pre-forward hook.")
@@ -295,7 +299,7 @@ def _judge_gather_hooks(seen: dict) -> None:
             hint="return the handles that register_forward_pre_hook / register_forward_hook gave.")
 
 
-@exercise(points=2)
+@exercise(points=2, reference="companion.zero.register_gather_hooks")
 def check_gather_hooks(answer) -> str:
     """answer(module, names, gather) -> (pre_handle, post_handle): before module's forward set each
     name to gather(name), after it set each to None."""
@@ -307,7 +311,8 @@ def check_gather_hooks(answer) -> str:
                 failure.hint = ("free with module.register_forward_hook(fn), whose fn(mod, "
                                 "inputs, output) runs after forward.")
             raise
-        _judge_gather_hooks(seen)
+        full, x = _gather_case(seed, d_in, d_out)           # the verdict's own reference
+        _judge_gather_hooks(seen, nn.functional.linear(x, full["weight"], full["bias"]))
     return (f"full weights exist only during forward ({format_bytes(4 * (33 * 17 + 17))} for a "
             "33 x 17 layer, then freed)")
 
@@ -344,7 +349,8 @@ def _state_mistakes(n, stage, world, w, g, k) -> dict:
             _wrong(n, stage, world, w, g, k, shard_from=(4, 2, 1))}
 
 
-@exercise(points=1)
+@exercise(points=1, reference=("companion.zero.per_rank_state_bytes",
+                                "companion.estimate.model_states"))
 def check_per_rank_model_states(answer) -> str:
     """answer(n_params, stage, world_size, weight_bytes, grad_bytes, state_bytes) ->
     (parameter bytes, gradient bytes, optimizer-state bytes) on one rank."""
