@@ -36,6 +36,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
@@ -146,7 +147,7 @@ class _Ledger(TorchDispatchMode):
                 self._record(sid, nbytes - self.size[sid])
                 self.size[sid] = nbytes
             return
-        where = storage_place(storage.device.type, self.device_type)
+        where = storage_place(t.device.type, self.device_type)   # a FakeTensor's storage is meta
         if where is None or where > _HOST:               # another device, or a file on disk
             return
         sid = len(self.size)
@@ -230,6 +231,8 @@ def _labels(ledger: _Ledger) -> Iterator[None]:
 
     def pack(t):
         ledger.label(t, _PARAM if t.requires_grad and t.is_leaf else _ACT)
+        if isinstance(t, FakeTensor):            # its fake mode must see the detach, or the
+            return t.detach()                    # copy comes back a plain meta tensor
         with torch._C._DisableTorchDispatch():   # detach allocates nothing: skip the ledger
             return t.detach()      # same storage; a detached copy keeps autograd's graph acyclic
 

@@ -1,14 +1,18 @@
 """companion.memory: the CPU ledger is exact on plain allocations, matches a hand count on a training
 step, labels kinds and phases, and memory_budget fails like CUDA and leaves nothing behind."""
 import gc
+import resource
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from torch._subclasses import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from companion import estimate
 from companion.memory import (KINDS, format_bytes, measure, memory_budget, on_disk, on_host,
                               parse_bytes, plot_timeline, track)
+from companion.models import GPT
 
 
 def test_plain_allocations_are_counted_to_the_byte():
@@ -309,6 +313,51 @@ def test_breakdown_rejects_an_unknown_place(bad):
         pass
     with pytest.raises(ValueError, match="where must be"):
         t.breakdown(where=bad)
+
+
+def _gpt_steps(shape: dict, batch: int, steps: int = 2):
+    """`steps` AdamW steps of a course GPT built inside the tracked block; the tracker."""
+    x = torch.randint(shape["vocab"], (batch, shape["seq_len"]))
+    with track("cpu") as t:
+        model = GPT(**shape, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            model.loss(x, x).backward()
+            opt.step()
+    return t
+
+
+def test_fake_tensors_are_counted_like_real_ones():
+    shape = dict(vocab=50, seq_len=16, width=32, depth=2, heads=4)
+    real = _gpt_steps(shape, 3)
+    with FakeTensorMode():
+        fake = _gpt_steps(shape, 3)
+    assert real.peak > 0 and (fake.peak, fake.current) == (real.peak, real.current)
+    assert fake.breakdown() == real.breakdown() and fake.peak_phase == real.peak_phase
+
+
+def test_a_simulated_1b_parameter_step_allocates_nothing_and_matches_the_estimate():
+    shape = dict(vocab=50257, seq_len=1024, width=2048, depth=16, heads=16)
+    B, N = 4, 4 * 1024
+    n = estimate.gpt_params(shape["vocab"], shape["seq_len"], shape["width"], shape["depth"])
+    assert n > 10**9
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+    with FakeTensorMode():
+        t = _gpt_steps(shape, B)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before < 2 * 2**30
+    states = estimate.model_states(n, optimizer="adamw")
+    acts = estimate.gpt_activations(B, shape["seq_len"], shape["width"], shape["depth"],
+                                    shape["heads"], shape["vocab"])
+    at_peak = t.breakdown()
+    assert t.peak_phase == "backward"        # second step: states live, every activation saved
+    assert at_peak["parameters"] == states.params
+    assert abs(at_peak["optimizer_state"] - states.optimizer) <= 4 * 200   # + a step counter each
+    assert abs(at_peak["activations"] - acts) <= 0.01 * acts
+    # the estimator's peak: weights, Adam state, activations, and the two fp32 (N, vocab) tensors
+    # of the loss's backward (its incoming gradient and log-softmax's); gradients come later
+    predicted = states.params + states.optimizer + acts + 2 * N * shape["vocab"] * 4
+    assert t.peak > 24 * 2**30 and abs(t.peak - predicted) <= 0.05 * predicted   # none of it real
 
 
 @pytest.mark.gpu
