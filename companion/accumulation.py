@@ -11,8 +11,14 @@ It is exact only when each example's loss does not depend on the others and on t
 BatchNorm (statistics per micro-batch), dropout (masks drawn in a different order) and anything that
 counts micro-steps instead of optimizer steps (a learning-rate schedule) break the equality.
 
+With token sequences the loss is a mean over *tokens*, and micro-batches hold different numbers
+of real (not padding) tokens: dividing each micro-batch's mean by k then weights the tokens of a
+short micro-batch more than those of a long one. `token_normalized_step` sums each micro-batch's
+token losses and divides by the tokens of the whole batch, counted before the first backward.
+
 Example:
     >>> loss = accumulation_step(model, F.mse_loss, opt, x, y, accum_steps=4)
+    >>> loss = token_normalized_step(gpt, opt, [(x1, y1), (x2, y2)])    # y: -100 on padding
 
 Simplified vs PyTorch: PyTorch has no accumulation helper; with DDP one adds `no_sync()` on all
 micro-steps but the last (chapter 06). Here micro-batches are slices of one batch already in
@@ -24,11 +30,13 @@ import gc
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from companion.memory import MemoryTracker, track
 
 __all__ = [
     "accumulation_step",
+    "token_normalized_step",
     "accumulated_gradients",
     "gradient_gap",
     "step_memory",
@@ -61,6 +69,33 @@ def accumulation_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torc
         total += loss.item()                                   # host-device sync
     # 4. One step, with the gradient of the whole batch.
     optimizer.step()
+    return total
+
+
+def token_normalized_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                          micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,
+                          ignore_index: int = -100) -> float:
+    """One optimizer step on token micro-batches [(x, y), ...], the same step as on all of them at
+    once: the mean cross-entropy over every real token, whatever their split.
+
+    `model(x)` returns logits (b, T, vocab); y (b, T) holds the targets, `ignore_index` where a
+    position is padding. Memory and cost as `accumulation_step`; counting the tokens first is one
+    host-device sync per micro-batch. Returns the loss on the whole batch.
+    """
+    # 1. Count the real tokens of the whole batch before any backward.
+    total_tokens = sum(int((y != ignore_index).sum()) for _, y in micro_batches)   # syncs
+    if total_tokens == 0:
+        raise ValueError("every target is ignore_index: there is no token to learn from")
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for x, y in micro_batches:
+        logits = model(x)                                        # (b, T, vocab)
+        # 2. Sum this micro-batch's token losses; divide by the tokens of the whole batch.
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=ignore_index,
+                               reduction="sum") / total_tokens
+        loss.backward()                                          # adds into .grad
+        total += loss.item()                                     # host-device sync
+    optimizer.step()                                             # 3. one step
     return total
 
 

@@ -185,3 +185,60 @@ def test_find_max_batch_size_under_a_cpu_memory_budget():
         with pytest.raises(torch.OutOfMemoryError):
             step(best + 1)
     assert 16 < best < 4096
+
+
+# ---------------------------------------------------------------- token-count normalization
+
+def _padded_micro_batches(seed, rows=(3, 2, 4), T=9, V=23):
+    """Micro-batches of token sequences with different numbers of real tokens (-100: padding)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in rows:
+        x = torch.randint(V, (b, T), generator=g)
+        y = torch.randint(V, (b, T), generator=g)
+        lengths = torch.randint(1, T + 1, (b,), generator=g)
+        y[torch.arange(T)[None, :] >= lengths[:, None]] = -100
+        out.append((x, y))
+    return out
+
+
+def _gpt(seed):
+    from companion.models import GPT
+    return GPT(23, 9, 16, 1, 2, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_token_normalized_step_is_the_full_batch_step(seed):
+    micro = _padded_micro_batches(seed)
+    model, full = _gpt(seed), _gpt(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = acc.token_normalized_step(model, opt, micro)
+    x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
+    full_opt = torch.optim.SGD(full.parameters(), lr=0.5)
+    full_loss = F.cross_entropy(full(x).flatten(0, 1), y.flatten())   # mean over real tokens
+    full_loss.backward()
+    full_opt.step()
+    assert loss == pytest.approx(full_loss.item(), rel=1e-5)
+    for a, b in zip(model.parameters(), full.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mean_per_micro_batch_is_not_the_full_batch_mean():
+    """The 2024 bug: mean of each micro-batch, divided by k, weights short micro-batches more."""
+    micro = _padded_micro_batches(0)
+    model = _gpt(0)
+    means = [F.cross_entropy(model(x).flatten(0, 1), y.flatten()) for x, y in micro]
+    x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
+    full = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    assert abs(sum(means).item() / len(micro) - full.item()) > 1e-3
+    tokens = [int((y != -100).sum()) for _, y in micro]
+    weighted = sum(m * n for m, n in zip(means, tokens)) / sum(tokens)
+    assert weighted.item() == pytest.approx(full.item(), rel=1e-5)
+
+
+def test_token_normalized_step_with_only_padding_says_so():
+    x = torch.zeros(1, 3, dtype=torch.long)
+    model = _gpt(0)
+    with pytest.raises(ValueError, match="no token"):
+        acc.token_normalized_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  [(x, torch.full((1, 3), -100))])
