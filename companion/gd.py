@@ -56,9 +56,10 @@ def autograd_gradient(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
     return w.grad, b.grad
 
 
-def sgd_step(w: torch.Tensor, b: torch.Tensor, dw: torch.Tensor, db: torch.Tensor, *,
+def sgd_step(w: torch.Tensor, b: torch.Tensor, dw: torch.Tensor, db: torch.Tensor,
              lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """θ ← θ − η·∂L/∂θ: new parameters; the gradients are inputs and stay as they were."""
+    """θ ← θ − η·∂L/∂θ: new parameters; the gradients are inputs and stay as they were.
+    (`lr` may be passed by position or by name: sgd_step(w, b, dw, db, 0.1) or ..., lr=0.1.)"""
     return w - lr * dw, b - lr * db
 
 

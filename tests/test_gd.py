@@ -44,6 +44,13 @@ def test_sgd_step_moves_parameters_not_gradients(problem):
     assert torch.equal(dw, torch.ones_like(w))
 
 
+def test_sgd_step_takes_the_learning_rate_as_the_exercise_passes_it(problem):
+    """Chapter 01's exercise has the signature sgd_step(w, b, dw, db, lr): the reference agrees."""
+    _, _, w, b = problem
+    dw, db = torch.ones_like(w), torch.ones(())
+    torch.testing.assert_close(gd.sgd_step(w, b, dw, db, 0.5), gd.sgd_step(w, b, dw, db, lr=0.5))
+
+
 def test_batches_cover_every_example_once():
     parts = gd.batches(10, 4)
     assert [len(p) for p in parts] == [4, 4, 2]
