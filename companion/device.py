@@ -85,6 +85,8 @@ class Sizes:
                               # each micro-step's loss is divided by it, as in accumulation
     amp_steps: int = 300      # its training steps
     amp_matmul: int = 1024    # side of the square matrices whose 16-bit matmul chapter 05 times
+    anatomy_gpt_batch: int = 32  # batch of the course GPT (gpt_width, gpt_depth, vocab) whose
+                                 # training step chapter 00 takes apart
 
 
 _SIZES = {
@@ -95,7 +97,7 @@ _SIZES = {
                   zero_width=8192, zero_depth=8, zero_batch=64, zero_vocab=262144,
                   offload_width=1536, offload_depth=16, offload_batch=1, act_offload_batch=8,
                   amp_gpt_batch=8, amp_width=1024, amp_depth=8, amp_batch=4096, amp_accum=256,
-                  amp_steps=500, amp_matmul=8192),
+                  amp_steps=500, amp_matmul=8192, anatomy_gpt_batch=8),
 }
 
 
