@@ -382,3 +382,69 @@ def test_cuda_tracker_counts_cpu_storages_as_host():
         z = torch.empty(50, pin_memory=True)
     assert t.host_current == 400 + 200 and t.breakdown("current")["temporaries"] == 4000
     del x, y, z
+
+
+_MIB = 2**20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_track_counts_from_its_start_and_resets_the_peak():
+    before = torch.empty(64 * _MIB, dtype=torch.uint8, device="cuda")   # live before: not counted
+    spike = torch.empty(256 * _MIB, dtype=torch.uint8, device="cuda")
+    del spike                                           # an older, higher peak: reset on entry
+    with track("cuda") as t:
+        a = torch.empty(8 * _MIB, dtype=torch.uint8, device="cuda")
+        del a
+        b = torch.empty(4 * _MIB, dtype=torch.uint8, device="cuda")
+        assert t.current == 4 * _MIB
+    assert (t.current, t.peak) == (4 * _MIB, 8 * _MIB)  # max_memory_allocated - the start
+    assert t.reserved >= t.current + 64 * _MIB          # the cache holds at least what lives
+    assert t.breakdown("current")["temporaries"] == 4 * _MIB      # the ledger agrees
+    del before, b
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_training_step_breakdown_matches_the_allocator():
+    model = GPT(vocab=512, seq_len=64, width=128, depth=2, heads=4, device="cuda")
+    x = torch.randint(512, (8, 64), device="cuda")
+    model.loss(x, x).backward()             # first matmuls: cuBLAS takes its workspace, for good
+    model.zero_grad(set_to_none=True)
+    with track("cuda") as t:
+        opt = torch.optim.Adam(model.parameters())
+        model.loss(x, x).backward()
+        opt.step()
+    end = t.breakdown("current")
+    n = sum(p.numel() for p in model.parameters())
+    assert end["gradients"] == 4 * n and end["optimizer_state"] >= 8 * n
+    ledger = sum(end.values())                          # tensor storages, to the byte
+    assert ledger <= t.current <= ledger + 512 * 4 * len(list(model.parameters()))  # 512 B blocks
+    assert t.peak_phase in ("forward", "backward", "optimizer")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_budget_caps_the_allocator_and_lifts_the_cap_after_an_error():
+    fraction = torch.cuda.get_per_process_memory_fraction()
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        with memory_budget("256 MiB", device="cuda"):
+            ok = torch.empty(128 * _MIB, dtype=torch.uint8, device="cuda")   # fits
+            del ok
+            torch.empty(512 * _MIB, dtype=torch.uint8, device="cuda")        # does not
+    assert torch.cuda.get_per_process_memory_fraction() == fraction
+    big = torch.empty(1024 * _MIB, dtype=torch.uint8, device="cuda")         # the cap is gone
+    del big
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_budget_is_what_find_max_batch_size_runs_into():
+    from companion.accumulation import find_max_batch_size
+
+    def step(b):                                        # b MiB for one "step", then freed
+        torch.empty(b * _MIB, dtype=torch.uint8, device="cuda")
+
+    with memory_budget("200 MiB", device="cuda"):
+        largest = find_max_batch_size(step, start=1, device="cuda")
+    assert 150 <= largest <= 200                        # the allocator rounds to 2 MiB pages
