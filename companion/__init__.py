@@ -4,19 +4,22 @@ Readable reference implementations of memory-saving techniques, tools that measu
 memory on any device, widgets, and the checks that grade the course's exercises. Import the module
 you need (``from companion import memory``); this file only lists them.
 
-Measure and predict: `memory` (track, measure, memory_budget; `memory_plot`), `placement` (device,
-host or disk), `estimate` (with `estimate_offload`), `device`, `models`, `network` (the α–β model
-of communication).
-Techniques: `gd`, `floats`, `accumulation`, `checkpointing`, `amp` (GradScaler, MasterWeights,
-autocast_dtypes), `collectives`, `dp`, `ddp`, `launch`,
-`lora`, `zero` (ZeRO stages 1-3), `offload` (ZeRO-Offload, activation offload), `nvme` (the NVMe
-tier), `train` (the `python -m companion train` launcher).
+Measure and predict: `memory` (track, measure, memory_budget; `memory_plot`), `allocator` (the
+CUDA caching allocator's snapshots and settings), `placement` (device, host or disk), `estimate`
+(with `estimate_offload`), `device`, `models`, `network` (the α–β model of communication).
+Techniques: `gd`, `optim` (Adam from scratch, the step fused into backward), `floats`,
+`accumulation`, `chunked_loss` (cross-entropy without the whole logits), `checkpointing`, `amp`
+(GradScaler, MasterWeights, autocast_dtypes), `collectives`, `dp`, `ddp`, `launch`, `lora`, `zero`
+(ZeRO stages 1-3), `offload` (ZeRO-Offload, activation offload), `nvme` (the NVMe tier), `train`
+(the `python -m companion train` launcher).
 The course itself: `widgets`, `results`, `checks`, `notebooks`, `grading`.
 """
 __all__ = [
     "accumulation",
+    "allocator",
     "amp",
     "checkpointing",
+    "chunked_loss",
     "checks",
     "collectives",
     "ddp",
@@ -36,6 +39,7 @@ __all__ = [
     "notebooks",
     "nvme",
     "offload",
+    "optim",
     "placement",
     "results",
     "train",

@@ -1,0 +1,90 @@
+"""companion.allocator: reading the CUDA caching allocator's snapshots, on a small snapshot written
+as `torch.cuda.memory._snapshot`'s documentation describes it, and on real ones on a GPU."""
+import pickle
+
+import pytest
+import torch
+
+from companion.allocator import growing_batches, snapshot_report, snapshot_timeline
+
+_FRAMES = [{"filename": "/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+           {"filename": "/home/me/train.py", "line": 42, "name": "step"}]
+# Two segments: the first has a live 6 MiB tensor, a free 2 MiB block and a live 4 MiB tensor;
+# the second (12 MiB) is wholly free.
+_SNAPSHOT = {
+    "segments": [
+        {"address": 0, "total_size": 12 << 20, "allocated_size": 10 << 20, "active_size": 10 << 20,
+         "stream": 0, "segment_type": "large",
+         "blocks": [{"size": 6 << 20, "requested_size": 6 << 20, "address": 0,
+                     "state": "active_allocated", "frames": _FRAMES},
+                    {"size": 2 << 20, "requested_size": 2 << 20, "address": 6 << 20,
+                     "state": "inactive", "frames": []},
+                    {"size": 4 << 20, "requested_size": 4 << 20, "address": 8 << 20,
+                     "state": "active_allocated", "frames": []}]},
+        {"address": 1 << 30, "total_size": 12 << 20, "allocated_size": 0, "active_size": 0,
+         "stream": 0, "segment_type": "large",
+         "blocks": [{"size": 12 << 20, "requested_size": 12 << 20, "address": 1 << 30,
+                     "state": "inactive", "frames": []}]}],
+    "device_traces": [[
+        {"action": "segment_alloc", "addr": 0, "size": 12 << 20, "stream": 0, "frames": []},
+        {"action": "alloc", "addr": 0, "size": 6 << 20, "stream": 0, "frames": _FRAMES},
+        {"action": "alloc", "addr": 6 << 20, "size": 2 << 20, "stream": 0, "frames": []},
+        {"action": "free_requested", "addr": 6 << 20, "size": 2 << 20, "stream": 0, "frames": []},
+        {"action": "free_completed", "addr": 6 << 20, "size": 2 << 20, "stream": 0, "frames": []},
+        {"action": "alloc", "addr": 8 << 20, "size": 4 << 20, "stream": 0, "frames": []}]],
+}
+
+
+def test_report_reads_segments_and_blocks():
+    report = snapshot_report(_SNAPSHOT)
+    assert report["segments"] == 2 and report["reserved"] == 24 << 20
+    assert report["allocated"] == 10 << 20 and report["cached_free"] == 14 << 20
+    assert report["largest_free_block"] == 12 << 20
+    assert report["fragmentation"] == pytest.approx(1 - 12 / 14)
+    assert report["largest"][0] == (6 << 20, "train.py:42 in step")     # no folders shown
+    assert report["largest"][1] == (4 << 20, "(no Python frame recorded)")
+
+
+def test_timeline_replays_allocations_and_frees():
+    line = snapshot_timeline(_SNAPSHOT)
+    mib = [a >> 20 for a in line["allocated"]]
+    assert mib == [0, 6, 8, 8, 6, 10] and line["reserved"][-1] == 12 << 20
+    assert line["action"][3] == "free_requested"            # requested is not yet free
+    assert snapshot_timeline({"segments": []}) == {"action": [], "allocated": [], "reserved": []}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_growing_batches_says_it_needs_a_gpu():
+    with pytest.raises(RuntimeError, match="needs a GPU"):
+        growing_batches(expandable=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_real_snapshot_agrees_with_the_counters(tmp_path):
+    torch.cuda.memory._record_memory_history(max_entries=10_000)
+    try:
+        keep = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (3, 5, 7)]
+        del keep[1]
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._dump_snapshot(str(tmp_path / "snapshot.pickle"))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    report = snapshot_report(snapshot)
+    assert report["reserved"] == torch.cuda.memory_reserved()
+    assert report["allocated"] == torch.cuda.memory_allocated()
+    assert any(where.startswith("test_allocator.py") for _, where in report["largest"])
+    line = snapshot_timeline(snapshot, device=torch.cuda.current_device())
+    assert line["allocated"][-1] == (3 + 7) << 20            # what the recording saw live
+    with open(tmp_path / "snapshot.pickle", "rb") as f:
+        assert set(pickle.load(f)) >= {"segments", "device_traces"}
+    del keep
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_growing_batches_runs_with_and_without_expandable_segments():
+    for expandable in (False, True):
+        figures = growing_batches(expandable=expandable, width=1024, depth=2, start=256, steps=4)
+        assert figures["max_reserved"] >= figures["max_allocated"] > 0
