@@ -16,7 +16,8 @@ import platform
 
 import torch
 
-__all__ = ["pick_device", "describe", "Sizes", "sizes"]
+__all__ = ["pick_device", "describe", "Sizes", "sizes", "sizes_for_memory", "gpu_class",
+           "GPU_CLASSES_GB"]
 
 
 def pick_device(prefer: str | None = None) -> torch.device:
@@ -93,7 +94,7 @@ _SIZES = {
     "cpu": Sizes(batch=32, width=256, depth=8, seq_len=64, n_examples=512, epochs=20, steps=3),
     "cuda": Sizes(batch=64, width=4096, depth=24, seq_len=1024, n_examples=8192, epochs=50, steps=10,
                   gpt_width=1024, gpt_depth=12, gpt_heads=16, vocab=50257,
-                  ckpt_depth=64, ckpt_batch=8192, ckpt_gpt_depth=16, ckpt_gpt_batch=16,
+                  ckpt_depth=64, ckpt_batch=8192, ckpt_gpt_depth=16, ckpt_gpt_batch=8,
                   zero_width=8192, zero_depth=8, zero_batch=64, zero_vocab=262144,
                   offload_width=1536, offload_depth=16, offload_batch=1, act_offload_batch=8,
                   amp_gpt_batch=8, amp_width=1024, amp_depth=8, amp_batch=4096, amp_accum=256,
@@ -101,7 +102,44 @@ _SIZES = {
 }
 
 
+# GPU classes by memory in GB (10⁹ bytes). "cuda" is the 80 GB reference, used by bigger GPUs too;
+# tests/test_device.py holds every chapter's run (companion.record.fit) under 60% of each class.
+_R = dataclasses.replace
+_GPU_CLASSES = {80: _SIZES["cuda"]}
+_GPU_CLASSES[40] = _R(_GPU_CLASSES[80], anatomy_gpt_batch=4, amp_gpt_batch=4, act_offload_batch=4,
+                      ckpt_gpt_batch=4, ckpt_depth=32, ckpt_batch=4096, offload_width=1024)
+_GPU_CLASSES[24] = _R(_GPU_CLASSES[40], width=2048, anatomy_gpt_batch=2, amp_gpt_batch=2,
+                      act_offload_batch=2, ckpt_gpt_batch=2, ckpt_gpt_depth=12, zero_width=4096,
+                      offload_depth=8, amp_matmul=4096)
+_GPU_CLASSES[16] = _R(_GPU_CLASSES[24], depth=16, gpt_depth=8, anatomy_gpt_batch=1,
+                      amp_gpt_batch=1, act_offload_batch=1, ckpt_gpt_batch=1, ckpt_gpt_depth=8,
+                      ckpt_depth=32, ckpt_batch=2048, offload_width=768)
+GPU_CLASSES_GB = tuple(sorted(_GPU_CLASSES))
+
+
+def gpu_class(total_bytes: int) -> int | None:
+    """The GPU class (16, 24, 40 or 80 GB) of a GPU with `total_bytes` of memory: the largest
+    class it holds 90% of (a "16 GB" T4 reports 15.8·10⁹ bytes), or None under 14.4·10⁹."""
+    if isinstance(total_bytes, bool) or not isinstance(total_bytes, int) or total_bytes < 0:
+        raise ValueError(f"total_bytes must be a non-negative int, got {total_bytes!r}")
+    fits = [gb for gb in GPU_CLASSES_GB if total_bytes >= 0.9 * gb * 10**9]
+    return max(fits) if fits else None
+
+
+def sizes_for_memory(total_bytes: int) -> Sizes:
+    """The sizes for a GPU with `total_bytes` of memory (`torch.cuda.get_device_properties(d)
+    .total_memory`): its class's (`gpu_class`), or the CPU sizes below the smallest class."""
+    gb = gpu_class(total_bytes)
+    return _SIZES["cpu"] if gb is None else _GPU_CLASSES[gb]
+
+
 def sizes(device: torch.device | str | None = None) -> Sizes:
-    """The experiment sizes for `device` (the picked device when None): small on CPU, real on GPU."""
+    """The experiment sizes for `device` (the picked device when None): small on CPU; on a GPU,
+    those of its memory class (`sizes_for_memory`). `sizes("cuda")` on a machine without CUDA
+    gives the 80 GB reference sizes, so a notebook can print what a GPU would run."""
     device = pick_device() if device is None else torch.device(device)
-    return _SIZES["cuda" if device.type == "cuda" else "cpu"]
+    if device.type != "cuda":
+        return _SIZES["cpu"]
+    if not torch.cuda.is_available():
+        return _SIZES["cuda"]
+    return sizes_for_memory(torch.cuda.get_device_properties(device).total_memory)

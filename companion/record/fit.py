@@ -1,0 +1,140 @@
+"""Predicted peak memory of what each chapter runs on the device, from `companion.estimate`.
+
+`companion.device.sizes` sizes every chapter's experiments for the GPU at hand; the predictions
+here are what those sizes are checked against (tests/test_device.py holds each one under 60% of
+its GPU class's memory) and what the recorder writes beside its measurements. Each prediction
+follows the notebook's GPU code: what lives at once at the memory-heaviest moment of the chapter,
+counted as the estimator counts it (weights, gradients, optimizer state, saved activations) plus
+the few large temporaries named in each function.
+
+Example:
+    >>> from companion.device import sizes
+    >>> peaks = predicted_peaks(sizes("cuda"))
+    >>> max(peaks["04"].values()) / 1e9              # GB at the peak of chapter 04's largest run
+
+Simplified vs measurement: upper bounds where a chapter keeps earlier models alive, and no
+allocator rounding or fragmentation (the 40% left free is for those, and for the CUDA context).
+"""
+from __future__ import annotations
+
+from companion import estimate as E
+
+__all__ = ["predicted_peaks", "gpt_step_bytes", "mlp_step_bytes"]
+
+
+def gpt_step_bytes(s, *, batch: int, depth: int, width: int | None = None,
+                   optimizer: str = "adam", precision: str = "fp32") -> int:
+    """Peak bytes of a training step of `companion.models.GPT` (vocab, seq_len, heads from `s`):
+    model states, saved activations, and the two (B·T, vocab) gradients that live at once early
+    in backward (of the log-softmax's output and of the logits), 4 bytes each value."""
+    width = s.gpt_width if width is None else width
+    n = E.gpt_params(s.vocab, s.seq_len, width, depth)
+    states = E.model_states(n, optimizer=optimizer, precision=precision).total
+    acts = E.gpt_activations(batch, s.seq_len, width, depth, s.gpt_heads, s.vocab,
+                             precision=precision)
+    return states + acts + 2 * 4 * batch * s.seq_len * s.vocab
+
+
+def mlp_step_bytes(d_in: int, width: int, depth: int, d_out: int, *, batch: int,
+                   optimizer: str = "adam") -> int:
+    """Peak bytes of a training step of `companion.models.MLP`: model states, saved activations,
+    the input batch and two (B, width) gradients flowing back at once."""
+    n = E.mlp_params(d_in, width, depth, d_out)
+    states = E.model_states(n, optimizer=optimizer).total
+    return states + E.mlp_activations(batch, width, depth, d_out) + 4 * batch * (d_in + 2 * width)
+
+
+def predicted_peaks(s) -> dict[str, dict[str, int]]:
+    """Bytes at the peak of each memory-heavy run of each chapter at sizes `s` (a `Sizes`), by
+    chapter ("00", ...) and run. Reads every field of `s` that sizes device memory."""
+    return {"00": _anatomy(s), "01": _gradient_descent(s), "02": _float_formats(s),
+            "03": _accumulation(s), "04": _checkpointing(s), "05": _mixed_precision(s),
+            "06": _data_parallel(s), "07": _zero(s), "08": _offload(s)}
+
+
+def _anatomy(s) -> dict[str, int]:
+    return {"mlp training step": mlp_step_bytes(s.width, s.width, s.depth, 10, batch=s.batch),
+            "gpt training step": gpt_step_bytes(s, batch=s.anatomy_gpt_batch, depth=s.gpt_depth)}
+
+
+def _gradient_descent(s) -> dict[str, int]:
+    # 1. the regression data (n_examples x 8, and y); 2. the 3-layer MLP of chapter 01's last
+    # section, its activations at the largest batch it measures, 16·batch.
+    data = 4 * s.n_examples * (8 + 1)
+    mlp = mlp_step_bytes(64, s.width, 3, 10, batch=16 * s.batch, optimizer="sgd")
+    return {"activations against the batch": data + mlp}
+
+
+def _float_formats(s) -> dict[str, int]:
+    # The MLP trained with Adam (12 B/param once its gradients are freed), its fp32 copy trained
+    # one step (16) and its bf16 copy with fp32 masters (2 + 2 + 4 + 4 + 8 = 20), alive at once,
+    # plus the data set and one hidden layer's output over all of it (the rounding report).
+    n = E.mlp_params(32, s.width, s.depth - 1, 10)
+    data = 4 * s.n_examples * (32 + 1 + 2 * s.width)
+    acts = E.mlp_activations(s.batch, s.width, s.depth - 1, 10)
+    return {"three copies of the mlp": 48 * n + data + acts}
+
+
+def _accumulation(s) -> dict[str, int]:
+    # The largest batch whose peak chapter 03 measures is 64·batch; the data set is that size.
+    largest = 64 * s.batch
+    return {"largest batch step": mlp_step_bytes(32, s.width, s.depth, 10, batch=largest)
+            + 4 * largest * (32 + 2)}
+
+
+def _checkpointing(s) -> dict[str, int]:
+    # The deep MLP (weights and gradients, no optimizer) stays alive while the GPT stack runs.
+    mlp = 8 * E.mlp_params(s.width, s.width, s.ckpt_depth, 10)
+    mlp_step = mlp + 4 * s.ckpt_batch * s.width * (s.ckpt_depth + 4)
+    stack = gpt_step_bytes(s, batch=s.ckpt_gpt_batch, depth=s.ckpt_gpt_depth, optimizer="sgd")
+    long_t = 4 * s.seq_len                          # the attention sweep's longest sequence
+    block = 2 * E.gpt_activations(1, long_t, s.gpt_width, 1, s.gpt_heads, 1)
+    return {"deep mlp, no checkpointing": mlp_step,
+            "gpt stack, no checkpointing (deep mlp alive)": mlp + stack + block}
+
+
+def _mixed_precision(s) -> dict[str, int]:
+    n = E.gpt_params(s.vocab, s.seq_len, s.gpt_width, s.gpt_depth)
+    fp32 = gpt_step_bytes(s, batch=s.amp_gpt_batch, depth=s.gpt_depth)
+    # bf16 weights and gradients, fp32 masters, their fp32 gradients and Adam: 2+2+4+4+8 = 20.
+    master = 20 * n + E.gpt_activations(s.amp_gpt_batch, s.seq_len, s.gpt_width, s.gpt_depth,
+                                        s.gpt_heads, s.vocab, precision="bf16") \
+        + 2 * 2 * s.amp_gpt_batch * s.seq_len * s.vocab
+    matmul = (2 * 4 + 2 * 2 + 4) * s.amp_matmul ** 2       # a, b fp32; 16-bit copies; product
+    mlp = mlp_step_bytes(32, s.amp_width, s.amp_depth, 10, batch=s.amp_batch) + 4 * 16384 * 33
+    return {"gpt two steps, fp32": fp32, "gpt two steps, fp32 master weights": master,
+            "timed gpt step and matmul": fp32 + matmul, "mlp training": mlp}
+
+
+def _data_parallel(s) -> dict[str, int]:
+    # DataParallel on one device: the master module and 4 replicas with their gradients, the
+    # global batch of 4·batch rows and its activations; a DDP rank: weights, gradients, buckets.
+    n = s.depth // 2 * (s.width ** 2 + s.width)
+    rows = 4 * s.batch
+    dp = 5 * 8 * n + 4 * n + 4 * rows * s.width * (2 + 2 * (s.depth // 2))
+    ddp = 12 * n + 4 * s.batch * s.width * (2 + 2 * (s.depth // 2))
+    n_buckets = s.ddp_depth * (s.ddp_width ** 2 + s.ddp_width)      # gloo ranks, on the CPU
+    buckets = 12 * n_buckets + 4 * s.ddp_batch * s.ddp_width * (2 + 2 * s.ddp_depth)
+    return {"data parallel, 4 replicas on one device": dp, "ddp step on one rank": ddp,
+            "bucket experiment (per gloo rank, host memory)": buckets}
+
+
+def _zero(s) -> dict[str, int]:
+    # One rank holds everything when there is one GPU: Adam's 16 B/param plus a full gathered or
+    # flat copy (24 B/param in all); the FSDP comparison keeps ours and FSDP2 alive (36 B/param).
+    n = E.mlp_params(s.zero_width, s.zero_width, s.zero_depth, 16)
+    acts = 4 * s.zero_batch * s.zero_width * (2 * s.zero_depth + 1)
+    balance = 2 * 16 * (s.zero_vocab * 64 + 64 * 64 + 64 + 64 * 8 + 8)
+    return {"stages 0-3 on one rank": 24 * n + acts, "ours and fsdp2 on one rank": 36 * n + acts,
+            "balance demo": balance}
+
+
+def _offload(s) -> dict[str, int]:
+    # The plain AdamW model (16 B/param) and the offloaded one (weights and a gradient in flight:
+    # 8) timed side by side, then kept while the course GPT's activations are offloaded.
+    n = E.gpt_params(s.vocab, s.seq_len, s.offload_width, s.offload_depth)
+    step = E.gpt_activations(s.offload_batch, s.seq_len, s.offload_width, s.offload_depth,
+                             s.gpt_heads, s.vocab) + 8 * s.offload_batch * s.seq_len * s.vocab
+    models = 16 * n + 8 * n + 8 * n
+    act = gpt_step_bytes(s, batch=s.act_offload_batch, depth=s.gpt_depth, optimizer="sgd")
+    return {"plain and offloaded adamw": models + step, "activation offload": models + act}
