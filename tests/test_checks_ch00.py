@@ -1,93 +1,160 @@
-"""Chapter 00's checks pass on the reference and fail on known-wrong and bad answers."""
-import time
+"""Chapter 00's checks pass on the reference and fail, with their hint, on known-wrong answers."""
+import pickle
 
 import pytest
 import torch
 
-from companion import estimate
-from companion.checks.ch00 import check_activation_bytes, check_model_state_bytes, check_param_bytes
-from companion.checks.core import CheckFailed, NotDone
+from companion import estimate, optim
+from companion.checks.ch00 import (LAYOUTS, check_activation_bytes, check_adam_step,
+                                   check_model_state_bytes, check_transformer_activations)
+from companion.checks.core import CheckFailed, call, evaluate
+from companion.checks.harness import Remote, RemoteArg
 
 
-def _param_bytes(model):
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+# ---------------------------------------------------------------- exercise 1: Adam's step
+
+def adam_reference(param, grad, state, lr, betas, eps):
+    optim.adam_step(param, grad, state, lr=lr, betas=betas, eps=eps)
 
 
-def _states(n, optimizer, precision):
-    s = estimate.model_states(n, optimizer=optimizer, precision=precision)
+def adam_by_the_paper(param, grad, state, lr, betas, eps):
+    """Kingma & Ba's Algorithm 1 as written: bias-corrected m̂ and v̂, an int step."""
+    if not state:
+        state.update(step=0, exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+    state["step"] += 1
+    t, (b1, b2) = state["step"], betas
+    state["exp_avg"].mul_(b1).add_(grad, alpha=1 - b1)
+    state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    m_hat = state["exp_avg"] / (1 - b1**t)
+    v_hat = state["exp_avg_sq"] / (1 - b2**t)
+    param -= lr * m_hat / (v_hat.sqrt() + eps)
+
+
+def _adam_with(mistake):
+    def answer(param, grad, state, lr, betas, eps):
+        if not state:
+            state.update(step=0, exp_avg=torch.zeros_like(param),
+                         exp_avg_sq=torch.zeros_like(param))
+        b1, b2 = betas
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        state["step"] += 1
+        t = 1 if mistake == "state not kept" else state["step"]
+        if mistake == "state not kept":
+            m.zero_()
+            v.zero_()
+        m.mul_(b1).add_(grad, alpha=1 - b1)
+        v.mul_(b2).add_((grad.abs() if mistake == "v of |g|" else grad * grad) * (1 - b2))
+        c1, c2 = (1.0, 1.0) if mistake == "no bias correction" else (1 - b1**t, 1 - b2**t)
+        top = grad if mistake == "no momentum" else m
+        denom = (v / c2 + eps).sqrt() if mistake == "eps in sqrt" else (v / c2).sqrt() + eps
+        param -= lr * (top / c1) / denom
+    return answer
+
+
+def adam_rebinds(param, grad, state, lr, betas, eps):
+    param = param - lr * grad                                   # noqa: F841  (not in place)
+
+
+def adam_own_names(param, grad, state, lr, betas, eps):
+    """Right numbers, but its own names for the moments."""
+    inner = state.setdefault("inner", {})
+    optim.adam_step(param, grad, inner, lr=lr, betas=betas, eps=eps)
+    state["m"], state["v"], state["step"] = inner["exp_avg"], inner["exp_avg_sq"], inner["step"]
+
+
+def adam_fp32_state(param, grad, state, lr, betas, eps):
+    """Right numbers in fp32 only: moments always float32, whatever the parameter's dtype."""
+    if not state:
+        state.update(step=0, exp_avg=torch.zeros(param.shape),
+                     exp_avg_sq=torch.zeros(param.shape))
+    adam_by_the_paper(param, grad, state, lr, betas, eps)
+
+
+def adam_keeps_nothing(param, grad, state, lr, betas, eps):
+    adam_reference(param, grad, {}, lr, betas, eps)
+
+
+def adam_no_step_count(param, grad, state, lr, betas, eps):
+    """Right numbers, the moments where they belong, the step count under another name."""
+    inner = state.setdefault("inner", {})
+    optim.adam_step(param, grad, inner, lr=lr, betas=betas, eps=eps)
+    state["exp_avg"], state["exp_avg_sq"], state["t"] = (inner["exp_avg"], inner["exp_avg_sq"],
+                                                         inner["step"])
+
+
+def test_adam_step_passes_on_the_reference_and_the_paper():
+    check_adam_step(adam_reference)
+    check_adam_step(adam_by_the_paper)
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("no bias correction", "bias correction"),
+    ("v of |g|", "squared gradient"),
+    ("eps in sqrt", "outside the square root"),
+    ("no momentum", "running mean of the gradient"),
+    ("state not kept", "between calls"),
+])
+def test_adam_step_known_mistakes_get_their_hint(mistake, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_adam_step(_adam_with(mistake))
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (adam_rebinds, "in place"),
+    (adam_own_names, "exp_avg"),
+    (adam_fp32_state, "zeros_like"),
+    (adam_no_step_count, "count the steps"),
+    (adam_keeps_nothing, "between calls"),
+])
+def test_adam_step_state_is_checked(answer, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_adam_step(answer)
+
+
+# ---------------------------------------------------------------- exercise 2: model states
+
+def _states(n, optimizer, layout):
+    precision, options = LAYOUTS[layout]
+    s = estimate.model_states(n, optimizer=optimizer, precision=precision, **options)
     return s.params, s.grads, s.optimizer
 
 
-def _activations(B, W, L, K, e):
-    return L * B * W * e + B * K * e
-
-
-def _raises(model):
-    raise ValueError("boom")
-
-
-def _not_done(*args):
-    raise NotImplementedError("write this")
-
-
-def _hangs(*args):
-    while True:
-        time.sleep(0.01)
-
-
-BAD = [None, "a string", 42, _raises]
-
-
-def test_param_bytes_reference_passes():
-    check_param_bytes(_param_bytes)
-    check_param_bytes(lambda m: torch.tensor(_param_bytes(m)))
-
-
-@pytest.mark.parametrize("wrong, hint", [
-    (lambda m: sum(p.numel() for p in m.parameters()), "number of values"),
-    (lambda m: 4 * sum(p.numel() for p in m.parameters()), "depends on the dtype"),
-    (lambda m: 8 * _param_bytes(m), "bits"),
-    (lambda m: _param_bytes(m) + 4, "does not match"),
-    (lambda m: float("nan"), "NaN"),
-    (lambda m: [_param_bytes(m)], "number of bytes"),
-])
-def test_param_bytes_wrong_answers_fail(wrong, hint):
-    with pytest.raises(CheckFailed, match=hint):
-        check_param_bytes(wrong)
+def _changed(layout_wanted, fn):
+    def answer(n, optimizer, layout):
+        p, g, o = _states(n, optimizer, layout)
+        k = {"sgd": 0, "sgd_momentum": 1, "adam": 2}[optimizer]
+        return fn(n, k, p, g, o) if layout == layout_wanted else (p, g, o)
+    return answer
 
 
 def test_model_state_bytes_reference_passes():
     check_model_state_bytes(_states)
-    check_model_state_bytes(lambda n, o, p: list(_states(n, o, p)))
-
-
-def _no_master(n, optimizer, precision):
-    p, g, o = _states(n, optimizer, precision)
-    return (p, g, o - 4 * n) if precision == "mixed" else (p, g, o)
-
-
-def _half_everything(n, optimizer, precision):
-    p, g, o = _states(n, optimizer, "fp32")
-    return (p // 2, g // 2, o // 2) if precision == "mixed" else (p, g, o)
-
-
-def _one_adam_state(n, optimizer, precision):
-    p, g, o = _states(n, optimizer, precision)
-    return (p, g, o - 4 * n) if optimizer == "adam" and precision == "fp32" else (p, g, o)
+    check_model_state_bytes(lambda n, o, layout: list(_states(n, o, layout)))
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (_no_master, "master copy"),
-    (_half_everything, "master copy|does not halve"),
-    (lambda n, o, p: _half_everything(n, o, p) if o == "adam" else _states(n, o, p), "does not halve"),
-    (_one_adam_state, "two tensors"),
-    (lambda n, o, p: _states(n, o, p)[:2], "tuple"),
-    (lambda n, o, p: sum(_states(n, o, p)), "tuple"),
-    (lambda n, o, p: ("a", "b", "c"), "number of bytes"),
+    (_changed("master", lambda n, k, p, g, o: (p, g, o - 4 * n)), "master copy"),
+    (_changed("master", lambda n, k, p, g, o: (p, g, 2 * k * n) if k == 2 else (p, g, o)),
+     "stay fp32"),
+    (_changed("autocast", lambda n, k, p, g, o: (2 * n, 2 * n, (4 + 4 * k) * n)),
+     "activations, not model states"),
+    (_changed("master_fp32_grads", lambda n, k, p, g, o: (p, 6 * n, o)), "replace the 16-bit"),
+    (_changed("master_grad_buffer", lambda n, k, p, g, o: (p, 4 * n, o)), "beside the 16-bit"),
+    (_changed("fp32", lambda n, k, p, g, o: (p, g, o // 2) if k == 2 else (p, g, o)),
+     "two tensors"),
+    (lambda n, o, layout: _states(n, o, layout)[:2], "tuple"),
+    (lambda n, o, layout: sum(_states(n, o, layout)), "tuple"),
+    (lambda n, o, layout: ("a", "b", "c"), "number of bytes"),
 ])
 def test_model_state_bytes_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
         check_model_state_bytes(wrong)
+
+
+# ---------------------------------------------------------------- exercise 3: MLP activations
+
+def _activations(B, W, L, K, e):
+    return L * B * W * e + B * K * e + e
 
 
 def test_activation_bytes_reference_passes():
@@ -107,18 +174,77 @@ def test_activation_bytes_wrong_answers_fail(wrong, hint):
         check_activation_bytes(wrong)
 
 
-@pytest.mark.parametrize("check", [check_param_bytes, check_model_state_bytes,
-                                   check_activation_bytes])
-@pytest.mark.parametrize("bad", BAD)
-def test_bad_input_is_a_failed_check(check, bad):
-    with pytest.raises(CheckFailed):
-        check(bad)
+# ---------------------------------------------------------------- exercise 4: any transformer
+
+def transformer_reference(b, s, h, L, a, V, dropout):
+    return estimate.transformer_activations(b, s, h, L, a, V, dropout=dropout)
 
 
-@pytest.mark.parametrize("check", [check_param_bytes, check_model_state_bytes,
-                                   check_activation_bytes])
-def test_not_done_and_hangs(check):
-    with pytest.raises(NotDone):
-        check.__wrapped__(_not_done)
-    with pytest.raises(CheckFailed, match="did not finish"):
-        check(_hangs, timeout=0.5)
+def _transformer(*, layer=None, outside=None, logits=4):
+    """The count by hand, with one piece changed."""
+    def answer(b, s, h, L, a, V, dropout):
+        per_layer = layer(s, b, h, a, dropout) if layer else (
+            s * b * h * 34 + 5 * a * s * s * b if dropout else s * b * h * 32 + 2 * a * s * s * b)
+        rest = outside(s, b, h, dropout) if outside else 4 * s * b * h + s * b * h * dropout
+        return L * per_layer + rest + logits * s * b * V
+    return answer
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_transformer(layer=lambda s, b, h, a, d: 34 * s * b * h + 5 * a * s * s * b),
+     "without dropout three tensors go"),
+    (_transformer(layer=lambda s, b, h, a, d: (34 if d else 32) * s * b * h),
+     "square of the sequence"),
+    (_transformer(layer=lambda s, b, h, a, d: (34 if d else 32) * s * b * h
+                  + (5 if d else 2) * s * s * b), "per head"),
+    (_transformer(logits=0), "log-softmax of the logits"),
+    (_transformer(logits=2), "fp32"),
+    (lambda b, s, h, L, a, V, d: transformer_reference(b, s, h, 1, a, V, d), "`depth` layers"),
+    (_transformer(outside=lambda s, b, h, d: 0), "final LayerNorm"),
+    (_transformer(outside=lambda s, b, h, d: 4 * s * b * h), "does not match"),
+])
+def test_transformer_activations_known_mistakes_get_their_hint(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_transformer_activations(wrong)
+
+
+def test_transformer_activations_reference_and_a_hand_count_pass():
+    check_transformer_activations(transformer_reference)
+    check_transformer_activations(_transformer())
+
+
+# ---------------------------------------------------------------- under the grader
+
+class _Elsewhere(Remote):
+    """An answer that lives in another process, as under the grader: whatever crosses to it and
+    back is pickled."""
+
+    def __init__(self, fn):
+        super().__init__(fn.__name__)
+        self.fn = fn
+
+    def call(self, args, kwargs):
+        args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
+        return pickle.loads(pickle.dumps(call(self.fn, *args, **kwargs)))
+
+    def run_harness(self, fn, args, kwargs):
+        args = [self.fn if a is self else a.fn(self.fn) if isinstance(a, RemoteArg) else a
+                for a in args]
+        return pickle.loads(pickle.dumps(fn(*args, **kwargs)))
+
+    def limit(self, seconds):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("name, answer", [
+    ("check_adam_step", adam_reference), ("check_model_state_bytes", _states),
+    ("check_activation_bytes", _activations),
+    ("check_transformer_activations", transformer_reference)])
+def test_checks_pass_on_an_answer_that_lives_in_another_process(name, answer):
+    assert evaluate(name, _Elsewhere(answer))
+
+
+def test_the_adam_check_judges_an_answer_that_lives_elsewhere():
+    with pytest.raises(CheckFailed, match="bias correction"):
+        evaluate("check_adam_step", _Elsewhere(_adam_with("no bias correction")))
