@@ -120,6 +120,7 @@ class Child:
     # ------------------------------------------------------------ start and end
 
     def start(self, *, timeout: float) -> dict:
+        self.before = frozenset(children_of(os.getpid()))      # not ours to end in kill()
         self.workdir = tempfile.mkdtemp(prefix="companion-sandbox-")
         req_r, self.req_w = os.pipe()
         self.rep_r, rep_w = os.pipe()
@@ -165,7 +166,7 @@ class Child:
         with contextlib.suppress(OSError):
             self.proc.kill()
         self.proc.wait()
-        end_descendants()
+        end_descendants(keep=self.before)
         for fd in (self.req_w, self.rep_r):
             with contextlib.suppress(OSError):
                 os.close(fd)
