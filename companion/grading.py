@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import pathlib
+import signal
 
 from companion.grader.batch import Batch, child_env, sandbox_user
 from companion.grader.expected import read_chapter

@@ -182,7 +182,6 @@ def test_time_limit_restores_the_alarm_it_found():
 def test_in_a_notebook_the_learners_line_is_named_by_its_cell():
     """In a real kernel the failing line is shown as IPython names it ("Cell In[2], line 3"),
     with the source line, and without a traceback through the companion."""
-    import nbformat
     from nbclient import NotebookClient
     from nbformat.v4 import new_code_cell, new_notebook
 

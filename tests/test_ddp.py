@@ -1,9 +1,6 @@
 """companion.ddp: our DDP trains like one process on the full batch and like torch's DDP."""
-import copy
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from companion import ddp, launch
