@@ -7,8 +7,9 @@ The update rule moves the *parameters*, not the gradient:
 with L the mean squared error over a batch of m examples. One update per batch; each batch starts
 from the parameters the previous batch left. Memory: the parameters and their gradients are d + 1
 numbers each; what grows with the batch size is the batch itself and what the forward pass keeps
-for backward (m numbers of residuals here, b·width per layer in an MLP; chapter 01 counts those
-with `companion.checkpointing.activation_bytes`).
+for backward (m numbers of residuals here, b·width per layer in an MLP; chapter 01 measures those
+with `companion.memory.track`). `steps_to_loss` and `noise_scale` measure and predict the critical
+batch size, beyond which a larger batch saves no updates.
 
 Example:
     >>> X, y, w_true, b_true = make_regression(256, 4)
@@ -29,6 +30,8 @@ __all__ = [
     "batches",
     "train_epoch",
     "train",
+    "steps_to_loss",
+    "noise_scale",
     "explore",
 ]
 
@@ -117,6 +120,37 @@ def train(X: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: int, epoch
     losses = torch.tensor(step_loss + epoch_loss)
     diverged = not bool(torch.isfinite(losses).all()) or epoch_loss[-1] > step_loss[0]
     return {"w": w, "b": b, "step_loss": step_loss, "epoch_loss": epoch_loss, "diverged": diverged}
+
+
+def steps_to_loss(X: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: int,
+                  target: float, max_steps: int = 1000, seed: int = 0) -> int | None:
+    """Updates of mini-batch SGD (from zero parameters, shuffled each epoch) until the MSE on all
+    the data is at most `target`; None if that takes more than `max_steps` or the loss diverges."""
+    g = torch.Generator().manual_seed(seed)
+    w, b = torch.zeros(X.shape[1], dtype=X.dtype), torch.zeros((), dtype=X.dtype)
+    step = 0
+    while step < max_steps:
+        for idx in batches(X.shape[0], batch_size, generator=g):
+            w, b = sgd_step(w, b, *mse_gradient(X[idx], y[idx], w, b), lr=lr)
+            step += 1
+            loss = float(mse_loss(X, y, w, b))
+            if loss <= target:
+                return step
+            if not loss < 1e6 or step >= max_steps:           # diverged (or NaN), or too long
+                return None
+    return None
+
+
+def noise_scale(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> float:
+    """The simple gradient noise scale B = tr(Σ) / |G|² at (w, b) (McCandlish et al., 2018, "An
+    Empirical Model of Large-Batch Training", eq. 2.8): G the full-batch gradient, Σ the covariance
+    of the per-example gradients. A batch of B examples has gradient noise tr(Σ)/B, as large as
+    |G|² at B = B_simple: much smaller batches are dominated by noise, much larger ones add
+    examples that barely change the step. It predicts the critical batch size to within a factor."""
+    r = X @ w + b - y                                       # (m,)
+    per_example = torch.cat([2 * X * r[:, None], 2 * r[:, None]], dim=1)   # (m, d + 1)
+    G = per_example.mean(dim=0)
+    return float(per_example.var(dim=0).sum() / (G @ G))
 
 
 def explore(X: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: int, epochs: int,

@@ -27,12 +27,26 @@ def test_sgd_step_reference_passes():
     check_sgd_step(lambda w, b, dw, db, lr: gd.sgd_step(w, b, dw, db, lr=lr))
 
 
-def test_sgd_step_in_place_update_of_parameters_is_fine():
+def test_sgd_step_passes_with_lr_by_position_as_the_exercise_calls_it():
+    check_sgd_step(gd.sgd_step)
+
+
+def test_sgd_step_in_place_update_of_parameters_is_fine_and_said(capsys):
     def in_place(w, b, dw, db, lr):
         w -= lr * dw
         b -= lr * db
         return w, b
     check_sgd_step(in_place)
+    assert "in place, as torch.optim does" in capsys.readouterr().out
+    check_sgd_step(lambda w, b, dw, db, lr: (w - lr * dw, b - lr * db))
+    assert "in place" not in capsys.readouterr().out
+
+
+def _updates_the_gradient(w, b, dw, db, lr):
+    """The notes' rule: "new gradient = old gradient - learning rate x derivative"."""
+    dw -= lr * dw
+    db -= lr * db
+    return w, b
 
 
 @pytest.mark.parametrize("wrong, hint", [
@@ -40,6 +54,9 @@ def test_sgd_step_in_place_update_of_parameters_is_fine():
     (lambda w, b, dw, db, lr: (dw - lr * w, db - lr * b), "changes the parameter"),
     (lambda w, b, dw, db, lr: (w - dw, b - db), "learning rate"),
     (lambda w, b, dw, db, lr: ((w - lr * dw, b - lr * db), dw.zero_())[0], "changed the gradient"),
+    (_updates_the_gradient, "not the gradient"),
+    (lambda w, b, dw, db, lr: (dw - lr * dw, db - lr * db), "the gradient after a step"),
+    (lambda w, b, dw, db, lr: (w, b), "unchanged"),
 ])
 def test_sgd_step_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint or None):

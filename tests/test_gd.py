@@ -101,3 +101,27 @@ def test_gd_explorer_widget_builds():
     before = box.children[1].value
     batch_slider.value = 64
     assert box.children[1].value != before and "batch=64" in box.children[1].value
+
+
+def test_steps_to_loss_counts_updates_and_gives_up_on_divergence(problem):
+    X, y, _, _ = problem
+    w, b = torch.zeros(X.shape[1]), torch.zeros(())
+    target, steps = 0.5, 0
+    while float(gd.mse_loss(X, y, w, b)) > target:              # full batch by hand
+        w, b = gd.sgd_step(w, b, *gd.mse_gradient(X, y, w, b), 0.1)
+        steps += 1
+    assert gd.steps_to_loss(X, y, lr=0.1, batch_size=len(y), target=target) == steps
+    assert gd.steps_to_loss(X, y, lr=50.0, batch_size=len(y), target=target) is None
+    assert gd.steps_to_loss(X, y, lr=1e-6, batch_size=8, target=target, max_steps=5) is None
+
+
+def test_noise_scale_is_trace_of_per_example_covariance_over_squared_gradient(problem):
+    X, y, w, b = problem
+    rows = []
+    for i in range(len(y)):                                   # each example's gradient, by autograd
+        dw, db = gd.autograd_gradient(X[i:i + 1], y[i:i + 1], w, b)
+        rows.append(torch.cat([dw, db.reshape(1)]))
+    per_example = torch.stack(rows)
+    G = per_example.mean(0)
+    expected = per_example.var(0).sum() / (G @ G)
+    assert gd.noise_scale(X, y, w, b) == pytest.approx(float(expected), rel=1e-4)

@@ -32,28 +32,37 @@ def check_mse_gradient(answer) -> str:
     return "matches the hand-derived gradient (2/m)·Xᵀr, (2/m)·Σr on 3 random batches"
 
 
+_GRADIENT_UPDATED = ("the update changes the parameter, not the gradient: return w − lr·dw and "
+                     "b − lr·db. (The notes this course grew from write \"new gradient = old "
+                     "gradient − learning rate × derivative\": that is the mistake.)")
+
+
 @exercise(points=1, reference="companion.gd.sgd_step")
 def check_sgd_step(answer) -> str:
     """answer(w, b, dw, db, lr) -> (w_new, b_new): one gradient-descent update."""
+    in_place = False
     for seed, d in zip(fresh_seeds(3), [5, 1, 17]):
         g = torch.Generator().manual_seed(seed)
         w, b, dw, db = (torch.randn(d, generator=g), torch.randn((), generator=g),
                         torch.randn(d, generator=g), torch.randn((), generator=g))
         lr = 0.05 + 0.1 * torch.rand((), generator=g).item()
-        dw_before, db_before = dw.clone(), db.clone()
-        got = call(answer, w.clone(), b.clone(), dw, db, lr)
-        compare(got, gd.sgd_step(w, b, dw_before, db_before, lr=lr), name="(w_new, b_new)",
-                known_wrong={
-                    "descent goes against the gradient: θ − η·∂L/∂θ, not θ + η·∂L/∂θ.":
-                        (w + lr * dw_before, b + lr * db_before),
-                    "the update changes the parameter, not the gradient: return w − lr·dw.":
-                        (dw_before - lr * w, db_before - lr * b),
-                    "scale the gradient by the learning rate.": (w - dw_before, b - db_before),
-                })
-        require(torch.equal(dw, dw_before) and torch.equal(db, db_before),
-                "your step changed the gradient tensors it was given",
-                hint="the rule moves the parameters; leave dw and db as they are.")
-    return "θ ← θ − η·∂L/∂θ moves the parameters and leaves the gradients alone"
+        w_in, b_in, dw_in, db_in = w.clone(), b.clone(), dw.clone(), db.clone()
+        got = call(answer, w_in, b_in, dw_in, db_in, lr)
+        require(torch.equal(dw_in, dw) and torch.equal(db_in, db),
+                "your step changed the gradient tensors it was given", hint=_GRADIENT_UPDATED)
+        compare(got, gd.sgd_step(w, b, dw, db, lr), name="(w_new, b_new)", known_wrong={
+            "descent goes against the gradient: θ − η·∂L/∂θ, not θ + η·∂L/∂θ.":
+                (w + lr * dw, b + lr * db),
+            _GRADIENT_UPDATED: (dw - lr * w, db - lr * b),
+            "that is the gradient after a step, dw − lr·dw: " + _GRADIENT_UPDATED:
+                (dw - lr * dw, db - lr * db),
+            "you returned the parameters unchanged: the rule moves them, w − lr·dw.": (w, b),
+            "scale the gradient by the learning rate.": (w - dw, b - db),
+        })
+        in_place |= not (torch.equal(w_in, w) and torch.equal(b_in, b))
+    note = (" (you updated w and b in place, as torch.optim does: fine here, since the caller "
+            "keeps no use for the old values)" if in_place else "")
+    return "θ ← θ − η·∂L/∂θ moves the parameters and leaves the gradients alone" + note
 
 
 def _one_batch_for_all(X, y, w, b, lr, batch_size):
