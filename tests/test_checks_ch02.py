@@ -80,6 +80,19 @@ def _subnormal_as_normal(bits):
     return decode_bf16(bits)
 
 
+def _zero_as_normal(bits):
+    """Subnormals right, but an all-zero field read as a normal number: zero becomes ±2^-127."""
+    if bits & 0x7FFF == 0:
+        return math.copysign(2.0**-127, -1.0 if bits >> 15 else 1.0)
+    return decode_bf16(bits)
+
+
+def test_a_wrong_zero_gets_the_zero_branch_hint_not_the_sign_hint():
+    with pytest.raises(CheckFailed, match="no implicit leading 1") as failure:
+        ch02.check_decode_bf16(_zero_as_normal)
+    assert "sign bit" not in str(failure.value)
+
+
 def _hang(*args):
     while True:
         time.sleep(0.01)

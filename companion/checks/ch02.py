@@ -56,7 +56,9 @@ def _bf16_wrong(bits: int) -> dict[str, float]:
 @exercise(points=1, reference="companion.floats.decode")
 def check_decode_bf16(answer) -> str:
     """answer(bits: int) -> float: the value of a 16-bit bf16 pattern, every kind of pattern."""
-    fixed = [0x3F80, 0xC000, 0x3DCD, 0x0000, 0x8000, 0x0001, 0x807F, 0x0080, 0x7F7F, 0x7F80,
+    # normals first, then subnormals, then the zeros, then the specials: the first failure
+    # comes from the simplest pattern that shows the mistake, so its hint fits
+    fixed = [0x3F80, 0xC000, 0x3DCD, 0x0080, 0x7F7F, 0x0001, 0x807F, 0x0000, 0x8000, 0x7F80,
              0xFF80, 0x7FC0]
     rng = random.Random(fresh_seeds(1)[0])
     drawn = [rng.randrange(2**16) for _ in range(24)]
@@ -65,7 +67,12 @@ def check_decode_bf16(answer) -> str:
         got = _number(call(answer, bits), f"decode_bf16({bits:#06x})")
         want = floats.decode(bits, "bf16")
         if want == 0:
-            require(got == 0 and math.copysign(1, got) == math.copysign(1, want),
+            if got != 0:                          # the zero/subnormal branch is wrong, not the sign
+                compare(got, want, name=f"decode_bf16({bits:#06x})", atol=0.0,
+                        known_wrong=_bf16_wrong(bits),
+                        hint="an exponent field of 0 with a mantissa of 0 is zero: 0.0 × 2^(1 − "
+                             "127).")
+            require(math.copysign(1, got) == math.copysign(1, want),
                     f"decode_bf16({bits:#06x}) should be {want!r}, got {got!r}",
                     hint="the sign bit applies to zero too: 0x8000 is -0.0.")
             continue
