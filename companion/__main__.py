@@ -1,4 +1,4 @@
-"""The command line: ``python -m companion {workbook,reset,grade,execute,train} ...``."""
+"""The command line: ``python -m companion {workbook,reset,grade,execute,record,train} ...``."""
 from __future__ import annotations
 
 import argparse
@@ -81,6 +81,40 @@ def _execute(args) -> int:
     return 0
 
 
+def _record(args) -> int:
+    import torch
+
+    from companion.record.runner import CHAPTERS, record
+    from companion.record.smoke import smoke
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: this PyTorch sees no CUDA device (torch.cuda.is_available() is "
+              "False); install a CUDA build of PyTorch, or pass --device cpu", file=sys.stderr)
+        return 2
+    unknown = [c for c in args.chapters or [] if c not in CHAPTERS]
+    if unknown:
+        print(f"no recorded experiment for chapter(s) {', '.join(unknown)}; choose from "
+              f"{' '.join(CHAPTERS)}", file=sys.stderr)
+        return 2
+    if args.smoke:
+        rows = smoke(device, chapters=args.chapters)
+        failed = [name for name, passed, _, _ in rows if not passed]
+        print(f"smoke on {device}: {len(rows) - len(failed)} of {len(rows)} passed in "
+              f"{sum(r[2] for r in rows):.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed
+                                                    else ""))
+        return 1 if failed else 0
+    if device.type == "cpu" and args.out is None:
+        print("--device cpu runs the recorder at CPU sizes, to test it; course/results holds GPU "
+              "runs only. Pass --out FOLDER for the CPU run's file.", file=sys.stderr)
+        return 2
+    path, failed = record(args.chapters, device=device, out=args.out)
+    for chapter, error in failed.items():
+        print(f"chapter {chapter} FAILED (not written): {error}", file=sys.stderr)
+    print(f"wrote {path}" if path.exists() else "nothing recorded")
+    return 1 if failed else 0
+
+
 def _train(args) -> int:
     from companion.train import main as train_main
 
@@ -127,6 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("paths", nargs="+", type=pathlib.Path)
     p.add_argument("--cell-timeout", default=600, type=int)
     p.set_defaults(run=_execute)
+
+    p = sub.add_parser("record", help="run every chapter's experiment at the device's sizes and "
+                                      "write <out>/<machine>.json (course/results on a GPU)")
+    p.add_argument("--chapters", nargs="+", metavar="NN", help="e.g. 00 04 (default: all)")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="default: cuda when available, else cpu (CPU sizes, to test the recorder)")
+    p.add_argument("--out", type=pathlib.Path, default=None,
+                   help="folder of the results file (default course/results; required on cpu)")
+    p.add_argument("--smoke", action="store_true",
+                   help="check in about a minute that every device code path runs; writes nothing")
+    p.set_defaults(run=_record)
 
     p = sub.add_parser("train", add_help=False,
                        help="train the course GPT with chosen techniques (under torchrun: "

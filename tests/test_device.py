@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from companion.device import (GPU_CLASSES_GB, Sizes, _SIZES, describe, gpu_class, pick_device, sizes,
-                              sizes_for_memory)
+from companion.device import (GPU_CLASSES_GB, Sizes, _SIZES, describe, gpu_class, pick_device,
+                              sizes, sizes_for_memory)
 from companion.record.fit import predicted_peaks
 
 

@@ -1,0 +1,167 @@
+"""Recorded experiments of the first chapters: what fills memory, the batch, number formats.
+
+Each experiment runs on `device` at sizes `S` with the same companion functions its chapter
+calls, and returns {"experiment", "measured", "predicted"} (values as `companion.results`
+describes them). Memory comes from `companion.memory.track`: the caching allocator on CUDA.
+
+Example:
+    >>> out = anatomy(sizes("cpu"), torch.device("cpu"), repeats=1)
+    >>> out["measured"]["gpt_step_peak_bytes"], out["predicted"]["gpt_step_peak_bytes"]
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from companion import estimate, floats
+from companion.accumulation import accumulation_step, find_max_batch_size, step_memory
+from companion.checkpointing import activation_bytes
+from companion.memory import memory_budget, track
+from companion.models import GPT, MLP, make_classification, make_tokens
+from companion.record.fit import gpt_step_bytes, mlp_step_bytes
+from companion.results import curve
+
+__all__ = ["anatomy", "batch_activations", "low_precision_sums", "batch_memory",
+           "accumulation_peak"]
+
+
+def anatomy(S, device: torch.device, *, repeats: int = 1) -> dict:
+    """A training step (fp32 Adam) of the course GPT and of the MLP, from nothing: model states by
+    kind at the end, activations saved by the forward, and the step's peak (on CUDA also what the
+    caching allocator reserved), each beside the estimator's prediction."""
+    tokens = [t.to(device) for t in make_tokens(S.anatomy_gpt_batch, S.seq_len, vocab=S.vocab)]
+    n = estimate.gpt_params(S.vocab, S.seq_len, S.gpt_width, S.gpt_depth)
+    with track(device) as step:
+        model = GPT(S.vocab, S.seq_len, S.gpt_width, S.gpt_depth, S.gpt_heads, device=device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model.loss(*tokens).backward()
+        opt.step()
+    with track(device) as forward:
+        loss = model.loss(*tokens)
+    saved = forward.current - loss.untyped_storage().nbytes()     # the loss is not saved
+    end, states = step.breakdown("current"), estimate.model_states(n)
+    measured = {"gpt_parameters_bytes": end["parameters"], "gpt_gradients_bytes": end["gradients"],
+                "gpt_optimizer_state_bytes": end["optimizer_state"], "gpt_activations_bytes": saved,
+                "gpt_step_peak_bytes": step.peak, "gpt_peak_phase": step.peak_phase}
+    if device.type == "cuda":
+        measured["gpt_step_peak_reserved_bytes"] = step.peak_reserved
+    predicted = {"gpt_parameters_bytes": states.params, "gpt_gradients_bytes": states.grads,
+                 "gpt_optimizer_state_bytes": states.optimizer,
+                 "gpt_activations_bytes": estimate.gpt_activations(
+                     S.anatomy_gpt_batch, S.seq_len, S.gpt_width, S.gpt_depth, S.gpt_heads,
+                     S.vocab),
+                 "gpt_step_peak_bytes": gpt_step_bytes(S, batch=S.anatomy_gpt_batch,
+                                                       depth=S.gpt_depth)}
+    del model, opt, loss
+    x, y = (t.to(device) for t in make_classification(S.batch, S.width, 10))
+    with track(device) as mlp_step:
+        mlp = MLP(S.width, S.width, S.depth, 10, device=device)
+        mlp_opt = torch.optim.Adam(mlp.parameters(), lr=1e-3)
+        mlp.loss(x, y).backward()
+        mlp_opt.step()
+    measured["mlp_step_peak_bytes"] = mlp_step.peak
+    predicted["mlp_step_peak_bytes"] = mlp_step_bytes(S.width, S.width, S.depth, 10,
+                                                      batch=S.batch) - x.nbytes
+    return {"experiment": "a training step of the GPT and of the MLP (fp32 Adam), by kind",
+            "measured": measured, "predicted": predicted}
+
+
+def batch_activations(S, device: torch.device, *, repeats: int = 1) -> dict:
+    """Bytes a 3-layer MLP (64 inputs, width S.width) saves for backward against the batch size,
+    against B·(64 + 3·width)·4: activations grow with the batch, the weights do not."""
+    mlp = MLP(64, S.width, 3, 10, device=device)
+    batches = [1, 8, S.batch, 4 * S.batch, 16 * S.batch]
+    saved = [activation_bytes(mlp, torch.randn(b, 64, device=device)) for b in batches]
+    labels = {"xlabel": "batch size (examples)", "ylabel": "bytes saved for backward",
+              "xscale": "log", "yscale": "log"}
+    return {"experiment": "activations saved by a 3-layer MLP against the batch size",
+            "measured": {"activation_bytes": curve(batches, saved, **labels),
+                         "parameter_bytes": sum(p.nbytes for p in mlp.parameters())},
+            "predicted": {"activation_bytes": curve(
+                batches, [b * (64 + 3 * S.width) * 4 for b in batches], **labels),
+                "parameter_bytes": 4 * estimate.mlp_params(64, S.width, 3, 10)}}
+
+
+def low_precision_sums(S, device: torch.device, *, repeats: int = 1) -> dict:
+    """`torch.sum` of n copies of 0.01 stored in fp16 and bf16, on the device, against the same
+    values added one at a time into an fp32 accumulator (`floats.running_sum`): PyTorch's
+    reductions accumulate 16-bit inputs in fp32. Relative error against n·0.01 for growing n."""
+    ns = [10**k for k in range(2, 7)]
+    measured, predicted = {}, {}
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        errors = []
+        for n in ns:
+            total = torch.full((n,), 0.01, device=device).to(dtype).sum().item()
+            errors.append(abs(total - 0.01 * n) / (0.01 * n))
+        measured[f"torch_sum_{name}_relative_error"] = curve(
+            ns, errors, xlabel="values summed (n)", ylabel="|sum - 0.01·n| / (0.01·n)",
+            title=f"torch.sum of n x 0.01 in {name} on the device", xscale="log", yscale="log")
+        values = torch.full((1000,), 0.01)
+        measured[f"torch_sum_1000_{name}"] = values.to(device).to(dtype).sum().item()
+        predicted[f"torch_sum_1000_{name}"] = floats.running_sum(
+            values, dtype, accumulate=torch.float32).item()
+    return {"experiment": "sums of 16-bit values on the device (torch.sum)",
+            "measured": measured, "predicted": predicted}
+
+
+def accumulation_peak(S, batch: int, accum_steps: int = 1, *, d_in: int = 32,
+                      classes: int = 10) -> int:
+    """Chapter 03's prediction for an Adam step of the MLP (d_in, S.width, S.depth) on micro-batches
+    of `batch`: in backward, weights, Adam state, one micro-batch's activations and two (b, width)
+    gradients flowing back, plus the gradients when they accumulate; in the step, the model states
+    and two width x width temporaries. The larger of the two."""
+    states = estimate.model_states(estimate.mlp_params(d_in, S.width, S.depth, classes))
+    grads_alive = states.grads if accum_steps > 1 else 0
+    backward = (states.params + states.optimizer + grads_alive
+                + estimate.mlp_activations(batch, S.width, S.depth, classes)
+                + 2 * batch * S.width * 4)
+    return max(backward, states.total + 2 * S.width * S.width * 4)
+
+
+def _largest_batch(make, X: torch.Tensor, Y: torch.Tensor, budget: int, *, start: int,
+                   device: torch.device) -> int:
+    """`find_max_batch_size` of Adam steps of `make()` under `memory_budget(budget)`."""
+    with memory_budget(budget, device):
+        model = make()
+        opt = torch.optim.Adam(model.parameters())
+
+        def step(b: int) -> None:
+            accumulation_step(model, F.cross_entropy, opt, X[:b], Y[:b], accum_steps=1)
+
+        return find_max_batch_size(step, start=start, device=device, limit=len(X))
+
+
+def batch_memory(S, device: torch.device, *, repeats: int = 1) -> dict:
+    """Peak memory of two Adam steps against the batch, and with accumulation at a fixed effective
+    batch (`accumulation.step_memory`); the largest batch that fits a budget
+    (`find_max_batch_size` under `memory_budget`, the allocator's cap on CUDA), each against
+    `accumulation_peak`."""
+    d_in, classes = 32, 10
+    X, Y = (t.to(device) for t in make_classification(64 * S.batch, d_in, classes))
+
+    def make():
+        return MLP(d_in, S.width, S.depth, classes, device=device)
+
+    batches = [S.batch * 2**i for i in range(7)]
+    peaks = [step_memory(make, F.cross_entropy, X[:b], Y[:b], device=device).peak
+             for b in batches]
+    B, ks = 16 * S.batch, [1, 2, 4, 8, 16]
+    acc = [step_memory(make, F.cross_entropy, X[:B], Y[:B], accum_steps=k, device=device).peak
+           for k in ks]
+    states = estimate.model_states(estimate.mlp_params(d_in, S.width, S.depth, classes))
+    budget = states.total + 6 * S.batch * (S.depth + 2) * S.width * 4
+    largest = _largest_batch(make, X, Y, budget, start=S.batch, device=device)
+    mine = {"xlabel": "batch size (examples)", "ylabel": "peak bytes of two Adam steps"}
+    micro = {"xlabel": f"micro-batch b (effective batch {B})", "ylabel": "peak bytes"}
+    return {"experiment": "peak memory against the batch; accumulation; the largest batch",
+            "measured": {"peak_bytes": curve(batches, peaks, **mine),
+                         "accumulation_peak_bytes": curve([B // k for k in ks], acc, **micro),
+                         "budget_bytes": budget, "largest_batch": largest},
+            "predicted": {"peak_bytes": curve(batches, [accumulation_peak(S, b) for b in batches],
+                                              **mine),
+                          "accumulation_peak_bytes": curve(
+                              [B // k for k in ks], [accumulation_peak(S, B // k, k) for k in ks],
+                              **micro),
+                          "budget_bytes": budget,
+                          "largest_batch": max(b for b in range(1, 64 * S.batch + 1)
+                                               if accumulation_peak(S, b) <= budget)}}

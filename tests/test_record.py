@@ -1,0 +1,164 @@
+"""companion.record: `python -m companion record` on the CPU (its CI path), the schema it writes,
+and the smoke run. Every file goes to a tmp folder: nothing here writes into course/results."""
+import datetime
+import json
+
+import pytest
+import torch
+
+from companion import estimate, results
+from companion.__main__ import main
+from companion.device import sizes
+from companion.record import runner, smoke
+from companion.record.runner import CHAPTERS, record, validate
+
+
+def _record(tmp_path, chapters, **kw):
+    return record(chapters, device="cpu", out=tmp_path, repeats=1, progress=False, **kw)
+
+
+def test_a_cpu_run_writes_each_chapter_with_its_sizes_measured_and_predicted(tmp_path):
+    path, failed = _record(tmp_path, ["01", "02"])
+    assert failed == {}
+    assert path.parent == tmp_path and path.name.startswith("cpu-") and path.suffix == ".json"
+    saved = json.loads(path.read_text())
+    validate(saved)
+    assert (saved["device"], saved["torch"], saved["cuda"]) == ("cpu", torch.__version__, None)
+    assert saved["date"] == datetime.date.today().isoformat()
+    assert list(saved["chapters"]) == ["01", "02"]
+    ch01 = saved["chapters"]["01"]
+    S = sizes("cpu")
+    assert ch01["sizes"] == {"width": S.width, "batch": S.batch}       # what it read, no more
+    assert ch01["measured"]["activation_bytes"] == ch01["predicted"]["activation_bytes"]
+    assert ch01["measured"]["activation_bytes"]["x"] == [1, 8, S.batch, 4 * S.batch,
+                                                         16 * S.batch]
+    assert ch01["measured"]["parameter_bytes"] == 4 * estimate.mlp_params(64, S.width, 3, 10)
+    ch02 = saved["chapters"]["02"]
+    assert ch02["sizes"] == {} and ch02["measured"]["torch_sum_1000_bf16"] == pytest.approx(10.0,
+                                                                                           rel=1e-2)
+
+
+def test_recording_a_chapter_again_replaces_it_and_keeps_the_others(tmp_path, monkeypatch):
+    path, _ = _record(tmp_path, ["01", "02"])
+    first = json.loads(path.read_text())
+    monkeypatch.setitem(CHAPTERS, "01", lambda S, device, repeats: {
+        "experiment": "again", "measured": {"width": S.width}, "predicted": {}})
+    _record(tmp_path, ["01"])
+    again = json.loads(path.read_text())
+    assert again["chapters"]["02"] == first["chapters"]["02"]
+    assert again["chapters"]["01"]["experiment"] == "again"
+    assert again["chapters"]["01"]["sizes"] == {"width": sizes("cpu").width}
+
+
+def test_a_failing_chapter_is_reported_and_not_written(tmp_path, monkeypatch):
+    def broken(S, device, repeats):
+        raise RuntimeError("out of something")
+
+    monkeypatch.setitem(CHAPTERS, "02", broken)
+    path, failed = _record(tmp_path, ["02", "01"])
+    assert list(failed) == ["02"] and "RuntimeError: out of something" in failed["02"]
+    assert list(json.loads(path.read_text())["chapters"]) == ["01"]
+
+
+def test_an_experiment_that_returns_a_bad_value_is_not_written(tmp_path, monkeypatch):
+    monkeypatch.setitem(CHAPTERS, "01", lambda S, device, repeats: {
+        "experiment": "bad", "measured": {"curve": {"x": [1, 2], "y": [1]}}, "predicted": {}})
+    with pytest.raises(ValueError, match="a value is a number, a string or a curve"):
+        _record(tmp_path, ["01"])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda r: r.pop("chapters"), "needs 'chapters'"),
+    (lambda r: r["chapters"].update({"4": r["chapters"]["01"]}), "two digits"),
+    (lambda r: r["chapters"]["01"].pop("predicted"), "needs 'predicted'"),
+    (lambda r: r["chapters"]["01"]["sizes"].update(width=1.5), "whole numbers"),
+    (lambda r: r["chapters"]["01"]["measured"].update(peak=[1, 2]), "a value is a number"),
+    (lambda r: r["chapters"]["01"]["measured"].update(c={"x": [1], "y": ["a"]}),
+     "a value is a number"),
+])
+def test_validate_rejects_what_the_notebooks_could_not_read(break_it, message):
+    good = {"machine": "m", "device": "cuda", "torch": "2", "cuda": "12", "date": "d",
+            "chapters": {"01": {"experiment": "e", "date": "d", "seconds": 1.0,
+                                "sizes": {"width": 8}, "predicted": {},
+                                "measured": {"a": 1, "b": "x", "c": {"x": [1], "y": [2.0]}}}}}
+    validate(good)
+    break_it(good)
+    with pytest.raises(ValueError, match=message):
+        validate(good)
+
+
+def test_file_names_say_which_machine():
+    assert runner.file_name({"machine": "NVIDIA H200", "gpus": 1}) == "nvidia-h200.json"
+    assert runner.file_name({"machine": "NVIDIA A100-SXM4-80GB", "gpus": 8}) == \
+        "8x-nvidia-a100-sxm4-80gb.json"
+    assert runner.file_name({"machine": "CPU x86_64"}) == "cpu-x86-64.json"
+
+
+def test_the_command_line_records_on_the_cpu_into_the_folder_given(tmp_path, capsys):
+    assert main(["record", "--device", "cpu", "--chapters", "01", "--out", str(tmp_path)]) == 0
+    files = list(tmp_path.glob("*.json"))
+    assert capsys.readouterr().out.strip() == f"wrote {files[0]}"
+    assert list(json.loads(files[0].read_text())["chapters"]) == ["01"]
+
+
+def test_the_command_line_keeps_cpu_runs_out_of_course_results(capsys):
+    before = sorted(results.RESULTS_DIR.glob("*")) if results.RESULTS_DIR.exists() else None
+    assert main(["record", "--device", "cpu", "--chapters", "01"]) == 2
+    assert "Pass --out FOLDER" in capsys.readouterr().err
+    after = sorted(results.RESULTS_DIR.glob("*")) if results.RESULTS_DIR.exists() else None
+    assert after == before
+
+
+def test_the_command_line_names_an_unknown_chapter(capsys):
+    assert main(["record", "--device", "cpu", "--chapters", "42", "--out", "unused"]) == 2
+    assert "no recorded experiment for chapter(s) 42" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_the_command_line_says_when_cuda_is_missing(capsys):
+    assert main(["record", "--device", "cuda", "--out", "unused"]) == 2
+    assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_smoke_reports_a_failing_path_and_the_command_line_fails(monkeypatch, capsys):
+    def broken(S, device, repeats):
+        return {"experiment": "x", "measured": {"v": [1]}, "predicted": {}}
+
+    monkeypatch.setitem(CHAPTERS, "02", broken)
+    rows = smoke.smoke("cpu", chapters=["01", "02"], checks=["memory.track"], progress=False)
+    assert [(name, ok) for name, ok, _, _ in rows] == [
+        ("memory.track", True), ("chapter 01", True), ("chapter 02", False)]
+    assert "a value is a number" in rows[-1][3]
+    only_tracker = {"memory.track": smoke._checks(torch.device("cpu"))["memory.track"]}
+    monkeypatch.setattr(smoke, "_checks", lambda device: only_tracker)
+    assert main(["record", "--smoke", "--device", "cpu", "--chapters", "02"]) == 1
+    assert "FAILED: chapter 02" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_smoke_runs_every_check_and_every_chapter_on_the_cpu():
+    """Every code path the smoke run covers, on the CPU: the checks, then every chapter's
+    experiment at SMOKE_SIZES (the multi-process ones on 2 gloo ranks)."""
+    rows = smoke.smoke("cpu", progress=False)
+    failed = {name: note for name, ok, _, note in rows if not ok}
+    assert failed == {}
+    assert [name for name, *_ in rows] == smoke.check_names("cpu") + [
+        f"chapter {c}" for c in CHAPTERS]
+
+
+@pytest.mark.gpu
+def test_smoke_on_the_gpu():
+    rows = smoke.smoke("cuda", progress=False)
+    assert {name: note for name, ok, _, note in rows if not ok} == {}
+    assert "gloo with CUDA tensors" in smoke.check_names("cuda")
+
+
+@pytest.mark.gpu
+def test_a_gpu_run_of_one_chapter(tmp_path):
+    path, failed = record(["01"], device="cuda", out=tmp_path, repeats=1, progress=False,
+                          base_sizes=smoke.SMOKE_SIZES)
+    saved = json.loads(path.read_text())
+    assert failed == {} and saved["device"] == "cuda" and saved["cuda"] == torch.version.cuda
+    assert saved["size_class_gb"] in (None, 16, 24, 40, 80)
+    assert results.recorded("01", results_dir=tmp_path)[0]["machine"] == saved["machine"]
