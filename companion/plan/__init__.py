@@ -1,0 +1,37 @@
+"""Plan a training run that fits a memory budget: choose the techniques, prove it, run it.
+
+Each chapter of the course pulls one lever: micro-batches with accumulation (03), checkpointing
+(04), mixed precision (05), ZeRO (07), offload (08), training fewer parameters (LoRA, 09). Facing
+"out of memory", `plan` pulls them together: it predicts every combination's peak and step time,
+keeps the fastest that fits, proves it by simulating a training step on fake tensors (nothing
+allocated: a 7B model's step is checked on a laptop), and `Plan.run` trains it for real under
+`memory_budget`.
+
+Modules: `space` (the levers, the model's shape, the candidates), `predict` (peak by phase, the
+cost model), `build` (the course's parts put together; a step run for real or simulated),
+`planner` (`plan`, `Plan`), `ranks` (several processes; a torchrun line).
+
+Example:
+    >>> from functools import partial
+    >>> p = plan(partial(GPT, 128, 64, 64, 4, 4), 16, budget="6 MiB", device="cpu")
+    >>> print(p)                   # candidates (predicted, simulated, time) and the choice
+    >>> p.run(10).peak             # measured, under the budget
+
+Memory saved and its cost, per lever: see `predict`'s docstring (what each phase holds) and
+`CostModel` (what each costs in time).
+Simplified vs real planners: see `planner`.
+"""
+from companion.plan.build import (CheckpointedBlocks, Setup, build, micro_step, optimizer_step,
+                                  simulate, train_step)
+from companion.plan.planner import NothingFits, Plan, Row, RunReport, plan
+from companion.plan.predict import (BUCKET_BYTES, CostModel, Prediction, predict_memory,
+                                    predict_seconds)
+from companion.plan.ranks import rank_worker, run_ranks, train_command
+from companion.plan.space import (EXACT, LORA_TARGETS, PRECISIONS, TECHNIQUES, Candidate,
+                                  GPTShape, candidates)
+
+__all__ = ["plan", "Plan", "Row", "RunReport", "NothingFits", "Candidate", "GPTShape",
+           "candidates", "TECHNIQUES", "EXACT", "PRECISIONS", "LORA_TARGETS", "Prediction",
+           "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES", "CheckpointedBlocks",
+           "Setup", "build", "micro_step", "optimizer_step", "train_step", "simulate",
+           "run_ranks", "rank_worker", "train_command"]

@@ -1,0 +1,226 @@
+"""Put a plan together from the course's parts, and run its steps: for real, or simulated.
+
+`build` makes the model and optimizer a `Candidate` asks for, with the course's own code for each
+lever: `checkpoint_sequential` (hooks design, which restores autocast) over the blocks,
+`MasterWeights` for bf16 weights, `CPUOffloadOptimizer`, `ShardedOptimizer` and `FSDP` for ZeRO,
+`ddp.DDP`, `lora.apply_lora`. `train_step` runs one optimizer step over the micro-batches. The
+same code runs in `simulate`, under `FakeTensorMode` (every tensor is shape and dtype only: a 7B
+model's step costs no memory and a few seconds), measured by `companion.memory.track`; several
+ranks are simulated as rank 0 of a "fake" process group, whose collectives do nothing.
+
+Example:
+    >>> setup = build(partial(GPT, 128, 64, 64, 4, 4), Candidate(4, 4, segments=2), lr=1e-3)
+    >>> loss = train_step(setup, x, y)          # x, y: (16, 64) token ids
+    >>> simulate(partial(GPT, 50257, 1024, 1600, 48, 25), Candidate(1, 8, 48, "autocast"))
+
+Simplified vs real: the simulation sees every tensor an operator returns, not the scratch space a
+kernel allocates and frees inside itself, nor the caching allocator's rounding and fragmentation
+on CUDA (the planner keeps a margin of the budget for those); it runs the CPU's kernels, whose
+saved tensors match CUDA's except where autocast's op lists differ (see `companion.estimate`).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
+
+from companion import amp, ddp, lora
+from companion.checkpointing import checkpoint_sequential
+from companion.memory import MemoryTracker, track
+from companion.offload import CPUOffloadOptimizer
+from companion.plan.space import LORA_TARGETS, Candidate
+from companion.zero import FSDP, ShardedOptimizer
+
+__all__ = ["CheckpointedBlocks", "Setup", "build", "micro_step", "optimizer_step", "train_step",
+           "simulate"]
+
+
+class CheckpointedBlocks(nn.Module):
+    """A GPT's blocks run by `checkpoint_sequential(blocks, segments, x, use_reentrant=False)`:
+    segments - 1 of them keep only their input and recompute in backward, the last runs plainly.
+    The hooks design replays autocast in the recompute (the reentrant one would not)."""
+
+    def __init__(self, blocks: nn.Sequential, segments: int):
+        super().__init__()
+        self.blocks, self.segments = blocks, segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_sequential(list(self.blocks), self.segments, x, use_reentrant=False)
+
+
+@dataclasses.dataclass
+class Setup:
+    """What `train_step` needs: the network to call, the optimizer, how to finish a step."""
+
+    candidate: Candidate
+    model: nn.Module              # the GPT itself
+    net: nn.Module                # what forward calls: the GPT, or its DDP / FSDP wrapper
+    optimizer: torch.optim.Optimizer
+    master: amp.MasterWeights | None = None   # bf16 weights: steps go through it
+
+
+def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float):
+    """(net, optimizer, master) for the plan's optimizer lever."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    adamw = {"lr": lr}
+    if world_size > 1 and cand.zero_stage == 3:
+        dtype = torch.bfloat16 if cand.precision == "autocast" else None
+        net = FSDP(model, compute_dtype=dtype)                    # gathers in bf16 itself
+        return net, torch.optim.AdamW(net.parameters(), fused=True, **adamw), None
+    if world_size > 1 and cand.zero_stage in (1, 2):
+        return model, ShardedOptimizer(trainable, torch.optim.AdamW, stage=cand.zero_stage,
+                                       fused=True, **adamw), None
+    net = ddp.DDP(model, gradient_as_bucket_view=True) if world_size > 1 else model
+    if cand.offload:                       # keeps its own fp32 masters, on the host
+        return net, CPUOffloadOptimizer(trainable, torch.optim.AdamW, **adamw), None
+    master = amp.MasterWeights(trainable) if cand.precision == "mixed" else None
+    params = master.master_params if master is not None else trainable
+    return net, torch.optim.AdamW(params, fused=True, **adamw), master
+
+
+def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: int = 1,
+          device: torch.device | str = "cpu", lr: float = 1e-3) -> Setup:
+    """The model `model_fn(dtype=..., device=...)` and its optimizer, as `cand` says.
+
+    Memory is the plan's: bf16 weights are made in bf16 (never an fp32 copy first), adapters are
+    added before the optimizer exists, so frozen weights get no gradient and no state."""
+    dtype = torch.bfloat16 if cand.precision == "mixed" else torch.float32
+    model = model_fn(dtype=dtype, device=device)
+    if cand.lora_rank:
+        lora.apply_lora(model, cand.lora_rank, targets=LORA_TARGETS)   # base frozen
+    if cand.segments > 1:
+        model.blocks = CheckpointedBlocks(model.blocks, cand.segments)
+    net, optimizer, master = _optimizer(cand, model, world_size, lr)
+    return Setup(cand, model, net, optimizer, master)
+
+
+def micro_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, *, scale: float = 1.0,
+               sync: bool = True) -> torch.Tensor:
+    """Forward and backward of one micro-batch, its mean loss times `scale` (1/k of k
+    micro-batches), gradients added into .grad; `sync=False` skips DDP's all-reduce (no_sync)."""
+    net = setup.net
+    use_autocast = setup.candidate.precision == "autocast" and not isinstance(net, FSDP)
+    skip = isinstance(net, ddp.DDP) and not sync
+    with net.no_sync() if skip else contextlib.nullcontext():            # through backward
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=use_autocast):
+            logits = net(x)                                              # (b, T, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) * scale
+        del logits                                     # freed now, not after backward
+        loss.backward()
+    return loss.detach()
+
+
+def optimizer_step(setup: Setup) -> None:
+    """Finish the gradients' communication, then step (through the fp32 masters for bf16)."""
+    if hasattr(setup.net, "finish_gradient_synchronization"):
+        setup.net.finish_gradient_synchronization()
+    if setup.master is not None:
+        setup.master.step(setup.optimizer)             # fp32 step, rounded back into bf16
+    else:
+        setup.optimizer.step()
+
+
+def train_step(setup: Setup, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on this rank's batch (x, y), as `accumulation` micro-batches of
+    `micro_batch`; returns the batch's mean loss, a 0-d tensor (reading it with float() is a
+    host-device sync, left to the caller). Gradients are cleared first (set to None), so
+    the previous step's do not live through this step's forward."""
+    k = setup.candidate.accumulation
+    if len(x) != setup.candidate.micro_batch * k:
+        raise ValueError(f"this plan takes {setup.candidate.micro_batch * k} sequences per rank "
+                         f"and step ({k} x {setup.candidate.micro_batch}), got {len(x)}")
+    setup.optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=x.device)
+    for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k))):
+        total += micro_step(setup, xb, yb, scale=1 / k, sync=i == k - 1)
+    optimizer_step(setup)
+    return total
+
+
+@contextlib.contextmanager
+def _fake_ranks(world_size: int) -> Iterator[None]:
+    """A "fake" process group of `world_size` in which this process is rank 0: collectives
+    return at once, allocations are the real ones. Nothing when world_size is 1."""
+    if world_size == 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError("simulating several ranks needs a process of its own: this one "
+                           "already belongs to a process group")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _fake_addresses() -> Iterator[None]:
+    """Give fake tensors distinct addresses. A FakeTensor's storage is meta, whose data_ptr is 0
+    for every tensor, so code that tells storages apart by address (FSDP's saved-tensor hook,
+    a gradient that is already its bucket's view) would take every tensor for the same one;
+    here each storage's address is its C++ object's, spread 2^40 apart, plus the view's offset."""
+    storage_ptr = torch.UntypedStorage.data_ptr
+
+    def storage_address(storage):
+        return storage._cdata << 40 if storage.device.type == "meta" else storage_ptr(storage)
+
+    def tensor_address(t):
+        return storage_address(t.untyped_storage()) + t.storage_offset() * t.element_size()
+
+    torch.UntypedStorage.data_ptr, FakeTensor.data_ptr = storage_address, tensor_address
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.data_ptr = storage_ptr
+        del FakeTensor.data_ptr
+
+
+def _trainable(setup: Setup) -> list[torch.Tensor]:
+    return [p for p in setup.model.parameters() if p.requires_grad]
+
+
+def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *,
+             world_size: int = 1) -> MemoryTracker:
+    """Simulate the plan's training step on fake tensors, measured with `track`.
+
+    Nothing is allocated (shapes and dtypes only), so the peak of a model far larger than this
+    machine is measured in seconds. The step is run as every step after the first: on one rank,
+    the optimizer state is made first (a step on zero gradients), the gradients of the earlier
+    micro-batches are there (zeros, when accumulating), then the last micro-batch's forward and
+    backward, then the optimizer step, whose peak every later step repeats. Several ranks (rank
+    0's memory): two real steps, of one micro-batch, then of min(k, 2) (the second micro-batch
+    holds what every later one does)."""
+    with _fake_ranks(world_size), FakeTensorMode(), _fake_addresses():
+        with track("cpu") as tracker:
+            setup = build(model_fn, cand, world_size=world_size)
+            k = cand.accumulation
+            vocab, batch = setup.model.tok.num_embeddings, (cand.micro_batch, setup.model.seq_len)
+            x, y = (torch.randint(vocab, (k * batch[0], batch[1])) for _ in range(2))  # the step's
+            if world_size == 1:
+                if not cand.offload:                   # its state lives on the host
+                    for p in _trainable(setup):
+                        p.grad = torch.zeros_like(p)
+                    optimizer_step(setup)              # the first step's state, now made
+                setup.optimizer.zero_grad(set_to_none=True)
+                if k > 1 and not cand.offload:
+                    for p in _trainable(setup):
+                        p.grad = torch.zeros_like(p)   # what earlier micro-batches added
+                micro_step(setup, x[-batch[0]:], y[-batch[0]:], scale=1 / k)   # the last one
+                optimizer_step(setup)
+            for count in ((1, min(k, 2)) if world_size > 1 else ()):
+                setup.optimizer.zero_grad(set_to_none=True)
+                for i in range(count):
+                    micro_step(setup, x[:batch[0]], y[:batch[0]], scale=1 / k,
+                               sync=i == count - 1)
+                optimizer_step(setup)
+            del setup, x, y
+    return tracker

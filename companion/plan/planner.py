@@ -1,0 +1,248 @@
+"""Choose a plan that fits a memory budget, prove it by a simulated step, then run it.
+
+`plan` lists every candidate (`space.candidates`), predicts each one's peak and step time
+(`predict`), keeps those predicted to fit, and walks them fastest first, simulating each
+(`build.simulate`, FakeTensorMode, no memory allocated) until one's simulated peak fits too.
+The `Plan` it returns prints a table of candidates and says why it chose what it chose;
+`Plan.run(steps)` trains the chosen plan for real under `memory_budget`.
+
+Example:
+    >>> p = plan(partial(GPT, 128, 64, 64, 4, 4), 16, budget="6 MiB", device="cpu")
+    >>> print(p)                   # the table, then the choice explained
+    >>> report = p.run(10)         # losses, measured peak (under the budget)
+
+Simplified vs real planners (DeepSpeed's autotuner, Colossal-AI's): one model family (the
+course GPT), one optimizer (AdamW), a cost model with assumed speeds (`CostModel`) instead of
+timed trial steps, and ranks that run the course's own ZeRO on one machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from companion.memory import format_bytes, memory_budget, parse_bytes, track
+from companion.models import make_tokens
+from companion.plan.build import build, simulate, train_step
+from companion.plan.predict import CostModel, Prediction, predict_memory, predict_seconds
+from companion.plan.space import EXACT, Candidate, GPTShape, candidates
+
+__all__ = ["NothingFits", "Row", "Plan", "RunReport", "plan"]
+
+
+class NothingFits(ValueError):
+    """No plan fits the budget; the message says by how much the closest one misses."""
+
+
+@dataclasses.dataclass
+class Row:
+    """One candidate in the table."""
+
+    candidate: Candidate
+    predicted: Prediction
+    seconds: dict[str, float]
+    simulated: int | None = None         # peak bytes of the simulated step, when simulated
+    simulated_host: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunReport:
+    """What `Plan.run` measured."""
+
+    losses: list[float]      # the mean loss of each step
+    peak: int                # device bytes at the peak (the budget caps these)
+    host_peak: int           # host bytes at their peak (offload)
+    seconds: float           # median step time
+    budget: int
+
+
+def _loss_data(batch: int, seq_len: int, vocab: int, step: int, seed: int):
+    """Step `step`'s global batch: token sequences of the course's Markov chain."""
+    return make_tokens(batch, seq_len, vocab=vocab, seed=seed * 100_003 + step)
+
+
+class Plan:
+    """The planner's answer: `chosen`, the `rows` it weighed, and how to run it."""
+
+    def __init__(self, *, model_fn, batch, budget, usable, device, world_size, shape, rows,
+                 chosen, plain, lr, host_budget):
+        self.model_fn, self.batch, self.budget, self.usable = model_fn, batch, budget, usable
+        self.device, self.world_size, self.shape, self.lr = device, world_size, shape, lr
+        self.rows, self.plain, self.host_budget = rows, plain, host_budget
+        self.chosen_row: Row = chosen
+        self.chosen: Candidate = chosen.candidate
+
+    def table(self, limit: int = 8) -> str:
+        """The plain run, then up to `limit` candidates that fit by prediction, fastest first."""
+        head = (f"{'':2}{'plan':<64}{'predicted':>11}{'simulated':>11}{'host':>10}"
+                f"{'time/step':>11}")
+        lines = [head, "-" * len(head)]
+        shown = [self.plain] + [r for r in self.rows if r is not self.plain][:limit]
+        for r in shown:
+            mark = "->" if r is self.chosen_row else "  "
+            sim = format_bytes(r.simulated) if r.simulated is not None else "-"
+            host = format_bytes(r.predicted.host) if r.predicted.host else "-"
+            lines.append(f"{mark}{r.candidate.describe()[:63]:<64}"
+                         f"{format_bytes(r.predicted.peak):>11}{sim:>11}{host:>10}"
+                         f"{_time(r.seconds['total']):>11}")
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        """Why this plan: what the plain run needs, what the chosen one needs and costs."""
+        r, p = self.chosen_row, self.plain
+        parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}"
+                          for k, v in r.predicted.kinds().items() if v)
+        faster = [x for x in self.rows if x.seconds["total"] < r.seconds["total"]
+                  and x.simulated is not None]
+        text = [f"Budget {format_bytes(self.budget)} per device"
+                + (f" ({format_bytes(self.usable)} usable)" if self.usable < self.budget else "")
+                + f"; the plain run needs {format_bytes(p.predicted.peak)} (predicted)"
+                + (f", {format_bytes(p.simulated)} simulated." if p.simulated else "."),
+                f"Chosen: {self.chosen.describe()}.",
+                f"  predicted peak {format_bytes(r.predicted.peak)} in the {r.predicted.phase} "
+                f"phase ({parts})"
+                + (f"; simulated {format_bytes(r.simulated)}." if r.simulated else "."),
+                f"  predicted step {_time(r.seconds['total'])}: "
+                + ", ".join(f"{k} {_time(v)}" for k, v in r.seconds.items()
+                            if k != "total" and v > 0) + "."]
+        if r.predicted.host:
+            text.append(f"  host memory: {format_bytes(r.predicted.host)} predicted"
+                        + (f", {format_bytes(r.simulated_host)} simulated"
+                           if r.simulated_host is not None else "") + ".")
+        for x in faster:
+            text.append(f"  Faster, but its simulated step needs {format_bytes(x.simulated)}: "
+                        f"{x.candidate.describe()}.")
+        return "\n".join(text)
+
+    def __str__(self) -> str:
+        return self.table() + "\n\n" + self.explain()
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(str(self))
+
+    def bars(self) -> dict[str, dict[str, int]]:
+        """Bytes by kind for `companion.widgets.memory_bars`: plain and chosen, predicted."""
+        return {"plain run (predicted)": self.plain.predicted.kinds(),
+                "chosen plan (predicted)": self.chosen_row.predicted.kinds()}
+
+    def run(self, steps: int, *, seed: int = 0) -> RunReport:
+        """Train the chosen plan for `steps` steps under `memory_budget(budget)` on one
+        process (the device's own cap on CUDA); measured with `track`. Several ranks: see
+        `companion.plan.run_ranks`."""
+        if self.world_size != 1:
+            from companion.plan.ranks import run_ranks
+            return run_ranks(self, steps, seed=seed)
+        return _run(self.model_fn, self.chosen, self.batch, steps, budget=self.usable,
+                    device=self.device, lr=self.lr, seed=seed, world_size=1, rank=0)
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _run(model_fn, cand: Candidate, batch: int, steps: int, *, budget: int, device, lr: float,
+         seed: int, world_size: int, rank: int) -> RunReport:
+    """`steps` steps of `cand` on this rank under the budget; the report."""
+    vocab_len = None
+    losses, seconds = [], []
+    with memory_budget(budget, device), track(device) as tracker:
+        setup = build(model_fn, cand, world_size=world_size, device=device, lr=lr)
+        vocab_len = (setup.model.tok.num_embeddings, setup.model.seq_len)
+        mine = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
+        for step in range(steps):
+            x, y = _loss_data(batch, vocab_len[1], vocab_len[0], step, seed)
+            start = time.perf_counter()
+            loss = train_step(setup, x[mine].to(device), y[mine].to(device))
+            losses.append(float(loss))                                  # host-device sync
+            seconds.append(time.perf_counter() - start)
+        del setup
+    return RunReport(losses, tracker.peak, tracker.host_peak,
+                     statistics.median(seconds[1:] or seconds), budget)
+
+
+def _nothing_fits(rows: list[Row], usable: int, budget: int, allow, world_size: int,
+                  host_budget: int | None) -> NothingFits:
+    best = min(rows, key=lambda r: r.predicted.peak)
+    over = best.predicted.peak - usable
+    hints = [f"allow {name}" for name in ("accumulation", "checkpointing", "autocast", "mixed",
+                                          "offload", "lora") if name not in allow]
+    if world_size == 1:
+        hints.append("train on more devices (world_size > 1, ZeRO)")
+    hints.append("shorten the sequences or shrink the model")
+    host = (f" (host budget {format_bytes(host_budget)} rules out offload plans that need more)"
+            if host_budget is not None else "")
+    return NothingFits(
+        f"no plan fits {format_bytes(usable)}"
+        + (f" (the budget {format_bytes(budget)} less the margin)" if usable < budget else "")
+        + f"{host}: the smallest predicted peak is {format_bytes(best.predicted.peak)} "
+        f"({best.candidate.describe()}), {format_bytes(over)} over, "
+        f"{100 * over / max(usable, 1):.0f}% too much. To go further: " + "; ".join(hints) + ".")
+
+
+def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
+         device: torch.device | str | None = None, world_size: int = 1,
+         allow: Iterable[str] = EXACT, lora_rank: int = 8, host_budget: int | str | None = None,
+         margin: float | None = None, cost: CostModel | None = None, lr: float = 1e-3,
+         verify: int = 4, simulate_plain: bool = True) -> Plan:
+    """The fastest plan (by `cost`) whose step fits `budget` bytes per device, proved by a
+    simulated step.
+
+    Args:
+        model_fn: builds the model when called as model_fn(dtype=..., device=...): a
+            `companion.models.GPT`, e.g. functools.partial(GPT, vocab, seq_len, width, depth,
+            heads, fused_attention=True).
+        batch: sequences per optimizer step, over all ranks (the effective batch: every plan
+            keeps it, splitting it into micro-batches when it accumulates).
+        budget: bytes per device ("24 GiB"); `margin` of it is kept free for what the
+            simulation does not see (CUDA's context, allocator rounding and fragmentation):
+            default 0 on the CPU, 0.1 on CUDA.
+        device: where `run` trains and whose speeds the cost model assumes ("cpu", "cuda").
+        world_size: data-parallel ranks; above 1 the ZeRO stages are searched.
+        allow: techniques to use (`space.TECHNIQUES`); default those that leave the training
+            result unchanged up to rounding, so LoRA (which trains other parameters) must be
+            asked for: allow=EXACT + ("lora",).
+        host_budget: bytes of host memory for offload (None: no limit).
+        verify: at most this many candidates are simulated before giving up.
+        simulate_plain: also simulate the plain run, for the table.
+    Raises NothingFits (a ValueError) when no candidate fits, saying by how much.
+    """
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    allow = tuple(allow)
+    budget_bytes = parse_bytes(budget)
+    margin = (0.1 if device.type == "cuda" else 0.0) if margin is None else margin
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin is the share of the budget kept free, from 0 to 1; got {margin}")
+    usable = int(budget_bytes * (1 - margin))
+    host = parse_bytes(host_budget) if host_budget is not None else None
+    shape = GPTShape.of(model_fn)
+    cost = cost or CostModel.for_device(device.type)
+    rows = [Row(c, predict_memory(shape, c, world_size=world_size, device_type=device.type),
+                predict_seconds(shape, c, cost, world_size=world_size))
+            for c in candidates(shape, batch, world_size=world_size, allow=allow,
+                                lora_rank=lora_rank)]
+    plain = next(r for r in rows if not r.candidate.techniques())   # micro-batch = batch
+    fitting = sorted([r for r in rows if r.predicted.peak <= usable
+                      and (host is None or r.predicted.host <= host)],
+                     key=lambda r: (r.seconds["total"], len(r.candidate.techniques())))
+    if not fitting:
+        raise _nothing_fits(rows, usable, budget_bytes, allow, world_size, host)
+    sim = functools.partial(simulate, model_fn, world_size=world_size)
+    if simulate_plain:
+        plain.simulated = sim(plain.candidate).peak
+    for row in fitting[:verify]:
+        tracker = sim(row.candidate)
+        row.simulated, row.simulated_host = tracker.peak, tracker.host_peak
+        if row.simulated <= usable:
+            return Plan(model_fn=model_fn, batch=batch, budget=budget_bytes, usable=usable,
+                        device=device, world_size=world_size, shape=shape,
+                        rows=fitting, chosen=row, plain=plain, lr=lr, host_budget=host)
+    missed = ", ".join(format_bytes(r.simulated) for r in fitting[:verify])
+    raise NothingFits(f"the {min(verify, len(fitting))} fastest plans predicted to fit "
+                      f"{format_bytes(usable)} did not fit when simulated ({missed}); pass "
+                      "verify= larger to simulate more of them, or a larger budget")

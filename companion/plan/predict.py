@@ -1,0 +1,203 @@
+"""Predict a plan's peak memory and step time before running anything.
+
+Memory. A step's peak is not the sum of weights, gradients, optimizer state and activations: the
+parts are not all alive at once. With gradients set to None at each step's start, the candidates
+for the peak are (per rank, P weights, O optimizer state, G gradients, A activations):
+  forward end     P + O + G' + A + the logits and their fp32 copy (+ autocast's cached bf16
+                  weight copies of the checkpointed blocks, freed when autocast exits)
+  backward start  P + O + G' + A + the loss's two fp32 (N, vocab) gradients
+  backward end    P + O + G           (every activation freed, every gradient made)
+  optimizer step  P + O + G + its temporaries (bf16 weights: the fp32 gradient copies)
+where G' is what gradients hold while the last micro-batch starts: all of G when earlier
+micro-batches left theirs (accumulation), ZeRO-1's flat buffer, else nothing. Weights, gradients
+and state follow `companion.estimate.model_states` (ZeRO-3 here keeps 1-D tensors whole);
+activations follow `companion.estimate.gpt_activations`, with fused attention's (B, heads, T)
+log-sum-exp in place of the (T, T) softmax, checkpoint segments as in
+`companion.checkpointing.predicted_activation_bytes`, and the adapters' (N, r) inputs.
+
+Time. `CostModel` adds, with no overlap: matmul FLOPs (forward 2·N·(params in matmuls) plus
+attention's 4·N·T·C per block, backward twice that, or once with LoRA's frozen weights, the
+recomputed blocks once more) at `flops` (times `half_speedup` in bf16), a fixed cost per layer
+and micro-batch (kernel launches: small micro-batches cost more than their FLOPs), the
+optimizer's bytes at memory speed, offload's copies over the host link, and ZeRO's traffic.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from companion import estimate
+from companion.checkpointing import predicted_activation_bytes
+from companion.plan.space import Candidate, GPTShape
+
+__all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES"]
+
+BUCKET_BYTES = 25 * 2**20      # ShardedOptimizer's and DDP's default bucket (bucket_cap_mb=25)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Bytes per rank at the predicted peak, by kind (the tracker's kinds), and on the host."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    temporaries: int
+    phase: str           # where the peak falls: "forward", "backward", "backward end", "optimizer"
+    host: int = 0        # offloaded master weights, gradients and state (not in the peak)
+
+    @property
+    def peak(self) -> int:
+        return (self.parameters + self.gradients + self.optimizer_state + self.activations
+                + self.temporaries)
+
+    def kinds(self) -> dict[str, int]:
+        """{kind: bytes}, the shape `companion.widgets.memory_bars` draws."""
+        return {k: getattr(self, k) for k in ("parameters", "gradients", "optimizer_state",
+                                               "activations", "temporaries")}
+
+
+def _activations(s: GPTShape, c: Candidate, device_type: str) -> tuple[int, int, int, int]:
+    """(bytes one micro-batch saves for backward, of them per block, one checkpoint (a block's
+    input), the bf16 weight copies autocast caches beyond them until the forward ends)."""
+    B, T, C, L, V, h = c.micro_batch, s.seq_len, s.width, s.depth, s.vocab, s.heads
+    precision = {"fp32": "fp32", "autocast": "autocast", "mixed": "bf16"}[c.precision]
+    if c.zero_stage == 3 and c.precision == "autocast":
+        precision = "bf16"                             # FSDP gathers and computes in bf16
+    full = estimate.gpt_activations(B, T, C, L, h, V, precision=precision,
+                                    device_type=device_type)
+    outside = estimate.gpt_activations(B, T, C, 0, h, V, precision=precision,
+                                       device_type=device_type)     # embeddings, final LN, loss
+    per_block = (full - outside) // L
+    if precision == "bf16":
+        outside += 2 * B * T * V                       # the loss's log-softmax is fp32 here
+    if s.fused_attention:                              # no (T, T) softmax or mask, a log-sum-exp
+        softmax = {"fp32": 4, "bf16": 2}.get(precision, 2 if device_type == "cpu" else 6)
+        per_block += 4 * B * h * T - softmax * B * h * T * T - T * T
+    if c.lora_rank:                                    # x·Aᵀ, (N, r), saved for B's gradient
+        per_block += 4 * B * T * c.lora_rank * (2 if c.precision != "fp32" else 4)
+    checkpoint = (2 if c.precision == "mixed" else 4) * B * T * C
+    blocks = predicted_activation_bytes(L, c.segments, per_block, checkpoint)
+    cached = 0                                         # autocast caches casts of trained weights
+    if precision == "autocast" and c.segments > 1 and not c.lora_rank:
+        cached = (L - _segment(L, c.segments)[1]) * 24 * C * C
+    return outside + blocks, per_block, checkpoint, cached
+
+
+def _segment(depth: int, segments: int) -> tuple[int, int]:
+    """(blocks in the first segment, in the last one) of checkpoint_sequential."""
+    size = depth // segments
+    return (size if segments > 1 else depth), depth - size * (segments - 1)
+
+
+def _states(s: GPTShape, c: Candidate, world_size: int) -> tuple[int, int, int, int, int]:
+    """(weights, gradients, optimizer state, gradients live while a micro-batch starts, host)."""
+    trainable = s.lora_params(c.lora_rank) if c.lora_rank else s.n_params
+    if c.zero_stage == 3:                              # FSDP: matrices sharded, 1-D kept whole
+        share = -(-(s.n_params - s.n_params_1d) // world_size) + s.n_params_1d
+        gathered = 2 * (2 if c.precision == "autocast" else 4) * s.largest
+        return 4 * share, 4 * share + gathered, 8 * share, 4 * share * (c.accumulation > 1), 0
+    precision = "mixed" if c.precision == "mixed" else "fp32"
+    states = estimate.model_states(trainable, optimizer="adamw", precision=precision,
+                                   zero_stage=c.zero_stage, world_size=world_size)
+    weights = states.params + (2 if c.precision == "mixed" else 4) * (
+        s.n_params if c.lora_rank else 0)              # frozen base beside the adapters
+    grads, optimizer = states.grads, states.optimizer
+    if c.offload:                                      # one gradient at a time on the device
+        host = 16 * trainable + (2 * trainable if c.precision == "mixed" else 0)
+        return weights, (weights // max(trainable, 1)) * s.largest, 0, 0, host
+    before = grads if c.accumulation > 1 or world_size > 1 else 0   # DDP: gradients live in
+    if c.zero_stage == 1:                                           # buckets across steps
+        grads = before = 4 * trainable                 # one flat buffer, allocated up front
+    if c.zero_stage == 2:                              # full gradients of the buckets in flight
+        grads = before = grads + min(4 * trainable, 2 * BUCKET_BYTES)
+    return weights, grads, optimizer, before, 0
+
+
+def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
+                   device_type: str = "cpu") -> Prediction:
+    """Predicted peak bytes per rank of `cand`'s training step, by kind (see the module doc)."""
+    s, c = shape, cand
+    P, G, O, G_before, host = _states(s, c, world_size)
+    A, per_block, checkpoint, cached = _activations(s, c, device_type)
+    N, V, C = c.micro_batch * s.seq_len, s.vocab, s.width
+    low = c.precision != "fp32"
+    logits = N * V * (2 + 4 if low else 4)             # the logits (and their fp32 copy)
+    # backward through the first segment (or the first block, without checkpointing): the later
+    # blocks' gradients exist, the first segment's activations are back, and its own gradients
+    # flow: the block input's and the (N, 4C) MLP one's, 5·N·C fp32 values
+    first = _segment(s.depth, c.segments)[0] if c.segments > 1 else 1
+    block_share = 0 if c.lora_rank else (12 * C * C + 13 * C) / s.n_params
+    lora_share = 1 / s.depth if c.lora_rank else 0
+    early = int(G * (1 - first * (block_share + lora_share) - (s.vocab + s.seq_len) * C
+                     / s.n_params * (not c.lora_rank)))
+    early_acts = first * per_block + (checkpoint if c.segments > 1 else 0)
+    step_temp = G if c.precision == "mixed" and not c.offload else 0
+    phases = [("forward", G_before, A, logits + cached),
+              ("backward", G_before, A, 8 * N * V),
+              ("first block's backward", max(G_before, early), early_acts, 20 * N * C),
+              ("backward end", G, 0, 0),
+              ("optimizer", G, 0, step_temp)]
+    phase, grads, acts, temp = max(phases, key=lambda p: p[1] + p[2] + p[3])
+    return Prediction(P, grads, O, acts, temp, phase, host)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Rough speeds of one device, for ranking plans; only their ratios matter to the ranking.
+
+    `for_device("cuda")`: an A100/H100-class GPU: 150 TFLOP/s fp32-as-TF32 matmul reached
+    (A100: 156 TFLOP/s TF32 peak), bf16 twice that (312 peak), 10 µs per layer and micro-batch of
+    kernel launches, 1.5 TB/s memory, 25 GB/s to the host (PCIe 4.0 x16), 100 GB/s between GPUs.
+    `for_device("cpu")`: 50 GFLOP/s, and 16-bit *slower*, a tenth of fp32 (chapter 05 measured
+    bf16 10-60x slower on CPUs without bf16 units; with AMX, pass half_speedup above 1), 50 µs per
+    layer and micro-batch, 10 GB/s memory and copies, 1 GB/s between processes (gloo).
+    """
+
+    flops: float              # matmul FLOP/s in fp32
+    half_speedup: float       # bf16 matmul speed over fp32
+    layer_seconds: float      # fixed cost per layer and micro-batch (forward + backward)
+    memory_bandwidth: float   # bytes/s the optimizer streams through
+    host_bandwidth: float     # bytes/s between device and host (offload)
+    network_bandwidth: float  # bytes/s a rank sends to the others
+
+    @classmethod
+    def for_device(cls, device_type: str) -> "CostModel":
+        if device_type == "cuda":
+            return cls(150e12, 2.0, 10e-6, 1.5e12, 25e9, 100e9)
+        if device_type == "cpu":
+            return cls(50e9, 0.1, 50e-6, 10e9, 10e9, 1e9)
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+
+
+def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
+                    world_size: int = 1) -> dict[str, float]:
+    """Predicted seconds of one optimizer step by part: compute, recompute, overhead,
+    optimizer, offload, communication (and their "total")."""
+    s, c = shape, cand
+    tokens = c.micro_batch * c.accumulation * s.seq_len            # this rank's, per step
+    C, L, V, T = s.width, s.depth, s.vocab, s.seq_len
+    block = 2 * 12 * C * C + 4 * T * C                             # forward FLOPs per token
+    forward = tokens * (L * block + 2 * C * V)
+    backward = forward if c.lora_rank else 2 * forward             # frozen: no weight gradients
+    recompute = tokens * block * (L // c.segments) * (c.segments - 1)
+    speed = cost.flops * (cost.half_speedup if c.precision != "fp32" else 1.0)
+    trainable = s.lora_params(c.lora_rank) if c.lora_rank else s.n_params
+    weight_bytes = 2 if c.precision == "mixed" else 4
+    shard = trainable / world_size if c.zero_stage else trainable
+    ring = (world_size - 1) / world_size
+    sent = {0: 2 * ring * 4 * trainable, 1: 2 * ring * 4 * trainable,
+            2: (c.accumulation + 1) * ring * 4 * trainable,
+            3: c.accumulation * ring * trainable * (4 + 2 * (2 if c.precision == "autocast"
+                                                             else 4))}[c.zero_stage]
+    parts = {
+        "compute": (forward + backward) / speed,
+        "recompute": recompute / speed,
+        "overhead": c.accumulation * (L + 2) * cost.layer_seconds,
+        "optimizer": 32 * shard / (cost.host_bandwidth if c.offload else cost.memory_bandwidth),
+        "offload": (c.accumulation * weight_bytes * trainable + weight_bytes * trainable)
+        / cost.host_bandwidth if c.offload else 0.0,
+        "communication": sent / cost.network_bandwidth if world_size > 1 else 0.0,
+    }
+    parts["total"] = sum(parts.values())
+    return parts

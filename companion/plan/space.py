@@ -1,0 +1,148 @@
+"""What the planner chooses from: the model's shape, one candidate plan, and every candidate.
+
+A plan (`Candidate`) sets one value per lever of the course:
+  micro-batch x accumulation (chapter 03), checkpoint segments (04), precision (05),
+  ZeRO stage (07, several ranks), optimizer offload (08), LoRA adapters (this chapter).
+`candidates` lists every combination that can run together; `GPTShape.of` reads the sizes the
+predictions need off the model, built under FakeTensorMode (no memory allocated).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Callable, Iterable
+
+import torch
+from torch._subclasses import FakeTensorMode
+
+from companion.models import GPT
+
+__all__ = ["TECHNIQUES", "EXACT", "PRECISIONS", "LORA_TARGETS", "GPTShape", "Candidate",
+           "candidates"]
+
+TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "zero", "offload", "lora")
+EXACT = ("accumulation", "checkpointing", "autocast", "mixed", "zero", "offload")
+PRECISIONS = ("fp32", "autocast", "mixed")     # names of `companion.estimate.model_states`
+LORA_TARGETS = ("qkv", "proj", "fc", "out")    # the Linear layers of each block
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTShape:
+    """The sizes of a `companion.models.GPT` that memory and time depend on."""
+
+    vocab: int
+    seq_len: int
+    width: int
+    depth: int
+    heads: int
+    fused_attention: bool
+    n_params: int        # every parameter
+    n_params_1d: int     # in 1-D tensors (biases, LayerNorms): ZeRO-3 here keeps those whole
+    largest: int         # elements of the largest parameter tensor
+
+    @classmethod
+    def of(cls, model_fn: Callable[..., torch.nn.Module]) -> "GPTShape":
+        """Build `model_fn(dtype=torch.float32, device="cpu")` under FakeTensorMode and read it."""
+        with FakeTensorMode():
+            model = model_fn(dtype=torch.float32, device="cpu")
+        if not isinstance(model, GPT):
+            raise TypeError(f"the planner predicts the memory of companion.models.GPT; "
+                            f"model_fn built a {type(model).__name__}. Pass a function that "
+                            "takes dtype= and device= and returns a GPT, e.g. "
+                            "functools.partial(GPT, vocab, seq_len, width, depth, heads)")
+        params = list(model.parameters())
+        block = model.blocks[0]
+        return cls(vocab=model.tok.num_embeddings, seq_len=model.seq_len,
+                   width=model.tok.embedding_dim, depth=len(model.blocks), heads=block.heads,
+                   fused_attention=block.fused_attention,
+                   n_params=sum(p.numel() for p in params),
+                   n_params_1d=sum(p.numel() for p in params if p.dim() == 1),
+                   largest=max(p.numel() for p in params))
+
+    def lora_params(self, rank: int) -> int:
+        """Trainable parameters of rank-`rank` adapters on every block's four Linear layers:
+        r·(in + out) each, so r·(C + 3C + C + C + C + 4C + 4C + C) = 16·r·C per block."""
+        return self.depth * 16 * rank * self.width
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One plan: a value for every lever. `micro_batch` is per rank."""
+
+    micro_batch: int
+    accumulation: int = 1
+    segments: int = 1            # checkpoint_sequential over the blocks; 1 = no checkpointing
+    precision: str = "fp32"      # "fp32" | "autocast" (bf16 compute) | "mixed" (bf16 + fp32 master)
+    zero_stage: int = 0          # 0 = plain data parallelism when world_size > 1
+    offload: bool = False        # AdamW state and fp32 master weights on the host
+    lora_rank: int = 0           # 0 = train every parameter
+
+    def techniques(self) -> list[str]:
+        """The levers this plan pulls, in words."""
+        out = []
+        if self.accumulation > 1:
+            out.append(f"{self.accumulation} micro-batches of {self.micro_batch}")
+        if self.segments > 1:
+            out.append(f"checkpointing ({self.segments} segments)")
+        if self.precision != "fp32":
+            out.append({"autocast": "bf16 autocast", "mixed": "bf16 weights + fp32 master"}
+                       [self.precision])
+        if self.zero_stage:
+            out.append(f"ZeRO-{self.zero_stage}")
+        if self.offload:
+            out.append("optimizer offload")
+        if self.lora_rank:
+            out.append(f"LoRA r={self.lora_rank} (base frozen)")
+        return out
+
+    def describe(self) -> str:
+        return ", ".join(self.techniques()) or "plain (no technique)"
+
+
+def _check_allow(allow: Iterable[str]) -> frozenset[str]:
+    if isinstance(allow, str):
+        allow = [allow]
+    allow = frozenset(allow)
+    unknown = allow - set(TECHNIQUES)
+    if unknown:
+        raise ValueError(f"unknown technique(s) {sorted(unknown)} in allow: choose from "
+                         f"{', '.join(TECHNIQUES)}")
+    return allow
+
+
+def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
+               allow: Iterable[str] = EXACT, lora_rank: int = 8) -> list[Candidate]:
+    """Every plan that trains `batch` sequences per optimizer step (over all ranks) with the
+    techniques in `allow`. Several ranks: each takes batch / world_size, with a ZeRO stage (or
+    plain data parallelism); the course's offload and LoRA run on one process, so they are
+    searched for world_size = 1 only."""
+    allow = _check_allow(allow)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int (sequences per step), got {batch!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if batch % world_size:
+        raise ValueError(f"batch {batch} must split evenly over world_size={world_size} ranks")
+    if "lora" in allow and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int)
+                            or not 1 <= lora_rank <= shape.width):
+        raise ValueError(f"lora_rank must be an int from 1 to the width {shape.width}, "
+                         f"got {lora_rank!r}")
+    per_rank = batch // world_size
+    micro = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    if "accumulation" not in allow:
+        micro = [per_rank]
+    segments = [1] + ([s for s in range(2, shape.depth + 1)] if "checkpointing" in allow else [])
+    precisions = [p for p in PRECISIONS if p == "fp32" or p in allow]
+    several = world_size > 1
+    stages = ([0, 1, 2, 3] if "zero" in allow else [0]) if several else [0]
+    offloads = [False, True] if "offload" in allow and not several else [False]
+    ranks = [0, lora_rank] if "lora" in allow and not several else [0]
+    out = []
+    for m, s, p, z, off, r in itertools.product(micro, segments, precisions, stages, offloads,
+                                                 ranks):
+        if several and p == "mixed":
+            continue                       # ZeRO here: fp32 shards, bf16 compute via autocast
+        if off and r:
+            continue                       # adapters' states are already tiny
+        out.append(Candidate(m, per_rank // m, s, p, z, off, r))
+    return out
