@@ -8,7 +8,7 @@ allocated: a 7B model's step is checked on a laptop), and `Plan.run` trains it f
 `memory_budget`.
 
 Modules: `space` (the levers, the model's shape, the candidates), `predict` (peak by phase, the
-cost model), `build` (the course's parts put together; a step run for real or simulated),
+cost model), `training` (the course's parts put together; a step run for real or simulated),
 `planner` (`plan`, `Plan`), `ranks` (several processes; a torchrun line).
 
 Example:
@@ -21,14 +21,14 @@ Memory saved and its cost, per lever: see `predict`'s docstring (what each phase
 `CostModel` (what each costs in time).
 Simplified vs real planners: see `planner`.
 """
-from companion.plan.build import (CheckpointedBlocks, Setup, build, micro_step, optimizer_step,
-                                  simulate, train_step)
 from companion.plan.planner import NothingFits, Plan, Row, RunReport, plan
 from companion.plan.predict import (BUCKET_BYTES, CostModel, Prediction, predict_memory,
                                     predict_seconds)
 from companion.plan.ranks import rank_worker, run_ranks, train_command
 from companion.plan.space import (EXACT, LORA_TARGETS, PRECISIONS, TECHNIQUES, Candidate,
                                   GPTShape, candidates)
+from companion.plan.training import (CheckpointedBlocks, Setup, build, micro_step,
+                                     optimizer_step, simulate, train_step)
 
 __all__ = ["plan", "Plan", "Row", "RunReport", "NothingFits", "Candidate", "GPTShape",
            "candidates", "TECHNIQUES", "EXACT", "PRECISIONS", "LORA_TARGETS", "Prediction",

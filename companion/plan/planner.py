@@ -28,9 +28,9 @@ from torch import nn
 
 from companion.memory import format_bytes, memory_budget, parse_bytes, track
 from companion.models import make_tokens
-from companion.plan.build import build, simulate, train_step
 from companion.plan.predict import CostModel, Prediction, predict_memory, predict_seconds
 from companion.plan.space import EXACT, Candidate, GPTShape, candidates
+from companion.plan.training import build, simulate, train_step
 
 __all__ = ["NothingFits", "Row", "Plan", "RunReport", "plan"]
 
