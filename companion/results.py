@@ -153,13 +153,25 @@ def plot_curves(local: dict[str, Any] | None, runs: list[dict], *, local_label: 
                title=style.get("title", name.replace("_", " ")))
         ax.set_xscale(style.get("xscale", "linear"))
         ax.set_yscale(style.get("yscale", "linear"))
-        if style.get("xscale") == "log":                  # the measured points, as numbers
-            ticks = sorted({x for c in drawn for x in c["x"]})
-            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-            ax.minorticks_off()
+        _ticks(ax, drawn, log=style.get("xscale") == "log")
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def _ticks(ax, drawn: list[dict], *, log: bool) -> None:
+    """x ticks at the measured points when they are few whole numbers or on a log axis; a y axis
+    whose values are all about equal is shown around them, without an offset."""
+    xs = sorted({x for c in drawn for x in c["x"]})
+    if log or (len(xs) <= 12 and all(float(x).is_integer() for x in xs)):
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.minorticks_off()
+    ys = [y for c in drawn for y in c["y"] if isinstance(y, (int, float)) and math.isfinite(y)]
+    if ys and ax.get_yscale() == "linear":
+        ax.ticklabel_format(axis="y", useOffset=False)
+        middle, span = (max(ys) + min(ys)) / 2, max(ys) - min(ys)
+        if span < 0.01 * max(abs(y) for y in ys):            # equal at this scale: say so
+            ax.set_ylim(middle - 0.05 * abs(middle) - 1e-12, middle + 0.05 * abs(middle) + 1e-12)
 
 
 def _draw(ax, curve: dict, fmt: str, label: str, **kw) -> None:

@@ -15,14 +15,28 @@ import torch.nn.functional as F
 
 from companion import estimate, floats
 from companion.accumulation import accumulation_step, find_max_batch_size, step_memory
-from companion.checkpointing import activation_bytes
 from companion.memory import memory_budget, track
 from companion.models import GPT, MLP, make_classification, make_tokens
 from companion.record.fit import gpt_step_bytes, mlp_step_bytes
 from companion.results import curve
 
-__all__ = ["anatomy", "batch_activations", "low_precision_sums", "batch_memory",
+__all__ = ["anatomy", "anatomy_figures", "batch_activations", "activation_figures",
+           "low_precision_sums", "sum_figures", "batch_memory", "batch_figures",
            "accumulation_peak"]
+
+
+def anatomy_figures(step, saved: int, mlp_step) -> dict:
+    """Chapter 00's measurements under the recorded names: `step` tracked a GPT training step from
+    nothing (its model states by kind at the end, its peak), `saved` is the bytes its forward
+    saved for backward, `mlp_step` tracked the MLP's step."""
+    end = step.breakdown("current")
+    out = {"gpt_parameters_bytes": end["parameters"], "gpt_gradients_bytes": end["gradients"],
+           "gpt_optimizer_state_bytes": end["optimizer_state"], "gpt_activations_bytes": saved,
+           "gpt_step_peak_bytes": step.peak, "gpt_peak_phase": step.peak_phase,
+           "mlp_step_peak_bytes": mlp_step.peak}
+    if step.device.type == "cuda":
+        out["gpt_step_peak_reserved_bytes"] = step.peak_reserved
+    return out
 
 
 def anatomy(S, device: torch.device, *, repeats: int = 1) -> dict:
@@ -39,19 +53,6 @@ def anatomy(S, device: torch.device, *, repeats: int = 1) -> dict:
     with track(device) as forward:
         loss = model.loss(*tokens)
     saved = forward.current - loss.untyped_storage().nbytes()     # the loss is not saved
-    end, states = step.breakdown("current"), estimate.model_states(n)
-    measured = {"gpt_parameters_bytes": end["parameters"], "gpt_gradients_bytes": end["gradients"],
-                "gpt_optimizer_state_bytes": end["optimizer_state"], "gpt_activations_bytes": saved,
-                "gpt_step_peak_bytes": step.peak, "gpt_peak_phase": step.peak_phase}
-    if device.type == "cuda":
-        measured["gpt_step_peak_reserved_bytes"] = step.peak_reserved
-    predicted = {"gpt_parameters_bytes": states.params, "gpt_gradients_bytes": states.grads,
-                 "gpt_optimizer_state_bytes": states.optimizer,
-                 "gpt_activations_bytes": estimate.gpt_activations(
-                     S.anatomy_gpt_batch, S.seq_len, S.gpt_width, S.gpt_depth, S.gpt_heads,
-                     S.vocab),
-                 "gpt_step_peak_bytes": gpt_step_bytes(S, batch=S.anatomy_gpt_batch,
-                                                       depth=S.gpt_depth)}
     del model, opt, loss
     x, y = (t.to(device) for t in make_classification(S.batch, S.width, 10))
     with track(device) as mlp_step:
@@ -59,26 +60,46 @@ def anatomy(S, device: torch.device, *, repeats: int = 1) -> dict:
         mlp_opt = torch.optim.Adam(mlp.parameters(), lr=1e-3)
         mlp.loss(x, y).backward()
         mlp_opt.step()
-    measured["mlp_step_peak_bytes"] = mlp_step.peak
-    predicted["mlp_step_peak_bytes"] = mlp_step_bytes(S.width, S.width, S.depth, 10,
-                                                      batch=S.batch) - x.nbytes
+    states = estimate.model_states(n)
+    predicted = {"gpt_parameters_bytes": states.params, "gpt_gradients_bytes": states.grads,
+                 "gpt_optimizer_state_bytes": states.optimizer,
+                 "gpt_activations_bytes": estimate.gpt_activations(
+                     S.anatomy_gpt_batch, S.seq_len, S.gpt_width, S.gpt_depth, S.gpt_heads,
+                     S.vocab),
+                 "gpt_step_peak_bytes": gpt_step_bytes(S, batch=S.anatomy_gpt_batch,
+                                                       depth=S.gpt_depth),
+                 "mlp_step_peak_bytes": mlp_step_bytes(S.width, S.width, S.depth, 10,
+                                                       batch=S.batch) - x.nbytes}
     return {"experiment": "a training step of the GPT and of the MLP (fp32 Adam), by kind",
-            "measured": measured, "predicted": predicted}
+            "measured": anatomy_figures(step, saved, mlp_step), "predicted": predicted}
+
+
+_PER_BATCH = {"xlabel": "batch size (examples)", "ylabel": "bytes saved for backward",
+              "xscale": "log", "yscale": "log"}
+
+
+def activation_figures(measured: dict[int, int], parameter_bytes: int) -> dict:
+    """Chapter 01's {batch: activation bytes} (tracked, the input batch not counted) and the
+    MLP's parameter bytes, under the recorded names."""
+    return {"activation_bytes": curve(list(measured), list(measured.values()), **_PER_BATCH),
+            "parameter_bytes": parameter_bytes}
 
 
 def batch_activations(S, device: torch.device, *, repeats: int = 1) -> dict:
-    """Bytes a 3-layer MLP (64 inputs, width S.width) saves for backward against the batch size,
-    against B·(64 + 3·width)·4: activations grow with the batch, the weights do not."""
+    """Bytes a 3-layer MLP (64 inputs, width S.width) keeps between forward and backward against
+    the batch size (tracked; the input batch is data, not counted), against B·3·width·4:
+    activations grow with the batch, the weights do not."""
     mlp = MLP(64, S.width, 3, 10, device=device)
-    batches = [1, 8, S.batch, 4 * S.batch, 16 * S.batch]
-    saved = [activation_bytes(mlp, torch.randn(b, 64, device=device)) for b in batches]
-    labels = {"xlabel": "batch size (examples)", "ylabel": "bytes saved for backward",
-              "xscale": "log", "yscale": "log"}
-    return {"experiment": "activations saved by a 3-layer MLP against the batch size",
-            "measured": {"activation_bytes": curve(batches, saved, **labels),
-                         "parameter_bytes": sum(p.nbytes for p in mlp.parameters())},
+    measured = {}
+    for b in [1, 8, S.batch, 4 * S.batch, 16 * S.batch]:
+        x = torch.randn(b, 64, device=device)
+        with track(device) as t:
+            out = mlp(x)
+        measured[b] = t.current - out.untyped_storage().nbytes()     # the output is not saved
+    return {"experiment": "activations of a 3-layer MLP against the batch size",
+            "measured": activation_figures(measured, sum(p.nbytes for p in mlp.parameters())),
             "predicted": {"activation_bytes": curve(
-                batches, [b * (64 + 3 * S.width) * 4 for b in batches], **labels),
+                list(measured), [b * 3 * S.width * 4 for b in measured], **_PER_BATCH),
                 "parameter_bytes": 4 * estimate.mlp_params(64, S.width, 3, 10)}}
 
 
@@ -96,12 +117,17 @@ def low_precision_sums(S, device: torch.device, *, repeats: int = 1) -> dict:
         measured[f"torch_sum_{name}_relative_error"] = curve(
             ns, errors, xlabel="values summed (n)", ylabel="|sum - 0.01·n| / (0.01·n)",
             title=f"torch.sum of n x 0.01 in {name} on the device", xscale="log", yscale="log")
-        values = torch.full((1000,), 0.01)
-        measured[f"torch_sum_1000_{name}"] = values.to(device).to(dtype).sum().item()
         predicted[f"torch_sum_1000_{name}"] = floats.running_sum(
-            values, dtype, accumulate=torch.float32).item()
+            torch.full((1000,), 0.01), dtype, accumulate=torch.float32).item()
+    measured.update(sum_figures(torch.full((1000,), 0.01, device=device)))
     return {"experiment": "sums of 16-bit values on the device (torch.sum)",
             "measured": measured, "predicted": predicted}
+
+
+def sum_figures(values: torch.Tensor) -> dict:
+    """Chapter 02's `torch.sum` of `values` (1000 x 0.01) stored in fp16 and in bf16."""
+    return {f"torch_sum_{len(values)}_{name}": values.to(dtype).sum().item()
+            for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))}
 
 
 def accumulation_peak(S, batch: int, accum_steps: int = 1, *, d_in: int = 32,
@@ -131,6 +157,20 @@ def _largest_batch(make, X: torch.Tensor, Y: torch.Tensor, budget: int, *, start
         return find_max_batch_size(step, start=start, device=device, limit=len(X))
 
 
+_PEAK = {"xlabel": "batch size (examples)", "ylabel": "peak bytes of two Adam steps"}
+
+
+def batch_figures(peaks: dict[int, int], accumulation: dict[int, int], budget: int,
+                  largest: int, *, effective_batch: int) -> dict:
+    """Chapter 03's measurements under the recorded names: {batch: peak}, {micro-batch: peak} at
+    `effective_batch`, and the largest batch found under `budget` bytes."""
+    return {"peak_bytes": curve(list(peaks), list(peaks.values()), **_PEAK),
+            "accumulation_peak_bytes": curve(
+                list(accumulation), list(accumulation.values()),
+                xlabel=f"micro-batch b (effective batch {effective_batch})", ylabel="peak bytes"),
+            "budget_bytes": budget, "largest_batch": largest}
+
+
 def batch_memory(S, device: torch.device, *, repeats: int = 1) -> dict:
     """Peak memory of two Adam steps against the batch, and with accumulation at a fixed effective
     batch (`accumulation.step_memory`); the largest batch that fits a budget
@@ -142,26 +182,18 @@ def batch_memory(S, device: torch.device, *, repeats: int = 1) -> dict:
     def make():
         return MLP(d_in, S.width, S.depth, classes, device=device)
 
-    batches = [S.batch * 2**i for i in range(7)]
-    peaks = [step_memory(make, F.cross_entropy, X[:b], Y[:b], device=device).peak
-             for b in batches]
-    B, ks = 16 * S.batch, [1, 2, 4, 8, 16]
-    acc = [step_memory(make, F.cross_entropy, X[:B], Y[:B], accum_steps=k, device=device).peak
-           for k in ks]
+    peaks = {b: step_memory(make, F.cross_entropy, X[:b], Y[:b], device=device).peak
+             for b in [S.batch * 2**i for i in range(7)]}
+    B = 16 * S.batch
+    acc = {B // k: step_memory(make, F.cross_entropy, X[:B], Y[:B], accum_steps=k,
+                               device=device).peak for k in (1, 2, 4, 8, 16)}
     states = estimate.model_states(estimate.mlp_params(d_in, S.width, S.depth, classes))
     budget = states.total + 6 * S.batch * (S.depth + 2) * S.width * 4
     largest = _largest_batch(make, X, Y, budget, start=S.batch, device=device)
-    mine = {"xlabel": "batch size (examples)", "ylabel": "peak bytes of two Adam steps"}
-    micro = {"xlabel": f"micro-batch b (effective batch {B})", "ylabel": "peak bytes"}
+    predicted = batch_figures({b: accumulation_peak(S, b) for b in peaks},
+                              {b: accumulation_peak(S, b, B // b) for b in acc}, budget,
+                              max(b for b in range(1, 64 * S.batch + 1)
+                                  if accumulation_peak(S, b) <= budget), effective_batch=B)
     return {"experiment": "peak memory against the batch; accumulation; the largest batch",
-            "measured": {"peak_bytes": curve(batches, peaks, **mine),
-                         "accumulation_peak_bytes": curve([B // k for k in ks], acc, **micro),
-                         "budget_bytes": budget, "largest_batch": largest},
-            "predicted": {"peak_bytes": curve(batches, [accumulation_peak(S, b) for b in batches],
-                                              **mine),
-                          "accumulation_peak_bytes": curve(
-                              [B // k for k in ks], [accumulation_peak(S, B // k, k) for k in ks],
-                              **micro),
-                          "budget_bytes": budget,
-                          "largest_batch": max(b for b in range(1, 64 * S.batch + 1)
-                                               if accumulation_peak(S, b) <= budget)}}
+            "measured": batch_figures(peaks, acc, budget, largest, effective_batch=B),
+            "predicted": predicted}

@@ -49,7 +49,7 @@ def predicted_peaks(s) -> dict[str, dict[str, int]]:
     chapter ("00", ...) and run. Reads every field of `s` that sizes device memory."""
     return {"00": _anatomy(s), "01": _gradient_descent(s), "02": _float_formats(s),
             "03": _accumulation(s), "04": _checkpointing(s), "05": _mixed_precision(s),
-            "06": _data_parallel(s), "07": _zero(s), "08": _offload(s)}
+            "06": _data_parallel(s), "07": _zero(s), "08": _offload(s), "09": _capstone(s)}
 
 
 def _anatomy(s) -> dict[str, int]:
@@ -138,3 +138,11 @@ def _offload(s) -> dict[str, int]:
     models = 16 * n + 8 * n + 8 * n
     act = gpt_step_bytes(s, batch=s.act_offload_batch, depth=s.gpt_depth, optimizer="sgd")
     return {"plain and offloaded adamw": models + step, "activation offload": models + act}
+
+
+def _capstone(s) -> dict[str, int]:
+    # The unconstrained fp32 AdamW run the learner's plan is compared with (the whole batch at
+    # once), and the plan itself, which trains under the budget.
+    return {"unconstrained gpt step": gpt_step_bytes(s, batch=s.cap_batch, depth=s.cap_depth,
+                                                     width=s.cap_width),
+            "plan under the budget": s.cap_budget}

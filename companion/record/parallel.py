@@ -35,9 +35,9 @@ def dp_figures(reports: dict) -> dict:
     return {"dp_master_extra_over_replica": curve(
                 ns, [reports[n].master_extra_bytes / reports[n].replica_bytes[0] for n in ns],
                 xlabel="replicas N", ylabel="master's extra bytes / a replica's",
-                title="DataParallel: the master's extra does not shrink"),
-            f"dp_master_extra_bytes_N{ns[-1]}": last.master_extra_bytes,
-            f"dp_replica_bytes_N{ns[-1]}": last.replica_bytes[0]}
+                title="DataParallel: the master's extra over a replica"),
+            f"dp_master_extra_N{ns[-1]}_bytes": last.master_extra_bytes,
+            f"dp_replica_N{ns[-1]}_bytes": last.replica_bytes[0]}
 
 
 def data_parallel(S, device: torch.device, *, repeats: int = 3) -> dict:
@@ -57,7 +57,7 @@ def data_parallel(S, device: torch.device, *, repeats: int = 3) -> dict:
     del model, parallel
     measured = dp_figures(reports)
     rows_bytes = 2 * x.nbytes                                   # the batch and its targets
-    predicted = {"dp_master_extra_bytes_N4": rows_bytes + max(2 * x.nbytes, grad_bytes)}
+    predicted = {"dp_master_extra_N4_bytes": rows_bytes + max(2 * x.nbytes, grad_bytes)}
     world, backend = ranks(device)
     steps = {impl: launch.run(ddp.time_training_step, world, impl, S.width, S.depth // 2, S.batch,
                               max(1, repeats), backend=backend, timeout=600)
@@ -87,13 +87,13 @@ def stage_figures(per_rank: list, world: int) -> dict:
         ratios.append(have / want.total)
     out["model_states_over_formula"] = curve(
         [r["stage"] for r in stages], ratios, xlabel="ZeRO stage (0: DDP)",
-        ylabel="measured / formula", title=f"Model states of rank 0 ({world} ranks)")
+        ylabel="measured / formula", title="Model states of rank 0")
     if world > 1:
         unit = (world - 1) / world * 4 * stages[0]["n_params"]
         out["traffic_over_all_reduce_share"] = curve(
             [r["stage"] for r in stages], [r["sent_bytes"] / unit for r in stages],
             xlabel="ZeRO stage (0: DDP)", ylabel="sent per rank / ((N-1)/N·4Ψ)",
-            title=f"Traffic per rank per step ({world} ranks)")
+            title="Traffic per rank per step")
     return out
 
 

@@ -22,7 +22,8 @@ from companion.record.common import median_seconds
 from companion.results import curve
 
 __all__ = ["checkpoint_segments", "segment_figures", "attention_figures", "mixed_precision",
-           "layout_figures", "loss_figures", "train_losses", "LOSS_RUNS", "offload"]
+           "layout_figures", "loss_figures", "train_losses", "LOSS_RUNS", "offload",
+           "offload_figures"]
 
 
 def segment_figures(name: str, runs: list, unit: int) -> dict:
@@ -272,17 +273,24 @@ def offload(S, device: torch.device, *, repeats: int = 3) -> dict:
             opt.zero_grad()
     plain = make()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-    phases = {"plain": step_phases(lambda: plain.loss(x, y), plain_opt, steps=repeats,
-                                   device=device),
-              "offloaded": step_phases(lambda: model.loss(x, y), opt, steps=repeats,
-                                       device=device)}
-    step = {k: sum(p[s] for s in ("forward", "backward", "step")) for k, p in phases.items()}
-    measured = {"device_bytes_after_training": t.current, "host_bytes_after_training":
-                t.host_current, "plain_step_seconds": step["plain"],
-                "offloaded_step_seconds": step["offloaded"],
-                "offloaded_over_plain_step": step["offloaded"] / step["plain"]}
-    measured.update({f"offloaded_{k}_seconds": v for k, v in phases["offloaded"].items()
-                     if k not in ("forward", "backward", "step")})
+    phases = {"plain AdamW": step_phases(lambda: plain.loss(x, y), plain_opt, steps=repeats,
+                                         device=device),
+              "offloaded AdamW": step_phases(lambda: model.loss(x, y), opt, steps=repeats,
+                                             device=device)}
     return {"experiment": "ZeRO-Offload of AdamW: device and host bytes, step phases",
-            "measured": measured, "predicted": {"device_bytes_after_training": placed.device,
-                                                "host_bytes_after_training": placed.host}}
+            "measured": offload_figures(phases, t),
+            "predicted": {"device_bytes_after_training": placed.device,
+                          "host_bytes_after_training": placed.host}}
+
+
+def offload_figures(phases: dict[str, dict[str, float]], tracker) -> dict:
+    """Chapter 08's measurements under the recorded names: `offload.step_phases` of "plain AdamW"
+    and "offloaded AdamW", and the tracker of the offloaded training (bytes live at its end)."""
+    step = {k: sum(p[s] for s in ("forward", "backward", "step")) for k, p in phases.items()}
+    plain, offloaded = step["plain AdamW"], step["offloaded AdamW"]
+    out = {"device_bytes_after_training": tracker.current,
+           "host_bytes_after_training": tracker.host_current, "plain_step_seconds": plain,
+           "offloaded_step_seconds": offloaded, "offloaded_over_plain_step": offloaded / plain}
+    out.update({f"offloaded_{k}_seconds": v for k, v in phases["offloaded AdamW"].items()
+                if k not in ("forward", "backward", "step")})
+    return out
