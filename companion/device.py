@@ -88,6 +88,10 @@ class Sizes:
     amp_matmul: int = 1024    # side of the square matrices whose 16-bit matmul chapter 05 times
     anatomy_gpt_batch: int = 32  # batch of the course GPT (gpt_width, gpt_depth, vocab) whose
                                  # training step chapter 00 takes apart
+    cap_width: int = 128      # the capstone's GPT (vocab, seq_len, gpt_heads as above): width,
+    cap_depth: int = 4        # blocks,
+    cap_batch: int = 16       # sequences per optimizer step (the effective batch a plan keeps),
+    cap_budget: int = 8 * 2**20   # and the device bytes it must train in (chapter 09)
 
 
 _SIZES = {
@@ -98,7 +102,8 @@ _SIZES = {
                   zero_width=8192, zero_depth=8, zero_batch=64, zero_vocab=262144,
                   offload_width=1536, offload_depth=16, offload_batch=1, act_offload_batch=8,
                   amp_gpt_batch=8, amp_width=1024, amp_depth=8, amp_batch=4096, amp_accum=256,
-                  amp_steps=500, amp_matmul=8192, anatomy_gpt_batch=8),
+                  amp_steps=500, amp_matmul=8192, anatomy_gpt_batch=8,
+                  cap_width=1024, cap_depth=12, cap_batch=16, cap_budget=4 * 2**30),
 }
 
 
@@ -107,13 +112,14 @@ _SIZES = {
 _R = dataclasses.replace
 _GPU_CLASSES = {80: _SIZES["cuda"]}
 _GPU_CLASSES[40] = _R(_GPU_CLASSES[80], anatomy_gpt_batch=4, amp_gpt_batch=4, act_offload_batch=4,
-                      ckpt_gpt_batch=4, ckpt_depth=32, ckpt_batch=4096, offload_width=1024)
+                      ckpt_gpt_batch=4, ckpt_depth=32, ckpt_batch=4096, offload_width=1024,
+                      cap_batch=8)
 _GPU_CLASSES[24] = _R(_GPU_CLASSES[40], width=2048, anatomy_gpt_batch=2, amp_gpt_batch=2,
                       act_offload_batch=2, ckpt_gpt_batch=2, ckpt_gpt_depth=12, zero_width=4096,
-                      offload_depth=8, amp_matmul=4096)
+                      offload_depth=8, amp_matmul=4096, cap_batch=4)
 _GPU_CLASSES[16] = _R(_GPU_CLASSES[24], depth=16, gpt_depth=8, anatomy_gpt_batch=1,
                       amp_gpt_batch=1, act_offload_batch=1, ckpt_gpt_batch=1, ckpt_gpt_depth=8,
-                      ckpt_depth=32, ckpt_batch=2048, offload_width=768)
+                      ckpt_depth=32, ckpt_batch=2048, offload_width=768, cap_batch=2)
 GPU_CLASSES_GB = tuple(sorted(_GPU_CLASSES))
 
 
