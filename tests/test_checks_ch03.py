@@ -1,13 +1,15 @@
 """Chapter 03's checks pass on the reference and fail on known-wrong answers."""
-import math
+import pickle
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from companion import accumulation
 from companion.checks.ch03 import (check_accumulation_step, check_batch_size_search,
-                                   check_choose_micro_batch)
-from companion.checks.core import CheckFailed
+                                   check_token_normalized_step)
+from companion.checks.core import CheckFailed, evaluate
+from companion.checks.harness import Remote, RemoteArg
 
 
 def _reference_step(model, loss_fn, opt, x, y, k):
@@ -72,20 +74,61 @@ def test_accumulation_step_wrong_answers_fail(wrong, hint):
         check_accumulation_step(wrong)
 
 
-def test_choose_micro_batch_reference_passes():
-    check_choose_micro_batch(accumulation.choose_micro_batch)
+def token_reference(model, opt, micro_batches):
+    accumulation.token_normalized_step(model, opt, micro_batches)
+
+
+def _token_step(normalize, *, zero_grad=True):
+    """A learner's token step; `normalize(summed, mean, micro_batches, y)` gives the loss."""
+    def answer(model, opt, micro_batches):
+        if zero_grad:
+            opt.zero_grad()
+        for x, y in micro_batches:
+            logits, target = model(x).flatten(0, 1), y.flatten()
+            summed = F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+            mean = F.cross_entropy(logits, target, ignore_index=-100)
+            normalize(summed, mean, micro_batches, y).backward()
+        opt.step()
+    return answer
+
+
+def _tokens(micro):
+    return sum(int((y != -100).sum()) for _, y in micro)
+
+
+def test_token_normalized_step_reference_and_a_plain_loop_pass():
+    check_token_normalized_step(token_reference)
+    check_token_normalized_step(_token_step(lambda s, m, micro, y: s / _tokens(micro)))
+
+
+def _one_big_batch(model, opt, micro):
+    x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
+    accumulation.token_normalized_step(model, opt, [(x, y)])
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (lambda t, m: (min(t, m), math.ceil(t / min(t, m))), "divide the target"),
-    (lambda t, m: (1, t), "largest"),
-    (lambda t, m: (t, 1), None),
-    (lambda t, m: min(t, m), None),
-    (lambda t, m: accumulation.choose_micro_batch(t, m)[::-1], None),
+    (_token_step(lambda s, m, micro, y: m / len(micro)), "2024 bug"),
+    (_token_step(lambda s, m, micro, y: m), "k times too large"),
+    (_token_step(lambda s, m, micro, y: s), "divide the summed loss"),
+    (_token_step(lambda s, m, micro, y: s / sum(t.numel() for _, t in micro)), "padding"),
+    (_token_step(lambda s, m, micro, y: s / _tokens(micro), zero_grad=False), "zero_grad"),
+    (_token_step(lambda s, m, micro, y: s / int((y != -100).sum())), "k times too large"),
+    (_token_step(lambda s, m, micro, y: 2 * s / _tokens(micro)), "does not match"),
+    (_one_big_batch, "one by one"),
 ])
-def test_choose_micro_batch_wrong_answers_fail(wrong, hint):
+def test_token_normalized_step_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
-        check_choose_micro_batch(wrong)
+        check_token_normalized_step(wrong)
+
+
+def test_token_normalized_step_steps_once():
+    def steps_each(model, opt, micro):
+        for x, y in micro:
+            opt.zero_grad()
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100).backward()
+            opt.step()
+    with pytest.raises(CheckFailed, match="ran 3 times"):
+        check_token_normalized_step(steps_each)
 
 
 def _search(step, start):
@@ -144,7 +187,7 @@ def _hangs(*args):
         pass
 
 
-@pytest.mark.parametrize("check", [check_accumulation_step, check_choose_micro_batch,
+@pytest.mark.parametrize("check", [check_accumulation_step, check_token_normalized_step,
                                    check_batch_size_search])
 @pytest.mark.parametrize("garbage", [None, "answer", 1.0, lambda *a: None, lambda *a: 1 / 0,
                                      lambda *a: (torch.tensor(float("nan")),) * 2,
@@ -154,8 +197,43 @@ def test_garbage_fails_cleanly(check, garbage):
         check(garbage)
 
 
-@pytest.mark.parametrize("check", [check_accumulation_step, check_choose_micro_batch,
+@pytest.mark.parametrize("check", [check_accumulation_step, check_token_normalized_step,
                                    check_batch_size_search])
 def test_a_hang_fails_within_the_time_limit(check):
     with pytest.raises(CheckFailed, match="did not finish"):
         check(_hangs, timeout=1.0)
+
+
+def test_a_wrong_batch_size_prints_as_an_int():
+    with pytest.raises(CheckFailed) as failure:
+        check_batch_size_search(_off_by_one)
+    assert ".0" not in str(failure.value).split("hint")[0]
+
+
+class _Elsewhere(Remote):
+    """An answer that lives in another process, as under the grader: what crosses is pickled."""
+
+    def __init__(self, fn):
+        super().__init__(fn.__name__)
+        self.fn = fn
+
+    def call(self, args, kwargs):
+        from companion.checks.core import call
+        args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
+        return pickle.loads(pickle.dumps(call(self.fn, *args, **kwargs)))
+
+    def run_harness(self, fn, args, kwargs):
+        args = [self.fn if a is self else a.fn(self.fn) if isinstance(a, RemoteArg) else a
+                for a in args]
+        return pickle.loads(pickle.dumps(fn(*args, **kwargs)))
+
+    def limit(self, seconds):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("name, answer", [("check_accumulation_step", _reference_step),
+                                          ("check_token_normalized_step", token_reference),
+                                          ("check_batch_size_search", _search)])
+def test_checks_pass_on_an_answer_that_lives_in_another_process(name, answer):
+    assert evaluate(name, _Elsewhere(answer))
