@@ -266,7 +266,7 @@ def test_notebooks_graded_together_run_as_different_users(batch):
 def test_harness_checks_fail_wrong_answers_with_their_hints(batch):
     ch03, ch04, ch06 = (_rows(batch, f"harness_{n}.ipynb") for n in ("03", "04", "06"))
     assert "optimizer.step() ran" in ch03["accumulation_step"]["message"]
-    assert ch03["batch_size_search"]["passed"] and ch03["choose_micro_batch"]["passed"]
+    assert ch03["batch_size_search"]["passed"] and ch03["token_normalized_step"]["passed"]
     assert "same masks" in ch04["checkpoint_function"]["message"]
     assert ch04["segments_for_budget"]["status"] == "reference"
     assert ch04["saved_bytes"]["passed"] and ch04["selective_policy"]["passed"]
