@@ -133,9 +133,10 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
                      / s.n_params * (not c.lora_rank)))
     early_acts = first * per_block + (checkpoint if c.segments > 1 else 0)
     step_temp = G if c.precision == "mixed" and not c.offload else 0
+    moving = G if c.offload else 0                     # a gradient on its way to the host
     phases = [("forward", G_before, A, logits + cached),
-              ("backward", G_before, A, 8 * N * V),
-              ("first block's backward", max(G_before, early), early_acts, 20 * N * C),
+              ("backward", G_before + moving, A, 8 * N * V),
+              ("first block's backward", max(G_before, early) + moving, early_acts, 20 * N * C),
               ("backward end", G, 0, 0),
               ("optimizer", G, 0, step_temp)]
     phase, grads, acts, temp = max(phases, key=lambda p: p[1] + p[2] + p[3])
