@@ -248,3 +248,10 @@ def test_checks_pass_on_an_answer_that_lives_in_another_process(name, answer):
 def test_the_adam_check_judges_an_answer_that_lives_elsewhere():
     with pytest.raises(CheckFailed, match="bias correction"):
         evaluate("check_adam_step", _Elsewhere(_adam_with("no bias correction")))
+
+
+def test_a_wrong_byte_count_prints_as_the_int_it_is():
+    with pytest.raises(CheckFailed) as failure:
+        check_activation_bytes(lambda B, W, L, K, e: _activations(B, W, L, K, e) + 100)
+    shown = str(failure.value)
+    assert "got:" in shown and ".0\n" not in shown and not shown.split("got:")[1].split()[0].endswith(".0")

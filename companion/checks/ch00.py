@@ -16,8 +16,9 @@ __all__ = ["check_adam_step", "check_model_state_bytes", "check_activation_bytes
            "check_transformer_activations"]
 
 
-def _number(got, name: str) -> float:
-    """The learner's answer as a number of bytes, or a CheckFailed that says what was wrong."""
+def _number(got, name: str) -> int | float:
+    """The learner's answer as a number of bytes (an int stays an int, so it prints as one), or a
+    CheckFailed that says what was wrong."""
     if isinstance(got, torch.Tensor) and got.numel() == 1:
         got = got.item()
     if isinstance(got, bool) or not isinstance(got, (int, float)):
@@ -25,7 +26,7 @@ def _number(got, name: str) -> float:
                           got=got, hint="return the count itself, e.g. `return total`.")
     if got != got:
         raise CheckFailed(f"{name} is NaN", got=got, hint="count bytes with integers.")
-    return float(got)
+    return got
 
 
 # ---------------------------------------------------------------- exercise 1: Adam's step
@@ -188,10 +189,9 @@ def check_model_state_bytes(answer) -> str:
                         f"expected a tuple (params, grads, optimizer_state), got {got!r}"[:200],
                         hint="return three byte counts, e.g. `return p, g, o`.")
                 got = tuple(_number(x, "a byte count") for x in got)
-                expected = tuple(float(x) for x in _state_reference(n, optimizer, layout))
-                wrong = {hint: tuple(float(x) for x in value)
-                         for hint, value in _state_mistakes(n, k, layout).items()
-                         if value is not None and tuple(map(float, value)) != expected}
+                expected = _state_reference(n, optimizer, layout)
+                wrong = {hint: value for hint, value in _state_mistakes(n, k, layout).items()
+                         if value is not None and value != expected}
                 compare(got, expected, name=f"(params, grads, optimizer_state) for {optimizer}, "
                         f"{layout}", known_wrong=wrong)
     per = {layout: estimate.model_states(1, precision=p, **o).total
@@ -221,13 +221,13 @@ def check_activation_bytes(answer) -> str:
             loss = model.loss(X, y)
         measured = t.current - loss.untyped_storage().nbytes()
         relu = L * B * W * e
-        compare(got, float(measured), name=f"bytes saved by MLP(width={W}, depth={L}) on a batch "
+        compare(got, measured, name=f"bytes saved by MLP(width={W}, depth={L}) on a batch "
                 f"of {B}, {dtype}", rtol=0.01, atol=0.0, known_wrong={
                     "the loss saves the log-softmax of the logits too: B·n_classes values.":
-                        float(relu),
+                        relu,
                     "a Linear's output is freed once ReLU has used it; only ReLU's output is "
-                    "kept.": float(2 * relu + B * K * e),
-                    "count bytes: multiply values by bytes_per_value.": float(relu / e + B * K),
+                    "kept.": 2 * relu + B * K * e,
+                    "count bytes: multiply values by bytes_per_value.": relu // e + B * K,
                 })
         lines.append(f"{format_bytes(got)} vs {format_bytes(measured)}")
     return "predicted vs measured: " + "; ".join(lines)
@@ -277,10 +277,10 @@ def check_transformer_activations(answer) -> str:
         for dropout in (True, False):
             got = _number(call(answer, b, s, h, L, a, V, dropout), "activation bytes")
             expected = estimate.transformer_activations(b, s, h, L, a, V, dropout=dropout)
-            wrong = {hint: float(v) for hint, v in _transformer_mistakes(b, s, h, L, a, V,
+            wrong = {hint: v for hint, v in _transformer_mistakes(b, s, h, L, a, V,
                                                                          dropout).items()
                      if v != expected}
-            compare(got, float(expected), name=f"batch {b}, seq_len {s}, width {h}, depth {L}, "
+            compare(got, expected, name=f"batch {b}, seq_len {s}, width {h}, depth {L}, "
                     f"heads {a}, vocab {V}, dropout={dropout}", rtol=0.0, atol=0.5,
                     known_wrong=wrong)
     xl = estimate.transformer_activations(8, 1024, *_GPT2["GPT-2 XL"], 50257)
