@@ -11,7 +11,8 @@ Techniques: `gd`, `optim` (Adam from scratch, the step fused into backward), `fl
 `accumulation`, `chunked_loss` (cross-entropy without the whole logits), `checkpointing`, `amp`
 (GradScaler, MasterWeights, autocast_dtypes), `collectives`, `dp`, `ddp`, `launch`, `lora`, `zero`
 (ZeRO stages 1-3), `offload` (ZeRO-Offload, activation offload), `nvme` (the NVMe tier), `train`
-(the `python -m companion train` launcher).
+(the `python -m companion train` launcher), `plan` (the techniques that fit a memory budget,
+chosen, proved by a simulated step, and run).
 The course itself: `widgets`, `results`, `checks`, `notebooks`, `grading`.
 """
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "offload",
     "optim",
     "placement",
+    "plan",
     "results",
     "train",
     "widgets",

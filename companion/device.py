@@ -119,7 +119,8 @@ _GPU_CLASSES[24] = _R(_GPU_CLASSES[40], width=2048, anatomy_gpt_batch=2, amp_gpt
                       offload_depth=8, amp_matmul=4096, cap_batch=4)
 _GPU_CLASSES[16] = _R(_GPU_CLASSES[24], depth=16, gpt_depth=8, anatomy_gpt_batch=1,
                       amp_gpt_batch=1, act_offload_batch=1, ckpt_gpt_batch=1, ckpt_gpt_depth=8,
-                      ckpt_depth=32, ckpt_batch=2048, offload_width=768, cap_batch=2)
+                      ckpt_depth=32, ckpt_batch=2048, offload_width=768, cap_batch=2,
+                      cap_budget=3 * 2**30)
 GPU_CLASSES_GB = tuple(sorted(_GPU_CLASSES))
 
 

@@ -159,3 +159,28 @@ def test_several_ranks_are_simulated_and_run_on_gloo():
     torch.testing.assert_close(report.losses, plain.losses, rtol=1e-4, atol=1e-5)
     assert "torchrun --nproc_per_node=2 -m companion train --parallel zero" in train_command(p) \
         or "has no" in train_command(p)
+
+
+def test_the_explorer_shows_the_plan_for_each_budget_and_why_nothing_fits():
+    from companion.widgets.plan import budget_view, draw_plan_bars
+    roomy, tight = budget_view(SMALL, 12, 6 * 2**20), budget_view(SMALL, 12, 1200 * 2**10)
+    assert roomy["fits"] and tight["fits"] and set(roomy["bars"]) >= {"plain run", "chosen plan"}
+    peak = lambda view: sum(view["bars"]["chosen plan"].values())
+    assert peak(tight) <= 1200 * 2**10 < peak(roomy) <= 6 * 2**20 < sum(
+        roomy["bars"]["plain run"].values())
+    assert "optimizer offload" in tight["summary"]
+    nothing = budget_view(SMALL, 12, 10 * 2**10)
+    assert not nothing["fits"] and "smallest predicted peak" in nothing["summary"]
+    assert len(draw_plan_bars(tight).patches) >= 3
+
+
+@pytest.mark.parametrize("gb", [None, 16, 24, 40, 80])
+def test_the_capstone_does_not_fit_its_budget_and_no_single_lever_makes_it(gb):
+    from companion.device import sizes, sizes_for_memory
+    s = sizes("cpu") if gb is None else sizes_for_memory(gb * 10**9)
+    fn = functools.partial(GPT, s.vocab, s.seq_len, s.cap_width, s.cap_depth, s.gpt_heads,
+                           fused_attention=True)
+    shape, device_type = GPTShape.of(fn), "cpu" if gb is None else "cuda"
+    fits = [c for c in candidates(shape, s.cap_batch)
+            if predict_memory(shape, c, device_type=device_type).peak <= s.cap_budget]
+    assert fits and all(len(c.techniques()) >= 2 for c in fits)

@@ -207,7 +207,8 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
             result unchanged up to rounding, so LoRA (which trains other parameters) must be
             asked for: allow=EXACT + ("lora",).
         host_budget: bytes of host memory for offload (None: no limit).
-        verify: at most this many candidates are simulated before giving up.
+        verify: at most this many candidates are simulated before giving up; 0 simulates
+            none and takes the fastest predicted to fit (fast, for exploring: unproved).
         simulate_plain: also simulate the plain run, for the table.
     Raises NothingFits (a ValueError) when no candidate fits, saying by how much.
     """
@@ -233,15 +234,18 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
     if not fitting:
         raise _nothing_fits(rows, usable, budget_bytes, allow, world_size, host)
     sim = functools.partial(simulate, model_fn, world_size=world_size)
-    if simulate_plain:
+    found = functools.partial(Plan, model_fn=model_fn, batch=batch, budget=budget_bytes,
+                              usable=usable, device=device, world_size=world_size, shape=shape,
+                              rows=fitting, plain=plain, lr=lr, host_budget=host)
+    if simulate_plain and verify:
         plain.simulated = sim(plain.candidate).peak
+    if not verify:
+        return found(chosen=fitting[0])
     for row in fitting[:verify]:
         tracker = sim(row.candidate)
         row.simulated, row.simulated_host = tracker.peak, tracker.host_peak
         if row.simulated <= usable:
-            return Plan(model_fn=model_fn, batch=batch, budget=budget_bytes, usable=usable,
-                        device=device, world_size=world_size, shape=shape,
-                        rows=fitting, chosen=row, plain=plain, lr=lr, host_budget=host)
+            return found(chosen=row)
     missed = ", ".join(format_bytes(r.simulated) for r in fitting[:verify])
     raise NothingFits(f"the {min(verify, len(fitting))} fastest plans predicted to fit "
                       f"{format_bytes(usable)} did not fit when simulated ({missed}); pass "

@@ -78,6 +78,8 @@ INTERACTIONS: dict[str, Interaction] = {
                                        lambda view: slider(view, "learning rate"), drag),
     "02_float_formats": Interaction("click the sign bit of float_explorer",
                                     lambda view: view.locator('button[title^="sign bit"]'), click),
+    "09_capstone": Interaction("drag the device-budget slider of plan_explorer",
+                               lambda view: slider(view, "device budget"), drag),
 }
 
 # What a widget view displays, as one string: HTML parts, Output parts, and a hash of each picture.
