@@ -12,7 +12,7 @@ from companion.models import GPT
 from companion.plan import (EXACT, Candidate, CostModel, GPTShape, NothingFits, build,
                             candidates, plan, predict_memory, predict_seconds, simulate,
                             train_command, train_step)
-from companion.plan.planner import _loss_data, _run
+from companion.plan.planner import run_plan, token_batches
 
 SMALL = functools.partial(GPT, 96, 32, 48, 4, 4)     # vocab, seq_len, width, depth, heads
 
@@ -30,8 +30,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def plain_losses():
     """Three steps of the plain run (no budget): what every exact plan must reproduce."""
-    return _run(SMALL, Candidate(12), 12, 3, budget=2**40, device="cpu", lr=1e-3, seed=0,
-                world_size=1, rank=0)
+    return run_plan(SMALL, Candidate(12), 12, 3, lr=1e-3)
 
 
 def _real_peak(model_fn, cand: Candidate, steps: int = 2) -> int:
@@ -40,8 +39,8 @@ def _real_peak(model_fn, cand: Candidate, steps: int = 2) -> int:
     with track("cpu") as t:
         setup = build(model_fn, cand)
         for step in range(steps):
-            x, y = _loss_data(cand.micro_batch * cand.accumulation, shape.seq_len, shape.vocab,
-                              step, 0)
+            x, y = token_batches(cand.micro_batch * cand.accumulation, shape.seq_len,
+                                 vocab=shape.vocab, steps=1, seed=step)[0]
             train_step(setup, x, y)
         del setup, x, y
     return t.peak
@@ -154,8 +153,7 @@ def test_several_ranks_are_simulated_and_run_on_gloo():
     assert p.chosen.zero_stage > 0
     report = p.run(2)
     assert report.peak <= p.budget and len(report.losses) == 2
-    plain = _run(fn, Candidate(8), 8, 2, budget=2**40, device="cpu", lr=p.lr, seed=0,
-                 world_size=1, rank=0)
+    plain = run_plan(fn, Candidate(8), 8, 2, lr=p.lr)
     torch.testing.assert_close(report.losses, plain.losses, rtol=1e-4, atol=1e-5)
     assert "torchrun --nproc_per_node=2 -m companion train --parallel zero" in train_command(p) \
         or "has no" in train_command(p)

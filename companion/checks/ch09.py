@@ -11,8 +11,8 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from companion.checks.core import CheckFailed, call, exercise, fresh_seeds, harness, require
 from companion.device import Sizes, pick_device, sizes
 from companion.memory import format_bytes, memory_budget, track
-from companion.models import GPT, make_tokens
-from companion.plan import Candidate, build, train_step
+from companion.models import GPT
+from companion.plan import Candidate, build, token_batches, train_step
 
 __all__ = ["check_train_within_budget"]
 
@@ -29,8 +29,7 @@ def capstone_model(S: Sizes, *, seed: int = 0):
 
 def capstone_batches(S: Sizes, steps: int, *, seed: int = 0) -> list:
     """`steps` batches (x, y) of S.cap_batch token sequences each, on the CPU."""
-    return [make_tokens(S.cap_batch, S.seq_len, vocab=S.vocab, seed=seed * 1009 + i)
-            for i in range(steps)]
+    return token_batches(S.cap_batch, S.seq_len, vocab=S.vocab, steps=steps, seed=seed)
 
 
 def _as_floats(losses) -> list[float] | str:
@@ -66,11 +65,11 @@ def _train_under_budget(answer, seed: int, steps: int, device_name: str) -> dict
             seen.append((int(inputs[0].shape[0]), version, sum(p.numel() for p in trainable),
                          sum(p.numel() for p in params), bool(low)))
 
+    batches = capstone_batches(S, steps, seed=seed)      # the data, like a loader's: not counted
     handle = register_module_forward_pre_hook(observe)
     try:
         with memory_budget(S.cap_budget, device), track(device) as tracker:
-            losses = call(answer, capstone_model(S, seed=seed), capstone_batches(S, steps,
-                                                                                seed=seed), LR)
+            losses = call(answer, capstone_model(S, seed=seed), batches, LR)
     finally:
         handle.remove()
     return {"losses": _as_floats(losses), "peak": tracker.peak, "seen": seen}

@@ -21,7 +21,8 @@ Memory saved and its cost, per lever: see `predict`'s docstring (what each phase
 `CostModel` (what each costs in time).
 Simplified vs real planners: see `planner`.
 """
-from companion.plan.planner import NothingFits, Plan, Row, RunReport, plan
+from companion.plan.planner import (NothingFits, Plan, Row, RunReport, plan, run_plan,
+                                    token_batches)
 from companion.plan.predict import (BUCKET_BYTES, CostModel, Prediction, predict_memory,
                                     predict_seconds)
 from companion.plan.ranks import rank_worker, run_ranks, train_command
@@ -30,7 +31,7 @@ from companion.plan.space import (EXACT, LORA_TARGETS, PRECISIONS, TECHNIQUES, C
 from companion.plan.training import (CheckpointedBlocks, Setup, build, micro_step,
                                      optimizer_step, simulate, train_step)
 
-__all__ = ["plan", "Plan", "Row", "RunReport", "NothingFits", "Candidate", "GPTShape",
+__all__ = ["plan", "run_plan", "token_batches", "Plan", "Row", "RunReport", "NothingFits", "Candidate", "GPTShape",
            "candidates", "TECHNIQUES", "EXACT", "PRECISIONS", "LORA_TARGETS", "Prediction",
            "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES", "CheckpointedBlocks",
            "Setup", "build", "micro_step", "optimizer_step", "train_step", "simulate",

@@ -32,7 +32,7 @@ from companion.plan.predict import CostModel, Prediction, predict_memory, predic
 from companion.plan.space import EXACT, Candidate, GPTShape, candidates
 from companion.plan.training import build, simulate, train_step
 
-__all__ = ["NothingFits", "Row", "Plan", "RunReport", "plan"]
+__all__ = ["NothingFits", "Row", "Plan", "RunReport", "plan", "run_plan", "token_batches"]
 
 
 class NothingFits(ValueError):
@@ -61,9 +61,14 @@ class RunReport:
     budget: int
 
 
-def _loss_data(batch: int, seq_len: int, vocab: int, step: int, seed: int):
-    """Step `step`'s global batch: token sequences of the course's Markov chain."""
-    return make_tokens(batch, seq_len, vocab=vocab, seed=seed * 100_003 + step)
+def token_batches(batch: int, seq_len: int, *, vocab: int, steps: int, seed: int = 0) -> list:
+    """`steps` batches (x, y) of `batch` token sequences (the course's Markov chain, on the CPU):
+    the data every run of a plan trains on, the same for every plan given the same seed."""
+    return [_token_batch(batch, seq_len, vocab, step, seed) for step in range(steps)]
+
+
+def _token_batch(batch: int, seq_len: int, vocab: int, step: int, seed: int):
+    return make_tokens(batch, seq_len, vocab=vocab, seed=seed * 1009 + step)
 
 
 class Plan:
@@ -137,7 +142,7 @@ class Plan:
         if self.world_size != 1:
             from companion.plan.ranks import run_ranks
             return run_ranks(self, steps, seed=seed)
-        return _run(self.model_fn, self.chosen, self.batch, steps, budget=self.usable,
+        return run_plan(self.model_fn, self.chosen, self.batch, steps, budget=self.usable,
                     device=self.device, lr=self.lr, seed=seed, world_size=1, rank=0)
 
 
@@ -145,24 +150,30 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
-def _run(model_fn, cand: Candidate, batch: int, steps: int, *, budget: int, device, lr: float,
-         seed: int, world_size: int, rank: int) -> RunReport:
-    """`steps` steps of `cand` on this rank under the budget; the report."""
-    vocab_len = None
+def run_plan(model_fn: Callable[..., nn.Module], cand: Candidate, batch: int, steps: int, *,
+             budget: int | str | None = None, device: torch.device | str = "cpu",
+             lr: float = 1e-3, seed: int = 0, world_size: int = 1, rank: int = 0) -> RunReport:
+    """Train `cand` for `steps` steps of `batch` sequences (this rank's share of them) under
+    `memory_budget(budget)` (None: no budget), measured with `track`; the report. Batches are
+    the course's token sequences, the same for every plan given the same seed."""
+    device = torch.device(device)
+    limit = 2**62 if budget is None else parse_bytes(budget)
     losses, seconds = [], []
-    with memory_budget(budget, device), track(device) as tracker:
+    with memory_budget(limit, device), track(device) as tracker:
         setup = build(model_fn, cand, world_size=world_size, device=device, lr=lr)
-        vocab_len = (setup.model.tok.num_embeddings, setup.model.seq_len)
+        vocab, seq_len = setup.model.tok.num_embeddings, setup.model.seq_len
         mine = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
-        for step in range(steps):
-            x, y = _loss_data(batch, vocab_len[1], vocab_len[0], step, seed)
+        for step in range(steps):                       # made one at a time, like a loader
+            x, y = _token_batch(batch, seq_len, vocab, step, seed)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)                          # host-device sync
             start = time.perf_counter()
             loss = train_step(setup, x[mine].to(device), y[mine].to(device))
             losses.append(float(loss))                                  # host-device sync
             seconds.append(time.perf_counter() - start)
         del setup
     return RunReport(losses, tracker.peak, tracker.host_peak,
-                     statistics.median(seconds[1:] or seconds), budget)
+                     statistics.median(seconds[1:] or seconds), limit)
 
 
 def _nothing_fits(rows: list[Row], usable: int, budget: int, allow, world_size: int,

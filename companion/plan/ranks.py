@@ -24,10 +24,10 @@ def rank_worker(rank: int, world_size: int, model_fn, cand, batch: int, steps: i
     """One rank of `run_ranks` (importable, as `launch.run` needs)."""
     import torch
 
-    from companion.plan.planner import _run
+    from companion.plan.planner import run_plan
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         and torch.distributed.get_backend() == "nccl" else torch.device("cpu")
-    return _run(model_fn, cand, batch, steps, budget=budget, device=device, lr=lr, seed=seed,
+    return run_plan(model_fn, cand, batch, steps, budget=budget, device=device, lr=lr, seed=seed,
                 world_size=world_size, rank=rank)
 
 
