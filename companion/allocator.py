@@ -49,15 +49,16 @@ def _where(frames: list[dict]) -> str:
     return "(no Python frame recorded)"
 
 
-def snapshot_report(snapshot: dict, *, top: int = 3) -> dict:
-    """The allocator's state in a snapshot, in plain figures.
+def snapshot_report(snapshot: dict, *, top: int = 3, device: int | None = None) -> dict:
+    """The allocator's state in a snapshot, in plain figures (of every GPU in it, or of `device`).
 
     Returns {"segments": how many cudaMalloc'd segments, "reserved": their bytes, "allocated":
     bytes in live blocks, "cached_free": bytes of free blocks, "largest_free_block",
     "fragmentation": 1 − largest free block / free bytes (0: the cache's free bytes are one
     piece; near 1: many small pieces, none of which fits a large request), "largest": the `top`
     largest live blocks as (bytes, where they were allocated)}."""
-    segments = snapshot["segments"]
+    segments = [seg for seg in snapshot["segments"]
+                if device is None or seg.get("device", device) == device]
     blocks = [b for s in segments for b in s["blocks"]]
     free = [b["size"] for b in blocks if b["state"] == "inactive"]
     live = sorted((b for b in blocks if b["state"] == "active_allocated"),

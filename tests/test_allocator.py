@@ -43,6 +43,9 @@ def test_report_reads_segments_and_blocks():
     assert report["fragmentation"] == pytest.approx(1 - 12 / 14)
     assert report["largest"][0] == (6 << 20, "train.py:42 in step")     # no folders shown
     assert report["largest"][1] == (4 << 20, "(no Python frame recorded)")
+    other_gpu = {"segments": [dict(seg, device=1) for seg in _SNAPSHOT["segments"]]}
+    assert snapshot_report(other_gpu, device=0)["segments"] == 0
+    assert snapshot_report(other_gpu, device=1)["reserved"] == 24 << 20
 
 
 def test_timeline_replays_allocations_and_frees():
@@ -71,7 +74,7 @@ def test_a_real_snapshot_agrees_with_the_counters(tmp_path):
         torch.cuda.memory._dump_snapshot(str(tmp_path / "snapshot.pickle"))
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    report = snapshot_report(snapshot)
+    report = snapshot_report(snapshot, device=torch.cuda.current_device())
     assert report["reserved"] == torch.cuda.memory_reserved()
     assert report["allocated"] == torch.cuda.memory_allocated()
     assert any(where.startswith("test_allocator.py") for _, where in report["largest"])
