@@ -16,7 +16,7 @@ each GPU's measured and predicted values, and every recorded curve drawn on the 
 local one.
 
 Example:
-    >>> compare("04", {"mlp_step_peak_bytes": 4_718_592})    # doctest: +SKIP
+    >>> compare("04", {"mlp_step_peak_bytes": 4_718_592})
     No GPU run has been recorded for chapter 04 yet; the numbers above are from your device.
 """
 from __future__ import annotations
@@ -175,20 +175,22 @@ def _ticks(ax, drawn: list[dict], *, log: bool) -> None:
 
 
 def _draw(ax, curve: dict, fmt: str, label: str, **kw) -> None:
+    if len(curve["x"]) > 30:                               # a long curve: a line, no markers
+        fmt = fmt.strip("os")
     ax.plot(curve["x"], curve["y"], fmt, label=label, **kw)
 
 
 def compare(chapter: str, local: dict[str, Any] | None = None, *,
             results_dir: pathlib.Path | str | None = None, local_label: str = "yours",
-            plot: bool = True) -> list[dict]:
+            plot: bool = True) -> None:
     """Show the recorded GPU runs of `chapter` beside `local` (your figures, under the names the
     recorder uses): which GPU, its sizes, a table, and the curves on shared axes. Says so plainly
-    when no GPU run is recorded. Returns the runs (empty when none)."""
+    when no GPU run is recorded. (`recorded(chapter)` returns the runs themselves.)"""
     runs = recorded(chapter, results_dir=results_dir)
     if not runs:
         print(f"No GPU run has been recorded for chapter {chapter} yet; the numbers above are "
               "from your device.")
-        return runs
+        return
     for run in runs:
         figures = run["figures"]
         sizes = ", ".join(f"{k} {v}" for k, v in figures.get("sizes", {}).items())
@@ -201,4 +203,3 @@ def compare(chapter: str, local: dict[str, Any] | None = None, *,
         if fig is not None:
             import matplotlib.pyplot as plt
             plt.show()
-    return runs

@@ -175,8 +175,11 @@ def train_losses(S, X: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None,
 
 def loss_figures(curves: dict[str, tuple[list[float], list[float]]], *, window: int = 10) -> dict:
     """{run name: (losses, scales)} -> the loss of each run in `LOSS_RUNS`, a running mean of
-    `window` steps, as curves."""
+    `window` steps, as curves, and the steps the fp16 run's GradScaler skipped (its scale fell)."""
     out = {}
+    if "fp16 + GradScaler" in curves:
+        scales = curves["fp16 + GradScaler"][1]
+        out["fp16_steps_skipped"] = sum(b < a for a, b in zip(scales, scales[1:]))
     for name in LOSS_RUNS:
         if name in curves:
             losses = torch.tensor(curves[name][0])
@@ -219,8 +222,6 @@ def mixed_precision(S, device: torch.device, *, repeats: int = 3) -> dict:
     curves = {name: train_losses(S, X, labels, dtype, scaled=scaled, divide=S.amp_accum,
                                  device=device) for name, (dtype, scaled) in LOSS_RUNS.items()}
     measured.update(loss_figures(curves))
-    scales = curves["fp16 + GradScaler"][1]
-    measured["fp16_steps_skipped"] = sum(b < a for a, b in zip(scales, scales[1:]))
     return {"experiment": "mixed precision: bytes per parameter, activations, speed, training",
             "measured": measured, "predicted": predicted}
 
