@@ -9,7 +9,7 @@ import torch
 from companion import estimate
 from companion.memory import track
 from companion.models import GPT
-from companion.plan import (EXACT, Candidate, CostModel, GPTShape, NothingFits, build,
+from companion.plan import (EXACT, LOW_PRECISION, Candidate, CostModel, GPTShape, NothingFits, build,
                             candidates, plan, predict_memory, predict_seconds, simulate,
                             train_command, train_step)
 from companion.plan.planner import run_plan, token_batches
@@ -128,7 +128,7 @@ def test_cost_model_ranks_what_each_lever_costs():
     assert t(Candidate(1, 6)) > t(Candidate(6))                    # more launches
     assert t(Candidate(6, offload=True)) > t(Candidate(6))         # copies over the link
     assert t(Candidate(6, precision="autocast")) < t(Candidate(6))            # tensor cores
-    assert t(Candidate(6, precision="autocast"), cpu) > t(Candidate(6), cpu)  # no bf16 units
+    assert t(Candidate(6, precision="autocast"), cpu) == t(Candidate(6), cpu)  # CPUs differ
 
 
 def test_candidates_keep_the_effective_batch_and_check_their_arguments():
@@ -179,6 +179,6 @@ def test_the_capstone_does_not_fit_its_budget_and_no_single_lever_makes_it(gb):
     fn = functools.partial(GPT, s.vocab, s.seq_len, s.cap_width, s.cap_depth, s.gpt_heads,
                            fused_attention=True)
     shape, device_type = GPTShape.of(fn), "cpu" if gb is None else "cuda"
-    fits = [c for c in candidates(shape, s.cap_batch)
+    fits = [c for c in candidates(shape, s.cap_batch, allow=EXACT + LOW_PRECISION)
             if predict_memory(shape, c, device_type=device_type).peak <= s.cap_budget]
     assert fits and all(len(c.techniques()) >= 2 for c in fits)

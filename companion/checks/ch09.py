@@ -161,5 +161,5 @@ def check_train_within_budget(answer) -> str:
                  "micro-batch's loss divided by their number, and the step's loss the sum of "
                  "those (the mean over the whole batch, not one micro-batch's).")
     return (f"peak {format_bytes(got['peak'])} under the {format_bytes(S.cap_budget)} budget "
-            f"(the unconstrained run: {format_bytes(plain_peak)}); losses within "
-            f"{100 * worst:.2g}% of it over {steps} steps of {S.cap_batch} sequences")
+            f"(the unconstrained run: {format_bytes(plain_peak)}); losses within {worst:.1e} "
+            f"(relative) of it over {steps} steps of {S.cap_batch} sequences")

@@ -214,9 +214,10 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
             default 0 on the CPU, 0.1 on CUDA.
         device: where `run` trains and whose speeds the cost model assumes ("cpu", "cuda").
         world_size: data-parallel ranks; above 1 the ZeRO stages are searched.
-        allow: techniques to use (`space.TECHNIQUES`); default those that leave the training
-            result unchanged up to rounding, so LoRA (which trains other parameters) must be
-            asked for: allow=EXACT + ("lora",).
+        allow: techniques to use (`space.TECHNIQUES`); default `EXACT`, those that leave fp32
+            training as it is up to rounding. 16-bit compute (`LOW_PRECISION`, which moves the
+            losses by about 1e-3) and LoRA (which trains other parameters) must be asked for:
+            allow=EXACT + LOW_PRECISION + ("lora",).
         host_budget: bytes of host memory for offload (None: no limit).
         verify: at most this many candidates are simulated before giving up; 0 simulates
             none and takes the fastest predicted to fit (fast, for exploring: unproved).

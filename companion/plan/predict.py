@@ -150,9 +150,12 @@ class CostModel:
     `for_device("cuda")`: an A100/H100-class GPU: 150 TFLOP/s fp32-as-TF32 matmul reached
     (A100: 156 TFLOP/s TF32 peak), bf16 twice that (312 peak), 10 µs per layer and micro-batch of
     kernel launches, 1.5 TB/s memory, 25 GB/s to the host (PCIe 4.0 x16), 100 GB/s between GPUs.
-    `for_device("cpu")`: 50 GFLOP/s, and 16-bit *slower*, a tenth of fp32 (chapter 05 measured
-    bf16 10-60x slower on CPUs without bf16 units; with AMX, pass half_speedup above 1), 50 µs per
-    layer and micro-batch, 10 GB/s memory and copies, 1 GB/s between processes (gloo).
+    `for_device("cpu")`: 50 GFLOP/s; 16 bits as fast as fp32, because CPUs differ most there
+    (without bf16 units a bf16 matmul is 10-60x slower, with AMX several times faster: time
+    yours as chapter 05 does and pass half_speedup); 1 ms per layer and micro-batch (eager
+    PyTorch's ~30 small operators per block, forward and backward, at 10-30 µs each: the course
+    GPT's 16 x 1 micro-batches took 80 ms more per step than 2 x 8 on the course's machine);
+    10 GB/s memory and copies, 1 GB/s between processes (gloo).
     """
 
     flops: float              # matmul FLOP/s in fp32
@@ -167,7 +170,7 @@ class CostModel:
         if device_type == "cuda":
             return cls(150e12, 2.0, 10e-6, 1.5e12, 25e9, 100e9)
         if device_type == "cpu":
-            return cls(50e9, 0.1, 50e-6, 10e9, 10e9, 1e9)
+            return cls(50e9, 1.0, 1e-3, 10e9, 10e9, 1e9)
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
 
 

@@ -17,11 +17,12 @@ from torch._subclasses import FakeTensorMode
 
 from companion.models import GPT
 
-__all__ = ["TECHNIQUES", "EXACT", "PRECISIONS", "LORA_TARGETS", "GPTShape", "Candidate",
+__all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "PRECISIONS", "LORA_TARGETS", "GPTShape", "Candidate",
            "candidates"]
 
 TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "zero", "offload", "lora")
-EXACT = ("accumulation", "checkpointing", "autocast", "mixed", "zero", "offload")
+EXACT = ("accumulation", "checkpointing", "zero", "offload")   # fp32 training, to rounding
+LOW_PRECISION = ("autocast", "mixed")          # bf16 compute: losses move by about 1e-3
 PRECISIONS = ("fp32", "autocast", "mixed")     # names of `companion.estimate.model_states`
 LORA_TARGETS = ("qkv", "proj", "fc", "out")    # the Linear layers of each block
 
