@@ -93,3 +93,21 @@ def test_curve_makes_plain_json_numbers():
     assert json.loads(json.dumps(c)) == {"x": [1, 2], "y": [0.5, 1.5], "xlabel": "x",
                                          "ylabel": "y", "yscale": "log"}
     assert results.is_curve(c) and not results.is_curve({"x": [1], "y": [1, 2]})
+
+
+@pytest.mark.parametrize("name", ["04_gradient_checkpointing", "05_mixed_precision",
+                                  "06_data_parallel", "07_zero"])
+def test_recorded_sections_compare_their_own_chapter(repo, name):
+    """The "Recorded GPU runs" cell of these chapters calls compare() for its own chapter, with
+    figures built by names that exist in companion (its imports run)."""
+    cells = json.loads((repo / "course" / f"{name}.ipynb").read_text())["cells"]
+    code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"
+            and "compare(" in "".join(c["source"])]
+    assert len(code) == 1
+    assert f'compare("{name[:2]}"' in code[0]
+    exec("\n".join(line for line in code[0].splitlines() if line.startswith("from ")), {})
+    outputs = [c["outputs"] for c in cells if "compare(" in "".join(c["source"])][0]
+    assert outputs and all(o["output_type"] != "error" for o in outputs)
+    if not list((repo / "course" / "results").glob("*.json")):     # stored before any GPU run
+        assert outputs[0]["text"] == [f"No GPU run has been recorded for chapter {name[:2]} yet; "
+                                      "the numbers above are from your device.\n"]
