@@ -182,3 +182,18 @@ def test_the_capstone_does_not_fit_its_budget_and_no_single_lever_makes_it(gb):
     fits = [c for c in candidates(shape, s.cap_batch, allow=EXACT + LOW_PRECISION)
             if predict_memory(shape, c, device_type=device_type).peak <= s.cap_budget]
     assert fits and all(len(c.techniques()) >= 2 for c in fits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_capstone_plan_trains_under_its_budget_with_the_plain_losses():
+    from companion.device import sizes
+    s = sizes("cuda")
+    fn = functools.partial(GPT, s.vocab, s.seq_len, s.cap_width, s.cap_depth, s.gpt_heads,
+                           fused_attention=True)
+    p = plan(fn, s.cap_batch, budget=s.cap_budget, device="cuda", lr=3e-3)
+    report = p.run(4)                         # under set_per_process_memory_fraction
+    assert report.peak <= p.budget
+    plain = run_plan(fn, Candidate(s.cap_batch), s.cap_batch, 4, device="cuda", lr=3e-3)
+    assert plain.peak > p.budget
+    torch.testing.assert_close(report.losses, plain.losses, rtol=1e-4, atol=1e-5)

@@ -195,6 +195,13 @@ def _nothing_fits(rows: list[Row], usable: int, budget: int, allow, world_size: 
         f"{100 * over / max(usable, 1):.0f}% too much. To go further: " + "; ".join(hints) + ".")
 
 
+def _rows(shape: GPTShape, cands: list[Candidate], world_size: int, device_type: str,
+          cost: CostModel) -> list[Row]:
+    """Every candidate with its predicted peak and step time."""
+    return [Row(c, predict_memory(shape, c, world_size=world_size, device_type=device_type),
+                predict_seconds(shape, c, cost, world_size=world_size)) for c in cands]
+
+
 def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
          device: torch.device | str | None = None, world_size: int = 1,
          allow: Iterable[str] = EXACT, lora_rank: int = 8, host_budget: int | str | None = None,
@@ -226,19 +233,16 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
     """
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
-    allow = tuple(allow)
-    budget_bytes = parse_bytes(budget)
+    allow, budget_bytes = tuple(allow), parse_bytes(budget)
     margin = (0.1 if device.type == "cuda" else 0.0) if margin is None else margin
     if not 0 <= margin < 1:
         raise ValueError(f"margin is the share of the budget kept free, from 0 to 1; got {margin}")
     usable = int(budget_bytes * (1 - margin))
     host = parse_bytes(host_budget) if host_budget is not None else None
     shape = GPTShape.of(model_fn)
-    cost = cost or CostModel.for_device(device.type)
-    rows = [Row(c, predict_memory(shape, c, world_size=world_size, device_type=device.type),
-                predict_seconds(shape, c, cost, world_size=world_size))
-            for c in candidates(shape, batch, world_size=world_size, allow=allow,
-                                lora_rank=lora_rank)]
+    rows = _rows(shape, candidates(shape, batch, world_size=world_size, allow=allow,
+                                   lora_rank=lora_rank),
+                 world_size, device.type, cost or CostModel.for_device(device.type))
     plain = next(r for r in rows if not r.candidate.techniques())   # micro-batch = batch
     fitting = sorted([r for r in rows if r.predicted.peak <= usable
                       and (host is None or r.predicted.host <= host)],

@@ -9,6 +9,9 @@ Example:
     >>> p = plan(partial(GPT, 128, 64, 64, 4, 4), 16, budget="5 MiB", world_size=2)
     >>> p.run(5)                   # two processes; the largest rank peak
     >>> train_command(p)           # 'torchrun --nproc_per_node=2 -m companion train ...'
+
+Simplified vs a cluster launcher: the ranks run on this machine (gloo on CPU, NCCL with GPUs),
+each under its own `memory_budget`; the report keeps the largest peak, not every rank's.
 """
 from __future__ import annotations
 

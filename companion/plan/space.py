@@ -5,6 +5,10 @@ A plan (`Candidate`) sets one value per lever of the course:
   ZeRO stage (07, several ranks), optimizer offload (08), LoRA adapters (this chapter).
 `candidates` lists every combination that can run together; `GPTShape.of` reads the sizes the
 predictions need off the model, built under FakeTensorMode (no memory allocated).
+
+Simplified vs real planners: one model family (`companion.models.GPT`), AdamW only, LoRA on the
+blocks' four Linear layers at one rank, checkpointing by `checkpoint_sequential` segments (no
+selective policies), and ZeRO, offload and LoRA not combined with each other.
 """
 from __future__ import annotations
 
