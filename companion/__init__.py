@@ -13,7 +13,8 @@ Techniques: `gd`, `optim` (Adam from scratch, the step fused into backward), `fl
 (ZeRO stages 1-3), `offload` (ZeRO-Offload, activation offload), `nvme` (the NVMe tier), `train`
 (the `python -m companion train` launcher), `plan` (the techniques that fit a memory budget,
 chosen, proved by a simulated step, and run).
-The course itself: `widgets`, `results`, `checks`, `notebooks`, `grading`.
+The course itself: `widgets`, `results`, `record` (`python -m companion record`: GPU runs for
+`results`), `checks`, `notebooks`, `grading` (its parts in `grader`).
 """
 __all__ = [
     "accumulation",
@@ -43,6 +44,7 @@ __all__ = [
     "optim",
     "placement",
     "plan",
+    "record",
     "results",
     "train",
     "widgets",
