@@ -104,9 +104,9 @@ def _run_answer(answer, seed: int, steps: int, device: torch.device, budget: int
         if "OutOfMemoryError" in failure.summary:
             failure.summary = f"your training went over the {format_bytes(budget)} budget"
             failure.hint = ("combine the levers: the model states alone (16 bytes per parameter "
-                            "with AdamW) take most of the budget, so move the optimizer to the "
-                            "host (CPUOffloadOptimizer), and cut the activations with "
-                            "micro-batches (accumulation) and/or checkpointing.")
+                            "with AdamW) fill the budget, so move the optimizer to the host "
+                            "(CPUOffloadOptimizer), and cut the activations with micro-batches "
+                            "(accumulation) and/or checkpointing.")
         raise
 
 
