@@ -169,12 +169,12 @@ class DDP(nn.Module):
             elif param.grad.data_ptr() != view.data_ptr():
                 view.copy_(param.grad.reshape(-1))      # the copy a bucket view avoids
         bucket.flat.div_(self.world_size)               # average = sum of (grad / N)
+        nbytes = bucket.flat.numel() * bucket.flat.element_size()
+        times = [bucket.index, nbytes, time.perf_counter() - self._t0, None]   # launched now
         bucket.work = dist.all_reduce(bucket.flat, group=self.process_group,
                                       async_op=True)    # collective, asynchronous
-        nbytes = bucket.flat.numel() * bucket.flat.element_size()
         self.stats.all_reduces += 1
         self.stats.bytes += nbytes
-        times = [bucket.index, nbytes, time.perf_counter() - self._t0, None]
         self.last_times.buckets.append(times)
         bucket.work.get_future().then(                  # runs when the all-reduce completes
             lambda _: times.__setitem__(3, time.perf_counter() - self._t0))
