@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+import time
 
 import nbformat
 import pytest
@@ -272,6 +273,9 @@ def test_the_sandbox_runs_as_nobody_under_limits_it_cannot_raise():
             "import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))")["error"]
         assert run("import os\nos.kill(1, 9)")["error"].startswith("PermissionError")
         run("print('x' * 100_000)")
+        deadline = time.monotonic() + 30          # the output is read by a thread: let it catch up
+        while child.output_total <= 100_000 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert child.output_total > 100_000 and len(child.output) == 1000
         with pytest.raises(ChildLost, match="time limit"):
             run("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass",
