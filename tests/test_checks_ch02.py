@@ -38,8 +38,10 @@ def low_precision_sum(values, dtype):
     return total
 
 
-def bytes_per_format(model, dtype):
-    return sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
+def rounding_threshold(w, e, m):
+    bias = 2 ** (e - 1) - 1
+    power = max(math.floor(math.log2(w)), 1 - bias)
+    return 2.0 ** (power - m) / 2
 
 
 REFERENCES = [
@@ -47,7 +49,7 @@ REFERENCES = [
     (ch02.check_max_normal, max_normal),
     (ch02.check_min_subnormal, min_subnormal),
     (ch02.check_low_precision_sum, low_precision_sum),
-    (ch02.check_bytes_per_format, bytes_per_format),
+    (ch02.check_rounding_threshold, rounding_threshold),
 ]
 IDS = [check.__name__ for check, _ in REFERENCES]
 
@@ -61,7 +63,8 @@ def test_reference_answers_pass(check, answer, capsys):
 def test_the_package_reference_passes_too():
     ch02.check_decode_bf16(lambda bits: floats.decode(bits, "bf16"))
     ch02.check_low_precision_sum(floats.running_sum)
-    ch02.check_bytes_per_format(floats.parameter_bytes)
+    ch02.check_rounding_threshold(
+        lambda w, e, m: floats.ulp(w, floats.FloatFormat("layout", e, m)) / 2)
 
 
 # ---------------------------------------------------------------- known-wrong answers
@@ -119,17 +122,13 @@ WRONG = [
      "wider accumulator"),
     (ch02.check_low_precision_sum, lambda v, d: low_precision_sum(v, d).float(), "dtype"),
     (ch02.check_low_precision_sum, lambda v, d: low_precision_sum(v, d).reshape(1), "shape"),
-    (ch02.check_bytes_per_format, lambda model, d: sum(p.numel() for p in model.parameters()),
-     "number of parameters"),
-    (ch02.check_bytes_per_format, lambda model, d: sum(p.numel() * p.element_size()
-                                                       for p in model.parameters()),
-     "depend on the dtype"),
-    (ch02.check_bytes_per_format, lambda model, d: 8 * bytes_per_format(model, d), "bits"),
-    (ch02.check_bytes_per_format, lambda model, d: sum(
-        t.numel() for t in model.state_dict().values()) * torch.empty((), dtype=d).element_size(),
-     "buffers"),
-    (ch02.check_bytes_per_format, lambda model, d: float(bytes_per_format(model, d)) + 0.0,
-     "whole number"),
+    (ch02.check_rounding_threshold, lambda w, e, m: 2 * rounding_threshold(w, e, m), "half the gap"),
+    (ch02.check_rounding_threshold, lambda w, e, m: 2.0 ** (-m - 1), "grows with the number"),
+    (ch02.check_rounding_threshold, lambda w, e, m: w * 2.0 ** (-m - 1), "not w itself"),
+    (ch02.check_rounding_threshold, lambda w, e, m: 2.0 ** (math.floor(math.log2(w)) - m - 1),
+     "stops shrinking"),
+    (ch02.check_rounding_threshold, lambda w, e, m: rounding_threshold(w, e, m) / 2
+     if w == 2.0 ** math.floor(math.log2(w)) else rounding_threshold(w, e, m), "gap above"),
 ]
 
 

@@ -10,7 +10,7 @@ from companion import floats
 from companion.checks.core import CheckFailed, call, compare, exercise, fresh_seeds, require
 
 __all__ = ["check_decode_bf16", "check_max_normal", "check_min_subnormal",
-           "check_low_precision_sum", "check_bytes_per_format"]
+           "check_low_precision_sum", "check_rounding_threshold"]
 
 # Layouts (exponent_bits, mantissa_bits): the course's formats, fp64, and made-up ones.
 _LAYOUTS = [(5, 10), (8, 7), (8, 23), (5, 2), (4, 3), (11, 52), (6, 9), (3, 4)]
@@ -154,38 +154,58 @@ def check_low_precision_sum(answer) -> str:
     return f"0.01 added 1000 times in fp16 gives {stalled.item():g}, not 10"
 
 
-# ---------------------------------------------------------------- bytes per parameter
+# ---------------------------------------------------------------- where an update vanishes
 
-def _model(seed: int) -> torch.nn.Module:
-    g = random.Random(seed)
-    widths = [g.randrange(3, 90) for _ in range(g.randrange(2, 5))]
-    layers: list[torch.nn.Module] = [torch.nn.Embedding(g.randrange(5, 50), widths[0])]
-    for a, b in zip(widths, widths[1:]):
-        layers += [torch.nn.Linear(a, b, bias=g.random() < 0.5), torch.nn.BatchNorm1d(b)]
-    return torch.nn.Sequential(*layers)
+def _threshold(w: float, e: int, m: int) -> float:
+    """Half the gap from w (> 0, in the layout) to the next number of the layout above it."""
+    bias = 2 ** (e - 1) - 1
+    power = max(math.frexp(w)[1] - 1, 1 - bias)          # subnormals share 2^(1 - bias)
+    return math.ldexp(1.0, power - m - 1)
 
 
-@exercise(points=1, reference="companion.floats.parameter_bytes")
-def check_bytes_per_format(answer) -> str:
-    """answer(model, dtype) -> int: bytes the model's parameters take when stored in dtype."""
-    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn]
-    for seed, dtype in zip(fresh_seeds(4), dtypes):
-        model = _model(seed)
-        n = sum(p.numel() for p in model.parameters())
-        size = torch.empty((), dtype=dtype).element_size()
-        with_buffers = sum(t.numel() for t in model.state_dict().values()) * size
-        got = call(answer, model, dtype)
-        compare(got, floats.parameter_bytes(model, dtype), name=f"bytes in {dtype}", known_wrong={
-            "that is the number of parameters: multiply by the bytes per element.": n,
-            "that is bits: divide by 8 (or use torch.empty((), dtype=dtype).element_size()).":
-                n * size * 8,
-            "the bytes per parameter depend on the dtype you were given.": n * 4,
-            "count parameters only (model.parameters()); BatchNorm's running statistics are "
-            "buffers.": with_buffers,
-        })
-        whole = isinstance(got, int) or (isinstance(got, torch.Tensor) and not got.is_floating_point())
-        require(whole,
-                f"bytes are a whole number; got {got!r:.60}", hint="return an int.")
-    model = torch.nn.Linear(1024, 1024)
-    mib = [floats.parameter_bytes(model, d) / 2**20 for d in (torch.float32, torch.bfloat16)]
-    return f"a 1024×1024 Linear: {mib[0]:.1f} MiB in fp32 -> {mib[1]:.1f} MiB in bf16"
+def _threshold_cases(seed: int, e: int, m: int) -> list[float]:
+    """Positive numbers of the layout: 1, powers of two, the smallest normal and subnormals, and
+    random normals (every one exact in float64 for these layouts)."""
+    rng, bias = random.Random(seed), 2 ** (e - 1) - 1
+    cases = [1.0, 2.0 ** min(3, bias), 2.0 ** (1 - bias), 2.0 ** (1 - bias - m) * rng.randrange(
+        1, 2**m)]
+    for _ in range(5):
+        power = rng.randrange(1 - bias, min(bias, 60))
+        cases.append(math.ldexp(1 + rng.randrange(2**m) / 2**m, power))
+    return cases
+
+
+def _threshold_wrong(w: float, e: int, m: int) -> dict[str, float]:
+    bias, right = 2 ** (e - 1) - 1, _threshold(w, e, m)
+    power = math.frexp(w)[1] - 1
+    wrong = {
+        "half the gap: an update rounds to the nearer of w and the next number, so it survives "
+        "only past half the gap.": 2 * right,
+        "the gap grows with the number: scale 2^-m by w's power of two, 2^floor(log2 w).":
+            2.0 ** (-m - 1),
+        "the gap is the same for every number between two powers of two: use 2^floor(log2 w), "
+        "not w itself.": w * 2.0 ** (-m - 1),
+    }
+    if power < 1 - bias:
+        wrong["below the smallest normal number the gap stops shrinking: every subnormal is a "
+              "multiple of the smallest one, 2^(1 - bias - m)."] = math.ldexp(1.0, power - m - 1)
+    if w == 2.0 ** power:
+        wrong["the next number *above* w: at a power of two the gap above is twice the gap "
+              "below."] = right / 2
+    return wrong
+
+
+@exercise(points=2, reference=("companion.floats.ulp", "companion.floats.FloatFormat"))
+def check_rounding_threshold(answer) -> str:
+    """answer(w, exponent_bits, mantissa_bits) -> float: half the gap from w (> 0, a number of the
+    layout) to the next number of the layout above it: updates smaller than that vanish."""
+    layouts = [(e, m) for e, m in _LAYOUTS if e < 11]   # fp64's half gaps underflow float64
+    for seed, (e, m) in zip(fresh_seeds(len(layouts)), layouts):
+        for w in _threshold_cases(seed, e, m):
+            got = _number(call(answer, w, e, m), f"rounding_threshold({w!r}, {e}, {m})")
+            compare(got, _threshold(w, e, m), atol=0.0, rtol=0.0,
+                    name=f"threshold above w = {w!r} in {_layout_name(e, m)} (e={e}, m={m})",
+                    known_wrong=_threshold_wrong(w, e, m))
+    bf16, fp16 = _threshold(1.0, 8, 7), _threshold(1.0, 5, 10)
+    return (f"an update to a weight of 1.0 vanishes below {bf16:g} in bf16 and {fp16:g} in "
+            "fp16: a learning rate of 1e-4 times a gradient of 1 is lost in both")
