@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.gather_object(report, reports, dst=0)                     # collective
         if dist.get_rank() == 0:
             print(report_table(config, reports), flush=True)
-    finally:
+        dist.barrier()                          # collective: no rank tears down gloo's pairs
+    finally:                                    # while another still uses them
         dist.destroy_process_group()
     return 0
 
