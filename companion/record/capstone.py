@@ -1,0 +1,43 @@
+"""Chapter 09's recorded experiment: the capstone GPT that does not fit its device budget, trained
+unconstrained and with the planner's plan under the budget, as the notebook does it."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from companion.models import GPT
+from companion.plan import Candidate, plan, predict_memory, run_plan, GPTShape
+
+__all__ = ["capstone", "capstone_figures"]
+
+
+def capstone(S, device: torch.device, *, repeats: int = 3, lr: float = 3e-3) -> dict:
+    """The unconstrained run of the capstone GPT (`S.cap_*`), and the planner's plan for
+    `S.cap_budget` bytes trained for real under that budget (`memory_budget`: on CUDA the
+    allocator's cap): peaks, step times (medians of `2 * S.steps` steps; `repeats` is unused,
+    the steps are the repeats) and the largest loss difference."""
+    steps = 2 * S.steps
+    model_fn = functools.partial(GPT, S.vocab, S.seq_len, S.cap_width, S.cap_depth, S.gpt_heads,
+                                 fused_attention=True)
+    reference = run_plan(model_fn, Candidate(S.cap_batch), S.cap_batch, steps, device=device,
+                         lr=lr)
+    chosen = plan(model_fn, S.cap_batch, budget=S.cap_budget, device=device, lr=lr)
+    planned = chosen.run(steps)
+    shape = GPTShape.of(model_fn)
+    return {"experiment": "the capstone: the planner's plan under the budget "
+                          f"({chosen.chosen.describe()}) against the unconstrained run",
+            "measured": capstone_figures(reference, planned, S.cap_budget),
+            "predicted": {"unconstrained_peak_bytes": predict_memory(
+                              shape, Candidate(S.cap_batch), device_type=device.type).peak,
+                          "plan_peak_bytes": chosen.chosen_row.simulated}}
+
+
+def capstone_figures(reference, planned, budget: int) -> dict:
+    """Chapter 09's measurements under the recorded names: the unconstrained run and the plan's
+    run (`plan.RunReport`s), and the device budget in bytes."""
+    return {"unconstrained_peak_bytes": reference.peak, "plan_peak_bytes": planned.peak,
+            "budget_bytes": budget, "plan_step_seconds": planned.seconds,
+            "unconstrained_step_seconds": reference.seconds,
+            "largest_loss_difference": max(abs(a - b) for a, b in
+                                           zip(planned.losses, reference.losses))}
