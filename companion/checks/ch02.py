@@ -38,9 +38,13 @@ def _bf16_wrong(bits: int) -> dict[str, float]:
     sign = -1.0 if bits >> 15 else 1.0
     exponent, mantissa = (bits >> 7) & 0xFF, bits & 0x7F
     if exponent == 0xFF:
-        return {}
+        return {"the sign bit applies to infinity too: 0xff80 is -inf.": math.inf} if (
+            mantissa == 0 and sign < 0) else {}
     if exponent == 0:
-        return {"an exponent field of 0 means a subnormal: 0.mantissa × 2^(1 − 127), with no "
+        return {"subnormals are not zero: an exponent field of 0 with a non-zero mantissa is "
+                "0.mantissa × 2^(1 − 127), down to 2^−133 ≈ 9.2e-41 (flushing them to zero is a "
+                "speed setting of some hardware, not the format).": sign * 0.0,
+                "an exponent field of 0 means a subnormal: 0.mantissa × 2^(1 − 127), with no "
                 "implicit leading 1.": sign * (1 + mantissa / 128) * 2.0**-127,
                 "subnormals scale by 2^(1 − bias), the same power as the smallest normals, "
                 "not 2^(0 − bias).": sign * mantissa / 128 * 2.0**-127}
@@ -51,6 +55,20 @@ def _bf16_wrong(bits: int) -> dict[str, float]:
             "the top bit is the sign: set means negative.": abs(floats.decode(bits, "bf16")),
             "the mantissa field is the 7 lowest bits, divided by 2^7.": sign * (
                 1 + mantissa / 2**23) * 2.0 ** (exponent - 127)}
+
+
+def _bf16_hint(bits: int) -> str:
+    """The hint for a pattern no known mistake explains: the rule for its kind of pattern."""
+    exponent, mantissa = (bits >> 7) & 0xFF, bits & 0x7F
+    if exponent == 0xFF:
+        return "an exponent field of all ones is inf (mantissa 0) or NaN (anything else)."
+    if exponent == 0 and mantissa == 0:
+        return "an exponent field of 0 with a mantissa of 0 is zero: 0.0 × 2^(1 − 127)."
+    if exponent == 0:
+        return ("an exponent field of 0 is a subnormal: (−1)^sign × (mantissa / 2^7) × 2^(1 − "
+                "127); print the three fields of this pattern and your value.")
+    return ("a normal pattern (exponent field 1 to 254) is (−1)^sign × (1 + mantissa / 2^7) × "
+            "2^(exponent − 127): print the three fields of this pattern and your value.")
 
 
 @exercise(points=1, reference="companion.floats.decode")
@@ -66,19 +84,18 @@ def check_decode_bf16(answer) -> str:
     for bits in fixed + drawn:
         got = _number(call(answer, bits), f"decode_bf16({bits:#06x})")
         want = floats.decode(bits, "bf16")
+        require(math.isnan(got) == math.isnan(want), f"decode_bf16({bits:#06x}) should be "
+                f"{want!r}, got {got!r}", hint=_bf16_hint(bits))
         if want == 0:
             if got != 0:                          # the zero/subnormal branch is wrong, not the sign
                 compare(got, want, name=f"decode_bf16({bits:#06x})", atol=0.0,
-                        known_wrong=_bf16_wrong(bits),
-                        hint="an exponent field of 0 with a mantissa of 0 is zero: 0.0 × 2^(1 − "
-                             "127).")
+                        known_wrong=_bf16_wrong(bits), hint=_bf16_hint(bits))
             require(math.copysign(1, got) == math.copysign(1, want),
                     f"decode_bf16({bits:#06x}) should be {want!r}, got {got!r}",
                     hint="the sign bit applies to zero too: 0x8000 is -0.0.")
             continue
         compare(got, want, name=f"decode_bf16({bits:#06x})", atol=0.0,
-                known_wrong=_bf16_wrong(bits),
-                hint="an exponent field of all ones is inf (mantissa 0) or NaN (anything else).")
+                known_wrong=_bf16_wrong(bits), hint=_bf16_hint(bits))
     return f"decodes normals, subnormals, ±0, ±inf and NaN: {len(fixed + drawn)} patterns right"
 
 
