@@ -21,6 +21,8 @@ peak of a step adds the largest of those to states + activations).
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import operator
 
 from companion.estimate_offload import (OFFLOAD_LADDER, Placement, choose_offload,
                                         offload_placement)
@@ -198,8 +200,8 @@ def transformer_layer_activations(batch: int, seq_len: int, width: int, heads: i
     Total sbh·(34 + 5·as/h). Without dropout (the course's GPT) the three masks go, and the product
     with V saves softmax's output itself: sbh·(32 + 2·as/h).
 
-    Simplified vs measurement: LayerNorm's mean and rstd (2 values per token each) and the causal
-    mask are left out, as in the paper; `companion.models.GPT` in bf16 saves 8·sb + s² bytes more
+    Simplified vs measurement: LayerNorm's mean and rstd (one value per token each, two per
+    LayerNorm) and the causal mask are left out, as in the paper; `companion.models.GPT` in bf16 saves 8·sb + s² bytes more
     per layer (`gpt_activations(..., precision="bf16")` counts them).
     """
     s, b, h, a = seq_len, batch, width, heads
@@ -253,15 +255,21 @@ def training_memory(n_params: int, *, batch: int, seq_len: int, precision: str =
 
 
 def _whole_count(n: int | float) -> int:
-    """A parameter count as an int: ints, and floats that hold a whole number (7.5e9)."""
-    if isinstance(n, bool) or not isinstance(n, (int, float)):
-        raise ValueError(f"n_params must be a number of parameters, got {n!r}")
-    if isinstance(n, float) and not n.is_integer():
-        raise ValueError(f"n_params must be a whole number of parameters, got {n!r}: "
-                         "round it, e.g. model_states(round(n))")
+    """A parameter count as an int: integers (NumPy's too), and floats that hold a whole number
+    (7.5e9)."""
+    if isinstance(n, numbers.Integral) and not isinstance(n, bool):
+        n = operator.index(n)                                # np.int64(7) -> 7
+    elif isinstance(n, float):
+        if not n.is_integer():
+            raise ValueError(f"n_params must be a whole number of parameters, got {n!r}: "
+                             "round it, e.g. model_states(round(n))")
+        n = int(n)
+    else:
+        raise ValueError(f"n_params must be a number of parameters (an int, or a float such as "
+                         f"7.5e9), got {type(n).__name__} {n!r:.40}")
     if n < 0:
         raise ValueError(f"n_params must be non-negative, got {n!r}")
-    return int(n)
+    return n
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -60,6 +60,16 @@ def test_a_parameter_count_must_be_whole(n):
         E.model_states(n)
 
 
+def test_a_numpy_integer_is_a_parameter_count_but_a_bool_is_not():
+    np = pytest.importorskip("numpy")
+    assert E.model_states(np.int64(7)) == E.model_states(7)
+    assert isinstance(E.model_states(np.int32(7)).params, int)
+    for n in (True, np.float32(7.0)):
+        with pytest.raises(ValueError, match=f"n_params must be a number of parameters.*got "
+                                             f"{type(n).__name__}"):
+            E.model_states(n)
+
+
 def test_zero_shards_only_what_its_stage_says():
     base = E.model_states(1000, precision="mixed")
     s1, s2, s3 = (E.model_states(1000, precision="mixed", zero_stage=s, world_size=4)
