@@ -6,7 +6,6 @@ garbage becomes a CheckFailed that names the rank.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import pickle
 from typing import Any, Callable
@@ -16,15 +15,12 @@ import torch.distributed as dist
 from torch import nn
 
 from companion import collectives, launch
+from companion.checks._collective_guard import point_to_point_only, ring_direction
 from companion.checks.core import (CheckFailed, NotDone, compare, exercise, fresh_seeds, harness,
                                    require, require_function)
 from companion.checks.harness import Remote
 
 __all__ = ["check_ring_all_reduce", "check_bucketed_hooks"]
-
-_COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "gather", "scatter")
-_P2P = ("send", "isend")
 
 
 # ---------------------------------------------------------------- running answers on ranks
@@ -65,37 +61,6 @@ def _on_ranks(worker: Callable, world_size: int, *args, timeout: float) -> list:
                                "where it failed.") from None
 
 
-@contextlib.contextmanager
-def _point_to_point_only(sent: list[int]):
-    """Inside, collectives raise, and every send/isend adds its bytes to sent[0]."""
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES + _P2P}
-
-    def forbidden(name):
-        def refuse(*args, **kwargs):
-            raise RuntimeError(f"dist.{name} is a collective: build the ring from dist.isend / "
-                               "dist.irecv / dist.send / dist.recv only")
-        return refuse
-
-    def counted(original):
-        def send(tensor, *args, **kwargs):
-            sent[0] += tensor.numel() * tensor.element_size()
-            return original(tensor, *args, **kwargs)
-        return send
-
-    for name in _COLLECTIVES:
-        setattr(dist, name, forbidden(name))
-    for name in _P2P:
-        setattr(dist, name, counted(saved[name]))
-        setattr(dist.distributed_c10d, name, getattr(dist, name))   # P2POp compares to these
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-        for name in _P2P:
-            setattr(dist.distributed_c10d, name, saved[name])
-
-
 def _rank_tensor(seed: int, rank: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(seed + 7919 * rank))
 
@@ -103,14 +68,14 @@ def _rank_tensor(seed: int, rank: int, numel: int) -> torch.Tensor:
 # ---------------------------------------------------------------- exercise 1: ring all-reduce
 
 def _ring_worker(rank: int, world_size: int, packed: bytes, seed: int, lengths: list[int]):
-    results, sent = [], [0]
-    with _point_to_point_only(sent):
+    results, log = [], []
+    with point_to_point_only(log):
         answer = pickle.loads(packed)        # imported after patching: `from dist import send`
         for numel in lengths:
             tensor = _rank_tensor(seed, rank, numel)
-            before = sent[0]
+            del log[:]
             returned = answer(tensor)
-            results.append((tensor, sent[0] - before, returned is None or returned is tensor))
+            results.append((tensor, list(log), returned is None or returned is tensor))
     return results
 
 
@@ -121,6 +86,29 @@ def _chunk_hint(got: torch.Tensor, expected: torch.Tensor, own: torch.Tensor) ->
     return (f"{right:.0%} of the elements are right: chunks are sent too early or land in the "
             "wrong slot. In step s of reduce-scatter, send chunk (rank - s) % N and add into chunk "
             "(rank - s - 1) % N; in all-gather, send (rank + 1 - s) % N, receive (rank - s) % N.")
+
+
+def _judge_ring_traffic(sends: list[list[tuple[int, int]]], numel: int) -> None:
+    """Each rank sent at most 2(N-1)·ceil(numel/N) elements, all to one ring neighbour, and the
+    ranks together exactly 2(N-1) chunks' worth: 2(N-1)·numel elements (or with chunks padded to
+    ceil(numel/N), 2(N-1)·N·ceil)."""
+    world = len(sends)
+    sent = [sum(b for _, b in log) for log in sends]
+    limit, chunk = 2 * (world - 1) * math.ceil(numel / world) * 4, math.ceil(numel / world)
+    hint = ("send one chunk (1/N of the tensor) per step, 2(N-1) steps, with dist.isend / "
+            "dist.send; sending whole tensors to one rank is the naive all-reduce.")
+    for rank in range(world):
+        require(sent[rank] <= limit, f"rank {rank} sent {sent[rank]} bytes for a {numel * 4}-"
+                f"byte tensor on {world} ranks; a ring sends 2(N-1)/N·S, at most {limit}",
+                hint=hint)
+    ring = [2 * (world - 1) * numel * 4, 2 * (world - 1) * world * chunk * 4]
+    require(sum(sent) in ring, f"the {world} ranks sent {sum(sent)} bytes in all for a "
+            f"{numel * 4}-byte tensor; a ring sends exactly 2(N-1)·S = {ring[0]}", hint=hint)
+    for rank in range(world):
+        require(not sends[rank] or ring_direction(sends[rank], rank, world) is not None,
+                f"rank {rank} sent to ranks {sorted({peer for peer, _ in sends[rank]})}, not "
+                "only to its neighbour", hint="in a ring, rank r sends only to its right "
+                "neighbour (r + 1) % N and receives from its left one.")
 
 
 @exercise(points=2, timeout=90.0, reference=("companion.collectives.ring_all_reduce",
@@ -134,19 +122,15 @@ def check_ring_all_reduce(answer, *, worker_timeout: float = 20.0) -> str:
         for i, numel in enumerate(lengths):
             expected = sum(_rank_tensor(seed, r, numel) for r in range(world))
             for rank in range(world):
-                got, sent, in_place = per_rank[rank][i]
+                got, sends, in_place = per_rank[rank][i]
                 compare(got, expected, name=f"rank {rank}'s tensor ({numel} elements, "
                         f"{world} ranks)", hint=_chunk_hint(got, expected,
                                                            _rank_tensor(seed, rank, numel)))
                 require(in_place, "return nothing (None): the result goes into the tensor itself")
-                limit = 2 * (world - 1) * math.ceil(numel / world) * 4
-                require(sent <= limit, f"rank {rank} sent {sent} bytes for a {numel * 4}-byte "
-                        f"tensor on {world} ranks; a ring sends 2(N-1)/N·S, at most {limit}",
-                        hint="send one chunk (1/N of the tensor) per step, 2(N-1) steps; sending "
-                             "whole tensors to one rank is the naive all-reduce.")
+            _judge_ring_traffic([r[i][1] for r in per_rank], numel)
     s = 1001 * 4
     return (f"matches the sum on 2 and 3 ranks for {len(lengths)} lengths; each of 3 ranks sent "
-            f"{per_rank[0][0][1]} bytes for a {s}-byte tensor (2(N-1)/N·S = "
+            f"{sum(b for _, b in per_rank[0][0][1])} bytes for a {s}-byte tensor (2(N-1)/N·S = "
             f"{collectives.ring_bytes_per_rank(s, 3):.0f}; the naive root sends "
             f"{collectives.naive_root_bytes(s, 3)})")
 

@@ -10,11 +10,11 @@ import re
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from companion import collectives, estimate
-from companion.checks.ch06 import _on_ranks, _packed, _point_to_point_only, _rank_tensor
+from companion.checks._collective_guard import point_to_point_only, ring_direction
+from companion.checks.ch06 import _on_ranks, _packed, _rank_tensor
 from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
                                    require)
 from companion.memory import format_bytes
@@ -138,36 +138,18 @@ def check_flat_partition(answer) -> str:
 
 # ---------------------------------------------------------------- exercise 2: reduce-scatter
 
-_SINGLE = ("all_gather_single", "reduce_scatter_single")
-
-
-@contextlib.contextmanager
-def _no_single_collectives():
-    """Chapter 06's guard does not know torch 2.13's *_single names: refuse those too."""
-    saved = {n: getattr(dist, n) for n in _SINGLE if hasattr(dist, n)}
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError("a collective: build the reduce-scatter from dist.isend / dist.recv")
-
-    for name in saved:
-        setattr(dist, name, refuse)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
 def _scatter_worker(rank: int, world: int, packed: bytes, seed: int, shards: list[int]):
-    results, sent = [], [0]
-    with _point_to_point_only(sent), _no_single_collectives():
-        answer = pickle.loads(packed)
+    """Run the answer on each shard size under the guard: (output, sends as (peer, bytes), whether
+    it returned nothing) per size."""
+    results, log = [], []
+    with point_to_point_only(log):
+        answer = pickle.loads(packed)        # imported after patching: `from dist import send`
         for s in shards:
             full = _rank_tensor(seed, rank, world * s)
             output = torch.zeros(s)
-            before = sent[0]
+            del log[:]
             returned = answer(output, full.clone())
-            results.append((output, sent[0] - before, returned is None or returned is output))
+            results.append((output, list(log), returned is None or returned is output))
     return results
 
 
@@ -189,6 +171,19 @@ def _scatter_hint(got, rank, world, s, seed) -> str:
             "part of that chunk; after N-1 steps it is your chunk, summed over all ranks.")
 
 
+def _judge_scatter_traffic(sends: list[tuple[int, int]], rank: int, world: int, s: int) -> None:
+    """Exactly (N-1)·s elements sent, all to one ring neighbour: a ring, not a shortcut."""
+    sent, ring = sum(b for _, b in sends), (world - 1) * s * 4
+    require(sent == ring, f"rank {rank} sent {sent} bytes; a ring reduce-scatter sends exactly "
+            f"(N-1)/N of the {world * s * 4}-byte input, {ring} bytes",
+            hint="send one chunk (s elements) per step, N-1 steps, with dist.isend / dist.send: a "
+                 "reduce-scatter is the first half of the ring all-reduce, nothing more.")
+    require(ring_direction(sends, rank, world) is not None, f"rank {rank} sent to ranks "
+            f"{sorted({peer for peer, _ in sends})}, not only to its neighbour",
+            hint="in a ring, rank r sends only to its right neighbour (r + 1) % N and receives "
+                 "from its left one; sending each chunk straight to its owner is not a ring.")
+
+
 @exercise(points=2, timeout=90.0, reference="companion.collectives.ring_reduce_scatter")
 def check_ring_reduce_scatter(answer, *, worker_timeout: float = 20.0) -> str:
     """answer(output, input): sum `input` (N·s elements) over the ranks of the world and leave
@@ -201,18 +196,14 @@ def check_ring_reduce_scatter(answer, *, worker_timeout: float = 20.0) -> str:
         for i, s in enumerate(shards):
             expected = sum(_rank_tensor(seed, r, world * s) for r in range(world)).view(world, s)
             for rank in range(world):
-                got, sent, returned_nothing = per_rank[rank][i]
+                got, sends, returned_nothing = per_rank[rank][i]
                 compare(got, expected[rank], name=f"rank {rank}'s output (s = {s}, {world} "
                         "ranks)", hint=_scatter_hint(got, rank, world, s, seed))
                 require(returned_nothing, "return nothing (None): the result goes into output")
-                limit = (world - 1) * s * 4
-                require(sent <= limit, f"rank {rank} sent {sent} bytes; a reduce-scatter sends "
-                        f"(N-1)/N of the {world * s * 4}-byte input, {limit} bytes",
-                        hint="send one chunk (s elements) per step, N-1 steps: a reduce-scatter "
-                             "is the first half of the ring all-reduce, nothing more.")
+                _judge_scatter_traffic(sends, rank, world, s)
     full = 3 * 257 * 4
     return (f"rank r holds chunk r of the sum on 2 and 3 ranks; each of 3 ranks sent "
-            f"{per_rank[0][0][1]} bytes for a {full}-byte input ((N-1)/N·S = "
+            f"{sum(b for _, b in per_rank[0][0][1])} bytes for a {full}-byte input ((N-1)/N·S = "
             f"{collectives.shard_bytes_per_rank(full, 3):.0f}; an all-reduce sends twice that)")
 
 
