@@ -132,6 +132,14 @@ def test_model_state_bytes_reference_passes():
     check_model_state_bytes(lambda n, o, layout: list(_states(n, o, layout)))
 
 
+def test_numpy_integers_and_whole_floats_are_byte_counts():
+    np = pytest.importorskip("numpy")
+    check_model_state_bytes(lambda n, o, layout: tuple(np.int64(x) for x in _states(n, o, layout)))
+    check_model_state_bytes(lambda n, o, layout: np.array(_states(n, o, layout)).tolist())
+    check_model_state_bytes(lambda n, o, layout: tuple(float(x) for x in _states(n, o, layout)))
+    check_activation_bytes(lambda *args: np.int32(_activations(*args)))
+
+
 @pytest.mark.parametrize("wrong, hint", [
     (_changed("master", lambda n, k, p, g, o: (p, g, o - 4 * n)), "master copy"),
     (_changed("master", lambda n, k, p, g, o: (p, g, 2 * k * n) if k == 2 else (p, g, o)),
@@ -144,7 +152,15 @@ def test_model_state_bytes_reference_passes():
      "two tensors"),
     (lambda n, o, layout: _states(n, o, layout)[:2], "tuple"),
     (lambda n, o, layout: sum(_states(n, o, layout)), "tuple"),
+    (_changed("master", lambda n, k, p, g, o: (p + 4 * n, g, o - 4 * n)), "Hugging Face"),
+    (_changed("master_fp32_grads", lambda n, k, p, g, o: (p + 4 * n, g, o - 4 * n)),
+     "Hugging Face"),
+    (_changed("master_grad_buffer", lambda n, k, p, g, o: (p + 4 * n, g, o - 4 * n)),
+     "Hugging Face"),
+    (_changed("autocast", lambda n, k, p, g, o: (p + 2 * n, g, o)), r"not 4 \+ 2"),
     (lambda n, o, layout: ("a", "b", "c"), "number of bytes"),
+    (lambda n, o, layout: (True, 2, 3), "got bool"),
+    (lambda n, o, layout: tuple(x + 0.5 for x in _states(n, o, layout)), "whole number"),
 ])
 def test_model_state_bytes_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
@@ -201,7 +217,13 @@ def _transformer(*, layer=None, outside=None, logits=4):
     (_transformer(logits=2), "fp32"),
     (lambda b, s, h, L, a, V, d: transformer_reference(b, s, h, 1, a, V, d), "`depth` layers"),
     (_transformer(outside=lambda s, b, h, d: 0), "final LayerNorm"),
-    (_transformer(outside=lambda s, b, h, d: 4 * s * b * h), "does not match"),
+    (_transformer(outside=lambda s, b, h, d: 4 * s * b * h), "embeddings' dropout keeps its mask"),
+    (_transformer(outside=lambda s, b, h, d: 2 * s * b * h + s * b * h * d), "one is missing"),
+    (_transformer(outside=lambda s, b, h, d: s * b * h * d), "head's input \\(2sbh each\\) are"),
+    (_transformer(layer=lambda s, b, h, a, d: 34 * s * b * h + 5 * a * s * s * b if d
+                  else 32 * s * b * h + 4 * a * s * s * b), "not 2as²b twice"),
+    (_transformer(layer=lambda s, b, h, a, d: (34 if d else 32) * s * b * h + 7 * a * s * s * b),
+     "does not match"),
 ])
 def test_transformer_activations_known_mistakes_get_their_hint(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
@@ -248,6 +270,15 @@ def test_checks_pass_on_an_answer_that_lives_in_another_process(name, answer):
 def test_the_adam_check_judges_an_answer_that_lives_elsewhere():
     with pytest.raises(CheckFailed, match="bias correction"):
         evaluate("check_adam_step", _Elsewhere(_adam_with("no bias correction")))
+
+
+def test_the_pass_message_counts_gpt2_xl_as_the_estimator_does():
+    n = estimate.gpt_params(50257, 1024, 1600, 48)
+    states = estimate.model_states(n, precision="mixed").total
+    acts = estimate.transformer_activations(8, 1024, 1600, 48, 25, 50257)
+    message = evaluate("check_transformer_activations", transformer_reference)
+    assert f"{states / 1e9:.1f} GB of model states of its {n / 1e9:.2f}B parameters" in message
+    assert f"{(acts + states) / 1e9:.0f} GB" in message and n > 1.6e9
 
 
 def test_a_wrong_byte_count_prints_as_the_int_it_is():

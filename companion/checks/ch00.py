@@ -3,6 +3,9 @@ state, model states per parameter in five layouts, the activations of an MLP (pr
 measured with `companion.memory.track`), and the activations of any GPT (Korthikanti et al.)."""
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 import random
 
 import torch
@@ -16,17 +19,24 @@ __all__ = ["check_adam_step", "check_model_state_bytes", "check_activation_bytes
            "check_transformer_activations"]
 
 
-def _number(got, name: str) -> int | float:
-    """The learner's answer as a number of bytes (an int stays an int, so it prints as one), or a
-    CheckFailed that says what was wrong."""
+def _number(got, name: str) -> int:
+    """The learner's answer as a whole number of bytes: any integer (NumPy's too), or a float that
+    holds a whole number; otherwise a CheckFailed that says what was wrong."""
     if isinstance(got, torch.Tensor) and got.numel() == 1:
         got = got.item()
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
-        raise CheckFailed(f"{name}: expected a number of bytes (an int), got {type(got).__name__}",
+    if isinstance(got, bool) or not isinstance(got, numbers.Real):
+        raise CheckFailed(f"{name}: expected a number of bytes (an int), got "
+                          f"{type(got).__name__} {got!r:.60}",
                           got=got, hint="return the count itself, e.g. `return total`.")
-    if got != got:
+    if isinstance(got, numbers.Integral):
+        return operator.index(got)                           # np.int64(96) -> 96
+    if math.isnan(got):
         raise CheckFailed(f"{name} is NaN", got=got, hint="count bytes with integers.")
-    return got
+    if not math.isfinite(got) or not float(got).is_integer():
+        raise CheckFailed(f"{name}: expected a whole number of bytes, got {got!r}", got=got,
+                          hint="a byte count is a whole number: divide with // (integer "
+                               "division), not /, or round the result.")
+    return int(got)
 
 
 # ---------------------------------------------------------------- exercise 1: Adam's step
@@ -156,6 +166,9 @@ def _state_reference(n: int, optimizer: str, layout: str) -> tuple[int, int, int
     return s.params, s.grads, s.optimizer
 
 
+_MASTER_GRADS = {"master": 2, "master_fp32_grads": 4, "master_grad_buffer": 2 + 4}   # B/param
+
+
 def _state_mistakes(n: int, k: int, layout: str) -> dict[str, tuple]:
     """What the usual mistakes give, for a layout and k state tensors per parameter."""
     master = layout.startswith("master")
@@ -174,6 +187,13 @@ def _state_mistakes(n: int, k: int, layout: str) -> dict[str, tuple]:
         "bytes.": (2 * n, 4 * n, (4 + 4 * k) * n) if layout == "master_grad_buffer" else None,
         "Adam keeps two tensors per parameter: the mean (m) and the mean of squares (v) of the "
         "gradient.": (4 * n, 4 * n, 4 * n) if layout in ("fp32", "autocast") and k == 2 else None,
+        "the same total, split the other way: Hugging Face's pages count the fp32 master copy "
+        "with the parameters (2 + 4 = 6 bytes); this exercise follows ZeRO, which counts it in "
+        "the optimizer state: params = the 16-bit weights only (2 bytes).":
+            (6 * n, _MASTER_GRADS.get(layout, 0) * n, 4 * k * n) if master else None,
+        "torch.amp's 16-bit weight copies are made inside each matmul and freed in backward: "
+        "they are counted with the activations, so the parameters stay 4 bytes, not 4 + 2.":
+            (6 * n, 4 * n, 4 * k * n) if layout == "autocast" else None,
     }
 
 
@@ -261,6 +281,14 @@ def _transformer_mistakes(b: int, s: int, h: int, L: int, a: int, V: int,
         "every one of the `depth` layers saves its own activations": layer + outside,
         "outside the layers: the final LayerNorm's input and the head's input (2sbh each), and "
         "with dropout the embedding dropout's mask (sbh)": L * layer + 4 * s * b * V,
+        "outside the layers, the final LayerNorm's input and the head's input (2sbh each) are "
+        "kept too": right - 4 * s * b * h,
+        "outside the layers two inputs of 2sbh are kept, the final LayerNorm's and the head's: "
+        "one is missing": right - 2 * s * b * h,
+        "with dropout, the embeddings' dropout keeps its mask too, outside the layers: sbh bytes "
+        "(1 per value)": right - s * b * h if dropout else right,
+        "without dropout the product with V saves softmax's output itself, already counted: "
+        "2as²b per layer, not 2as²b twice": right if dropout else right + L * 2 * a * s * s * b,
     }
 
 
@@ -283,8 +311,11 @@ def check_transformer_activations(answer) -> str:
             compare(got, expected, name=f"batch {b}, seq_len {s}, width {h}, depth {L}, "
                     f"heads {a}, vocab {V}, dropout={dropout}", rtol=0.0, atol=0.5,
                     known_wrong=wrong)
-    xl = estimate.transformer_activations(8, 1024, *_GPT2["GPT-2 XL"], 50257)
-    states = estimate.model_states(1.5e9, precision="mixed").total
+    width, depth, heads = _GPT2["GPT-2 XL"]
+    xl = estimate.transformer_activations(8, 1024, width, depth, heads, 50257)
+    n = estimate.gpt_params(50257, 1024, width, depth)            # the head not tied: 1.64B
+    states = estimate.model_states(n, precision="mixed").total
     return (f"GPT-2 XL, batch 8 × 1024 tokens, 16-bit with dropout: {xl / 1e9:.1f} GB of "
-            f"activations; with the {states / 1e9:.0f} GB of model states of 1.5B parameters, "
-            f"{(xl + states) / 1e9:.0f} GB: more than an 80 GB GPU holds")
+            f"activations; with the {states / 1e9:.1f} GB of model states of its {n / 1e9:.2f}B "
+            f"parameters (16-bit + fp32 master, Adam), {(xl + states) / 1e9:.0f} GB: more than an "
+            "80 GB GPU holds")
