@@ -60,6 +60,12 @@ def test_reference_answers_pass(check, answer, capsys):
     assert "passed" in capsys.readouterr().out
 
 
+def test_numpy_numbers_are_numbers():
+    np = pytest.importorskip("numpy")
+    ch02.check_decode_bf16(lambda bits: np.float64(decode_bf16(bits)))
+    ch02.check_max_normal(lambda e, m: np.float64(max_normal(e, m)))
+
+
 def test_the_package_reference_passes_too():
     ch02.check_decode_bf16(lambda bits: floats.decode(bits, "bf16"))
     ch02.check_low_precision_sum(floats.running_sum)

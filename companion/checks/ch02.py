@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import random
 
 import torch
@@ -25,7 +26,7 @@ def _number(value, name: str) -> float:
     """A learner's number as a float, or a CheckFailed that says what came back instead."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):     # NumPy's numbers too
         raise CheckFailed(f"{name}: expected a number, got a {type(value).__name__}: {value!r:.80}",
                           hint="return a Python float (or int).")
     return float(value)
