@@ -143,6 +143,23 @@ def hooks_keep_a_reference(module, names, gather):
     return module.register_forward_pre_hook(before), module.register_forward_hook(after)
 
 
+def hooks_keep_a_detached_view(module, names, gather):
+    """Keeps t.detach() "for debugging": a new tensor object, the same memory."""
+    def before(mod, inputs):
+        for n in names:
+            setattr(mod, n, gather(n))
+            KEPT.append(getattr(mod, n).detach())
+
+    def after(mod, inputs, output):
+        for n in names:
+            setattr(mod, n, None)
+    return module.register_forward_pre_hook(before), module.register_forward_hook(after)
+
+
+def hooks_register_nothing(module, names, gather):
+    return None, None
+
+
 def hooks_without_handles(module, names, gather):
     register_gather_hooks(module, names, gather)
 
@@ -217,6 +234,8 @@ def test_references_pass(capsys):
     (ch07.check_gather_hooks, hooks_never_free, "forward hook"),
     (ch07.check_gather_hooks, hooks_gather_early, "before any forward"),
     (ch07.check_gather_hooks, hooks_keep_a_reference, "no other reference"),
+    (ch07.check_gather_hooks, hooks_keep_a_detached_view, "no .detach() copy"),
+    (ch07.check_gather_hooks, hooks_register_nothing, "register a forward pre-hook"),
     (ch07.check_gather_hooks, hooks_without_handles, "two hook handles"),
     (ch07.check_gather_hooks, hooks_delete_the_attribute, "don't delete it"),
     (ch07.check_gather_hooks, hooks_free_in_a_second_pre_hook, "not in a second pre-hook"),

@@ -212,14 +212,16 @@ def check_ring_reduce_scatter(answer, *, worker_timeout: float = 20.0) -> str:
 class _Sharded(nn.Module):
     """A Linear whose weight and bias were taken out (sharded): forward reads plain attributes."""
 
-    def __init__(self, d_in: int, d_out: int):
+    def __init__(self, d_in: int, d_out: int, gathered: list[str]):
         super().__init__()
         object.__setattr__(self, "weight", None)
         object.__setattr__(self, "bias", None)
-        self.shape = (d_out, d_in)
+        self.shape, self.gathered = (d_out, d_in), gathered       # names gather() was called on
 
     def forward(self, x):
         if self.weight is None or self.bias is None:
+            if not self.gathered:
+                raise RuntimeError("weight is None when forward ran, and gather was never called")
             raise RuntimeError("weight is None when forward ran: gather in a forward pre-hook "
                                "and free in a forward hook (after), not in a second pre-hook")
         return nn.functional.linear(x, self.weight, self.bias)
@@ -236,15 +238,17 @@ def _gather_case(seed: int, d_in: int, d_out: int) -> tuple[dict, torch.Tensor]:
 @harness
 def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int) -> dict:
     """Register the answer's hooks on a sharded layer and run it: what was gathered and when, the
-    output, what the layer holds after forward, and what remove() does. Plain data only."""
+    output, what the layer holds after forward, how many gathered bytes are still alive, and what
+    remove() does. Plain data only."""
     full, x = _gather_case(seed, d_in, d_out)
-    module, calls, alive = _Sharded(d_in, d_out), [], []
+    calls, alive = [], []
+    module = _Sharded(d_in, d_out, calls)
 
     def gather(name):
         calls.append(name)
-        t = full[name].clone()                  # a fresh "all-gathered" tensor each time
-        alive.append(weakref.ref(t))
-        return t
+        memory = full[name].numpy().copy()      # a fresh "all-gathered" buffer each time
+        alive.append((weakref.ref(memory), memory.nbytes))     # lives while any view of it does
+        return torch.from_numpy(memory)
 
     handles = call(answer, module, ["weight", "bias"], gather)
     seen = {"early": list(calls)}
@@ -252,7 +256,7 @@ def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int) -> dict:
         seen["output"] = call(module, x)
     seen["calls"], seen["kept"] = list(calls), hasattr(module, "weight") and hasattr(module, "bias")
     seen["freed"] = seen["kept"] and module.weight is None and module.bias is None
-    seen["alive"] = any(ref() is not None for ref in alive)
+    seen["alive"] = sum(nbytes for ref, nbytes in alive if ref() is not None)   # bytes
     seen["handles"] = type(handles).__name__ if not (
         isinstance(handles, (tuple, list)) and len(handles) == 2 and
         all(hasattr(h, "remove") for h in handles)) else None
@@ -281,8 +285,10 @@ def _judge_gather_hooks(seen: dict, expected: torch.Tensor) -> None:
     require(seen["freed"], "after forward the module still holds the full weights",
             hint="set each name back to None in a forward hook (module.register_forward_hook), "
                  "so the full tensors can be freed.")
-    require(not seen["alive"], "a gathered tensor is still alive after forward",
-            hint="keep no other reference to the gathered tensors (no list, no closure).")
+    require(not seen["alive"], f"{format_bytes(seen['alive'])} of gathered weights are still "
+            "in memory after forward", hint="keep no other reference to the gathered tensors or "
+            "to views of them (no list, no closure, no .detach() copy): while one lives, so does "
+            "the full weight's memory.")
     require(seen["handles"] is None, f"expected the two hook handles, got {seen['handles']}",
             hint="return (module.register_forward_pre_hook(...), "
                  "module.register_forward_hook(...)).")
@@ -298,7 +304,10 @@ def check_gather_hooks(answer) -> str:
         try:
             seen = _observe_gather_hooks(answer, seed, d_in, d_out)
         except CheckFailed as failure:
-            if "when forward ran" in failure.summary:
+            if "gather was never called" in failure.summary:
+                failure.hint = ("register a forward pre-hook (module.register_forward_pre_hook) "
+                                "that sets each name to gather(name).")
+            elif "when forward ran" in failure.summary:
                 failure.hint = ("free with module.register_forward_hook(fn), whose fn(mod, "
                                 "inputs, output) runs after forward.")
             raise
