@@ -436,6 +436,31 @@ def test_master_weights_with_a_scaler_skip_overflowing_steps():
         amp.MasterWeights(MLP(4, 4, 1, 2).parameters())
 
 
+def test_master_weights_clip_between_unscale_and_step():
+    """grads_to_master, unscale_, clip the fp32 gradients, step: the masters move by the clipped
+    gradient (step must not copy the freed 16-bit gradients over them)."""
+    model = MLP(6, 8, 2, 3, seed=0).half()
+    master = amp.MasterWeights(model.parameters())
+    opt = torch.optim.SGD(master.master_params, lr=0.1)
+    scaler = amp.GradScaler("cpu", init_scale=2.0**8)
+    X, y = make_classification(10, 6, 3, seed=0)
+    before = [m.detach().clone() for m in master.master_params]
+    scaler.scale(model.loss(X.half(), y)).backward()
+    master.grads_to_master()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(master.master_params, 0.1)
+    clipped = [m.grad.clone() for m in master.master_params]
+    master.step(opt, scaler)
+    scaler.update()
+    assert norm > 0.1                                               # clipping did something
+    assert torch.linalg.vector_norm(torch.cat([g.view(-1) for g in clipped])) == pytest.approx(
+        0.1, rel=1e-3)
+    for m, b, g in zip(master.master_params, before, clipped):
+        torch.testing.assert_close(m.detach(), b - 0.1 * g)
+    for p, m in zip(model.parameters(), master.master_params):
+        assert torch.equal(p, m.detach().half())
+
+
 def _states_at_end_of_backward(layout):
     """Bytes by kind live at the end of the second backward (the first step made Adam's state)."""
     V, T, C, L, H = 64, 16, 32, 2, 4

@@ -3,7 +3,7 @@ memory and an example in `MasterWeights`'s docstring.
 
 Simplified vs Megatron-LM's `Float16OptimizerWithFloat16Params` and DeepSpeed's FP16 optimizers:
 one list of parameters, no flat buffers, no gradient clipping or loss scaling of its own (pass a
-`GradScaler` to `step`).
+`GradScaler` to `step`; to clip, call `grads_to_master` and `scaler.unscale_` first, see `step`).
 """
 from __future__ import annotations
 
@@ -43,10 +43,12 @@ class MasterWeights:
         self.master_params = [p.detach().float().requires_grad_() for p in self.model_params]
 
     def grads_to_master(self) -> None:
-        """fp32 copies of the 16-bit gradients on the master weights; the 16-bit ones are freed."""
+        """fp32 copies of the 16-bit gradients on the master weights; the 16-bit ones are freed.
+        A parameter without a 16-bit gradient keeps its master gradient (already copied)."""
         for p, m in zip(self.model_params, self.master_params):
-            m.grad = None if p.grad is None else p.grad.float()     # 2 B -> 4 B per element
-            p.grad = None
+            if p.grad is not None:
+                m.grad = p.grad.float()                              # 2 B -> 4 B per element
+                p.grad = None
 
     def master_to_model(self) -> None:
         """Round the fp32 master weights into the 16-bit model (in place)."""
@@ -54,8 +56,15 @@ class MasterWeights:
             for p, m in zip(self.model_params, self.master_params):
                 p.copy_(m)
 
-    def step(self, optimizer, scaler: GradScaler | None = None) -> None:
-        """Gradients up to fp32, one optimizer step on the master weights, weights back down."""
+    def step(self, optimizer: torch.optim.Optimizer, scaler: GradScaler | None = None) -> None:
+        """Gradients up to fp32, one optimizer step on the master weights, weights back down.
+
+        To clip, bring the gradients up and unscale them first; `step` then copies nothing more:
+
+            master.grads_to_master(); scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(master.master_params, 1.0)
+            master.step(opt, scaler); scaler.update()
+        """
         self.grads_to_master()                                       # 1. cast gradients up
         if scaler is None:
             optimizer.step()                                         # 2. step in fp32
