@@ -148,6 +148,23 @@ def _divides(grads, inv_scale):
     return found
 
 
+def _multiplies_then_looks(grads, inv_scale):
+    for g in grads:
+        g.mul_(inv_scale)
+    return any(not bool(torch.isfinite(g).all()) for g in grads)
+
+
+def test_looking_before_multiplying_is_what_torch_does():
+    """A finite gradient near the largest float, unscaled by 2: torch's kernel flags nothing (it
+    looks first), though the product is inf; the check's case rests on this."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        g, found = torch.tensor([torch.finfo(dtype).max / 1.5, 1.0], dtype=dtype), torch.zeros(1)
+        torch._amp_foreach_non_finite_check_and_unscale_([g], found, torch.tensor(2.0))
+        assert found.item() == 0.0 and g[0].isinf()
+        assert not bool(unscale_grads([g.new_tensor([torch.finfo(dtype).max / 1.5])],
+                                      torch.tensor(2.0)))
+
+
 def _always(grads, inv_scale):
     unscale_grads(grads, inv_scale)
     return True
@@ -165,6 +182,7 @@ def test_unscale_grads_reference_passes():
     (_copies, "in place"),
     (_divides, "multiply by inv_scale"),
     (_always, "flag only inf and NaN"),
+    (_multiplies_then_looks, "look before you multiply"),
     (lambda grads, inv_scale: None, "found_inf as a bool"),
 ])
 def test_unscale_grads_wrong_answers_fail(wrong, hint):
@@ -304,6 +322,8 @@ def test_autocast_activation_bytes_reference_passes():
      r"depth ReLU outputs, depth \+ 1 Linears"),
     (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) - 4, "total weight, 4 bytes"),
     (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 1, None),
+    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 0.25, None),
+    (lambda B, d, W, L, K: float(autocast_activation_bytes(B, d, W, L, K)), "return an int"),
 ])
 def test_autocast_activation_bytes_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):

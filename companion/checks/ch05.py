@@ -4,6 +4,7 @@ detection."""
 from __future__ import annotations
 
 import math
+import numbers
 import random
 
 import torch
@@ -181,9 +182,13 @@ def check_autocast_activation_bytes(answer) -> str:
         got = call(answer, B, d_in, W, L, K)
         compare(got, _reference_bytes(B, d_in, W, L, K),
                 name=f"bytes for batch={B}, d_in={d_in}, width={W}, depth={L}, d_out={K}",
-                rtol=0.0, atol=0.5, known_wrong=_mlp_variants(B, d_in, W, L, K),
+                rtol=0.0, atol=0.0, known_wrong=_mlp_variants(B, d_in, W, L, K),
                 hint="count per Linear what it saves, in 16 bits, then the loss's fp32 "
                      "log-softmax and its one-value total weight (4 bytes).")
+        require(isinstance(got, numbers.Integral) and not isinstance(got, bool),
+                f"got {got!r}, a {type(got).__name__}: bytes are a whole number",
+                hint="return an int: multiply element counts by bytes per element (use // "
+                     "rather than / if you divide).")
     B, d_in, W, L, K = cases[0]
     model = MLP(d_in, W, L, K)
     X, y = make_classification(B, d_in, K)
@@ -331,6 +336,14 @@ def check_unscale_grads(answer) -> str:
                                 "multiply by inv_scale = 1/scale: backward made the gradients "
                                 "scale times too large.": tuple(g / inv_scale for g in originals),
                             })
+        for where in (0, 1):                     # fp32 and bf16: finite, but x2 overflows
+            big = torch.finfo(_grads(seed)[where].dtype).max / 1.5
+            found, _ = _unscale_run(answer, seed, 2.0, where, big)
+            require(not _flag(found), f"found_inf is True for a finite gradient ({big:.3g} in "
+                    f"gradient {where}) unscaled with inv_scale = 2 (a scale below 1)",
+                    hint="look before you multiply: check each gradient for inf and NaN first, "
+                         "then multiply, as PyTorch's kernel does (with inv_scale > 1 the product "
+                         "of a finite gradient can itself be inf).")
     return "every gradient unscaled in place; inf, -inf and NaN found in any tensor"
 
 
