@@ -2,14 +2,20 @@
 training), and fails on known-wrong answers, each with its hint."""
 import contextlib
 import pickle
+import threading
 
+import numpy
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import checkpoint
 
 from companion import lora
 from companion.checks import ch09
 from companion.checks.core import CheckFailed, call, evaluate
 from companion.checks.harness import Remote
+from companion.memory import on_host
 from companion.offload import CPUOffloadOptimizer
 from companion.plan import CheckpointedBlocks
 
@@ -33,32 +39,88 @@ def _few_steps():
 
 
 def _train(model_fn, batches, lr, *, k=4, segments=4, offload=True, step_every_micro=False,
-           micro_only=False, sum_losses=False, adapters=0, report_last=False):
+           micro_only=False, sum_losses=False, adapters=0, report_last=False, dtype=torch.float32,
+           autocast=False, optimizer=torch.optim.AdamW, keep=lambda name: True, skip_last=False,
+           backward_scale=None, as_numpy=False, **options):
     """The notebook's solution (offload + k micro-batches + checkpointing), or a usual mistake."""
-    model = model_fn(dtype=torch.float32, device="cpu")
+    model = model_fn(dtype=dtype, device="cpu")
     if adapters:
         lora.apply_lora(model, adapters, targets=["qkv", "proj", "fc", "out"])
     if segments > 1:
         model.blocks = CheckpointedBlocks(model.blocks, segments)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = CPUOffloadOptimizer(params, lr=lr) if offload else torch.optim.AdamW(params, lr=lr)
+    params = [p for n, p in model.named_parameters() if p.requires_grad and keep(n)]
+    opt = (CPUOffloadOptimizer(params, optimizer, lr=lr, **options) if offload
+           else optimizer(params, lr=lr, **options))
     losses = []
-    for x, y in batches:
+    for step, (x, y) in enumerate(batches):
         opt.zero_grad()
         total = 0.0
         for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k))):
             if micro_only and i:
                 break
-            loss = model.loss(xb, yb)
-            (loss if sum_losses or micro_only else loss / k).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model.loss(xb, yb).float()
+            scale = backward_scale or (1 if sum_losses or micro_only else 1 / k)
+            (loss * scale).backward()
             total = loss.item() if report_last else total + loss.item() / (1 if sum_losses else k)
             if step_every_micro:
                 opt.step()
                 opt.zero_grad()
-        if not step_every_micro:
+        if not step_every_micro and not (skip_last and step == len(batches) - 1):
             opt.step()
-        losses.append(total)
+        losses.append(numpy.float32(total) if as_numpy else total)
     return losses
+
+
+def _plain(model_fn, batches, lr):
+    """Plain full-batch training: over the budget, unless the budget does not see it."""
+    model = model_fn(dtype=torch.float32, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    out = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def _on_host(model_fn, batches, lr):
+    with on_host():
+        return _plain(model_fn, batches, lr)
+
+
+def _in_a_thread(model_fn, batches, lr):
+    out = []
+    worker = threading.Thread(target=lambda: out.extend(_plain(model_fn, batches, lr)))
+    worker.start()
+    worker.join()
+    return out
+
+
+def _modes_off(model_fn, batches, lr):
+    with _disable_current_modes():
+        return _plain(model_fn, batches, lr)
+
+
+def _whole_model_checkpointed(model_fn, batches, lr, k=8):
+    """torch.utils.checkpoint around the whole GPT: the recompute runs its forward again."""
+    model = model_fn(dtype=torch.float32, device="cpu")
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=lr)
+    out = []
+    for x, y in batches:
+        opt.zero_grad()
+        total = 0.0
+        for xb, yb in zip(x.chunk(k), y.chunk(k)):
+            logits = checkpoint(model, xb, use_reentrant=False)
+            loss = F.cross_entropy(logits.flatten(0, 1), yb.flatten()) / k
+            del logits
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        out.append(total)
+    return out
 
 
 def train_within_budget(model_fn, batches, lr):
@@ -71,9 +133,16 @@ def test_the_solution_passes_and_says_what_it_saved(capsys):
     assert "passed" in out and "under the 8.00 MiB budget" in out and "unconstrained run" in out
 
 
-def test_another_plan_that_keeps_the_training_passes_too():
-    accumulate_and_offload = lambda f, b, lr: _train(f, b, lr, k=8, segments=1)
-    assert "under the" in evaluate("check_train_within_budget", accumulate_and_offload)
+@pytest.mark.parametrize("legit", [
+    lambda f, b, lr: _train(f, b, lr, k=8, segments=1),
+    _whole_model_checkpointed,
+    lambda f, b, lr: _train(f, b, lr, autocast=True),
+    lambda f, b, lr: _train(f, b, lr, dtype=torch.bfloat16),
+    lambda f, b, lr: _train(f, b, lr, as_numpy=True),
+], ids=["accumulate and offload", "whole model checkpointed", "bf16 autocast",
+        "bf16 weights, fp32 masters on the host", "numpy floats"])
+def test_other_plans_that_keep_the_training_pass_too(legit):
+    assert "under the" in evaluate("check_train_within_budget", legit)
 
 
 @pytest.mark.parametrize("wrong, match, hint", [
@@ -90,8 +159,26 @@ def test_another_plan_that_keeps_the_training_passes_too():
     (lambda f, b, lr: _train(f, b, lr)[:-1], "expected 4 losses", ""),
     (lambda f, b, lr: _train(f, b, lr, report_last=True), "drift from the unconstrained",
      "the mean over the whole batch"),
+    (_on_host, "less than the model's own weights", "no on_host()"),
+    (_in_a_thread, "less than the model's own weights", "no threads"),
+    (_modes_off, "less than the model's own weights", "memory tracking"),
+    (lambda f, b, lr: _train(f, b, lr, skip_last=True), "loss on a new batch",
+     "the last one too"),
+    (lambda f, b, lr: _train(f, b, lr, optimizer=torch.optim.Adam), "drift", "AdamW with lr"),
+    (lambda f, b, lr: _train(f, b, lr, weight_decay=0.0), "drift", "default options"),
+    (lambda f, b, lr: _train(f, b, lr, keep=lambda n: not n.startswith("pos")),
+     r"never changed: \['pos.weight'\]", "every parameter"),
+    (lambda f, b, lr: _train(f, b, lr, backward_scale=1.0), "gradients are 4.00 times",
+     "before backward"),
+    (lambda f, b, lr: [float("nan")] * len(b), "not finite", "diverged"),
+    (lambda f, b, lr: _train(f, b, lr / 2, autocast=True), "against a bf16 autocast run",
+     "AdamW with lr"),
+    (lambda f, b, lr: _train(f, b, lr / 2, dtype=torch.bfloat16), "loss on a new batch",
+     "AdamW with lr"),
 ], ids=["plain", "step per micro-batch", "one micro-batch", "summed losses", "lora",
-        "a loss missing", "last micro-batch's loss"])
+        "a loss missing", "last micro-batch's loss", "on_host", "thread", "modes disabled",
+        "last step skipped", "Adam", "no weight decay", "pos left out", "no 1/k in backward",
+        "NaN", "bf16 autocast, half the lr", "bf16 weights, half the lr"])
 def test_known_wrong_answers_fail_with_their_hint(wrong, match, hint):
     with pytest.raises(CheckFailed, match=match) as failed:
         evaluate("check_train_within_budget", wrong)

@@ -26,13 +26,13 @@ from companion.plan.planner import (NothingFits, Plan, Row, RunReport, plan, run
 from companion.plan.predict import (BUCKET_BYTES, CostModel, Prediction, predict_memory,
                                     predict_seconds)
 from companion.plan.ranks import rank_worker, run_ranks, train_command
-from companion.plan.space import (EXACT, LORA_TARGETS, LOW_PRECISION, PRECISIONS, TECHNIQUES, Candidate,
-                                  GPTShape, candidates)
+from companion.plan.space import (EXACT, LORA_TARGETS, LOW_PRECISION, PRECISIONS, TECHNIQUES,
+                                  Candidate, GPTShape, candidates, capstone_model)
 from companion.plan.training import (CheckpointedBlocks, Setup, build, micro_step,
                                      optimizer_step, simulate, train_step)
 
-__all__ = ["plan", "run_plan", "token_batches", "Plan", "Row", "RunReport", "NothingFits", "Candidate", "GPTShape",
-           "candidates", "TECHNIQUES", "EXACT", "LOW_PRECISION", "PRECISIONS", "LORA_TARGETS", "Prediction",
-           "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES", "CheckpointedBlocks",
-           "Setup", "build", "micro_step", "optimizer_step", "train_step", "simulate",
+__all__ = ["plan", "run_plan", "token_batches", "Plan", "Row", "RunReport", "NothingFits",
+           "Candidate", "GPTShape", "candidates", "capstone_model", "TECHNIQUES", "EXACT",
+           "LOW_PRECISION", "PRECISIONS", "LORA_TARGETS", "Prediction", "predict_memory",
+           "CostModel", "predict_seconds", "BUCKET_BYTES", "CheckpointedBlocks", "Setup", "build", "micro_step", "optimizer_step", "train_step", "simulate",
            "run_ranks", "rank_worker", "train_command"]

