@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from companion import checkpointing as ck
+from companion import memory
 
 
 def _block(width=12, p=0.0, seed=0):
@@ -242,7 +243,6 @@ def test_hooks_checkpoint_serves_autograd_grad_keywords_and_non_tensor_outputs()
 
 
 def test_hooks_checkpoint_keeps_nothing_but_inputs_until_backward():
-    from companion import memory
     block = _block(width=64)
     x = torch.randn(256, 64, requires_grad=True)
     kept = {}
@@ -262,12 +262,26 @@ def test_retain_graph_recomputes_again():
     x = torch.randn(4, 12, requires_grad=True)
     y = ck.checkpoint_hooks(block, x, policy=ck.save_matmul_outputs)
     (g1,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
-    with pytest.raises(IndexError):                       # kept outputs were handed over once
-        torch.autograd.grad(y.sum(), x)
+    (g2,) = torch.autograd.grad(y.sum(), x)               # kept outputs replayed a second time
     y = ck.checkpoint_hooks(block, x)
     (a,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
     (b,) = torch.autograd.grad(y.sum(), x)
-    assert torch.equal(a, b) and torch.equal(a, g1)
+    (plain,) = torch.autograd.grad(block(x).sum(), x)
+    assert torch.equal(a, b) and torch.equal(a, g1) and torch.equal(g1, g2)
+    assert torch.equal(a, plain)
+
+
+def test_selective_kept_outputs_are_freed_with_the_graph():
+    block = _block()
+    x = torch.randn(64, 12, requires_grad=True)
+    with memory.track("cpu") as t:
+        y = ck.checkpoint_hooks(block, x, policy=ck.save_matmul_outputs)
+        kept = t.current - y.untyped_storage().nbytes()
+        y.sum().backward()
+        del y
+        left = t.current
+    grads = x.nbytes + sum(p.nbytes for p in block.parameters())
+    assert kept > 0 and left == grads                 # only the .grads are left after backward
 
 
 def test_policies_name_the_right_operators():

@@ -13,6 +13,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from companion.checkpointing.hooks import checkpoint_hooks
+
 __all__ = ["Checkpoint", "checkpoint", "checkpoint_sequential"]
 
 
@@ -63,7 +65,6 @@ class Checkpoint(torch.autograd.Function):
         return (None, None) + input_grads
 
 
-
 def checkpoint(fn: Callable, *args, use_reentrant: bool = True, policy: Callable | None = None,
                **kwargs):
     """`fn(*args, **kwargs)`, keeping only the inputs for backward and recomputing `fn` there.
@@ -79,7 +80,6 @@ def checkpoint(fn: Callable, *args, use_reentrant: bool = True, policy: Callable
         >>> y.sum().backward()                 # block's parameters get their .grad
     """
     if not use_reentrant:
-        from companion.checkpointing.hooks import checkpoint_hooks
         return checkpoint_hooks(fn, *args, policy=policy, **kwargs)
     if kwargs or policy is not None:
         raise ValueError("the reentrant checkpoint takes positional tensors only: pass "

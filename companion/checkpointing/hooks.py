@@ -41,8 +41,10 @@ Policy = Callable[[torch._ops.OpOverload], bool]
 
 
 def save_linear_outputs(op: torch._ops.OpOverload) -> bool:
-    """Keep what nn.Linear computes (aten.mm, aten.addmm); recompute the rest, attention's
-    (T, T) products and softmax included (Megatron's selective recomputation)."""
+    """Keep what nn.Linear computes (aten.mm, aten.addmm); recompute the rest: attention's
+    (T, T) products and softmax, and also LayerNorm and GELU. (Megatron's selective
+    recomputation, Korthikanti et al. 2022, is narrower: it recomputes only the attention core,
+    q·kᵀ, softmax, dropout and weights·v, and keeps everything else.)"""
     return op.overloadpacket in (aten.mm, aten.addmm)
 
 
@@ -57,17 +59,20 @@ def _detached(out: Any) -> Any:
 
 class _KeepOutputs(TorchDispatchMode):
     """First run: store the outputs of the operators `policy` keeps. Recompute: hand them back,
-    in the same order, instead of running those operators again."""
+    in the same order, instead of running those operators again. They stay in `kept` as long as
+    the checkpointed call's graph does, so a second backward (retain_graph=True) replays them too;
+    without retain_graph they go with the graph once the block's backward is done."""
 
     def __init__(self, policy: Policy, kept: list, *, replay: bool):
         super().__init__()
-        self.policy, self.kept, self.replay = policy, kept, replay
+        self.policy, self.kept, self.replay, self.next = policy, kept, replay, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.policy(func):
             return func(*args, **(kwargs or {}))
         if self.replay:
-            return _detached(self.kept.pop(0))     # free it as soon as backward has it again
+            self.next += 1
+            return _detached(self.kept[self.next - 1])
         out = func(*args, **(kwargs or {}))
         self.kept.append(_detached(out))           # same storage: kept alive, not copied
         return out
@@ -97,8 +102,8 @@ class _Frame:
         return self.packed - 1                      # a number: the tensor itself is not kept
 
     def unpack(self, i: int) -> torch.Tensor:
-        if i not in self.recomputed:                # first unpack (again after retain_graph)
-            self.recompute()
+        if i not in self.recomputed:                # first unpack (and again, per backward,
+            self.recompute()                        # when the graph is kept with retain_graph)
         return self.recomputed.pop(i)               # handed over: freed once backward used it
 
     def recompute(self) -> None:

@@ -64,8 +64,6 @@ def predicted_time_ratio(n_layers: int, segments: int) -> float:
     return (3 * n_layers + recomputed) / (3 * n_layers)
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class SegmentRun:
     """One segment count, measured: peaks are bytes above what was live before the step."""
