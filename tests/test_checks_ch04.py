@@ -20,7 +20,16 @@ def _every_save(fn, x):
 
 
 def _with_parameters(fn, x):
-    return sum({s.storage: s.nbytes for s in ck.saved_for_backward(fn, x)}.values())
+    return sum({s.storage: s.storage_nbytes for s in ck.saved_for_backward(fn, x)}.values())
+
+
+def _first_view_bytes(fn, x):
+    """Known wrong: each storage counted once, but as the bytes of the first view seen of it."""
+    first = {}
+    for s in ck.saved_for_backward(fn, x):
+        if not s.is_parameter:
+            first.setdefault(s.storage, s.nbytes)
+    return sum(first.values())
 
 
 def test_saved_bytes_reference_passes():
@@ -30,6 +39,7 @@ def test_saved_bytes_reference_passes():
 @pytest.mark.parametrize("wrong, hint", [
     (_every_save, "count each storage once"),
     (_with_parameters, "leave out the parameters"),
+    (_first_view_bytes, "whole storage alive"),
     (lambda fn, x: x.numel() * x.element_size(), None),
     (lambda fn, x: float(_saved_bytes(fn, x)) + 4, None),
 ])
@@ -56,6 +66,21 @@ class _NoRng(torch.autograd.Function):
             y = ctx.fn(x)
         y.backward(grad)
         return None, x.grad
+
+
+class _NoForkRng(_NoRng):
+    """Known wrong: restores the random state in backward without fork_rng, which rewinds the
+    caller's random stream (seen with two stacked checkpoints)."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.rng = torch.get_rng_state()
+        return _NoRng.forward(ctx, fn, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.set_rng_state(ctx.rng)
+        return _NoRng.backward(ctx, grad)
 
 
 class _KeepsGraph(torch.autograd.Function):
@@ -92,6 +117,7 @@ def test_checkpoint_function_reference_passes():
 
 @pytest.mark.parametrize("wrong, hint", [
     (lambda fn, x: _NoRng.apply(fn, x), "rng_state"),
+    (lambda fn, x: _NoForkRng.apply(fn, x), "fork_rng"),
     (lambda fn, x: _KeepsGraph.apply(fn, x), "no_grad"),
     (lambda fn, x: _NoInputGrad.apply(fn, x), "recompute|twice"),
     (lambda fn, x: fn(x), "forward kept"),
@@ -111,8 +137,20 @@ def _forgot_boundaries(n, unit, budget):
     return next((s for s in range(1, n + 1) if math.ceil(n / s) * unit <= budget), None)
 
 
+def _ceil_longest(n, unit, budget):
+    """Known wrong: the longest segment taken as ceil(n / s) (checkpoint_sequential's last
+    segment takes the remainder, n - (n // s)(s - 1), which can be longer)."""
+    return next((s for s in range(1, n + 1) if (s - 1 + math.ceil(n / s)) * unit <= budget), None)
+
+
+def test_ceil_rule_differs_from_the_reference_on_the_fixed_cases():
+    assert (ck.segments_for_budget(26, 1000, 10000), _ceil_longest(26, 1000, 10000)) == (5, 4)
+    assert (ck.segments_for_budget(11, 1000, 6000), _ceil_longest(11, 1000, 6000)) == (None, 3)
+
+
 @pytest.mark.parametrize("wrong, hint", [
     (_forgot_boundaries, "stay in memory too"),
+    (_ceil_longest, "remainder"),
     (lambda n, unit, budget: ck.sqrt_segments(n), "fewest"),
     (lambda n, unit, budget: ck.segments_for_budget(n, unit, budget) or 1, "None"),
     (lambda n, unit, budget: n, None),
@@ -159,6 +197,7 @@ _aten = torch.ops.aten
     (lambda op: False, "keep what nn.Linear computes"),
     (ck.save_matmul_outputs, "attention's q·kᵀ"),
     (lambda op: op.overloadpacket in (_aten.mm, _aten.addmm, _aten._softmax), "softmax"),
+    (lambda op: op.overloadpacket == _aten.addmm, "aten.mm and aten.addmm"),
     (lambda op: 1, "return a bool"),
     (lambda op: op.name(), "return a bool"),
 ])

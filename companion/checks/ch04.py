@@ -29,31 +29,51 @@ def _sigmoid_exp_matmul(t: torch.Tensor) -> torch.Tensor:
     return t.sigmoid().exp() @ t.T
 
 
+def _slices_product(t: torch.Tensor) -> torch.Tensor:
+    """Saves two slices of one storage (as attention saves q, k and v cut from one qkv output)."""
+    doubled = t * 2
+    return doubled[:, :1] * doubled[:, 1:]         # (rows, 1) * (rows, width - 1)
+
+
+def _first_view_bytes(fn, x) -> int:
+    """Known wrong: the bytes of the first view seen of each storage, not the storage's size."""
+    first: dict[int, int] = {}
+    for s in checkpointing.saved_for_backward(fn, x):
+        if not s.is_parameter:
+            first.setdefault(s.storage, s.nbytes)
+    return sum(first.values())
+
+
 @exercise(points=1, reference=("companion.checkpointing.activation_bytes",
                                "companion.checkpointing.saved_for_backward"))
 def check_saved_bytes(answer) -> str:
     """answer(fn, x) -> int: bytes of the tensors `fn(x)` saves for backward that are not
-    parameters of `fn`, each storage counted once."""
+    parameters of `fn`, each storage counted once and whole."""
     for seed, width in zip(fresh_seeds(3), [5, 9, 16]):
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(7, width, generator=g, requires_grad=True)
         block = _block(seed, width, 0.0)
         cases = [(block, "an MLP block"), (_square, "x * x"),
-                 (_sigmoid_exp_matmul, "sigmoid, exp, matmul")]
+                 (_sigmoid_exp_matmul, "sigmoid, exp, matmul"),
+                 (_slices_product, "two slices of one tensor, multiplied")]
         for fn, label in cases:
             got = call(answer, fn, x)
             saved = checkpointing.saved_for_backward(fn, x)
-            with_params = sum({s.storage: s.nbytes for s in saved}.values())
+            with_params = sum({s.storage: s.storage_nbytes for s in saved}.values())
             every_save = sum(s.nbytes for s in saved if not s.is_parameter)
             compare(got, checkpointing.activation_bytes(fn, x), name=f"bytes saved by {label}",
                     hint="pack every tensor with torch.autograd.graph.saved_tensors_hooks and add "
-                         "numel() * element_size() for each new storage.",
+                         "t.untyped_storage().nbytes() for each new storage.",
                     known_wrong={
                         "a tensor saved twice (x * x saves x twice, and a ReLU's output is saved "
                         "again by the next Linear) exists once: count each storage once "
                         "(t.untyped_storage().data_ptr()).": every_save,
                         "leave out the parameters: the weights are in memory anyway, with or "
                         "without backward (compare storages with fn.parameters()).": with_params,
+                        "a saved view keeps its whole storage alive: count "
+                        "t.untyped_storage().nbytes(), not the first view's numel() * "
+                        "element_size() (two slices of one tensor hold all of it).":
+                            _first_view_bytes(fn, x),
                     })
     return "you can see what autograd keeps: the inputs of each layer, not the weights"
 
@@ -97,6 +117,20 @@ def _checkpoint_backward(answer, seed: int, width: int, p: float) -> tuple[tuple
     return got, len(calls)
 
 
+@harness
+def _random_after_backward(answer, seed: int, width: int) -> torch.Tensor:
+    """torch.rand after a backward through two stacked checkpointed blocks with dropout (the
+    answer's, or plain autograd's when answer is None): a checkpoint must leave the caller's
+    random stream where plain autograd leaves it."""
+    first, second = _block(seed, width, 0.5), _block(seed + 1, width, 0.5)
+    run = (lambda fn, t: fn(t)) if answer is None else (lambda fn, t: call(answer, fn, t))
+    torch.manual_seed(seed)
+    y = run(second, run(first, _input(seed, width)))
+    if isinstance(y, torch.Tensor) and y.requires_grad:
+        y.sum().backward()
+    return torch.rand(8)
+
+
 @exercise(points=3, timeout=20.0, reference=("companion.checkpointing.Checkpoint",
                                              "companion.checkpointing.checkpoint",
                                              "torch.utils.checkpoint.checkpoint"))
@@ -104,7 +138,8 @@ def check_checkpoint_function(answer) -> str:
     """answer(fn, x) -> fn(x), keeping only x for backward and recomputing fn inside backward.
     x requires grad; fn may use dropout."""
     saved_plain = saved_mine = 0
-    for seed, width, p in zip(fresh_seeds(3), [6, 11, 16], [0.0, 0.5, 0.3]):
+    seeds = fresh_seeds(3)
+    for seed, width, p in zip(seeds, [6, 11, 16], [0.0, 0.5, 0.3]):
         block, x = _block(seed, width, p), _input(seed, width)
         mine_saved, calls = _checkpoint_forward(answer, seed, width, p)
         require(calls == 1, f"fn ran {calls} times in forward; expected once",
@@ -133,7 +168,11 @@ def check_checkpoint_function(answer) -> str:
                 failure.hint = ("return x.grad of the recomputed input from backward, one "
                                 "value per forward argument (None for fn).")
             raise
-    return (f"same gradients as plain autograd; saved for backward "
+    compare(_random_after_backward(answer, seeds[0], 7), _random_after_backward(None, seeds[0], 7),
+            name="torch.rand(8) after backward through two stacked checkpoints",
+            hint="restore the saved random state inside `with torch.random.fork_rng():`, so the "
+                 "recomputation does not rewind the random stream of the code around backward.")
+    return (f"same gradients as plain autograd, random stream left as it was; saved for backward "
             f"{format_bytes(saved_plain)} -> {format_bytes(saved_mine)}")
 
 
@@ -186,7 +225,8 @@ def check_selective_policy(answer) -> str:
     kept = {"plain": 0, "full": 0, "yours": 0}
     for seed, (width, heads, T) in zip(fresh_seeds(2), [(24, 3, 13), (40, 5, 9)]):
         torch.manual_seed(seed)
-        block = models.Block(width, heads)
+        block = torch.nn.Sequential(models.Block(width, heads),       # every Linear with a bias,
+                                    torch.nn.Linear(width, width, bias=False))   # and one without
         x = torch.randn(3, T, width, generator=torch.Generator().manual_seed(seed),
                         requires_grad=True)
         # 1. Ask the policy about every operator the block runs, outside autograd's hooks.
@@ -218,12 +258,30 @@ def check_selective_policy(answer) -> str:
             "(the Linear outputs: no matrix multiply of a Linear runs twice)")
 
 
+_CEIL_HINT = ("the longest segment is the last one, n - (n // s)·(s - 1) layers "
+              "(checkpoint_sequential gives it the remainder), not ceil(n / s).")
+
+
+def _segment_mistakes(n: int, unit: int, budget: int) -> dict[str, int]:
+    """What the likely wrong rules answer, by hint (rules with no answer left out)."""
+    first = lambda fits: next((s for s in range(1, n + 1) if fits(s)), None)
+    wrong = {
+        "the inputs of the checkpointed segments stay in memory too: add "
+        "(segments - 1) · layer_bytes.": first(lambda s: -(-n // s) * unit <= budget),
+        _CEIL_HINT: first(lambda s: (s - 1 + -(-n // s)) * unit <= budget),
+        "√n gives the smallest peak, but fewer segments recompute less: return "
+        "the fewest that fit.": checkpointing.sqrt_segments(n),
+    }
+    return {hint: s for hint, s in wrong.items() if s is not None}
+
+
 @exercise(points=1, reference="companion.checkpointing.segments_for_budget")
 def check_segments_for_budget(answer) -> str:
     """answer(n_layers, layer_bytes, budget_bytes) -> int or None: the fewest segments whose
     predicted peak, ((segments - 1) + longest segment) · layer_bytes, fits the budget."""
     rng = random.Random(fresh_seeds(1)[0])
-    cases = [(16, 1000, 16000), (16, 1000, 7000), (16, 1000, 6999), (1, 10, 10), (1, 10, 9)]
+    cases = [(16, 1000, 16000), (16, 1000, 7000), (16, 1000, 6999), (1, 10, 10), (1, 10, 9),
+             (26, 1000, 10000), (11, 1000, 6000)]   # the last segment takes the remainder
     for _ in range(8):
         n, unit = rng.randrange(2, 120), rng.randrange(1, 5000)
         cases.append((n, unit, rng.randrange(unit, n * unit + 1)))
@@ -231,20 +289,14 @@ def check_segments_for_budget(answer) -> str:
         got = call(answer, n, unit, budget)
         want = checkpointing.segments_for_budget(n, unit, budget)
         label = f"segments for n={n}, layer_bytes={unit}, budget={budget}"
+        mistakes = _segment_mistakes(n, unit, budget)
         if want is None or got is None:
-            require(got is want, f"{label}: expected {want}, got {got!r}",
-                    hint="return None only when no segment count fits, not even the best near √n."
-                    if want is not None else "near √n segments the peak is smallest; if even that "
-                                             "does not fit, return None.")
+            hint = ("return None only when no segment count fits, not even the best near √n."
+                    if want is not None else _CEIL_HINT if got == mistakes.get(_CEIL_HINT)
+                    else "near √n segments the peak is smallest; if even that does not fit, "
+                         "return None.")
+            require(got is want, f"{label}: expected {want}, got {got!r}", hint=hint)
             continue
-        forgot_boundaries = next((s for s in range(1, n + 1)
-                                  if -(-n // s) * unit <= budget), None)
-        compare(got, want, name=label,
-                hint="try 1, 2, 3, ... segments and return the first whose peak fits.",
-                known_wrong={
-                    "the inputs of the checkpointed segments stay in memory too: add "
-                    "(segments - 1) · layer_bytes.": forgot_boundaries,
-                    "√n gives the smallest peak, but fewer segments recompute less: return "
-                    "the fewest that fit.": checkpointing.sqrt_segments(n),
-                } if forgot_boundaries is not None else {})
+        compare(got, want, name=label, known_wrong=mistakes,
+                hint="try 1, 2, 3, ... segments and return the first whose peak fits.")
     return "the fewest segments that fit, so the least recompute for the memory you have"
