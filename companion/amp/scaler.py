@@ -15,8 +15,9 @@ Example:
 Simplified vs PyTorch (`torch.amp.GradScaler`): the scale update runs on the host, from a host
 copy of the scale, after the one wait for the inf flag that `step` makes anyway (PyTorch's
 `_amp_update_scale_` runs on the device); no sparse gradients, no fused optimizers
-(`_step_supports_amp_scaling`), no pickling; misuse that PyTorch meets with an AssertionError or
-AttributeError raises a ValueError or RuntimeError that says what to do.
+(`_step_supports_amp_scaling`); the device defaults to "cpu" (PyTorch's to "cuda") and the options
+after it are keyword-only (PyTorch's may be passed by position); misuse that PyTorch meets with an
+AssertionError or AttributeError raises a ValueError or RuntimeError that says what to do.
 """
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ class GradScaler:
     therefore sits near the largest value that does not overflow, which lifts small gradients
     clear of fp16's floor.
 
-    Arguments:
+    Arguments (unlike PyTorch's, the device defaults to "cpu", and the rest are keyword-only):
         device: where the loss and gradients live ("cpu", "cuda"); disabled, with a warning, for
             "cuda" when no GPU is available.
         init_scale: the first scale (float32).
@@ -174,7 +175,7 @@ class GradScaler:
                                "scaler.scale(loss).backward() earlier in the iteration.")
         return self._scale
 
-    def unscale_(self, optimizer) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide `optimizer`'s gradients by the scale in place, once per step (before clipping)."""
         if not self._enabled:
             return
@@ -197,7 +198,7 @@ class GradScaler:
         state["found_inf"] = unscale_grads_(grads, inv_scale) if grads else None
         state["stage"] = _UNSCALED
 
-    def step(self, optimizer, *args, **kwargs):
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
         """`optimizer.step()` on unscaled gradients, or nothing if any of them is inf/NaN."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)

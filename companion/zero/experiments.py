@@ -150,10 +150,13 @@ class _Imbalanced(nn.Module):
 
     def __init__(self, vocab: int, width: int):
         super().__init__()
-        torch.manual_seed(0)
         self.embed = nn.Embedding(vocab, width)
         self.mix = nn.Linear(width, width)
         self.head = nn.Linear(width, 8)
+        g = torch.Generator().manual_seed(0)         # the same weights on every rank
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.mix(self.embed(tokens))))
