@@ -88,6 +88,8 @@ class Sizes:
     amp_matmul: int = 1024    # side of the square matrices whose 16-bit matmul chapter 05 times
     anatomy_gpt_batch: int = 32  # batch of the course GPT (gpt_width, gpt_depth, vocab) whose
                                  # training step chapter 00 takes apart
+    token_rows: int = 8       # sequences in each of the three padded micro-batches of the course
+                              # GPT whose mean over tokens chapter 03 accumulates
     cap_width: int = 128      # the capstone's GPT (vocab, seq_len, gpt_heads as above): width,
     cap_depth: int = 4        # blocks,
     cap_batch: int = 16       # sequences per optimizer step (the effective batch a plan keeps),
@@ -102,7 +104,7 @@ _SIZES = {
                   zero_width=8192, zero_depth=8, zero_batch=64, zero_vocab=262144,
                   offload_width=1536, offload_depth=16, offload_batch=1, act_offload_batch=8,
                   amp_gpt_batch=8, amp_width=1024, amp_depth=8, amp_batch=4096, amp_accum=256,
-                  amp_steps=500, amp_matmul=8192, anatomy_gpt_batch=8,
+                  amp_steps=500, amp_matmul=8192, anatomy_gpt_batch=8, token_rows=2,
                   cap_width=1024, cap_depth=12, cap_batch=16, cap_budget=4 * 2**30),
 }
 
@@ -113,7 +115,7 @@ _R = dataclasses.replace
 _GPU_CLASSES = {80: _SIZES["cuda"]}
 _GPU_CLASSES[40] = _R(_GPU_CLASSES[80], anatomy_gpt_batch=4, amp_gpt_batch=4, act_offload_batch=4,
                       ckpt_gpt_batch=4, ckpt_depth=32, ckpt_batch=4096, offload_width=1024,
-                      cap_batch=8)
+                      cap_batch=8, token_rows=1)
 _GPU_CLASSES[24] = _R(_GPU_CLASSES[40], width=2048, anatomy_gpt_batch=2, amp_gpt_batch=2,
                       act_offload_batch=2, ckpt_gpt_batch=2, ckpt_gpt_depth=12, zero_width=4096,
                       offload_depth=8, amp_matmul=4096, cap_batch=4)

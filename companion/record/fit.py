@@ -78,8 +78,15 @@ def _float_formats(s) -> dict[str, int]:
 def _accumulation(s) -> dict[str, int]:
     # The largest batch whose peak chapter 03 measures is 64·batch; the data set is that size.
     largest = 64 * s.batch
+    # The token-mean demo: the course GPT's forward and backward over its three micro-batches at
+    # once (weights, gradients, no optimizer) and two flat copies of its gradient, while the MLP
+    # and the Adam state of the chapter's first cells are still alive.
+    n = E.gpt_params(s.vocab, s.seq_len, s.gpt_width, s.gpt_depth)
+    mlp = E.model_states(E.mlp_params(32, s.width, s.depth, 10), optimizer="adam").total
+    tokens = gpt_step_bytes(s, batch=3 * s.token_rows, depth=s.gpt_depth, optimizer="sgd")
     return {"largest batch step": mlp_step_bytes(32, s.width, s.depth, 10, batch=largest)
-            + 4 * largest * (32 + 2)}
+            + 4 * largest * (32 + 2),
+            "token-mean micro-batches (the mlp alive)": mlp + tokens + 2 * 4 * n}
 
 
 def _checkpointing(s) -> dict[str, int]:
