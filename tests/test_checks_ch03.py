@@ -1,6 +1,8 @@
 """Chapter 03's checks pass on the reference and fail on known-wrong answers."""
+import functools
 import pickle
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,7 +68,7 @@ def _zero_grad_inside(model, loss_fn, opt, x, y, k):
     (_forgot_zero_grad, "zero_grad"),
     (_steps_every_micro_batch, "step once"),
     (_full_batch, "micro-batches of"),
-    (_zero_grad_inside, "zero_grad"),
+    (_zero_grad_inside, "once, before the loop"),
     (lambda model, loss_fn, opt, x, y, k: None, "ran 0 times"),
 ])
 def test_accumulation_step_wrong_answers_fail(wrong, hint):
@@ -166,8 +168,26 @@ def _off_by_one(step, start):
     return _search(step, start) + 1
 
 
+def _float_midpoint(step, start, *, catch_all=False):
+    """Bisects with / : the midpoint is a float."""
+    def fits(b):
+        try:
+            step(b)
+            return True
+        except (Exception if catch_all else torch.OutOfMemoryError):
+            return False
+    good, bad = start, 2 * start
+    while fits(bad):
+        good, bad = bad, 2 * bad
+    while bad - good > 1:
+        middle = (good + bad) / 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return int(good)
+
+
 def test_batch_size_search_reference_passes():
     check_batch_size_search(_search)
+    check_batch_size_search(lambda step, start: _search(lambda b: step(np.int64(b)), start))
 
 
 @pytest.mark.parametrize("wrong, hint", [
@@ -176,6 +196,8 @@ def test_batch_size_search_reference_passes():
     (_uncaught, "except torch.OutOfMemoryError"),
     (_off_by_one, "bisect"),
     (lambda step, start: step(0), "batch size 0"),
+    (_float_midpoint, "integer division"),
+    (functools.partial(_float_midpoint, catch_all=True), "integer division"),
 ])
 def test_batch_size_search_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):

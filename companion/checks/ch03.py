@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import random
 
 import torch
@@ -34,6 +35,8 @@ def _step_params(model, x, y, k, *, variant="reference", stale=None):
         for p, g in zip(model.parameters(), stale):
             p.grad = g.clone() if variant == "no_zero_grad" else None
         for xb, yb in zip(x.tensor_split(k), y.tensor_split(k)):
+            if variant == "zero_grad_each":
+                opt.zero_grad()
             scale = 1.0 if variant == "no_one_over_k" else 1.0 / k
             (F.cross_entropy(model(xb), yb) * scale).backward()
         opt.step()
@@ -98,6 +101,9 @@ def check_accumulation_step(answer) -> str:
                 "start with optimizer.zero_grad(): backward adds to whatever .grad holds, here "
                 "gradients left over from an earlier step.":
                     _step_params(model, x, y, k, variant="no_zero_grad", stale=stale),
+                "zero the gradients once, before the loop: inside it, each micro-batch erases the "
+                "gradients of the ones before, and only the last micro-batch is learned from.":
+                    _step_params(model, x, y, k, variant="zero_grad_each", stale=stale),
             })
         compare(got, expected, name="parameters after the step",
                 hint="start with optimizer.zero_grad(), divide each micro-batch's loss by "
@@ -210,24 +216,33 @@ def _search_problem(seed: int):
 def _search_run(answer, limit: int, start: int) -> tuple:
     """Run the answer with a step(b) that fails above `limit`; return (its answer, the sizes tried)."""
     tried: list[int] = []
+    invalid: list = []          # kept here: an answer that catches every exception hides them
 
     def step(b):
-        require(isinstance(b, int) and not isinstance(b, bool) and b >= 1,
-                f"step was called with batch size {b!r}", hint="batch sizes are ints >= 1.")
-        tried.append(b)
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
+            invalid.append(b)
+            raise ValueError(f"step was called with batch size {b!r}: batch sizes are ints >= 1")
+        tried.append(int(b))
         if b > limit:
             raise torch.OutOfMemoryError(f"Tried to allocate memory for a batch of {b}")
 
     try:
-        return call(answer, step, start), tried
+        got = call(answer, step, start)
     except CheckFailed as failure:
-        if "OutOfMemoryError" in failure.summary:
+        if not invalid and "OutOfMemoryError" in failure.summary:
             failure.hint = ("wrap each try in `try: step(b) except torch.OutOfMemoryError:` "
                             "and treat the error as 'does not fit'.")
-        raise
+        if not invalid:
+            raise
+    if invalid:
+        hint = ("the midpoint of two sizes is (good + bad) // 2: integer division, since a batch "
+                "size is an int >= 1." if isinstance(invalid[0], float) else
+                "batch sizes are ints >= 1: start from `start`, then only double or bisect.")
+        raise CheckFailed(f"step was called with batch size {invalid[0]!r}", hint=hint)
+    return got, tried
 
 
-@exercise(points=2, timeout=10.0, reference="companion.accumulation.find_max_batch_size")
+@exercise(points=2, timeout=30.0, reference="companion.accumulation.find_max_batch_size")
 def check_batch_size_search(answer) -> str:
     """answer(step, start) -> int: the largest b for which step(b) runs without
     torch.OutOfMemoryError, assuming every smaller batch fits when b does, and start fits."""
