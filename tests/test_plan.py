@@ -155,8 +155,9 @@ def test_several_ranks_are_simulated_and_run_on_gloo():
     assert report.peak <= p.budget and len(report.losses) == 2
     plain = run_plan(fn, Candidate(8), 8, 2, lr=p.lr)
     torch.testing.assert_close(report.losses, plain.losses, rtol=1e-4, atol=1e-5)
-    assert "torchrun --nproc_per_node=2 -m companion train --parallel zero" in train_command(p) \
-        or "has no" in train_command(p)
+    stage = ("ddp", "zero1", "zero2", "zero3")[p.chosen.zero_stage]   # depth 2: no segments
+    assert train_command(p).startswith(     # between 1 and depth, nothing the launcher lacks
+        f"torchrun --nproc_per_node=2 -m companion train --parallel {stage} ")
 
 
 def test_the_explorer_shows_the_plan_for_each_budget_and_why_nothing_fits():
@@ -197,3 +198,45 @@ def test_on_cuda_the_capstone_plan_trains_under_its_budget_with_the_plain_losses
     plain = run_plan(fn, Candidate(s.cap_batch), s.cap_batch, 4, device="cuda", lr=3e-3)
     assert plain.peak > p.budget
     torch.testing.assert_close(report.losses, plain.losses, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda: plan(SMALL, 12, budget=0, device="cpu"), ValueError, "positive size"),
+    (lambda: plan(SMALL, 12, budget="1 MiB", device="cpu", verify=-1), ValueError, "verify"),
+    (lambda: plan(SMALL, 12, budget="1 MiB", device="cpu", allow="offloading"), ValueError,
+     r"unknown technique\(s\) \['offloading'\]"),
+    (lambda: run_plan(SMALL, Candidate(12), 12, 0), ValueError, "steps must be a positive"),
+    (lambda: run_plan(SMALL, Candidate(12), 12, -1), ValueError, "steps must be a positive"),
+    (lambda: Candidate(4, precision="fp16"), ValueError, "precision must be one of"),
+    (lambda: Candidate(0), ValueError, "micro_batch must be an int of at least 1"),
+    (lambda: predict_memory(GPTShape.of(SMALL), Candidate(12, segments=5)), ValueError,
+     "5 checkpoint segments for a model of 4 blocks"),
+    (lambda: GPTShape.of(SMALL()), TypeError, "model_fn is a GPT, not a function"),
+    (lambda: GPTShape.of(None), TypeError, "not a function that builds the model"),
+    (lambda: GPTShape.of(lambda **factory: 1 / 0), TypeError, "raised ZeroDivisionError"),
+], ids=["budget 0", "verify -1", "unknown allow", "run 0", "run -1", "precision", "micro 0",
+        "segments > depth", "a GPT", "None", "raises"])
+def test_bad_input_says_what_to_pass(bad, error, match):
+    with pytest.raises(error, match=match):
+        bad()
+
+
+def test_one_technique_may_be_named_alone_and_nothing_fits_hints_only_what_was_searched():
+    p = plan(SMALL, 12, budget="100 MiB", device="cpu", allow="checkpointing", verify=0)
+    assert p.chosen.accumulation == 1                      # not split into letters
+    fn = functools.partial(GPT, 64, 16, 32, 2, 2)
+    with pytest.raises(NothingFits) as nothing:
+        plan(fn, 8, budget="10 KiB", device="cpu", world_size=2)
+    assert "offload" not in str(nothing.value) and "lora" not in str(nothing.value)
+
+
+def test_fake_addresses_restore_exactly_what_was_there():
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from companion.plan.training import _fake_addresses
+    before = (torch.UntypedStorage.data_ptr, FakeTensor.data_ptr,
+              "data_ptr" in vars(torch.UntypedStorage), "data_ptr" in vars(FakeTensor))
+    with _fake_addresses():
+        assert torch.UntypedStorage.data_ptr is not before[0]
+    assert before == (torch.UntypedStorage.data_ptr, FakeTensor.data_ptr,
+                      "data_ptr" in vars(torch.UntypedStorage), "data_ptr" in vars(FakeTensor))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
+import textwrap
 import time
 from typing import Callable, Iterable
 
@@ -74,8 +75,9 @@ def _token_batch(batch: int, seq_len: int, vocab: int, step: int, seed: int):
 class Plan:
     """The planner's answer: `chosen`, the `rows` it weighed, and how to run it."""
 
-    def __init__(self, *, model_fn, batch, budget, usable, device, world_size, shape, rows,
-                 chosen, plain, lr, host_budget):
+    def __init__(self, *, model_fn: Callable[..., nn.Module], batch: int, budget: int,
+                 usable: int, device: torch.device, world_size: int, shape: GPTShape,
+                 rows: list[Row], chosen: Row, plain: Row, lr: float, host_budget: int | None):
         self.model_fn, self.batch, self.budget, self.usable = model_fn, batch, budget, usable
         self.device, self.world_size, self.shape, self.lr = device, world_size, shape, lr
         self.rows, self.plain, self.host_budget = rows, plain, host_budget
@@ -92,9 +94,11 @@ class Plan:
             mark = "->" if r is self.chosen_row else "  "
             sim = format_bytes(r.simulated) if r.simulated is not None else "-"
             host = format_bytes(r.predicted.host) if r.predicted.host else "-"
-            lines.append(f"{mark}{r.candidate.describe()[:63]:<64}"
+            name, *more = textwrap.wrap(r.candidate.describe(), 63)   # whole words per line
+            lines.append(f"{mark}{name:<64}"
                          f"{format_bytes(r.predicted.peak):>11}{sim:>11}{host:>10}"
                          f"{_time(r.seconds['total']):>11}")
+            lines += [f"{'':4}{line}" for line in more]
         return "\n".join(lines)
 
     def explain(self) -> str:
@@ -156,6 +160,8 @@ def run_plan(model_fn: Callable[..., nn.Module], cand: Candidate, batch: int, st
     """Train `cand` for `steps` steps of `batch` sequences (this rank's share of them) under
     `memory_budget(budget)` (None: no budget), measured with `track`; the report. Batches are
     the course's token sequences, the same for every plan given the same seed."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
     device = torch.device(device)
     limit = 2**62 if budget is None else parse_bytes(budget)
     shape = GPTShape.of(model_fn)
@@ -181,8 +187,9 @@ def _nothing_fits(rows: list[Row], usable: int, budget: int, allow, world_size: 
                   host_budget: int | None) -> NothingFits:
     best = min(rows, key=lambda r: r.predicted.peak)
     over = best.predicted.peak - usable
-    hints = [f"allow {name}" for name in ("accumulation", "checkpointing", "autocast", "mixed",
-                                          "offload", "lora") if name not in allow]
+    searched = ("accumulation", "checkpointing", "autocast") + (     # bf16 weights, offload,
+        ("mixed", "offload", "lora") if world_size == 1 else ("zero",))   # LoRA: one process
+    hints = [f"allow {name}" for name in searched if name not in allow]
     if world_size == 1:
         hints.append("train on more devices (world_size > 1, ZeRO)")
     hints.append("shorten the sequences or shrink the model")
@@ -234,7 +241,12 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
     """
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
-    allow, budget_bytes = tuple(allow), parse_bytes(budget)
+    allow = (allow,) if isinstance(allow, str) else tuple(allow)   # "offload" alone is fine
+    budget_bytes = parse_bytes(budget)
+    if budget_bytes <= 0:
+        raise ValueError(f"budget must be a positive size, e.g. '8 MiB', got {budget!r}")
+    if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
+        raise ValueError(f"verify is how many candidates to simulate (0: none), got {verify!r}")
     margin = (0.1 if device.type == "cuda" else 0.0) if margin is None else margin
     if not 0 <= margin < 1:
         raise ValueError(f"margin is the share of the budget kept free, from 0 to 1; got {margin}")

@@ -53,6 +53,7 @@ class Prediction:
 
     @property
     def peak(self) -> int:
+        """Bytes at the predicted peak: every kind added up (they are all alive then)."""
         return (self.parameters + self.gradients + self.optimizer_state + self.activations
                 + self.temporaries)
 
@@ -123,6 +124,7 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
                    device_type: str = "cpu") -> Prediction:
     """Predicted peak bytes per rank of `cand`'s training step, by kind (see the module doc)."""
     s, c = shape, cand
+    c.check_depth(s.depth)
     P, G, O, G_before, host = _states(s, c, world_size)
     A, per_block, checkpoint, cached = _activations(s, c, device_type)
     N, V, C = c.micro_batch * s.seq_len, s.vocab, s.width
@@ -172,6 +174,7 @@ class CostModel:
 
     @classmethod
     def for_device(cls, device_type: str) -> "CostModel":
+        """The class docstring's speeds for "cuda" or "cpu"."""
         if device_type == "cuda":
             return cls(150e12, 2.0, 10e-6, 1.5e12, 25e9, 100e9)
         if device_type == "cpu":

@@ -57,8 +57,17 @@ class GPTShape:
     @classmethod
     def of(cls, model_fn: Callable[..., torch.nn.Module]) -> "GPTShape":
         """Build `model_fn(dtype=torch.float32, device="cpu")` under FakeTensorMode and read it."""
-        with FakeTensorMode():
-            model = model_fn(dtype=torch.float32, device="cpu")
+        what = ("pass a function that takes dtype= and device= and returns a companion.models."
+                "GPT, e.g. functools.partial(GPT, vocab, seq_len, width, depth, heads)")
+        if isinstance(model_fn, torch.nn.Module) or not callable(model_fn):
+            raise TypeError(f"model_fn is a {type(model_fn).__name__}, not a function that "
+                            f"builds the model: {what}")
+        try:
+            with FakeTensorMode():
+                model = model_fn(dtype=torch.float32, device="cpu")
+        except Exception as e:
+            raise TypeError(f"model_fn(dtype=torch.float32, device='cpu') raised "
+                            f"{type(e).__name__}: {e}. {what[0].upper()}{what[1:]}") from e
         if not isinstance(model, GPT):
             raise TypeError(f"the planner predicts the memory of companion.models.GPT; "
                             f"model_fn built a {type(model).__name__}. Pass a function that "
@@ -91,6 +100,27 @@ class Candidate:
     offload: bool = False        # AdamW state and fp32 master weights on the host
     lora_rank: int = 0           # 0 = train every parameter
 
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "accumulation", "segments"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Candidate.{name} must be an int of at least 1, got {value!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Candidate.precision must be one of {', '.join(PRECISIONS)}, got "
+                             f"{self.precision!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"Candidate.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) \
+                or self.lora_rank < 0:
+            raise ValueError(f"Candidate.lora_rank must be an int >= 0 (0: no LoRA), got "
+                             f"{self.lora_rank!r}")
+
+    def check_depth(self, depth: int) -> None:
+        """Raise ValueError when the plan asks for more checkpoint segments than blocks."""
+        if self.segments > depth:
+            raise ValueError(f"{self.segments} checkpoint segments for a model of {depth} "
+                             f"blocks: segments can be at most the depth")
+
     def techniques(self) -> list[str]:
         """The levers this plan pulls, in words."""
         out = []
@@ -110,6 +140,7 @@ class Candidate:
         return out
 
     def describe(self) -> str:
+        """The plan in words, e.g. "4 micro-batches of 4, optimizer offload"."""
         return ", ".join(self.techniques()) or "plain (no technique)"
 
 

@@ -93,6 +93,7 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
     added before the optimizer exists, so frozen weights get no gradient and no state."""
     dtype = torch.bfloat16 if cand.precision == "mixed" else torch.float32
     model = model_fn(dtype=dtype, device=device)
+    cand.check_depth(len(model.blocks))
     if cand.lora_rank:
         lora.apply_lora(model, cand.lora_rank, targets=LORA_TARGETS)   # base frozen
     if cand.segments > 1:
@@ -162,12 +163,17 @@ def _fake_ranks(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+_MISSING = object()
+
+
 @contextlib.contextmanager
 def _fake_addresses() -> Iterator[None]:
     """Give fake tensors distinct addresses. A FakeTensor's storage is meta, whose data_ptr is 0
     for every tensor, so code that tells storages apart by address (FSDP's saved-tensor hook,
     a gradient that is already its bucket's view) would take every tensor for the same one;
     here each storage's address is its C++ object's, spread 2^40 apart, plus the view's offset."""
+    classes = (torch.UntypedStorage, FakeTensor)
+    own = [cls.__dict__.get("data_ptr", _MISSING) for cls in classes]   # not inherited ones
     storage_ptr = torch.UntypedStorage.data_ptr
 
     def storage_address(storage):
@@ -176,12 +182,17 @@ def _fake_addresses() -> Iterator[None]:
     def tensor_address(t):
         return storage_address(t.untyped_storage()) + t.storage_offset() * t.element_size()
 
+    # Process-wide for the block's duration (the simulation runs in this thread); restored
+    # exactly as it was: a class's own attribute put back, an inherited one uncovered again.
     torch.UntypedStorage.data_ptr, FakeTensor.data_ptr = storage_address, tensor_address
     try:
         yield
     finally:
-        torch.UntypedStorage.data_ptr = storage_ptr
-        del FakeTensor.data_ptr
+        for cls, before in zip(classes, own):
+            if before is _MISSING:
+                delattr(cls, "data_ptr")
+            else:
+                setattr(cls, "data_ptr", before)
 
 
 def _trainable(setup: Setup) -> list[torch.Tensor]:
