@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 __all__ = ["Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload"]
 
@@ -72,6 +73,8 @@ def offload_placement(n_params: int, *, zero_stage: int, offload_optimizer: str 
     if not isinstance(buffer_factor, (int, float)) or isinstance(buffer_factor, bool) or not (
             buffer_factor >= 1):
         raise ValueError(f"buffer_factor must be a number >= 1, got {buffer_factor!r}")
+    if not isinstance(zero_init, bool):
+        raise ValueError(f"zero_init must be True or False, got {zero_init!r}")
     if convention == "deepspeed":
         return _deepspeed(n_params, zero_stage, offload_optimizer, offload_params, gpus_per_node,
                           nodes, largest_layer_params, zero_init, buffer_factor)
@@ -121,7 +124,7 @@ def _course(P, stage, opt, params, world, param_bytes) -> Placement:
         raise ValueError("the course offloads optimizer state, not parameters: use "
                          'offload_params=None, or convention="deepspeed" for ZeRO-3 parameter '
                          "offload")
-    if param_bytes not in (2, 4):
+    if isinstance(param_bytes, bool) or not isinstance(param_bytes, int) or param_bytes not in (2, 4):
         raise ValueError(f"param_bytes must be 4 (fp32 weights) or 2 (16-bit), got {param_bytes!r}")
     weights, copy_up = param_bytes * P, (param_bytes * P if param_bytes == 2 else 0)
     master, grads, moments = 4 * P, 4 * P, 8 * P
@@ -144,16 +147,34 @@ OFFLOAD_LADDER = (
 )
 
 
-def choose_offload(n_params: int, *, device_budget: int, host_budget: int, gpus_per_node: int = 1,
-                   largest_layer_params: int = 0) -> dict | None:
+def choose_offload(n_params: int, *, device_budget: int | str, host_budget: int | str,
+                   gpus_per_node: int = 1, largest_layer_params: int = 0) -> dict | None:
     """The first setting of `OFFLOAD_LADDER` (fastest first) whose DeepSpeed placement fits both
-    the GPU's `device_budget` and the node's `host_budget` (bytes), or None if none does."""
+    the GPU's `device_budget` and the node's `host_budget` (bytes, or a size such as "80 GB"),
+    or None if none does. Each rung is tested: down the ladder each one is slower, and the device
+    bytes usually fall, not always (ZeRO-3's 4L + 18P/N can exceed ZeRO-2 + offload's 2P).
+
+        >>> choose_offload(7 * 10**9, device_budget="24 GB", host_budget="1 TB", gpus_per_node=8)
+        {'zero_stage': 2, 'offload_optimizer': 'cpu', 'offload_params': None}
+
+    Simplified vs DeepSpeed: DeepSpeed has no such chooser; the order is Hugging Face's guide's,
+    and only model states are counted (leave room for activations)."""
+    device_budget, host_budget = _budget(device_budget), _budget(host_budget)
     for setting in OFFLOAD_LADDER:
         placed = offload_placement(n_params, **setting, gpus_per_node=gpus_per_node,
                                    largest_layer_params=largest_layer_params)
         if placed.device <= device_budget and placed.host <= host_budget:
             return dict(setting)
     return None
+
+
+def _budget(value) -> int:
+    """Bytes from an int or a string such as "80 GB" (`companion.memory.parse_bytes`)."""
+    from companion.memory import parse_bytes       # here: memory imports at module level
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"a budget must be a finite number of bytes or a size like '80 GB', "
+                         f"got {value!r}")
+    return parse_bytes(value)
 
 
 def _check_count(name: str, value, *, minimum: int = 0) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from companion.memory import format_bytes
-from companion.offload import CPUOffloadOptimizer
+from companion.offload import CPUOffloadOptimizer, check_settings
 from companion.placement import on_disk, on_host
 
 __all__ = ["NVMeOffloadOptimizer", "state_tensor_names"]
@@ -58,14 +58,16 @@ class NVMeOffloadOptimizer(CPUOffloadOptimizer):
     group's master and state while it steps; disk (1 + number of state tensors) x 4 bytes per
     parameter (AdamW: 12), `disk_bytes`. Put each block in its own group for smaller pages.
     Files are removed by `close()`, on leaving a `with` block, when a step fails, and when the
-    optimizer is garbage-collected. `step_times` adds the seconds of page_in and page_out. Raises a clear error when `directory` is not a writable
-    directory or has too little free space.
+    optimizer is garbage-collected. `step_times` adds the seconds of page_in and page_out.
+    Raises a clear error when `directory` is not a writable directory or has too little free
+    space.
     """
 
     def __init__(self, params: Iterable, optimizer_cls: type = torch.optim.AdamW, *,
                  directory: str | os.PathLike, pin_memory: bool | None = None, **defaults):
         params = list(params)
         numel = sum(p.numel() for p in _flatten(params))
+        check_settings(optimizer_cls, defaults)
         self._names = state_tensor_names(optimizer_cls, **defaults)
         self.workdir = _make_workdir(directory, (1 + len(self._names)) * 4 * numel)
         self._remove = weakref.finalize(self, shutil.rmtree, self.workdir, ignore_errors=True)
@@ -184,6 +186,9 @@ def _free_bytes(directory: str) -> int:
 
 def _make_workdir(directory: str | os.PathLike, needed: int) -> str:
     """A new, empty folder under `directory` for this optimizer's files; clear errors if not."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a path (str or pathlib.Path) to a folder on your "
+                        f"fastest disk, got {directory!r}")
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise NotADirectoryError(f"NVMe offload directory {directory!r} does not exist or is not a "

@@ -12,8 +12,9 @@ weights, gradients and optimizer state (16 bytes per parameter with Adam, 2 more
 copy of 16-bit weights). Cost: the model crosses the host-device link twice per step (gradients
 down, weights up), and a CPU optimizer step.
 
-`offload_activations` does the same for activations: tensors saved for backward go to the host in
-forward and come back in backward (device activation memory for transfer time).
+`offload_activations` (from `companion.activation_offload`) does the same for activations: tensors
+saved for backward go to the host in forward and come back in backward (device activation memory
+for transfer time).
 
 Example:
     >>> opt = CPUOffloadOptimizer(model.parameters(), lr=1e-3)     # AdamW on the host
@@ -32,46 +33,44 @@ import contextlib
 import functools
 import statistics
 import time
+import weakref
 from typing import Callable, Iterable
 
 import torch
 
+from companion.activation_offload import (OffloadActivations, offload_activations, to_device,
+                                          to_host)
 from companion.placement import on_host
 
 __all__ = ["to_host", "to_device", "CPUOffloadOptimizer", "OffloadActivations",
            "offload_activations", "step_phases"]
 
 
-def to_host(t: torch.Tensor, *, dtype: torch.dtype | None = None,
-            pin_memory: bool | None = None) -> torch.Tensor:
-    """A copy of `t` in host memory, contiguous, in `dtype` (default: t's).
-
-    Pinned (page-locked) when `t` is on a GPU, so that copies to and from it can run asynchronously;
-    on a CPU-only machine it is allocated inside `companion.placement.on_host()`, so trackers count
-    it as host memory. Example: `master = to_host(weight, dtype=torch.float32)`."""
-    pin = t.is_cuda if pin_memory is None else pin_memory
-    with on_host():
-        out = torch.empty(t.shape, dtype=dtype or t.dtype, device="cpu", pin_memory=pin)
-        out.copy_(t, non_blocking=pin)                     # device -> host
-    return out
-
-
-def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A copy of host tensor `t` on `device` (a new tensor also when device is the CPU)."""
-    return t.to(device, non_blocking=t.is_pinned(), copy=True)   # host -> device
+def check_settings(optimizer_cls: type, defaults: dict) -> None:
+    """Let `optimizer_cls` validate `defaults` (lr, betas, ...) on a probe tensor: a bad value or
+    a misspelt name raises here, with what to fix, instead of being ignored."""
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class such as "
+                        f"torch.optim.AdamW, got {optimizer_cls!r}")
+    try:
+        optimizer_cls([torch.zeros(1, requires_grad=True)], **defaults)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{optimizer_cls.__name__} rejects the settings {defaults}: {e}. Check "
+                      "each name and value (e.g. lr=1e-3, weight_decay=0.1)") from None
 
 
 def _fastest(optimizer_cls: type, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
-    """optimizer_cls over host tensors, with PyTorch's fastest CPU path: fused (one kernel for
-    every tensor), else foreach (one kernel per operation), else the per-tensor loop."""
+    """optimizer_cls over host tensors, with PyTorch's fastest CPU path: fused (on the CPU, one
+    loop over every tensor's elements per parameter group, all of the update in one pass), else
+    foreach (one kernel per operation over all tensors), else the per-tensor loop."""
     if "fused" in defaults or "foreach" in defaults:
-        return optimizer_cls(groups)                       # the caller chose
+        return optimizer_cls(groups, **defaults)           # the caller chose
     for choice in ({"fused": True}, {"foreach": True}, {}):
         try:
-            return optimizer_cls(groups, **choice)
+            return optimizer_cls(groups, **defaults, **choice)
         except (TypeError, RuntimeError, ValueError):      # not supported by this optimizer
             continue
-    raise AssertionError("unreachable: the last choice passes no option")
+    raise AssertionError("unreachable: the settings were checked, the last choice adds nothing")
 
 
 class CPUOffloadOptimizer(torch.optim.Optimizer):
@@ -81,7 +80,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     host 4 (fp32 master) + 4 (fp32 gradient) + 8 (two moments), + 2 for the 16-bit copy sent up
     when the weights are 16-bit. Cost per step: gradients down and weights up over the
     host-device link, and the optimizer on the CPU. In fp32 training equals `optimizer_cls` on
-    the device exactly, when both use the same implementation (fused, foreach or loop).
+    the device when both use the same implementation (fused, foreach or loop): bit for bit on a
+    CPU-only machine, within rounding against a GPU's kernels.
 
         >>> opt = CPUOffloadOptimizer(model.parameters(), lr=1e-3, weight_decay=0.1)
         >>> for x, y in data:
@@ -92,15 +92,27 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     the weights are on CUDA), `**defaults` for optimizer_cls (lr, betas, weight_decay, ...).
     Create it after loading the weights: the masters are copied from them here.
 
+    Gradient clipping: after backward the gradients are on the host and the device's `p.grad` is
+    None, so `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` clips nothing (and returns
+    0). Call `opt.clip_grad_norm_(max_norm)` between backward and step instead.
+    One optimizer per set of parameters: its hooks stay on them until `remove_hooks()` (or until
+    it is garbage-collected); call it before creating another.
+
     Simplified vs DeepSpeed: see the module docstring. `step_times` holds, per step, the seconds
-    spent copying down, stepping on the host and copying up (issue time on CUDA unless `profile`).
+    spent in the gradient hooks (`copy_down`, inside backward), waiting for their copies at the
+    start of step (`wait`, inside step), stepping on the host and copying up (issue time on CUDA
+    unless `profile`).
     """
 
     def __init__(self, params: Iterable, optimizer_cls: type = torch.optim.AdamW, *,
                  pin_memory: bool | None = None, profile: bool = False, **defaults):
+        if isinstance(params, (torch.Tensor, torch.nn.Module)):
+            raise TypeError("CPUOffloadOptimizer takes an iterable of parameters: pass "
+                            "model.parameters(), not the model or one tensor")
         params = list(params)
         if not params:
             raise ValueError("CPUOffloadOptimizer got no parameters: pass model.parameters()")
+        check_settings(optimizer_cls, defaults)
         super().__init__(params, defaults)
         self._params = [p for g in self.param_groups for p in g["params"]]
         _check_params(self._params)
@@ -108,7 +120,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._stream = torch.cuda.Stream(first.device) if first.is_cuda else None
         self._pin = self._stream is not None if pin_memory is None else pin_memory
         self.profile, self.step_times = profile, []
-        self._times = dict.fromkeys(("copy_down", "host_step", "copy_up"), 0.0)
+        self._times = dict.fromkeys(("copy_down", "wait", "host_step", "copy_up"), 0.0)
         # 1. On the host: an fp32 master copy of each weight, a gradient buffer, and for 16-bit
         #    weights a 16-bit copy to send up (half the bytes on the link).
         self.master_params = [self._host_master(i, p) for i, p in enumerate(self._params)]
@@ -120,9 +132,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                    "params": self.master_params[start:start + len(g["params"])]}
                   for g, start in zip(self.param_groups, _starts(self.param_groups))]
         self.optimizer = _fastest(optimizer_cls, groups, defaults)   # runs on the host
-        # 2. A hook per weight: its gradient goes down as soon as backward has finished it.
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._copy_down, i))
+        if self._stream is not None:
+            torch.cuda.synchronize(first.device)   # host-device sync: the masters have landed
+        # 2. A hook per weight: its gradient goes down as soon as backward has finished it. The
+        #    hooks hold the optimizer weakly; when it is garbage-collected they are removed.
+        me = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, me, i))
                        for i, p in enumerate(self._params)]
+        weakref.finalize(self, _remove, list(self._hooks))
 
     def _host_master(self, index: int, p: torch.Tensor) -> torch.Tensor:
         return to_host(p.detach(), dtype=torch.float32, pin_memory=self._pin)
@@ -134,6 +151,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _copy_down(self, i: int, p: torch.Tensor) -> None:
         """Runs inside backward when p.grad is complete: move it to the host, free it here."""
         start, host, grad = time.perf_counter(), self._grads[i], p.grad
+        if grad is None:
+            raise RuntimeError(f"parameter {i} has no gradient when this optimizer's hook runs: "
+                               "another CPUOffloadOptimizer on the same parameters moved it first. "
+                               "Call old.remove_hooks() (or old.close()) before creating a new one")
         if self._has_grad[i]:                      # a second backward before step: accumulate
             self._wait()                           # host-device sync
             with on_host():
@@ -162,7 +183,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         start = time.perf_counter()
         self._wait()                               # 1. every gradient is on the host
-        self._times["copy_down"] += time.perf_counter() - start
+        self._times["wait"] += time.perf_counter() - start
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})   # lr schedules
         self._update(list(range(len(self._params))))                 # 2. and 3.
@@ -194,6 +215,24 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._times["host_step"] += middle - start
         self._times["copy_up"] += time.perf_counter() - middle
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the host gradients so that their total norm is at most `max_norm`, as
+        `torch.nn.utils.clip_grad_norm_` does on the device; returns the norm before clipping.
+        Call it between backward and step.
+
+            >>> model.loss(x, y).backward(); opt.clip_grad_norm_(1.0); opt.step()
+        """
+        self._wait()                               # host-device sync: the gradients have landed
+        grads = [g for g, has in zip(self._grads, self._has_grad) if has]
+        if not grads:
+            raise RuntimeError("no gradients to clip: call clip_grad_norm_ after backward")
+        with on_host():
+            total = torch.nn.utils.get_total_norm(grads, norm_type)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)   # the same rule as PyTorch
+            torch._foreach_mul_(grads, coef)
+        return total
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients on the host (and any on the device)."""
         super().zero_grad(set_to_none)
@@ -204,6 +243,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what `state_dict()` returned (moments onto the host masters, hyperparameters).
+
+            >>> new = CPUOffloadOptimizer(model.parameters()); new.load_state_dict(old.state_dict())
+
+        Simplified vs DeepSpeed: the masters are not in it; they are copied from the device
+        weights when the optimizer is created, so load the model's weights first."""
         self.optimizer.load_state_dict(state_dict)
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             outer.update({k: v for k, v in inner.items() if k != "params"})
@@ -215,68 +260,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._hooks = []
 
 
-class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Tensors saved for backward that hold at least `min_bytes` go to the host in forward and
-    come back to their device in backward (the idea of `torch.autograd.graph.save_on_cpu`).
-
-    Memory: the device keeps only the small saved tensors and the parameters; the large ones wait
-    on the host. Cost: each one crosses the link twice (down in forward, up in backward).
-    Counters: `bytes_to_host`, `bytes_to_device`, `tensors_moved`, `tensors_kept`.
-
-        >>> with offload_activations(min_bytes=2**20) as moved:
-        ...     model.loss(x, y).backward()
-        >>> moved.bytes_to_host
-
-    Simplified vs PyTorch's save_on_cpu: it skips parameters (they stay on the device anyway) and
-    small tensors; like it, a tensor saved twice is copied twice (a CPU tensor too), and the
-    copies are not overlapped with compute on a separate stream.
-    """
-
-    def __init__(self, *, min_bytes: int = 2**20, pin_memory: bool | None = None):
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-            raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}")
-        self.min_bytes, self.pin_memory = min_bytes, pin_memory
-        self.bytes_to_host = self.bytes_to_device = self.tensors_moved = self.tensors_kept = 0
-        super().__init__(self._pack, self._unpack)
-
-    def _pack(self, t: torch.Tensor):
-        nbytes = t.numel() * t.element_size()
-        if nbytes < self.min_bytes or _is_parameter(t):
-            self.tensors_kept += 1
-            return t                               # small, or on the device anyway
-        self.bytes_to_host += nbytes
-        self.tensors_moved += 1
-        return t.device, to_host(t, pin_memory=self.pin_memory)     # device -> host
-
-    def _unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        device, host = packed
-        self.bytes_to_device += host.numel() * host.element_size()
-        return to_device(host, device)                              # host -> device
-
-    def __enter__(self) -> "OffloadActivations":
-        super().__enter__()
-        return self
-
-
-def offload_activations(*, min_bytes: int = 2**20,
-                        pin_memory: bool | None = None) -> OffloadActivations:
-    """`with offload_activations(min_bytes=...) as moved:` — see `OffloadActivations`."""
-    return OffloadActivations(min_bytes=min_bytes, pin_memory=pin_memory)
-
-
-def _is_parameter(t: torch.Tensor) -> bool:
-    """A leaf that requires grad (a parameter), or a view of one (a Linear saves weight.t())."""
-    base = t._base if t._base is not None else t
-    return base.is_leaf and base.requires_grad
-
-
 def step_phases(loss_fn: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, *,
                 steps: int = 5, device: torch.device | str | None = None) -> dict[str, float]:
     """Median seconds of each phase of `steps` training steps: forward (`loss_fn()`), backward,
-    optimizer step; for a `CPUOffloadOptimizer` also its copy_down (inside backward and at the
-    start of step), host_step and copy_up. One warm-up step first (it allocates the state)."""
+    optimizer step; for a `CPUOffloadOptimizer` also its copy_down (the gradient hooks: part of
+    backward), wait (for those copies at the start of step: part of step), host_step and copy_up
+    (part of step). One warm-up step first (it allocates the state).
+
+        >>> step_phases(lambda: model.loss(x, y), opt, steps=5, device="cuda")
+        {'forward': 0.012, 'backward': 0.025, 'step': 0.004, ...}
+
+    Simplified vs torch.profiler: wall-clock medians with a host-device sync around each phase
+    (the syncs remove the overlap between phases that real training has), no per-kernel view."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     cuda = torch.device(device).type == "cuda" if device is not None else False
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
@@ -284,6 +281,8 @@ def step_phases(loss_fn: Callable[[], torch.Tensor], optimizer: torch.optim.Opti
         sync()                                     # host-device sync around each phase
         t0 = time.perf_counter()
         loss = loss_fn()
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss_fn must return the loss tensor, got {type(loss).__name__}")
         sync()
         t1 = time.perf_counter()
         loss.backward()
@@ -300,6 +299,17 @@ def step_phases(loss_fn: Callable[[], torch.Tensor], optimizer: torch.optim.Opti
     for name in getattr(optimizer, "step_times", [{}])[-1]:
         out[name] = statistics.median(s[name] for s in optimizer.step_times[-steps:])
     return out
+
+
+def _grad_hook(owner: weakref.ref, i: int, p: torch.Tensor) -> None:
+    optimizer = owner()
+    if optimizer is not None:
+        optimizer._copy_down(i, p)
+
+
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _on(stream):

@@ -97,6 +97,19 @@ def test_a_failed_construction_leaves_no_files(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("settings, message", [({"lr": "x"}, "rejects the settings"),
+                                               ({"lrr": 1e-3}, "lrr")])
+def test_bad_settings_fail_clearly_and_leave_no_files(tmp_path, settings, message):
+    with pytest.raises(TypeError, match=message):
+        NVMeOffloadOptimizer(_gpt().parameters(), directory=tmp_path, **settings)
+    assert os.listdir(tmp_path) == []
+
+
+def test_no_directory_fails_clearly():
+    with pytest.raises(TypeError, match="directory must be a path"):
+        NVMeOffloadOptimizer(_gpt().parameters(), directory=None)
+
+
 def test_a_missing_directory_fails_clearly(tmp_path):
     with pytest.raises(NotADirectoryError, match="does not exist"):
         NVMeOffloadOptimizer(_gpt().parameters(), directory=tmp_path / "nowhere")

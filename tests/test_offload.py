@@ -1,6 +1,8 @@
 """companion.offload: offloaded training equals plain training bit for bit, the device keeps only
 the weights (measured, against offload_placement), activation offload restores tensors exactly."""
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -188,8 +190,97 @@ def test_step_phases_reports_the_offloaded_phases():
     opt = CPUOffloadOptimizer(model.parameters())
     x, y = _data()
     phases = step_phases(lambda: model.loss(x, y), opt, steps=2)
-    assert set(phases) == {"forward", "backward", "step", "copy_down", "host_step", "copy_up"}
+    assert set(phases) == {"forward", "backward", "step", "copy_down", "wait", "host_step",
+                           "copy_up"}
     assert all(v > 0 for v in phases.values()) and phases["host_step"] < phases["step"]
+    assert phases["copy_down"] < phases["backward"]        # the hooks run inside backward
+
+
+@pytest.mark.parametrize("steps, loss_fn, error", [
+    (0, None, ValueError), (1.5, None, ValueError), (1, lambda: 1.0, TypeError)])
+def test_step_phases_rejects_bad_arguments(steps, loss_fn, error):
+    model = _gpt()
+    x, y = _data()
+    with pytest.raises(error, match="steps|loss tensor"):
+        step_phases(loss_fn or (lambda: model.loss(x, y)), torch.optim.SGD(model.parameters(),
+                                                                          lr=0.1), steps=steps)
+
+
+# ---------------------------------------------------------------- settings, hooks, clipping
+
+@pytest.mark.parametrize("settings, error, message", [
+    ({"lr": -1.0}, ValueError, "Invalid learning rate"),
+    ({"lr": "fast"}, TypeError, "rejects the settings"),
+    ({"weight_decy": 0.1}, TypeError, "weight_decy"),
+    ({"optimizer_cls": 3}, TypeError, "torch.optim.Optimizer class"),
+])
+def test_settings_are_validated_by_the_optimizer(settings, error, message):
+    with pytest.raises(error, match=message):
+        CPUOffloadOptimizer(_gpt().parameters(), **settings)
+
+
+def test_settings_reach_the_host_optimizer():
+    opt = CPUOffloadOptimizer(_gpt().parameters(), lr=2e-3, betas=(0.8, 0.9))
+    group = opt.optimizer.param_groups[0]
+    assert (group["lr"], group["betas"]) == (2e-3, (0.8, 0.9))
+
+
+def test_the_model_or_a_tensor_instead_of_parameters_fails_clearly():
+    with pytest.raises(TypeError, match="model.parameters"):
+        CPUOffloadOptimizer(_gpt())
+
+
+def test_a_discarded_optimizer_is_freed_and_its_hooks_removed():
+    model = _gpt()
+    opt = CPUOffloadOptimizer(model.parameters())
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+    model.loss(*_data()).backward()                        # no hook moves the gradients now
+    assert all(p.grad is not None for p in model.parameters())
+    second = CPUOffloadOptimizer(model.parameters())       # and a new optimizer works
+    model.zero_grad(set_to_none=True)
+    model.loss(*_data()).backward()
+    assert all(p.grad is None for p in model.parameters()) and all(second._has_grad)
+
+
+def test_two_live_optimizers_on_the_same_parameters_fail_clearly():
+    model = _gpt()
+    first = CPUOffloadOptimizer(model.parameters())
+    second = CPUOffloadOptimizer(model.parameters())       # noqa: F841 (alive: its hooks run)
+    with pytest.raises(RuntimeError, match="remove_hooks"):
+        model.loss(*_data()).backward()
+    first.remove_hooks()
+    model.zero_grad(set_to_none=True)
+    model.loss(*_data()).backward()                        # now the second one takes them
+    assert all(p.grad is None for p in model.parameters()) and all(second._has_grad)
+
+
+def test_clip_grad_norm_on_the_host_equals_pytorch_on_the_device():
+    plain, offloaded = _gpt(), _gpt()
+    reference = torch.optim.AdamW(plain.parameters(), lr=0.1, fused=True)
+    opt = CPUOffloadOptimizer(offloaded.parameters(), lr=0.1)
+    x, y = _data()
+    for model in (plain, offloaded):
+        (model.loss(x, y) * 1000).backward()
+    norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e-3)
+    assert float(torch.nn.utils.clip_grad_norm_(offloaded.parameters(), 1e-3)) == 0.0  # no grads
+    assert torch.equal(opt.clip_grad_norm_(1e-3), norm) and float(norm) > 1e-3   # it clipped
+    reference.step()
+    opt.step()
+    assert _equal(plain, offloaded)
+
+
+def test_clip_grad_norm_before_backward_fails_clearly():
+    with pytest.raises(RuntimeError, match="after backward"):
+        CPUOffloadOptimizer(_gpt().parameters()).clip_grad_norm_(1.0)
+
+
+@pytest.mark.parametrize("fn", [to_host, lambda t: to_device(t, "cpu")])
+def test_to_host_and_to_device_reject_what_is_not_a_tensor(fn):
+    with pytest.raises(TypeError, match="tensor"):
+        fn([1, 2])
 
 
 def test_to_host_is_counted_on_the_host_and_to_device_makes_a_new_tensor():
