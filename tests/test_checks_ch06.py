@@ -6,6 +6,7 @@ The answers below live at module level, so the gloo workers can import them by n
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import all_reduce as imported_all_reduce
 
 from companion import collectives
 from companion.checks import ch06
@@ -143,11 +144,56 @@ class AveragerLeavesGrads(Averager):
         self.ready, self.works, self.next = [0] * len(self.buckets), [], 0
 
 
+class AveragerFromImport(Averager):
+    """Right: the same answer, calling all_reduce imported by name from torch.distributed."""
+
+    def launch_ready(self):
+        while self.next < len(self.buckets) and \
+                self.ready[self.next] == len(self.buckets[self.next]):
+            self.works.append(imported_all_reduce(self.flat[self.next], async_op=True))
+            self.next += 1
+
+
+class AveragerWaitsInHook(Averager):
+    """Wrong: asynchronous in name only, it waits for each all-reduce inside the hook."""
+
+    def launch_ready(self):
+        started = len(self.works)
+        super().launch_ready()
+        for work in self.works[started:]:
+            work.wait()
+
+
+class AveragerLaunchesAtLastHook(Averager):
+    """Wrong: holds every bucket back until the last gradient is in, then launches them all."""
+
+    def hook(self, param):
+        i, offset = self.where[param]
+        self.flat[i][offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        self.ready[i] += 1
+        if sum(self.ready) == sum(len(b) for b in self.buckets):
+            self.launch_ready()
+
+
+def test_late_launch_finds_the_first_bucket_held_back():
+    grads = [("grad", 0)] * 3 + [("grad", 1)] + [("grad", 2)] * 2
+    launches = [("launch", i, True, True) for i in range(3)]
+    on_time = grads[:3] + launches[:1] + grads[3:4] + launches[1:2] + grads[4:] + launches[2:]
+    assert ch06._late_launch(on_time, [3, 1, 2]) is None
+    assert ch06._late_launch(grads + launches, [3, 1, 2]) == 0
+    late_middle = grads[:3] + launches[:1] + grads[3:4] + grads[4:] + launches[1:]
+    assert ch06._late_launch(late_middle, [3, 1, 2]) == 1
+    swapped = [("grad", 0), ("grad", 0), ("grad", 1), ("grad", 0)] + launches[:2] + grads[4:] \
+        + launches[2:]                         # bucket 1's gradient first: both launch together
+    assert ch06._late_launch(swapped, [3, 1, 2]) is None
+
+
 def test_references_pass(capsys):
     ch06.check_ring_all_reduce(collectives.ring_all_reduce)
     ch06.check_bucketed_hooks(Averager)
+    ch06.check_bucketed_hooks(AveragerFromImport)
     out = capsys.readouterr().out
-    assert out.count("passed") == 2 and "while backward was still running" in out
+    assert out.count("passed") == 3 and "while backward was still running" in out
 
 
 @pytest.mark.parametrize("check, answer, words", [
@@ -161,6 +207,8 @@ def test_references_pass(capsys):
     (ch06.check_bucketed_hooks, AveragerNeverResets, "reset what you count"),
     (ch06.check_bucketed_hooks, AveragerPerParameter, "once, when its last gradient is in"),
     (ch06.check_bucketed_hooks, AveragerLeavesGrads, "copy the averaged bucket back"),
+    (ch06.check_bucketed_hooks, AveragerWaitsInHook, "work.wait() ran while backward"),
+    (ch06.check_bucketed_hooks, AveragerLaunchesAtLastHook, "overlaps nothing with backward"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_checks_fail_on_known_wrong_answers_with_their_hint(check, answer, words):
     with pytest.raises(CheckFailed) as info:

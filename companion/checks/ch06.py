@@ -6,6 +6,7 @@ garbage becomes a CheckFailed that names the rank.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import pickle
 from typing import Any, Callable
@@ -13,6 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import distributed_c10d as c10d
 
 from companion import collectives, launch
 from companion.checks._collective_guard import point_to_point_only, ring_direction
@@ -154,33 +156,82 @@ def _buckets_of(model: nn.Module) -> list[list[nn.Parameter]]:
     return [[last.bias, last.weight, middle.bias], [middle.weight], [first.bias, first.weight]]
 
 
-def _bucket_worker(rank: int, world_size: int, packed: bytes, seed: int, steps: int):
-    """Build the learner's averager on a model, run `steps` backward + finish, and record every
-    all-reduce it starts: which bucket, asynchronous or not, and whether backward was running."""
-    model = _bucket_model(seed)
-    buckets = _buckets_of(model)
-    averager = pickle.loads(packed)(buckets)
-    launches, real = [], dist.all_reduce
+class _WatchedWork:
+    """An all-reduce's Work, wrapped: each wait() notes whether backward was still running."""
+
+    def __init__(self, work: Any, waits: list[bool]):
+        self._work, self._waits = work, waits
+
+    def wait(self, *args, **kwargs):
+        self._waits.append(torch._C._current_graph_task_id() != -1)
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def _watched_all_reduce(buckets: list[list[nn.Parameter]], events: list, waits: list[bool]):
+    """Inside, dist.all_reduce (also as distributed_c10d.all_reduce, and as imported by `from
+    torch.distributed import all_reduce` inside the block) appends ("launch", bucket, async, in
+    backward) to `events` and returns its Work wrapped in a `_WatchedWork`."""
+    real, sizes = c10d.all_reduce, [sum(p.numel() for p in b) for b in buckets]
 
     def watched(tensor, *args, **kwargs):
-        sizes = [sum(p.numel() for p in b) for b in buckets]
         which = sizes.index(tensor.numel()) if tensor.numel() in sizes else -1
-        in_backward = torch._C._current_graph_task_id() != -1
-        launches.append((which, bool(kwargs.get("async_op", False)), in_backward))
-        return real(tensor, *args, **kwargs)
+        async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
+        events.append(("launch", which, async_op, torch._C._current_graph_task_id() != -1))
+        work = real(tensor, *args, **kwargs)
+        return _WatchedWork(work, waits) if work is not None else None
 
-    grads = []
-    dist.all_reduce = watched
+    dist.all_reduce = c10d.all_reduce = watched
     try:
+        yield
+    finally:
+        dist.all_reduce = c10d.all_reduce = real
+
+
+def _bucket_worker(rank: int, world_size: int, packed: bytes, seed: int, steps: int):
+    """Build the learner's averager on a model, run `steps` backward + finish, and record per
+    step, in order, every gradient's arrival (the check's own hooks, registered first, so they
+    run before the learner's) and every all-reduce started, and whether a wait() ran in backward."""
+    model = _bucket_model(seed)
+    buckets = _buckets_of(model)
+    events: list = []
+    for i, bucket in enumerate(buckets):
+        for param in bucket:
+            param.register_post_accumulate_grad_hook(
+                lambda p, i=i: events.append(("grad", i)))
+    grads, per_step, waits = [], [], []
+    with _watched_all_reduce(buckets, events, waits):
+        averager = pickle.loads(packed)(buckets)   # imported after patching, like the ring's
         for step in range(steps):
             model.zero_grad(set_to_none=False)
             x, y = _bucket_batch(seed, rank, step)
             nn.functional.mse_loss(model(x), y).backward()
             averager.finish()
             grads.append([p.grad.clone() for p in model.parameters()])
-    finally:
-        dist.all_reduce = real
-    return grads, launches
+            per_step.append(list(events))
+            del events[:]
+    return grads, per_step, any(waits)
+
+
+def _late_launch(events: list, need: list[int]) -> int | None:
+    """The first bucket not launched as soon as it (and every bucket before it) was complete,
+    before the next gradient arrived; None if every launch was on time. need: gradients per
+    bucket."""
+    buckets = len(need)
+    done, launched, next_bucket = [0] * buckets, set(), 0
+    for event in events:
+        if event[0] == "launch":
+            launched.add(event[1])
+            continue
+        while next_bucket < buckets and done[next_bucket] == need[next_bucket]:
+            if next_bucket not in launched:
+                return next_bucket                  # a gradient arrived; this one still waits
+            next_bucket += 1
+        done[event[1]] += 1
+    return None
 
 
 def _bucket_local_grads(seed: int, rank: int, step: int) -> list[torch.Tensor]:
@@ -190,30 +241,46 @@ def _bucket_local_grads(seed: int, rank: int, step: int) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters()]
 
 
+def _judge_launches(rank: int, step: int, events: list, waited_in_backward: bool) -> None:
+    """One rank's step: one asynchronous all-reduce per bucket, in order, each launched from the
+    hooks before the next gradient arrived, and no wait() while backward runs."""
+    launches = [e[1:] for e in events if e[0] == "launch"]
+    where = f"rank {rank}, step {step + 1}:"
+    require(len(launches) == 3, f"{where} {len(launches)} all-reduces started for 3 buckets; "
+            "expected one per bucket", hint="all-reduce a bucket's flat buffer once, when its "
+            "last gradient is in; reset what you count in finish() for the next step.")
+    require([w for w, _, _ in launches] == [0, 1, 2], f"{where} buckets all-reduced in the order "
+            f"{[w for w, _, _ in launches]}", hint="launch bucket 0, then 1, then 2 (every rank "
+            "in the same order, or their all-reduces do not match), each as soon as it is complete.")
+    require(all(a for _, a, _ in launches), f"{where} an all-reduce blocked backward",
+            hint="start it with dist.all_reduce(flat, async_op=True) and keep the returned work; "
+                 "wait for it in finish().")
+    require(all(b for _, _, b in launches), f"{where} a bucket's all-reduce started after "
+            "backward had finished", hint="launch it from the hook, as soon as the bucket's last "
+            "gradient arrives: that is the overlap DDP is for.")
+    late = _late_launch(events, [3, 1, 2])
+    require(late is None, f"{where} bucket {late} was complete, but a gradient of a later bucket "
+            "arrived before its all-reduce started", hint="launch each bucket from the hook call "
+            "that completes it (and every bucket before it), not later: a bucket held back "
+            "until the last hook overlaps nothing with backward.")
+    require(not waited_in_backward, f"rank {rank}: an all-reduce's work.wait() ran while backward "
+            "was still running", hint="keep the work and wait for it in finish(): a wait() in the "
+            "hook stops backward until the communication is done, so nothing overlaps.")
+
+
 @exercise(points=3, timeout=90.0, reference=("companion.ddp.DDP",
                                              "companion.ddp.average_gradients"))
 def check_bucketed_hooks(answer, *, worker_timeout: float = 20.0) -> str:
     """answer(buckets) -> an object whose parameters' post-accumulate-grad hooks average the
-    gradients over the ranks, one asynchronous all-reduce per bucket launched during backward,
-    and whose finish() waits and leaves the averages in every param.grad."""
+    gradients over the ranks, one asynchronous all-reduce per bucket launched during backward as
+    soon as the bucket is complete, and whose finish() waits and leaves the averages in every
+    param.grad."""
     packed, world, steps = _packed(answer), 2, 2
     for seed in fresh_seeds(2):
         results = _on_ranks(_bucket_worker, world, packed, seed, steps, timeout=worker_timeout)
-        for rank, (grads, launches) in enumerate(results):
-            require(len(launches) == 3 * steps, f"rank {rank} started {len(launches)} all-reduces "
-                    f"in {steps} steps of 3 buckets; expected one per bucket per step, "
-                    f"{3 * steps}", hint="all-reduce a bucket's flat buffer once, when its last "
-                    "gradient is in; reset what you count in finish() for the next step.")
-            require([w for w, _, _ in launches] == [0, 1, 2] * steps, f"rank {rank} all-reduced "
-                    f"buckets in the order {[w for w, _, _ in launches]}",
-                    hint="launch bucket 0, then 1, then 2 (every rank in the same order, or "
-                         "their all-reduces do not match), each as soon as it is complete.")
-            require(all(a for _, a, _ in launches), "an all-reduce blocked backward",
-                    hint="start it with dist.all_reduce(flat, async_op=True) and keep the "
-                         "returned work; wait for it in finish().")
-            require(all(b for _, _, b in launches), "a bucket's all-reduce started after "
-                    "backward had finished", hint="launch it from the hook, as soon as the "
-                    "bucket's last gradient arrives: that is the overlap DDP is for.")
+        for rank, (grads, per_step, waited_in_backward) in enumerate(results):
+            for step, events in enumerate(per_step):
+                _judge_launches(rank, step, events, waited_in_backward)
             for step in range(steps):
                 local = [_bucket_local_grads(seed, r, step) for r in range(world)]
                 for i, g in enumerate(grads[step]):
@@ -224,5 +291,6 @@ def check_bucketed_hooks(answer, *, worker_timeout: float = 20.0) -> str:
                                          "each rank still has its own gradient: copy the "
                                          "averaged bucket back into param.grad in finish().":
                                          local[rank][i]})
-    return ("3 buckets on 2 ranks, each all-reduced once, asynchronously, while backward was "
-            "still running, and every rank left with the average")
+    return ("3 buckets on 2 ranks, each all-reduced once, asynchronously, launched from the hook "
+            "that completed it while backward was still running, and waited for only in "
+            "finish(); every rank left with the average")
