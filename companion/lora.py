@@ -1,15 +1,15 @@
 """Train fewer parameters: a low-rank adapter (LoRA) beside a frozen weight.
 
-A weight W of shape (out, in) stays frozen; training learns only a low-rank update ΔW = s·B·A with
-A (r, in), B (out, r) and r ≪ min(in, out) (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large
-Language Models", section 4.1). B starts at zero, so the adapted model starts exactly where the
-frozen one is, and s = alpha / r keeps the update's size steady when r changes.
+A weight W of shape (out, in) stays frozen; training learns only a low-rank update ΔW = s·B·A
+with A (r, in), B (out, r) and r ≪ min(in, out) (Hu et al., 2021, "LoRA: Low-Rank Adaptation of
+Large Language Models", section 4.1). B starts at zero, so the adapted model starts exactly where
+the frozen one is, and s = alpha / r keeps the update's size steady when r changes.
 
 Memory: the frozen weight needs no gradient and no optimizer state. With Adam in fp32, a layer
 costs 4·in·out bytes (the weight alone) + 16·r·(in + out) bytes (the adapter's weight, gradient,
 m and v) instead of 16·in·out: for in = out = 4096 and r = 8, 64 MiB + 1 MiB against 256 MiB.
 Activations are not reduced: backward still needs each layer's input (for A's gradient), and one
-extra (B, r) tensor per layer.
+extra (N, r) tensor per layer.
 
 Example:
     >>> model = apply_lora(GPT(vocab=64, seq_len=32, width=48, depth=2, heads=4), rank=4)
@@ -119,8 +119,10 @@ def apply_lora(model: nn.Module, rank: int, targets: Iterable[str | type] | None
 
 
 def trainable_params(model: nn.Module) -> int:
-    """Parameters that will get a gradient and optimizer state (requires_grad), each counted once."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+    """Parameters that will get a gradient and optimizer state (requires_grad), each counted
+    once."""
+    trainable = {id(p): p for p in model.parameters() if p.requires_grad}
+    return sum(p.numel() for p in trainable.values())
 
 
 def lora_params(in_features: int, out_features: int, rank: int) -> int:

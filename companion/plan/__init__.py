@@ -34,5 +34,6 @@ from companion.plan.training import (CheckpointedBlocks, Setup, build, micro_ste
 __all__ = ["plan", "run_plan", "token_batches", "Plan", "Row", "RunReport", "NothingFits",
            "Candidate", "GPTShape", "candidates", "capstone_model", "TECHNIQUES", "EXACT",
            "LOW_PRECISION", "PRECISIONS", "LORA_TARGETS", "Prediction", "predict_memory",
-           "CostModel", "predict_seconds", "BUCKET_BYTES", "CheckpointedBlocks", "Setup", "build", "micro_step", "optimizer_step", "train_step", "simulate",
-           "run_ranks", "rank_worker", "train_command"]
+           "CostModel", "predict_seconds", "BUCKET_BYTES", "CheckpointedBlocks", "Setup", "build",
+           "micro_step", "optimizer_step", "train_step", "simulate", "run_ranks",
+           "rank_worker", "train_command"]

@@ -19,7 +19,8 @@ Time. `CostModel` adds, with no overlap: matmul FLOPs (forward 2·N·(params in 
 attention's 4·N·T·C per block, backward twice that, or once with LoRA's frozen weights, the
 recomputed blocks once more) at `flops` (times `half_speedup` in bf16), a fixed cost per layer
 and micro-batch (kernel launches: small micro-batches cost more than their FLOPs), the
-optimizer's bytes at memory speed, offload's copies over the host link, and ZeRO's traffic.
+optimizer's bytes at the speed of the memory it runs in (the device's, or the host's when
+offloaded), offload's copies over the host link (PCIe), and ZeRO's traffic.
 
 Simplified vs measurement: the temporaries inside backward are two named terms (the loss's
 gradients, a block's 5·N·C), and ZeRO-2/3's buckets and gathers are rough: on the course's test
@@ -154,31 +155,39 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
 class CostModel:
     """Rough speeds of one device, for ranking plans; only their ratios matter to the ranking.
 
-    `for_device("cuda")`: an A100/H100-class GPU: 150 TFLOP/s fp32-as-TF32 matmul reached
-    (A100: 156 TFLOP/s TF32 peak), bf16 twice that (312 peak), 10 µs per layer and micro-batch of
-    kernel launches, 1.5 TB/s memory, 25 GB/s to the host (PCIe 4.0 x16), 100 GB/s between GPUs.
+    `for_device("cuda")`: an A100-class GPU. fp32 matmuls at 14 TFLOP/s: PyTorch leaves TF32 off
+    for matmuls by default since 1.12 (`torch.backends.cuda.matmul.allow_tf32 = False`,
+    pytorch/pytorch#67384), so fp32 runs on the CUDA cores, 19.5 TFLOP/s peak on an A100 (NVIDIA
+    A100 datasheet), of which ~70% is reached; bf16 on the tensor cores, 312 TFLOP/s peak
+    (same datasheet), ~45% reached by eager GPT-sized matmuls: 140 TFLOP/s, 10x fp32. 10 µs per
+    layer and micro-batch of kernel launches, 1.5 TB/s device memory (A100 40GB: 1.555 TB/s),
+    25 GB/s to and from the host (PCIe 4.0 x16: 32 GB/s per direction, less in practice), and
+    for an offloaded AdamW on the host, 25 GB/s through host memory (assumed: a server's DRAM
+    streams 100-200 GB/s at peak, PyTorch's CPU AdamW reaches a fraction of it), 100 GB/s
+    between GPUs.
     `for_device("cpu")`: 50 GFLOP/s; 16 bits as fast as fp32, because CPUs differ most there
     (without bf16 units a bf16 matmul is 10-60x slower, with AMX several times faster: time
     yours as chapter 05 does and pass half_speedup); 1 ms per layer and micro-batch (eager
-    PyTorch's ~30 small operators per block, forward and backward, at 10-30 µs each: the course
-    GPT's 16 x 1 micro-batches took 80 ms more per step than 2 x 8 on the course's machine);
-    10 GB/s memory and copies, 1 GB/s between processes (gloo).
+    PyTorch's ~30 small operators per block, forward and backward, at 10-30 µs each; assumed,
+    and more with `track` on, whose ledger sees every operator); 10 GB/s memory and copies
+    (host and device are the same RAM), 1 GB/s between processes (gloo).
     """
 
-    flops: float              # matmul FLOP/s in fp32
-    half_speedup: float       # bf16 matmul speed over fp32
-    layer_seconds: float      # fixed cost per layer and micro-batch (forward + backward)
-    memory_bandwidth: float   # bytes/s the optimizer streams through
-    host_bandwidth: float     # bytes/s between device and host (offload)
-    network_bandwidth: float  # bytes/s a rank sends to the others
+    flops: float                  # matmul FLOP/s in fp32
+    half_speedup: float           # bf16 matmul speed over fp32
+    layer_seconds: float          # fixed cost per layer and micro-batch (forward + backward)
+    memory_bandwidth: float       # bytes/s the optimizer streams through on the device
+    host_bandwidth: float         # bytes/s between device and host (offload's copies)
+    network_bandwidth: float      # bytes/s a rank sends to the others
+    host_memory_bandwidth: float = 10e9   # bytes/s an offloaded optimizer streams on the host
 
     @classmethod
     def for_device(cls, device_type: str) -> "CostModel":
-        """The class docstring's speeds for "cuda" or "cpu"."""
+        """The speeds of the class docstring for "cuda" or "cpu"."""
         if device_type == "cuda":
-            return cls(150e12, 2.0, 10e-6, 1.5e12, 25e9, 100e9)
+            return cls(14e12, 10.0, 10e-6, 1.5e12, 25e9, 100e9, 25e9)
         if device_type == "cpu":
-            return cls(50e9, 1.0, 1e-3, 10e9, 10e9, 1e9)
+            return cls(50e9, 1.0, 1e-3, 10e9, 10e9, 1e9, 10e9)
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
 
 
@@ -206,7 +215,10 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
         "compute": (forward + backward) / speed,
         "recompute": recompute / speed,
         "overhead": c.accumulation * (L + 2) * cost.layer_seconds,
-        "optimizer": 32 * shard / (cost.host_bandwidth if c.offload else cost.memory_bandwidth),
+        # AdamW reads and writes ~32 B per parameter (weight, gradient, two moments) through
+        # the memory it runs in: the host's when offloaded, the device's otherwise
+        "optimizer": 32 * shard / (cost.host_memory_bandwidth if c.offload
+                                   else cost.memory_bandwidth),
         "offload": (c.accumulation * weight_bytes * trainable + weight_bytes * trainable)
         / cost.host_bandwidth if c.offload else 0.0,
         "communication": sent / cost.network_bandwidth if world_size > 1 else 0.0,

@@ -16,25 +16,31 @@ each under its own `memory_budget`; the report keeps the largest peak, not every
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING, Callable
 
 from companion import launch
+
+if TYPE_CHECKING:
+    from companion.plan.planner import Plan, RunReport
+    from companion.plan.space import Candidate
 
 __all__ = ["run_ranks", "rank_worker", "train_command"]
 
 
-def rank_worker(rank: int, world_size: int, model_fn, cand, batch: int, steps: int,
-                budget: int, lr: float, seed: int):
+def rank_worker(rank: int, world_size: int, model_fn: Callable, cand: "Candidate", batch: int,
+                steps: int, budget: int, lr: float, seed: int) -> "RunReport":
     """One rank of `run_ranks` (importable, as `launch.run` needs)."""
     import torch
 
     from companion.plan.planner import run_plan
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         and torch.distributed.get_backend() == "nccl" else torch.device("cpu")
-    return run_plan(model_fn, cand, batch, steps, budget=budget, device=device, lr=lr, seed=seed,
-                world_size=world_size, rank=rank)
+    return run_plan(model_fn, cand, batch, steps, budget=budget, device=device, lr=lr,
+                    seed=seed, world_size=world_size, rank=rank)
 
 
-def run_ranks(plan, steps: int, *, seed: int = 0, timeout: float = 600.0):
+def run_ranks(plan: "Plan", steps: int, *, seed: int = 0,
+              timeout: float = 600.0) -> "RunReport":
     """Train `plan.chosen` on `plan.world_size` processes; one RunReport for all of them: the
     mean of the ranks' losses per step (each rank's is the mean over its equal slice, so this
     is the batch's), the largest peaks, the slowest median step."""
@@ -46,7 +52,7 @@ def run_ranks(plan, steps: int, *, seed: int = 0, timeout: float = 600.0):
                      max(r.seconds for r in reports), plan.usable)
 
 
-def train_command(plan, *, steps: int = 20) -> str:
+def train_command(plan: "Plan", *, steps: int = 20) -> str:
     """The torchrun line that trains `plan.chosen` with `python -m companion train`, or a
     sentence saying which lever that launcher lacks."""
     c, s = plan.chosen, plan.shape

@@ -27,7 +27,8 @@ __all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "PRECISIONS", "LORA_TARGETS",
 
 TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "zero", "offload", "lora")
 EXACT = ("accumulation", "checkpointing", "zero", "offload")   # fp32 training, to rounding
-LOW_PRECISION = ("autocast", "mixed")          # bf16 compute: losses move by about 1e-3
+LOW_PRECISION = ("autocast", "mixed")          # bf16 compute: the capstone's losses moved by
+                                               # 5e-5 (relative) from fp32's over 6 steps (CPU)
 PRECISIONS = ("fp32", "autocast", "mixed")     # names of `companion.estimate.model_states`
 LORA_TARGETS = ("qkv", "proj", "fc", "out")    # the Linear layers of each block
 

@@ -137,10 +137,14 @@ def train_step(setup: Setup, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if len(x) != setup.candidate.micro_batch * k:
         raise ValueError(f"this plan takes {setup.candidate.micro_batch * k} sequences per rank "
                          f"and step ({k} x {setup.candidate.micro_batch}), got {len(x)}")
+    # 1. No gradients from the last step: they are not alive through this step's forward.
     setup.optimizer.zero_grad(set_to_none=True)
+    # 2. k micro-batches of (micro_batch, T): forward, backward of loss / k; gradients add up.
+    #    DDP all-reduces (a collective) only after the last one.
     total = torch.zeros((), device=x.device)
     for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k))):
         total += micro_step(setup, xb, yb, scale=1 / k, sync=i == k - 1)
+    # 3. One optimizer step for the whole batch.
     optimizer_step(setup)
     return total
 
@@ -217,16 +221,20 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *,
             vocab, batch = setup.model.tok.num_embeddings, (cand.micro_batch, setup.model.seq_len)
             x, y = (torch.randint(vocab, (k * batch[0], batch[1])) for _ in range(2))  # the step's
             if world_size == 1:
-                if not cand.offload:                   # its state lives on the host
+                # 1. The optimizer's state, as after the first step (offload: on the host).
+                if not cand.offload:
                     for p in _trainable(setup):
                         p.grad = torch.zeros_like(p)
-                    optimizer_step(setup)              # the first step's state, now made
+                    optimizer_step(setup)
+                # 2. Gradients cleared, then what the earlier micro-batches left (accumulation).
                 setup.optimizer.zero_grad(set_to_none=True)
                 if k > 1 and not cand.offload:
                     for p in _trainable(setup):
-                        p.grad = torch.zeros_like(p)   # what earlier micro-batches added
-                micro_step(setup, x[-batch[0]:], y[-batch[0]:], scale=1 / k)   # the last one
+                        p.grad = torch.zeros_like(p)
+                # 3. The last micro-batch's forward and backward, then the step.
+                micro_step(setup, x[-batch[0]:], y[-batch[0]:], scale=1 / k)
                 optimizer_step(setup)
+            # Several ranks: two real steps (fake collectives), of 1 then min(k, 2) micro-batches.
             for count in ((1, min(k, 2)) if world_size > 1 else ()):
                 setup.optimizer.zero_grad(set_to_none=True)
                 for i in range(count):

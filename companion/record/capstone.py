@@ -2,12 +2,11 @@
 unconstrained and with the planner's plan under the budget, as the notebook does it."""
 from __future__ import annotations
 
-import functools
+import statistics
 
 import torch
 
-from companion.models import GPT
-from companion.plan import Candidate, plan, predict_memory, run_plan, GPTShape
+from companion.plan import Candidate, GPTShape, capstone_model, plan, predict_memory, run_plan
 
 __all__ = ["capstone", "capstone_figures"]
 
@@ -15,22 +14,30 @@ __all__ = ["capstone", "capstone_figures"]
 def capstone(S, device: torch.device, *, repeats: int = 3, lr: float = 3e-3) -> dict:
     """The unconstrained run of the capstone GPT (`S.cap_*`), and the planner's plan for
     `S.cap_budget` bytes trained for real under that budget (`memory_budget`: on CUDA the
-    allocator's cap): peaks, step times (medians of `2 * S.steps` steps; `repeats` is unused,
-    the steps are the repeats) and the largest loss difference."""
-    steps = 2 * S.steps
-    model_fn = functools.partial(GPT, S.vocab, S.seq_len, S.cap_width, S.cap_depth, S.gpt_heads,
-                                 fused_attention=True)
-    reference = run_plan(model_fn, Candidate(S.cap_batch), S.cap_batch, steps, device=device,
-                         lr=lr)
+    allocator's cap): peaks, step times and the largest loss difference. Each run trains
+    `2 * S.steps` steps `repeats` times; its step time is the median of the runs' medians, its
+    losses and peak the first run's."""
+    steps, model_fn = 2 * S.steps, capstone_model(S)
+    reference = _repeated(lambda: run_plan(model_fn, Candidate(S.cap_batch), S.cap_batch, steps,
+                                           device=device, lr=lr), repeats)
     chosen = plan(model_fn, S.cap_batch, budget=S.cap_budget, device=device, lr=lr)
-    planned = chosen.run(steps)
+    planned = _repeated(lambda: chosen.run(steps), repeats)
     shape = GPTShape.of(model_fn)
     return {"experiment": "the capstone: the planner's plan under the budget "
                           f"({chosen.chosen.describe()}) against the unconstrained run",
             "measured": capstone_figures(reference, planned, S.cap_budget),
             "predicted": {"unconstrained_peak_bytes": predict_memory(
                               shape, Candidate(S.cap_batch), device_type=device.type).peak,
-                          "plan_peak_bytes": chosen.chosen_row.simulated}}
+                          "plan_peak_bytes": chosen.chosen_row.predicted.peak,
+                          "plan_simulated_peak_bytes": chosen.chosen_row.simulated}}
+
+
+def _repeated(run, repeats: int):
+    """The first of `repeats` runs, with the median of all their step times."""
+    reports = [run() for _ in range(max(1, repeats))]
+    seconds = statistics.median(r.seconds for r in reports)
+    first = reports[0]
+    return type(first)(first.losses, first.peak, first.host_peak, seconds, first.budget)
 
 
 def capstone_figures(reference, planned, budget: int) -> dict:

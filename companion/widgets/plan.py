@@ -29,8 +29,9 @@ def budget_view(model_fn: Callable, batch: int, budget: int, **options) -> dict:
     if row.predicted.host:
         bars["chosen plan, host"] = {"host": row.predicted.host}
     summary = (f"{format_bytes(budget)}: {p.chosen.describe()}; predicted peak "
-               f"{format_bytes(row.predicted.peak)} (plain run {format_bytes(p.plain.predicted.peak)})"
-               f", about {row.seconds['total'] * 1e3:.0f} ms per step by the cost model")
+               f"{format_bytes(row.predicted.peak)} (plain run "
+               f"{format_bytes(p.plain.predicted.peak)}), about "
+               f"{row.seconds['total'] * 1e3:.0f} ms per step by the cost model")
     return {"summary": summary, "bars": bars, "budget": budget, "fits": True}
 
 
