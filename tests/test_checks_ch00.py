@@ -1,4 +1,5 @@
 """Chapter 00's checks pass on the reference and fail, with their hint, on known-wrong answers."""
+import math
 import pickle
 
 import pytest
@@ -44,9 +45,14 @@ def _adam_with(mistake):
             v.zero_()
         m.mul_(b1).add_(grad, alpha=1 - b1)
         v.mul_(b2).add_((grad.abs() if mistake == "v of |g|" else grad * grad) * (1 - b2))
+        t += mistake == "t one too many"
         c1, c2 = (1.0, 1.0) if mistake == "no bias correction" else (1 - b1**t, 1 - b2**t)
         top = grad if mistake == "no momentum" else m
         denom = (v / c2 + eps).sqrt() if mistake == "eps in sqrt" else (v / c2).sqrt() + eps
+        if mistake == "eps before correction":
+            denom = (v.sqrt() + eps) / math.sqrt(c2)
+        if mistake == "adamw":
+            param.mul_(1 - lr * 0.01)
         param -= lr * (top / c1) / denom
     return answer
 
@@ -93,6 +99,9 @@ def test_adam_step_passes_on_the_reference_and_the_paper():
     ("eps in sqrt", "outside the square root"),
     ("no momentum", "running mean of the gradient"),
     ("state not kept", "between calls"),
+    ("t one too many", "steps taken"),
+    ("eps before correction", "faster variant"),
+    ("adamw", "decoupled weight decay"),
 ])
 def test_adam_step_known_mistakes_get_their_hint(mistake, hint):
     with pytest.raises(CheckFailed, match=hint):
@@ -183,6 +192,7 @@ def test_activation_bytes_reference_passes():
     (lambda B, W, L, K, e: L * B * W * e, "log-softmax"),
     (lambda B, W, L, K, e: 2 * L * B * W * e + B * K * e, "freed once ReLU"),
     (lambda B, W, L, K, e: L * B * W + B * K, "multiply values"),
+    (lambda B, W, L, K, e: L * B * W * e + B * K * e, "total weight"),
     (lambda B, W, L, K, e: (L + 1) * B * W * e + B * K * e, "does not match"),
 ])
 def test_activation_bytes_wrong_answers_fail(wrong, hint):
