@@ -70,16 +70,16 @@ def _sample(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).cpu() for p in params])[::97].clone()
 
 
-def _wrap(stage: int, model: nn.Module, opt: str, ring: bool):
+def _wrap(stage: int, model: nn.Module, opt: str, ring: bool, bucket_cap_mb: float | None):
     """(network to call, optimizer, Comm, what to call between backward and step) for a stage."""
     cls, kw = _OPTIMIZERS[opt]
     if stage == 0:                                 # data parallel: all-reduce every gradient
         comm = Comm(ring=ring)
         return model, cls(model.parameters(), **kw), comm, lambda: _average(model, comm)
-    if stage in (1, 2):                            # 2: buckets of about a quarter of the model
+    if stage in (1, 2):                            # 2: by default buckets of about a quarter
         quarter_mb = sum(4 * p.numel() for p in model.parameters()) / 4 / 2**20
         sharded = ShardedOptimizer(model.parameters(), cls, stage=stage, ring=ring,
-                                   bucket_cap_mb=quarter_mb, **kw)
+                                   bucket_cap_mb=bucket_cap_mb or quarter_mb, **kw)
         return model, sharded, sharded.comm, lambda: None
     fsdp = FSDP(model, ring=ring)
     return fsdp, cls(fsdp.parameters(), **kw), fsdp.comm, fsdp.finish_gradient_synchronization
@@ -105,11 +105,12 @@ def _gradient_bytes(net: nn.Module, opt) -> int:
 
 def stage_report(rank: int, world_size: int, stages: list[int], width: int, depth: int,
                  batch: int, steps: int = 2, optimizer: str = "adamw", ring: bool = True,
-                 classes: int = 16) -> list[dict]:
+                 classes: int = 16, *, bucket_cap_mb: float | None = None) -> list[dict]:
     """For each stage (0 = data parallel, 1, 2, 3 = FSDP), train the course MLP for `steps` steps
     and return this rank's model states in bytes (tracked, after the last step), the gradient bytes
     alive right after the last backward, its peak, the bytes it sent in the last step, the payload
-    of each collective and the median step time."""
+    of each collective and the median step time. Stage 2's buckets hold `bucket_cap_mb` MiB
+    (default: about a quarter of the model)."""
     x, y = _data(rank, world_size, width, batch, classes)
     reports = []
     for stage in stages:
@@ -118,7 +119,7 @@ def stage_report(rank: int, world_size: int, stages: list[int], width: int, dept
             model = MLP(width, width, depth, classes, seed=0, device=_device())
             n_1d = sum(p.numel() for p in model.parameters() if p.dim() < 2)
             n = sum(p.numel() for p in model.parameters())
-            net, opt, comm, sync = _wrap(stage, model, optimizer, ring)
+            net, opt, comm, sync = _wrap(stage, model, optimizer, ring, bucket_cap_mb)
             seconds = []
             for step in range(steps):
                 comm.reset()
