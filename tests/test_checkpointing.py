@@ -175,13 +175,13 @@ def test_profile_segments_measures_less_saved_memory_near_sqrt_n():
     def step(segments):
         ck.checkpoint_sequential(blocks, segments, x).square().mean().backward()
 
-    runs = ck.profile_segments(step, [1, 4], device="cpu", repeats=1)
+    runs = ck.profile_segments(step, [1, 4], device="cpu", repeats=3)
     assert [r.segments for r in runs] == [1, 4]
+    assert all(0 < r.fastest <= r.seconds <= r.slowest for r in runs)
     unit = b * w * 4
     assert runs[0].activation_bytes >= n * unit
     assert runs[1].activation_bytes <= ck.predicted_activation_units(n, 4) * unit + unit
     assert runs[1].peak_bytes < runs[0].peak_bytes
-    assert all(r.seconds > 0 for r in runs)
 
 
 def test_predicted_time_ratio_is_at_most_four_thirds():
@@ -262,13 +262,13 @@ def test_retain_graph_recomputes_again():
     x = torch.randn(4, 12, requires_grad=True)
     y = ck.checkpoint_hooks(block, x, policy=ck.save_matmul_outputs)
     (g1,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
-    (g2,) = torch.autograd.grad(y.sum(), x)               # kept outputs replayed a second time
+    with pytest.raises(RuntimeError, match="backpropagated through once"):
+        torch.autograd.grad(y.sum(), x)                   # kept outputs were handed over once
     y = ck.checkpoint_hooks(block, x)
     (a,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
     (b,) = torch.autograd.grad(y.sum(), x)
     (plain,) = torch.autograd.grad(block(x).sum(), x)
-    assert torch.equal(a, b) and torch.equal(a, g1) and torch.equal(g1, g2)
-    assert torch.equal(a, plain)
+    assert torch.equal(a, b) and torch.equal(a, g1) and torch.equal(a, plain)
 
 
 def test_selective_kept_outputs_are_freed_with_the_graph():

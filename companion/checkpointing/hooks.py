@@ -59,20 +59,24 @@ def _detached(out: Any) -> Any:
 
 class _KeepOutputs(TorchDispatchMode):
     """First run: store the outputs of the operators `policy` keeps. Recompute: hand them back,
-    in the same order, instead of running those operators again. They stay in `kept` as long as
-    the checkpointed call's graph does, so a second backward (retain_graph=True) replays them too;
-    without retain_graph they go with the graph once the block's backward is done."""
+    in the same order, instead of running those operators again, each let go as it is handed
+    back (so it is freed once backward has used it). A second backward through the same graph
+    (retain_graph=True) finds them gone and raises, as PyTorch's selective checkpointing does."""
 
     def __init__(self, policy: Policy, kept: list, *, replay: bool):
         super().__init__()
-        self.policy, self.kept, self.replay, self.next = policy, kept, replay, 0
+        self.policy, self.kept, self.replay = policy, kept, replay
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.policy(func):
             return func(*args, **(kwargs or {}))
         if self.replay:
-            self.next += 1
-            return _detached(self.kept[self.next - 1])
+            if not self.kept:
+                raise RuntimeError("a selectively checkpointed block can be backpropagated "
+                                   "through once: its kept outputs were handed to the first "
+                                   "backward. Run forward again (or use policy=None, full "
+                                   "recomputation, which supports retain_graph=True).")
+            return _detached(self.kept.pop(0))
         out = func(*args, **(kwargs or {}))
         self.kept.append(_detached(out))           # same storage: kept alive, not copied
         return out
@@ -102,9 +106,9 @@ class _Frame:
         return self.packed - 1                      # a number: the tensor itself is not kept
 
     def unpack(self, i: int) -> torch.Tensor:
-        if i not in self.recomputed:                # first unpack (and again, per backward,
-            self.recompute()                        # when the graph is kept with retain_graph)
-        return self.recomputed.pop(i)               # handed over: freed once backward used it
+        if i not in self.recomputed:                # first unpack, and again in a second
+            self.recompute()                        # backward after retain_graph=True (policy
+        return self.recomputed.pop(i)               # None only); freed once backward used it
 
     def recompute(self) -> None:
         found: list[torch.Tensor] = []

@@ -72,6 +72,8 @@ class SegmentRun:
     peak_bytes: int          # everything the step allocated: activations, temporaries, gradients
     activation_bytes: int    # the most bytes saved for backward at any one time
     seconds: float           # median of the timed steps
+    fastest: float = 0.0     # the fastest and slowest timed step: where two counts' ranges
+    slowest: float = 0.0     # overlap, their difference is noise
 
 
 def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
@@ -79,27 +81,28 @@ def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
     """Measure `step(segments)` (one forward and backward) for each segment count.
 
     Per count: one warm-up run (it also allocates the gradients, so later runs measure activations,
-    not gradients), one run under `companion.memory.track`, then `repeats` timed runs without the
-    tracker (it slows operators down), of which the median is kept: one slow run, when other work
-    takes the machine for a moment, does not move it.
+    not gradients) and one run under `companion.memory.track`. Then `repeats` rounds of timed runs
+    without the tracker (it slows operators down), each round running every count once, so that a
+    moment when other work takes the machine slows all counts alike rather than one; the median
+    of each count's runs is kept, with the fastest and slowest.
     """
     device = torch.device(device) if device is not None else None
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
-    runs = []
+    trackers = {}
     for segments in counts:
         step(segments)                                          # warm-up
-        with track(device) as tracker:
+        with track(device) as trackers[segments]:
             step(segments)
-        times = []
-        for _ in range(repeats):
+    times: dict[int, list[float]] = {segments: [] for segments in counts}
+    for _ in range(repeats):
+        for segments in counts:                                 # interleaved: one of each
             sync()                                              # host-device sync
             start = time.perf_counter()
             step(segments)
             sync()                                              # host-device sync
-            times.append(time.perf_counter() - start)
-        runs.append(SegmentRun(segments, tracker.peak, _saved_peak(tracker.timeline()),
-                               statistics.median(times)))
-    return runs
+            times[segments].append(time.perf_counter() - start)
+    return [SegmentRun(s, trackers[s].peak, _saved_peak(trackers[s].timeline()),
+                       statistics.median(times[s]), min(times[s]), max(times[s])) for s in counts]
 
 
 def _saved_peak(timeline: dict[str, list]) -> int:
