@@ -47,7 +47,9 @@ PHASES = ("replicate", "scatter", "forward", "gather", "loss", "backward", "redu
 
 @dataclasses.dataclass
 class StepReport:
-    """Seconds per phase, and bytes each device held at the end of the forward pass."""
+    """Seconds per phase, and bytes measured per device: each replica's share after its forward
+    (weights, its slice, its saved activations; not its gradients), and what the master-only
+    phases allocate on the master, phase by phase (separate peaks, not one peak of the step)."""
 
     seconds: dict[str, float]
     replica_bytes: list[int]          # per device: parameters + its input slice + saved activations
@@ -56,8 +58,9 @@ class StepReport:
 
     @property
     def master_extra_bytes(self) -> int:
-        """What the master holds beyond a replica at its busiest: the whole batch, plus the most
-        the master-only phases add at once (gathered outputs, the loss, the reduced gradients)."""
+        """What the master holds beyond a replica: the whole batch plus the largest of the
+        master-only phases (gathered outputs, gathered + loss, reduced gradients). A sum of
+        measured parts, an estimate of the master's busiest moment, not one measured peak."""
         return self.master_bytes["batch"] + max(v for k, v in self.master_bytes.items()
                                                 if k != "batch")
 

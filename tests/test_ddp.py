@@ -161,11 +161,27 @@ def test_step_memory_counts_the_buckets_as_one_more_gradient_copy():
 
 def test_profile_buckets_reports_every_cap():
     out = launch.run(ddp.profile_buckets, 2, 32, 6, 4, [0.001, 1.0], 2)[0]
-    assert out["parameters"] == 12 and out["gradient_bytes"] == 6 * (32 * 32 + 32) * 4
-    assert out["caps"][0.001]["buckets"] == 12 and out["caps"][1.0]["buckets"] == 1
+    assert out["parameters"] == 6 and out["gradient_bytes"] == 6 * 32 * 32 * 4   # no biases
+    assert out["caps"][0.001]["buckets"] == 6 and out["caps"][1.0]["buckets"] == 1
     for cap in out["caps"].values():
-        assert len(cap["times"].buckets) == cap["buckets"] and cap["seconds"] > 0
+        assert len(cap["times"].buckets) == cap["buckets"]
+        assert 0 < cap["fastest"] <= cap["seconds"] <= cap["slowest"]
+        assert 0 < cap["backward_seconds"] < cap["slowest"]
     assert out["backward_seconds"] > 0
+
+
+def _steps_leave_no_gradient(rank, world_size):
+    from companion.ddp.experiments import _timed_steps
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    wrapped = ddp.DDP(model, bucket_cap_mb=0.0001, gradient_as_bucket_view=True)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    seconds, backward = _timed_steps(wrapped, torch.optim.SGD(model.parameters(), lr=0.0), x, y, 3)
+    return [p.grad is None for p in model.parameters()], len(seconds), len(backward)
+
+
+def test_timed_steps_zero_the_gradients_between_steps():
+    for zeroed, steps, backwards in launch.run(_steps_leave_no_gradient, 2):
+        assert all(zeroed) and steps == backwards == 3      # no accumulation across timed steps
 
 
 def _bucket_memory(rank, world_size, as_view):

@@ -22,9 +22,13 @@ Example (inside a rank started by `companion.launch.run`):
     >>> model.finish_gradient_synchronization()             # wait for the last ones
     >>> optimizer.step()
 
-Simplified vs PyTorch: no bucket rebuilding from the order seen in the first step, no
-find_unused_parameters (a parameter without a gradient contributes zeros and then receives the
-average), and finishing is explicit, where torch queues it at the end of backward.
+Simplified vs PyTorch: buckets are filled in reverse parameter order and a bucket is closed
+before the parameter that would take it past the cap (a parameter larger than the cap gets a
+bucket of its own); PyTorch closes a bucket once it has reached the cap (so buckets can exceed it)
+and makes the first bucket small (1 MiB) so communication starts sooner. No bucket rebuilding
+from the order seen in the first step, no find_unused_parameters (a parameter without a gradient
+contributes zeros and then receives the average), and finishing is explicit, where torch queues
+it at the end of backward.
 """
 from __future__ import annotations
 
@@ -198,7 +202,9 @@ class DDP(nn.Module):
 
 
 def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
-    """Group parameters, in the order given, into buckets of at most cap_bytes (one dtype each)."""
+    """Group parameters, in the order given, into buckets of one dtype each, starting a new
+    bucket when the next parameter would take it past cap_bytes: every bucket holds at most
+    cap_bytes, except that a parameter larger than the cap gets a bucket of its own."""
     groups: list[list[nn.Parameter]] = []
     size = 0
     for param in params:

@@ -20,8 +20,9 @@ def time_training_step(rank: int, world_size: int, impl: str, width: int, depth:
                        steps: int, bucket_cap_mb: float = 25.0, micro_steps: int = 1,
                        use_no_sync: bool = True) -> dict:
     """A worker for `launch.run`: train an MLP (depth Linear+ReLU layers of `width`) on `batch`
-    rows per rank and micro-step, and return the mean seconds per optimizer step (after one
-    warm-up step) and the bytes all-reduced per step. impl: "ours", "torch" or "naive"."""
+    rows per rank and micro-step, and return the median seconds per optimizer step of `steps`
+    timed steps (after one warm-up step), the fastest and slowest of them, and the bytes
+    all-reduced per step. impl: "ours", "torch" or "naive"."""
     torch.manual_seed(0)
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
@@ -53,19 +54,25 @@ def time_training_step(rank: int, world_size: int, impl: str, width: int, depth:
             torch.cuda.synchronize(device)                                # host-device sync
         seconds.append(time.perf_counter() - start)
     sent = wrapped.stats.bytes / (steps + 1) if impl == "ours" else None
-    return {"seconds": sum(seconds[1:]) / steps, "all_reduce_bytes": sent}
+    return {"seconds": statistics.median(seconds[1:]), "fastest": min(seconds[1:]),
+            "slowest": max(seconds[1:]), "all_reduce_bytes": sent}
 
 
 def profile_buckets(rank: int, world_size: int, width: int, depth: int, batch: int,
                     caps_mb: list[float], steps: int = 5) -> dict:
-    """A worker for `launch.run`: an MLP of `depth` Linear(width, width) + ReLU layers trained with
-    our DDP at each bucket cap. Returns the model's gradient bytes, the median backward time with no
-    communication (under no_sync), and per cap: buckets, median step seconds (after a warm-up
-    step), and the last step's `BucketTimes`."""
+    """A worker for `launch.run`: an MLP of `depth` bias-free Linear(width, width) + ReLU layers
+    (equal gradients, so that buckets are equal too) trained with our DDP at each bucket cap.
+
+    Returns the model's gradient bytes and number of tensors, the median seconds of a
+    `loss.backward()` call with no communication (under no_sync), and per cap: buckets, the
+    median step seconds (after a warm-up step) with the fastest and slowest, the median seconds
+    of the `loss.backward()` call while buckets are launched, and the last step's `BucketTimes`.
+    Both backward times run from the call to its return, so they compare like with like.
+    """
     def make_model():
         torch.manual_seed(0)
         return nn.Sequential(*[m for _ in range(depth)
-                               for m in (nn.Linear(width, width), nn.ReLU())])
+                               for m in (nn.Linear(width, width, bias=False), nn.ReLU())])
 
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     model = make_model()
@@ -75,16 +82,11 @@ def profile_buckets(rank: int, world_size: int, width: int, depth: int, batch: i
         model = make_model()                       # a fresh one: DDP's hooks stay on a model
         wrapped = DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-        seconds = []
-        for _ in range(steps + 1):
-            dist.barrier()                                                # start together
-            start = time.perf_counter()
-            nn.functional.mse_loss(wrapped(x), y).backward()
-            wrapped.finish_gradient_synchronization()
-            optimizer.step()
-            seconds.append(time.perf_counter() - start)
+        steps_s, backward_s = _timed_steps(wrapped, optimizer, x, y, steps + 1)
         out["caps"][cap] = {"buckets": len(wrapped.buckets), "times": wrapped.last_times,
-                            "seconds": statistics.median(seconds[1:])}
+                            "seconds": statistics.median(steps_s[1:]), "fastest": min(steps_s[1:]),
+                            "slowest": max(steps_s[1:]),
+                            "backward_seconds": statistics.median(backward_s[1:])}
     local = []
     for _ in range(steps):
         with wrapped.no_sync():
@@ -92,14 +94,37 @@ def profile_buckets(rank: int, world_size: int, width: int, depth: int, batch: i
             start = time.perf_counter()
             loss.backward()
             local.append(time.perf_counter() - start)
+        optimizer.zero_grad()
     out["backward_seconds"] = statistics.median(local)
     return out
+
+
+def _timed_steps(wrapped: DDP, optimizer, x: torch.Tensor, y: torch.Tensor,
+                 steps: int) -> tuple[list[float], list[float]]:
+    """Seconds of each whole step, and of each step's `loss.backward()` call."""
+    seconds, backward = [], []
+    for _ in range(steps):
+        dist.barrier()                                                    # start together
+        start = time.perf_counter()
+        loss = nn.functional.mse_loss(wrapped(x), y)
+        before = time.perf_counter()
+        loss.backward()                            # buckets launch from the hooks in here
+        backward.append(time.perf_counter() - before)
+        wrapped.finish_gradient_synchronization()
+        optimizer.step()
+        optimizer.zero_grad()                      # the next forward points .grad into buckets
+        seconds.append(time.perf_counter() - start)
+    return seconds, backward
 
 
 def step_memory(rank: int, world_size: int, width: int, depth: int, batch: int,
                 gradient_as_bucket_view: bool) -> dict:
     """A worker for `launch.run`: bytes one rank holds after two DDP steps of an MLP, measured with
-    `companion.memory.track` from before DDP is built: gradients, buckets and the rest."""
+    `companion.memory.track` from before DDP is built, with the tracker's breakdown by kind.
+
+    The parameters show up in it too (DDP's broadcast of rank 0's parameters hands them to the
+    tracker), so held = parameters + gradients + buckets when the buckets are a copy, and
+    parameters + gradients when `gradient_as_bucket_view` makes the gradients the buckets."""
     from companion.memory import track
 
     torch.manual_seed(0)
