@@ -34,15 +34,16 @@ def plain_losses():
 
 
 def _real_peak(model_fn, cand: Candidate, steps: int = 2) -> int:
-    """Peak of `steps` real steps built inside the tracked block, as `simulate` builds them."""
+    """Peak of `steps` real steps built inside the tracked block, as `simulate` builds them; the
+    data made before it, like a loader's (simulate does the same)."""
     shape = GPTShape.of(model_fn)
+    batches = token_batches(cand.micro_batch * cand.accumulation, shape.seq_len,
+                            vocab=shape.vocab, steps=steps)
     with track("cpu") as t:
         setup = build(model_fn, cand)
-        for step in range(steps):
-            x, y = token_batches(cand.micro_batch * cand.accumulation, shape.seq_len,
-                                 vocab=shape.vocab, steps=1, seed=step)[0]
+        for x, y in batches:
             train_step(setup, x, y)
-        del setup, x, y
+        del setup
     return t.peak
 
 

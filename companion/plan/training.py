@@ -35,7 +35,7 @@ from companion import amp, ddp, lora
 from companion.checkpointing import checkpoint_sequential
 from companion.memory import MemoryTracker, track
 from companion.offload import CPUOffloadOptimizer
-from companion.plan.space import LORA_TARGETS, Candidate
+from companion.plan.space import LORA_TARGETS, Candidate, GPTShape
 from companion.zero import FSDP, ShardedOptimizer
 
 __all__ = ["CheckpointedBlocks", "Setup", "build", "micro_step", "optimizer_step", "train_step",
@@ -214,12 +214,12 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *,
     backward, then the optimizer step, whose peak every later step repeats. Several ranks (rank
     0's memory): two real steps, of one micro-batch, then of min(k, 2) (the second micro-batch
     holds what every later one does)."""
+    shape, k = GPTShape.of(model_fn), cand.accumulation
+    batch = (cand.micro_batch, shape.seq_len)
     with _fake_ranks(world_size), FakeTensorMode(), _fake_addresses():
-        with track("cpu") as tracker:
+        x, y = (torch.randint(shape.vocab, (k * batch[0], batch[1])) for _ in range(2))  # the
+        with track("cpu") as tracker:                 # step's data, like a loader's: not counted
             setup = build(model_fn, cand, world_size=world_size)
-            k = cand.accumulation
-            vocab, batch = setup.model.tok.num_embeddings, (cand.micro_batch, setup.model.seq_len)
-            x, y = (torch.randint(vocab, (k * batch[0], batch[1])) for _ in range(2))  # the step's
             if world_size == 1:
                 # 1. The optimizer's state, as after the first step (offload: on the host).
                 if not cand.offload:
@@ -241,5 +241,5 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *,
                     micro_step(setup, x[:batch[0]], y[:batch[0]], scale=1 / k,
                                sync=i == count - 1)
                 optimizer_step(setup)
-            del setup, x, y
+            del setup
     return tracker
