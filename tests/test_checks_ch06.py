@@ -231,3 +231,21 @@ def test_a_hanging_answer_fails_within_the_worker_timeout():
 def test_an_unfinished_exercise_reads_not_done():
     with pytest.raises(NotDone):
         ch06.check_ring_all_reduce.__wrapped__(ring_not_done)
+
+
+def test_all_reduce_imported_by_name_before_the_check_is_watched_too():
+    import sys
+    import types
+
+    real = dist.all_reduce
+    module = types.ModuleType("early_answer")     # imported before the patch, as a worker does
+    module.all_reduce = real                       # with the parent's __main__
+    exec("class Answer:\n    pass", vars(module))
+    sys.modules["early_answer"] = module
+    try:
+        with ch06._watched_all_reduce([], [], []) as adopt:
+            adopt(module.Answer)
+            assert module.all_reduce is dist.all_reduce and module.all_reduce is not real
+        assert module.all_reduce is real and dist.all_reduce is real       # restored
+    finally:
+        del sys.modules["early_answer"]

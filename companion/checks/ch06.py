@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import pickle
+import sys
 from typing import Any, Callable
 
 import torch
@@ -174,7 +175,9 @@ class _WatchedWork:
 def _watched_all_reduce(buckets: list[list[nn.Parameter]], events: list, waits: list[bool]):
     """Inside, dist.all_reduce (also as distributed_c10d.all_reduce, and as imported by `from
     torch.distributed import all_reduce` inside the block) appends ("launch", bucket, async, in
-    backward) to `events` and returns its Work wrapped in a `_WatchedWork`."""
+    backward) to `events` and returns its Work wrapped in a `_WatchedWork`. Yields `adopt(obj)`,
+    which also watches the all_reduce that obj's module imported by name before the block (a
+    worker may have imported it already, e.g. with the parent's __main__)."""
     real, sizes = c10d.all_reduce, [sum(p.numel() for p in b) for b in buckets]
 
     def watched(tensor, *args, **kwargs):
@@ -184,11 +187,23 @@ def _watched_all_reduce(buckets: list[list[nn.Parameter]], events: list, waits: 
         work = real(tensor, *args, **kwargs)
         return _WatchedWork(work, waits) if work is not None else None
 
+    rebound: list[tuple[dict, str]] = []
+
+    def adopt(obj: Any) -> Any:
+        module = sys.modules.get(getattr(obj, "__module__", None) or "")
+        for name, value in list(vars(module).items()) if module else []:
+            if value is real:
+                vars(module)[name] = watched
+                rebound.append((vars(module), name))
+        return obj
+
     dist.all_reduce = c10d.all_reduce = watched
     try:
-        yield
+        yield adopt
     finally:
         dist.all_reduce = c10d.all_reduce = real
+        for namespace, name in rebound:
+            namespace[name] = real
 
 
 def _bucket_worker(rank: int, world_size: int, packed: bytes, seed: int, steps: int):
@@ -203,8 +218,8 @@ def _bucket_worker(rank: int, world_size: int, packed: bytes, seed: int, steps: 
             param.register_post_accumulate_grad_hook(
                 lambda p, i=i: events.append(("grad", i)))
     grads, per_step, waits = [], [], []
-    with _watched_all_reduce(buckets, events, waits):
-        averager = pickle.loads(packed)(buckets)   # imported after patching, like the ring's
+    with _watched_all_reduce(buckets, events, waits) as adopt:
+        averager = adopt(pickle.loads(packed))(buckets)   # imported after patching if not yet
         for step in range(steps):
             model.zero_grad(set_to_none=False)
             x, y = _bucket_batch(seed, rank, step)
