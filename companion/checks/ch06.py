@@ -10,62 +10,19 @@ import contextlib
 import math
 import pickle
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d as c10d
 
-from companion import collectives, launch
+from companion import collectives
+from companion.checks import _ranks
 from companion.checks._collective_guard import point_to_point_only, ring_direction
-from companion.checks.core import (CheckFailed, NotDone, compare, exercise, fresh_seeds, harness,
-                                   require, require_function)
-from companion.checks.harness import Remote
+from companion.checks.core import compare, exercise, fresh_seeds, require
 
 __all__ = ["check_ring_all_reduce", "check_bucketed_hooks"]
-
-
-# ---------------------------------------------------------------- running answers on ranks
-
-def _packed(answer: Any) -> bytes:
-    """The answer, pickled by reference for the workers, or a CheckFailed saying how to fix it.
-    Under the grader the answer lives in its sandbox: this becomes a token that `_on_ranks`
-    (a harness, run there) receives as the pickled answer."""
-    require_function(answer)
-    if isinstance(answer, Remote):
-        return answer.through(_packed)
-    try:
-        return pickle.dumps(answer)
-    except Exception:
-        raise CheckFailed("the worker processes cannot import your function",
-                          hint="start the exercise cell with %%worker_module NAME (after "
-                               "%load_ext companion.launch), so the workers can import it.") from None
-
-
-@harness
-def _on_ranks(worker: Callable, world_size: int, *args, timeout: float) -> list:
-    """launch.run, with a rank's exception or hang turned into a CheckFailed naming the rank.
-    A harness: under the grader the ranks start in the learner's sandbox."""
-    try:
-        return launch.run(worker, world_size, *args, timeout=timeout)
-    except launch.WorkerTimeout as e:
-        raise CheckFailed(f"rank(s) {e.ranks} did not finish within {timeout:g} s",
-                          hint="a send without a matching recv (or the reverse) waits forever: "
-                               "every rank must post its sends and receives in the same order "
-                               "as its neighbours.") from None
-    except launch.WorkerError as e:
-        last = e.traceback.strip().splitlines()[-1] if e.traceback.strip() else "it died"
-        if last.startswith("NotImplementedError"):
-            raise NotDone(f"not done yet: your function raises {last}") from None
-        where = [ln.strip() for ln in e.traceback.splitlines() if ln.strip().startswith("File")]
-        raise CheckFailed(f"rank {e.rank} raised {last}", got=where[-1] if where else None,
-                          hint="run your function by hand on a small tensor; the line above is "
-                               "where it failed.") from None
-
-
-def _rank_tensor(seed: int, rank: int, numel: int) -> torch.Tensor:
-    return torch.randn(numel, generator=torch.Generator().manual_seed(seed + 7919 * rank))
 
 
 # ---------------------------------------------------------------- exercise 1: ring all-reduce
@@ -75,7 +32,7 @@ def _ring_worker(rank: int, world_size: int, packed: bytes, seed: int, lengths: 
     with point_to_point_only(log):
         answer = pickle.loads(packed)        # imported after patching: `from dist import send`
         for numel in lengths:
-            tensor = _rank_tensor(seed, rank, numel)
+            tensor = _ranks.rank_tensor(seed, rank, numel)
             del log[:]
             returned = answer(tensor)
             results.append((tensor, list(log), returned is None or returned is tensor))
@@ -118,17 +75,17 @@ def _judge_ring_traffic(sends: list[list[tuple[int, int]]], numel: int) -> None:
                                              "companion.collectives.naive_all_reduce"))
 def check_ring_all_reduce(answer, *, worker_timeout: float = 20.0) -> str:
     """answer(tensor, group=None): sum `tensor` over all ranks in place, with a ring of sends."""
-    packed, seed = _packed(answer), fresh_seeds(1)[0]
+    packed, seed = _ranks.packed(answer), fresh_seeds(1)[0]
     lengths = [1001, 12, 5, 2, 1]           # the long one first: its failure says most
     for world in (2, 3):
-        per_rank = _on_ranks(_ring_worker, world, packed, seed, lengths, timeout=worker_timeout)
+        per_rank = _ranks.on_ranks(_ring_worker, world, packed, seed, lengths, timeout=worker_timeout)
         for i, numel in enumerate(lengths):
-            expected = sum(_rank_tensor(seed, r, numel) for r in range(world))
+            expected = sum(_ranks.rank_tensor(seed, r, numel) for r in range(world))
             for rank in range(world):
                 got, sends, in_place = per_rank[rank][i]
                 compare(got, expected, name=f"rank {rank}'s tensor ({numel} elements, "
                         f"{world} ranks)", hint=_chunk_hint(got, expected,
-                                                           _rank_tensor(seed, rank, numel)))
+                                                           _ranks.rank_tensor(seed, rank, numel)))
                 require(in_place, "return nothing (None): the result goes into the tensor itself")
             _judge_ring_traffic([r[i][1] for r in per_rank], numel)
     s = 1001 * 4
@@ -290,9 +247,9 @@ def check_bucketed_hooks(answer, *, worker_timeout: float = 20.0) -> str:
     gradients over the ranks, one asynchronous all-reduce per bucket launched during backward as
     soon as the bucket is complete, and whose finish() waits and leaves the averages in every
     param.grad."""
-    packed, world, steps = _packed(answer), 2, 2
+    packed, world, steps = _ranks.packed(answer), 2, 2
     for seed in fresh_seeds(2):
-        results = _on_ranks(_bucket_worker, world, packed, seed, steps, timeout=worker_timeout)
+        results = _ranks.on_ranks(_bucket_worker, world, packed, seed, steps, timeout=worker_timeout)
         for rank, (grads, per_step, waited_in_backward) in enumerate(results):
             for step, events in enumerate(per_step):
                 _judge_launches(rank, step, events, waited_in_backward)

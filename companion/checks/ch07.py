@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from companion import collectives, estimate
+from companion.checks import _ranks
 from companion.checks._collective_guard import point_to_point_only, ring_direction
-from companion.checks.ch06 import _on_ranks, _packed, _rank_tensor
 from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
                                    require)
 from companion.memory import format_bytes
@@ -145,7 +145,7 @@ def _scatter_worker(rank: int, world: int, packed: bytes, seed: int, shards: lis
     with point_to_point_only(log):
         answer = pickle.loads(packed)        # imported after patching: `from dist import send`
         for s in shards:
-            full = _rank_tensor(seed, rank, world * s)
+            full = _ranks.rank_tensor(seed, rank, world * s)
             output = torch.zeros(s)
             del log[:]
             returned = answer(output, full.clone())
@@ -155,7 +155,7 @@ def _scatter_worker(rank: int, world: int, packed: bytes, seed: int, shards: lis
 
 def _scatter_hint(got, rank, world, s, seed) -> str:
     def chunk_sum(c, ranks):
-        return sum(_rank_tensor(seed, r, world * s).view(world, s)[c] for r in ranks)
+        return sum(_ranks.rank_tensor(seed, r, world * s).view(world, s)[c] for r in ranks)
     if torch.allclose(got, torch.zeros(s)):
         return "the output is still zeros: write the result into `output` (output.copy_(...))."
     if torch.allclose(got * world, chunk_sum(rank, range(world)), atol=1e-5):
@@ -188,13 +188,13 @@ def _judge_scatter_traffic(sends: list[tuple[int, int]], rank: int, world: int, 
 def check_ring_reduce_scatter(answer, *, worker_timeout: float = 20.0) -> str:
     """answer(output, input): sum `input` (N·s elements) over the ranks of the world and leave
     chunk `rank` of the sum in `output` (s elements), with point-to-point sends only."""
-    packed, seed = _packed(answer), fresh_seeds(1)[0]
+    packed, seed = _ranks.packed(answer), fresh_seeds(1)[0]
     shards = [257, 3, 1]
     for world in (2, 3):
-        per_rank = _on_ranks(_scatter_worker, world, packed, seed, shards,
+        per_rank = _ranks.on_ranks(_scatter_worker, world, packed, seed, shards,
                              timeout=worker_timeout)
         for i, s in enumerate(shards):
-            expected = sum(_rank_tensor(seed, r, world * s) for r in range(world)).view(world, s)
+            expected = sum(_ranks.rank_tensor(seed, r, world * s) for r in range(world)).view(world, s)
             for rank in range(world):
                 got, sends, returned_nothing = per_rank[rank][i]
                 compare(got, expected[rank], name=f"rank {rank}'s output (s = {s}, {world} "
