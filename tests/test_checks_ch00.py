@@ -1,6 +1,5 @@
 """Chapter 00's checks pass on the reference and fail, with their hint, on known-wrong answers."""
 import math
-import pickle
 
 import pytest
 import torch
@@ -8,8 +7,8 @@ import torch
 from companion import estimate, optim
 from companion.checks.ch00 import (LAYOUTS, check_activation_bytes, check_adam_step,
                                    check_model_state_bytes, check_transformer_activations)
-from companion.checks.core import CheckFailed, call, evaluate
-from companion.checks.harness import Remote, RemoteArg
+from companion.checks.core import CheckFailed, evaluate
+from elsewhere import Elsewhere
 
 
 # ---------------------------------------------------------------- exercise 1: Adam's step
@@ -247,39 +246,17 @@ def test_transformer_activations_reference_and_a_hand_count_pass():
 
 # ---------------------------------------------------------------- under the grader
 
-class _Elsewhere(Remote):
-    """An answer that lives in another process, as under the grader: whatever crosses to it and
-    back is pickled."""
-
-    def __init__(self, fn):
-        super().__init__(fn.__name__)
-        self.fn = fn
-
-    def call(self, args, kwargs):
-        args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
-        return pickle.loads(pickle.dumps(call(self.fn, *args, **kwargs)))
-
-    def run_harness(self, fn, args, kwargs):
-        args = [self.fn if a is self else a.fn(self.fn) if isinstance(a, RemoteArg) else a
-                for a in args]
-        return pickle.loads(pickle.dumps(fn(*args, **kwargs)))
-
-    def limit(self, seconds):
-        import contextlib
-        return contextlib.nullcontext()
-
-
 @pytest.mark.parametrize("name, answer", [
     ("check_adam_step", adam_reference), ("check_model_state_bytes", _states),
     ("check_activation_bytes", _activations),
     ("check_transformer_activations", transformer_reference)])
 def test_checks_pass_on_an_answer_that_lives_in_another_process(name, answer):
-    assert evaluate(name, _Elsewhere(answer))
+    assert evaluate(name, Elsewhere(answer))
 
 
 def test_the_adam_check_judges_an_answer_that_lives_elsewhere():
     with pytest.raises(CheckFailed, match="bias correction"):
-        evaluate("check_adam_step", _Elsewhere(_adam_with("no bias correction")))
+        evaluate("check_adam_step", Elsewhere(_adam_with("no bias correction")))
 
 
 def test_the_pass_message_counts_gpt2_xl_as_the_estimator_does():

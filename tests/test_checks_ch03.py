@@ -1,6 +1,5 @@
 """Chapter 03's checks pass on the reference and fail on known-wrong answers."""
 import functools
-import pickle
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ from companion import accumulation
 from companion.checks.ch03 import (check_accumulation_step, check_batch_size_search,
                                    check_token_normalized_step)
 from companion.checks.core import CheckFailed, evaluate
-from companion.checks.harness import Remote, RemoteArg
+from elsewhere import Elsewhere
 
 
 def _reference_step(model, loss_fn, opt, x, y, k):
@@ -232,29 +231,7 @@ def test_a_wrong_batch_size_prints_as_an_int():
     assert ".0" not in str(failure.value).split("hint")[0]
 
 
-class _Elsewhere(Remote):
-    """An answer that lives in another process, as under the grader: what crosses is pickled."""
-
-    def __init__(self, fn):
-        super().__init__(fn.__name__)
-        self.fn = fn
-
-    def call(self, args, kwargs):
-        from companion.checks.core import call
-        args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
-        return pickle.loads(pickle.dumps(call(self.fn, *args, **kwargs)))
-
-    def run_harness(self, fn, args, kwargs):
-        args = [self.fn if a is self else a.fn(self.fn) if isinstance(a, RemoteArg) else a
-                for a in args]
-        return pickle.loads(pickle.dumps(fn(*args, **kwargs)))
-
-    def limit(self, seconds):
-        import contextlib
-        return contextlib.nullcontext()
-
-
 @pytest.mark.parametrize("name, answer", [("check_accumulation_step", _reference_step),
                                           ("check_token_normalized_step", token_reference)])
 def test_checks_pass_on_an_answer_that_lives_in_another_process(name, answer):
-    assert evaluate(name, _Elsewhere(answer))
+    assert evaluate(name, Elsewhere(answer))

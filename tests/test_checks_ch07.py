@@ -2,17 +2,15 @@
 
 The reduce-scatter answers live at module level, so the gloo workers can import them by name.
 """
-import pickle
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from companion import collectives
 from companion.checks import ch07
-from companion.checks.core import CheckFailed, call, evaluate
-from companion.checks.harness import Remote, RemoteArg
+from companion.checks.core import CheckFailed, evaluate
 from companion.zero import flat_partition, per_rank_state_bytes, register_gather_hooks
+from elsewhere import Elsewhere
 
 
 # ---------------------------------------------------------------- exercise 1
@@ -276,39 +274,17 @@ def test_stage_3_without_sharding_parameters_gets_its_own_hint():
         ch07.check_per_rank_model_states(no_param_sharding)
 
 
-class _Elsewhere(Remote):
-    """An answer that lives in another process, as under the grader: whatever crosses to it and
-    back is pickled, so a check that hands it a closure or a live module fails here too."""
-
-    def __init__(self, fn):
-        super().__init__(fn.__name__)
-        self.fn = fn
-
-    def call(self, args, kwargs):
-        args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
-        return pickle.loads(pickle.dumps(call(self.fn, *args, **kwargs)))
-
-    def run_harness(self, fn, args, kwargs):
-        args = [self.fn if a is self else a.fn(self.fn) if isinstance(a, RemoteArg) else a
-                for a in args]
-        return pickle.loads(pickle.dumps(fn(*args, **kwargs)))
-
-    def limit(self, seconds):
-        import contextlib
-        return contextlib.nullcontext()
-
-
 @pytest.mark.parametrize("name, reference", [
     ("check_flat_partition", flat_partition),
     ("check_ring_reduce_scatter", collectives.ring_reduce_scatter),
     ("check_gather_hooks", register_gather_hooks),
     ("check_per_rank_model_states", per_rank_state_bytes)])
 def test_checks_pass_on_an_answer_that_lives_in_another_process(name, reference):
-    assert evaluate(name, _Elsewhere(reference))
+    assert evaluate(name, Elsewhere(reference))
 
 
 def test_the_hooks_check_runs_the_answer_where_it_lives_and_judges_it_here():
     with pytest.raises(CheckFailed, match="don't delete it"):
-        evaluate("check_gather_hooks", _Elsewhere(hooks_delete_the_attribute))
+        evaluate("check_gather_hooks", Elsewhere(hooks_delete_the_attribute))
     with pytest.raises(CheckFailed, match="not in a second pre-hook"):
-        evaluate("check_gather_hooks", _Elsewhere(hooks_free_in_a_second_pre_hook))
+        evaluate("check_gather_hooks", Elsewhere(hooks_free_in_a_second_pre_hook))

@@ -1,7 +1,5 @@
 """Chapter 09's check passes on the notebook's solution (and on other plans that keep the
 training), and fails on known-wrong answers, each with its hint."""
-import contextlib
-import pickle
 import threading
 
 import numpy
@@ -13,11 +11,11 @@ from torch.utils.checkpoint import checkpoint
 
 from companion import lora
 from companion.checks import ch09
-from companion.checks.core import CheckFailed, call, evaluate
-from companion.checks.harness import Remote
+from companion.checks.core import CheckFailed, evaluate
 from companion.memory import on_host
 from companion.offload import CPUOffloadOptimizer
 from companion.plan import CheckpointedBlocks
+from elsewhere import Elsewhere
 
 
 @pytest.fixture(autouse=True)
@@ -185,24 +183,5 @@ def test_known_wrong_answers_fail_with_their_hint(wrong, match, hint):
     assert hint in failed.value.hint
 
 
-class _Elsewhere(Remote):
-    """An answer in another process, as under the grader: what crosses is pickled."""
-
-    def __init__(self, fn):
-        super().__init__(fn.__name__)
-        self.fn = fn
-
-    def call(self, args, kwargs):
-        args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
-        return pickle.loads(pickle.dumps(call(self.fn, *args, **kwargs)))
-
-    def run_harness(self, fn, args, kwargs):
-        args = [self.fn if a is self else a for a in args]
-        return pickle.loads(pickle.dumps(fn(*args, **kwargs)))
-
-    def limit(self, seconds):
-        return contextlib.nullcontext()
-
-
 def test_the_check_runs_the_answer_where_it_lives_and_judges_it_here():
-    assert "under the" in evaluate("check_train_within_budget", _Elsewhere(train_within_budget))
+    assert "under the" in evaluate("check_train_within_budget", Elsewhere(train_within_budget))
