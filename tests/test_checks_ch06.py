@@ -81,28 +81,22 @@ class Averager:
             self.works.append(dist.all_reduce(self.flat[self.next], async_op=True))
             self.next += 1
 
+    averages = True          # AveragerSums leaves the sums
+
     def finish(self):
         for work in self.works:
             work.wait()
+        divisor = dist.get_world_size() if self.averages else 1
         for i, bucket in enumerate(self.buckets):
             offset = 0
             for p in bucket:
-                p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p)
-                             / dist.get_world_size())
+                p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p) / divisor)
                 offset += p.numel()
         self.ready, self.works, self.next = [0] * len(self.buckets), [], 0
 
 
 class AveragerSums(Averager):
-    def finish(self):
-        for work in self.works:
-            work.wait()
-        for i, bucket in enumerate(self.buckets):
-            offset = 0
-            for p in bucket:
-                p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-        self.ready, self.works, self.next = [0] * len(self.buckets), [], 0
+    averages = False
 
 
 class AveragerBlocking(Averager):

@@ -63,17 +63,24 @@ def _stale(model, seed: int) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=g) for p in model.parameters()]
 
 
+def _watched(model, seed: int, lr: float) -> tuple:
+    """Stale gradients in the model's .grad, SGD with momentum, and what the answer will be seen
+    doing: (optimizer, batch sizes the model's forwards get, one entry per optimizer step)."""
+    for p, g in zip(model.parameters(), _stale(model, seed)):
+        p.grad = g
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    seen, steps = [], []
+    model.register_forward_pre_hook(lambda module, inputs: seen.append(len(inputs[0])))
+    opt.register_step_post_hook(lambda *args: steps.append(1))
+    return opt, seen, steps
+
+
 @harness
 def _accumulation_run(answer, seed: int, k: int, b: int) -> tuple:
     """Run the answer on the seed's model (stale gradients in .grad, SGD with momentum); return
     (its parameters after, how many optimizer steps ran, the batch sizes the model saw)."""
     model, x, y = _setup(seed, k * b)
-    for p, g in zip(model.parameters(), _stale(model, seed)):
-        p.grad = g
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    seen, steps = [], []
-    model.register_forward_pre_hook(lambda module, inputs: seen.append(len(inputs[0])))
-    opt.register_step_post_hook(lambda *args: steps.append(1))
+    opt, seen, steps = _watched(model, seed, lr=0.1)
     call(answer, model, F.cross_entropy, opt, x.clone(), y.clone(), k)
     return tuple(p.detach() for p in model.parameters()), len(steps), seen
 
@@ -158,12 +165,7 @@ def _token_variant(seed: int, rows: tuple, variant: str = "reference") -> tuple:
 def _token_run(answer, seed: int, rows: tuple) -> tuple:
     """Run the answer (stale gradients in .grad); (its parameters, optimizer steps, rows seen)."""
     model, micro = _token_setup(seed, rows)
-    for p, g in zip(model.parameters(), _stale(model, seed)):
-        p.grad = g
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    seen, steps = [], []
-    model.register_forward_pre_hook(lambda module, inputs: seen.append(len(inputs[0])))
-    opt.register_step_post_hook(lambda *args: steps.append(1))
+    opt, seen, steps = _watched(model, seed, lr=0.5)
     call(answer, model, opt, [(x.clone(), y.clone()) for x, y in micro])
     return tuple(p.detach() for p in model.parameters()), len(steps), seen
 
