@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 __all__ = ["Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload"]
 
@@ -62,17 +63,18 @@ def offload_placement(n_params: int, *, zero_stage: int, offload_optimizer: str 
     See the module docstring for the formulas of each convention. `param_bytes` (4 or 2) is the
     device weights' size for convention="course"; DeepSpeed's convention assumes 2.
     """
-    _check_count("n_params", n_params)
-    _check_count("largest_layer_params", largest_layer_params)
-    for name, value in (("gpus_per_node", gpus_per_node), ("nodes", nodes)):
-        _check_count(name, value, minimum=1)
+    n_params = _check_count("n_params", n_params)
+    largest_layer_params = _check_count("largest_layer_params", largest_layer_params)
+    gpus_per_node = _check_count("gpus_per_node", gpus_per_node, minimum=1)
+    nodes = _check_count("nodes", nodes, minimum=1)
     for name, value in (("offload_optimizer", offload_optimizer),
                         ("offload_params", offload_params)):
         if value not in _WHERE:
             raise ValueError(f'{name} must be None, "cpu" or "nvme"; got {value!r}')
-    if not isinstance(buffer_factor, (int, float)) or isinstance(buffer_factor, bool) or not (
+    if not isinstance(buffer_factor, numbers.Real) or isinstance(buffer_factor, bool) or not (
             buffer_factor >= 1):
         raise ValueError(f"buffer_factor must be a number >= 1, got {buffer_factor!r}")
+    buffer_factor = float(buffer_factor)                # a NumPy float32 would round the bytes
     if not isinstance(zero_init, bool):
         raise ValueError(f"zero_init must be True or False, got {zero_init!r}")
     if convention == "deepspeed":
@@ -124,8 +126,10 @@ def _course(P, stage, opt, params, world, param_bytes) -> Placement:
         raise ValueError("the course offloads optimizer state, not parameters: use "
                          'offload_params=None, or convention="deepspeed" for ZeRO-3 parameter '
                          "offload")
-    if isinstance(param_bytes, bool) or not isinstance(param_bytes, int) or param_bytes not in (2, 4):
+    if (isinstance(param_bytes, bool) or not isinstance(param_bytes, numbers.Integral)
+            or param_bytes not in (2, 4)):
         raise ValueError(f"param_bytes must be 4 (fp32 weights) or 2 (16-bit), got {param_bytes!r}")
+    param_bytes = int(param_bytes)
     weights, copy_up = param_bytes * P, (param_bytes * P if param_bytes == 2 else 0)
     master, grads, moments = 4 * P, 4 * P, 8 * P
     if opt is None:                                    # everything on the device
@@ -177,6 +181,8 @@ def _budget(value) -> int:
     return parse_bytes(value)
 
 
-def _check_count(name: str, value, *, minimum: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _check_count(name: str, value, *, minimum: int = 0) -> int:
+    """`value` as a Python int (NumPy's integers too), or a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)

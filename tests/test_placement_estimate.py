@@ -43,3 +43,24 @@ def test_the_ladder_is_not_ordered_by_device_bytes():
     zero3 = offload_placement(P, zero_stage=3, gpus_per_node=8, largest_layer_params=L)
     assert zero2_cpu.device == 2 * P and zero3.device == 4 * L + int(18 * P / 8)
     assert zero3.device > zero2_cpu.device
+
+
+def test_numpy_integers_count_like_ints():
+    """Counts computed with NumPy (a sum of parameter counts) are ints: same placement, plain ints
+    out; a NumPy float count is refused like a Python one."""
+    numpy = pytest.importorskip("numpy")
+    P, L = 7 * 10**9, 32000 * 4096
+    cases = [({"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu",
+               "gpus_per_node": 8, "largest_layer_params": L, "buffer_factor": 1.5},
+              {"gpus_per_node": numpy.int32(8), "largest_layer_params": numpy.int64(L),
+               "buffer_factor": numpy.float32(1.5)}),
+             ({"zero_stage": 0, "offload_optimizer": "cpu", "convention": "course",
+               "param_bytes": 2},
+              {"zero_stage": numpy.int64(0), "param_bytes": numpy.int64(2)})]
+    for plain_kwargs, numpy_kwargs in cases:
+        plain = offload_placement(P, **plain_kwargs)
+        numpy_ints = offload_placement(numpy.int64(P), **{**plain_kwargs, **numpy_kwargs})
+        assert numpy_ints == plain
+        assert all(type(v) is int for v in (numpy_ints.device, numpy_ints.host, numpy_ints.disk))
+    with pytest.raises(ValueError, match="n_params must be an int"):
+        offload_placement(numpy.float64(P), zero_stage=2)
