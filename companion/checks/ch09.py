@@ -22,7 +22,7 @@ __all__ = ["check_train_within_budget"]
 LR = 3e-3          # AdamW's learning rate in the capstone (its other options: PyTorch's defaults)
 # How close each step's loss, and the trained model's loss on one more batch (in fp32 from its
 # logits), stay to a reference run in the answer's own precision (fp32; bf16 autocast; bf16
-# weights), relative. Measured on the CPU (20 fresh seeds, 4 and 6 steps, 1 and 2 threads):
+# weights), relative. Measured on the CPU (25 seeds, 4 and 6 steps, 1 and 2 threads):
 # correct fp32 plans drift by up to 2e-7, correct autocast ones by up to 4e-5; correct bf16-weight
 # ones by up to 8e-5 in their trained model's loss and 7.3e-3 in their losses, which are bf16
 # numbers themselves (8 bits of mantissa: 0.03 apart near 5), summed over micro-batches whose
@@ -276,7 +276,7 @@ def _check_behaviour(got: dict, S: Sizes, steps: int) -> None:
             hint="give the optimizer every parameter of the model: model.parameters().")
 
 
-def _check_against(got: dict, want: dict, steps: int) -> float:
+def _check_against(got: dict, want: dict, steps: int) -> tuple[float, float]:
     """The answer's losses, gradients and trained model against the reference run's."""
     precision = got["precision"]
     (rtol, final_rtol), losses = RTOL[precision], got["losses"]
