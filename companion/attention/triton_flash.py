@@ -1,0 +1,276 @@
+"""FlashAttention-2 as Triton kernels: the algorithm of `companion.attention.flash`, one program
+per tile, all tiles in parallel.
+
+Three kernels, forward and backward both in Triton:
+  `_forward`   one program per (query tile, head): loops over the key tiles it can see, keeps m, l
+               and the output tile in registers, writes O and L = m + log l;
+  `_backward_kv` one program per (key tile, key/value head): loops over the query tiles (of every
+               query head in its group) that see it and accumulates dK, dV, written once;
+  `_backward_q`  one program per (query tile, head): loops over key tiles and accumulates dQ.
+Splitting dQ from dK, dV recomputes the scores twice in backward instead of adding into dQ with
+atomics (FlashAttention-2 uses atomics; Triton's tutorial recomputes, as here). D = rowsum(dO ∘ O)
+is one PyTorch reduction before the backward kernels.
+
+On a CUDA GPU the kernels compile natively: 16-bit tiles go into `tl.dot` as they are, with fp32
+accumulation, and P is cast to 16 bits for P·V as FlashAttention-2 does. On CPU tensors they run
+only under Triton's interpreter (`TRITON_INTERPRET=1` in the environment before triton is
+imported, in that process only). The interpreter emulates bit patterns, not 16-bit arithmetic,
+so there every tile is cast to fp32 inside the kernel and the outputs are written in fp32 and
+rounded to the input dtype by PyTorch (the interpreter truncates when it casts fp32 to bf16).
+
+Example:
+    >>> o = FlashAttentionTriton.apply(q, k, v, True)          # q (B, H, T, d) on a GPU
+
+Simplified vs FlashAttention-2: no atomics, no persistent kernels or warp specialization, tile
+sizes from a small table instead of an autotuner; head dimension up to 256.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from companion.attention.flash import check_blocks
+from companion.attention.shapes import check_inputs, grouped, visible_keys
+
+__all__ = ["FlashAttentionTriton", "triton_available", "interpreted", "MAX_HEAD_DIM"]
+
+MAX_HEAD_DIM = 256
+
+
+def interpreted() -> bool:
+    """Do this process's kernels run under Triton's interpreter (TRITON_INTERPRET=1)?"""
+    return not hasattr(_forward, "run") or type(_forward).__name__ == "InterpretedFunction"
+
+
+def triton_available(device: torch.device | str = "cuda") -> bool:
+    """Can the Triton kernels run on `device` in this process: natively on CUDA, or on the CPU
+    under the interpreter?"""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and not interpreted()
+    return device.type == "cpu" and interpreted()
+
+
+@triton.jit
+def _forward(Q, K, V, O, L, n_q, n_k, d, offset, scale, heads, kv_heads, group,
+             CAUSAL: tl.constexpr, FP32: tl.constexpr, BLOCK_Q: tl.constexpr,
+             BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    kvh = (bh // heads) * kv_heads + (bh % heads) // group          # this head's k, v head
+    rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    dims = tl.arange(0, BLOCK_D)
+    q_mask = (rows[:, None] < n_q) & (dims[None, :] < d)
+    q = tl.load(Q + bh * n_q * d + rows[:, None] * d + dims[None, :], mask=q_mask, other=0.0)
+    if FP32:
+        q = q.to(tl.float32)
+    m = tl.full([BLOCK_Q], float("-inf"), tl.float32)               # running max
+    l = tl.zeros([BLOCK_Q], tl.float32)                             # running sum
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)                  # unnormalized O tile
+    stop = n_k
+    if CAUSAL:
+        stop = tl.minimum(n_k, tile * BLOCK_Q + BLOCK_Q + offset)   # keys past it are hidden
+    for start in range(0, stop, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        kv_mask = (cols[:, None] < n_k) & (dims[None, :] < d)
+        kv_off = kvh * n_k * d + cols[:, None] * d + dims[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        if FP32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale                          # (BLOCK_Q, BLOCK_K) fp32
+        seen = cols[None, :] < n_k
+        if CAUSAL:
+            seen = seen & (cols[None, :] <= rows[:, None] + offset)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)       # rows with no key yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(O + bh * n_q * d + rows[:, None] * d + dims[None, :],
+             out.to(O.dtype.element_ty), mask=q_mask)
+    lse = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), float("-inf"))   # no key: −inf
+    tl.store(L + bh * n_q + rows, lse, mask=rows < n_q)
+
+
+@triton.jit
+def _scores(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL: tl.constexpr):
+    """P = exp(S − L) of one tile, 0 where masked or where the query saw no key."""
+    s = tl.dot(q, tl.trans(k)) * scale
+    seen = cols[None, :] < n_k
+    if CAUSAL:
+        seen = seen & (cols[None, :] <= rows[:, None] + offset)
+    lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)
+    return tl.where(seen, tl.exp(s - lse_safe[:, None]), 0.0)
+
+
+@triton.jit
+def _backward_kv(Q, K, V, DO, L, D, DK, DV, n_q, n_k, d, offset, scale, heads, kv_heads,
+                 group, CAUSAL: tl.constexpr, FP32: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    tile, bkv = tl.program_id(0), tl.program_id(1)
+    cols = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    dims = tl.arange(0, BLOCK_D)
+    kv_mask = (cols[:, None] < n_k) & (dims[None, :] < d)
+    kv_off = bkv * n_k * d + cols[:, None] * d + dims[None, :]
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    if FP32:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    dk = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+    first = 0
+    if CAUSAL:                                                      # queries that see no key here
+        first = tl.maximum(tile * BLOCK_K - offset, 0) // BLOCK_Q * BLOCK_Q
+    for g in range(0, group):                                       # every query head of the group
+        bh = (bkv // kv_heads) * heads + (bkv % kv_heads) * group + g
+        for start in range(first, n_q, BLOCK_Q):
+            rows = start + tl.arange(0, BLOCK_Q)
+            q_mask = (rows[:, None] < n_q) & (dims[None, :] < d)
+            q_off = bh * n_q * d + rows[:, None] * d + dims[None, :]
+            q = tl.load(Q + q_off, mask=q_mask, other=0.0)
+            do = tl.load(DO + q_off, mask=q_mask, other=0.0)
+            if FP32:
+                q, do = q.to(tl.float32), do.to(tl.float32)
+            lse = tl.load(L + bh * n_q + rows, mask=rows < n_q, other=float("-inf"))
+            delta = tl.load(D + bh * n_q + rows, mask=rows < n_q, other=0.0)
+            p = _scores(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q) * scale
+    tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _backward_q(Q, K, V, DO, L, D, DQ, n_q, n_k, d, offset, scale, heads, kv_heads, group,
+                CAUSAL: tl.constexpr, FP32: tl.constexpr, BLOCK_Q: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    kvh = (bh // heads) * kv_heads + (bh % heads) // group
+    rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    dims = tl.arange(0, BLOCK_D)
+    q_mask = (rows[:, None] < n_q) & (dims[None, :] < d)
+    q_off = bh * n_q * d + rows[:, None] * d + dims[None, :]
+    q = tl.load(Q + q_off, mask=q_mask, other=0.0)
+    do = tl.load(DO + q_off, mask=q_mask, other=0.0)
+    if FP32:
+        q, do = q.to(tl.float32), do.to(tl.float32)
+    lse = tl.load(L + bh * n_q + rows, mask=rows < n_q, other=float("-inf"))
+    delta = tl.load(D + bh * n_q + rows, mask=rows < n_q, other=0.0)
+    dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    stop = n_k
+    if CAUSAL:
+        stop = tl.minimum(n_k, tile * BLOCK_Q + BLOCK_Q + offset)
+    for start in range(0, stop, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        kv_mask = (cols[:, None] < n_k) & (dims[None, :] < d)
+        kv_off = kvh * n_k * d + cols[:, None] * d + dims[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        if FP32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        p = _scores(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k) * scale
+    tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+def _default_blocks(d: int) -> tuple[int, int]:
+    """Tile sizes by head dimension: 64 x 64 up to d = 64, smaller tiles for wider heads, so
+    that q, k, v tiles and the fp32 accumulator stay within a GPU's registers and shared memory
+    (`companion.attention.tiles` works out what fits)."""
+    return (64, 64) if d <= 64 else (64, 32) if d <= 128 else (32, 32)
+
+
+def _layout(q, k, v):
+    """(q, k, v) as contiguous (Z·H, N, d) and (Z·Hkv, N, d), with (H, Hkv, group)."""
+    q5, k5, _ = grouped(q, k, v)
+    kv_heads, group = q5.shape[-4], q5.shape[-3]
+    heads = kv_heads * group
+    flat = lambda t, n: t.reshape(-1, n, t.shape[-1]).contiguous()
+    return (flat(q, q.shape[-2]), flat(k, k.shape[-2]), flat(v, v.shape[-2]),
+            heads, kv_heads, group)
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2 in Triton: `FlashAttentionTriton.apply(q, k, v, is_causal, scale=None,
+    block_q=None, block_k=None)`, the contract of `FlashAttentionTorch` (shapes, bottom-right
+    causal mask, grouped-query heads, saved tensors q, k, v, O and the (..., Nq) log-sum-exp).
+    fp16, bf16 and fp32; head dimension up to 256; CUDA tensors, or CPU tensors under
+    `TRITON_INTERPRET=1`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False, scale=None, block_q=None, block_k=None):
+        scale = check_inputs(q, k, v, is_causal, scale)
+        d = q.shape[-1]
+        if q.dtype == torch.float64:
+            raise TypeError("the Triton kernels take fp16, bf16 or fp32; for fp64 use "
+                            "FlashAttentionTorch")
+        if d > MAX_HEAD_DIM:
+            raise ValueError(f"head dimension {d} is above the kernels' {MAX_HEAD_DIM}: use "
+                             "FlashAttentionTorch, or split the heads")
+        _runs_on(q.device)
+        defaults = _default_blocks(d)
+        block_q, block_k = check_blocks(block_q or defaults[0], block_k or defaults[1])
+        if block_q < 16 or block_k < 16 or block_q & (block_q - 1) or block_k & (block_k - 1):
+            raise ValueError(f"Triton tiles are powers of two of at least 16 (tl.dot's smallest "
+                             f"tile), got block_q={block_q}, block_k={block_k}")
+        q3, k3, v3, heads, kv_heads, group = _layout(q, k, v)
+        n_q, n_k = q3.shape[1], k3.shape[1]
+        fp32 = interpreted() or q.dtype == torch.float32
+        out = torch.empty(q3.shape, device=q.device,
+                          dtype=torch.float32 if interpreted() else q.dtype)
+        lse = torch.empty(q3.shape[:2], device=q.device, dtype=torch.float32)
+        grid = (triton.cdiv(n_q, block_q), q3.shape[0])
+        _forward[grid](q3, k3, v3, out, lse, n_q, n_k, d, visible_keys(n_q, n_k), scale, heads,
+                       kv_heads, group, CAUSAL=is_causal, FP32=fp32, BLOCK_Q=block_q,
+                       BLOCK_K=block_k, BLOCK_D=max(16, triton.next_power_of_2(d)))
+        out = out.to(q.dtype).reshape(q.shape)
+        lse = lse.reshape(q.shape[:-1])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (is_causal, scale, block_q, block_k)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        is_causal, scale, block_q, block_k = ctx.options
+        q3, k3, v3, heads, kv_heads, group = _layout(q, k, v)
+        do3 = grad_out.reshape(q3.shape).contiguous()
+        n_q, n_k, d = q3.shape[1], k3.shape[1], q3.shape[2]
+        delta = (do3.float() * out.reshape(q3.shape).float()).sum(-1)   # D = rowsum(dO ∘ O)
+        lse3 = lse.reshape(q3.shape[:2]).contiguous()
+        store = torch.float32 if interpreted() else q.dtype
+        dq = torch.empty(q3.shape, device=q.device, dtype=store)
+        dk = torch.empty(k3.shape, device=q.device, dtype=store)
+        dv = torch.empty(v3.shape, device=q.device, dtype=store)
+        fp32 = interpreted() or q.dtype == torch.float32
+        common = dict(CAUSAL=is_causal, FP32=fp32, BLOCK_Q=block_q, BLOCK_K=block_k,
+                      BLOCK_D=max(16, triton.next_power_of_2(d)))
+        args = (n_q, n_k, d, visible_keys(n_q, n_k), scale, heads, kv_heads, group)
+        _backward_kv[(triton.cdiv(n_k, block_k), k3.shape[0])](
+            q3, k3, v3, do3, lse3, delta, dk, dv, *args, **common)
+        _backward_q[(triton.cdiv(n_q, block_q), q3.shape[0])](
+            q3, k3, v3, do3, lse3, delta, dq, *args, **common)
+        return (dq.to(q.dtype).reshape(q.shape), dk.to(k.dtype).reshape(k.shape),
+                dv.to(v.dtype).reshape(v.shape), None, None, None, None)
+
+
+def _runs_on(device: torch.device) -> None:
+    if device.type == "cuda" and interpreted():
+        raise RuntimeError("TRITON_INTERPRET=1 is set in this process: the kernels would be "
+                           "interpreted, not compiled; unset it to run them on the GPU")
+    if device.type == "cpu" and not interpreted():
+        raise RuntimeError("Triton kernels run on a CUDA GPU. On a CPU they run only under "
+                           "Triton's interpreter: set TRITON_INTERPRET=1 in the environment of "
+                           "a fresh process before triton is imported (or use "
+                           "FlashAttentionTorch)")
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"the Triton kernels run on CUDA tensors, not {device.type}")
