@@ -4,8 +4,10 @@
 pre-LayerNorm blocks of causal self-attention and a 4x GELU MLP, a linear head) are plain
 `nn.Module`s with no dropout, so a seed fixes every number. Attention is written out (scores,
 mask, softmax, weighted sum) rather than fused, so the (T, T) score matrix that fills memory at
-long sequences is there to see and to measure; `fused_attention=True` calls
-`F.scaled_dot_product_attention` instead, whose kernels keep no (T, T) tensor for backward. `make_classification` and `make_tokens` make data
+long sequences is there to see and to measure. `attention=` picks another implementation:
+"sdpa" (`F.scaled_dot_product_attention`, also `fused_attention=True`), "flash"
+(`companion.attention.FlashAttentionTorch`) or "flash_triton" (`FlashAttentionTriton`); the fused
+ones keep no (T, T) tensor for backward. `make_classification` and `make_tokens` make data
 for them; `make_regression` is chapter 01's linear-regression data.
 
 Example:
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["make_regression", "MLP", "GPT", "make_classification", "make_tokens"]
+__all__ = ["make_regression", "MLP", "GPT", "make_classification", "make_tokens", "ATTENTIONS"]
 
 
 def make_regression(m: int, d: int, *, noise: float = 0.1, seed: int = 0,
@@ -63,14 +65,29 @@ class MLP(nn.Module):
         return F.cross_entropy(self(x), y)
 
 
+ATTENTIONS = ("written", "sdpa", "flash", "flash_triton")
+
+
+def _attention_kind(attention: str | None, fused_attention: bool) -> str:
+    if attention is None:
+        return "sdpa" if fused_attention else "written"
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    if fused_attention and attention == "written":
+        raise ValueError("fused_attention=True contradicts attention='written'")
+    return attention
+
+
 class Block(nn.Module):
     """One pre-LayerNorm transformer block: x + attention(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, width: int, heads: int, *, fused_attention: bool = False, **factory):
+    def __init__(self, width: int, heads: int, *, fused_attention: bool = False,
+                 attention: str | None = None, **factory):
         super().__init__()
         if width % heads:
             raise ValueError(f"width {width} must be a multiple of heads {heads}")
-        self.heads, self.fused_attention = heads, fused_attention
+        self.heads, self.kind = heads, _attention_kind(attention, fused_attention)
+        self.fused_attention = self.kind != "written"
         self.ln1, self.ln2 = nn.LayerNorm(width, **factory), nn.LayerNorm(width, **factory)
         self.qkv = nn.Linear(width, 3 * width, **factory)
         self.proj = nn.Linear(width, width, **factory)
@@ -83,13 +100,21 @@ class Block(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)                      # 3 x (B, T, C)
         q, k, v = (t.view(B, T, self.heads, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if self.fused_attention:                                   # saves q, k, v, out, (B, nh, T)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (B, nh, T, hs)
+            y = self._fused(q, k, v)                               # (B, nh, T, hs)
             return self.proj(y.transpose(1, 2).reshape(B, T, C))
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
         mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         weights = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)  # (B, nh, T, T)
         y = (weights @ v).transpose(1, 2).reshape(B, T, C)         # (B, T, C)
         return self.proj(y)
+
+    def _fused(self, q, k, v):
+        if self.kind == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        from companion import attention
+        kernel = (attention.FlashAttentionTorch if self.kind == "flash"
+                  else attention.FlashAttentionTriton)
+        return kernel.apply(q, k, v, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.ln1(x))
@@ -104,14 +129,16 @@ class GPT(nn.Module):
 
     def __init__(self, vocab: int, seq_len: int, width: int, depth: int, heads: int, *,
                  seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, fused_attention: bool = False):
+                 device: torch.device | str | None = None, fused_attention: bool = False,
+                 attention: str | None = None):
         super().__init__()
         torch.manual_seed(seed)
         factory = {"dtype": dtype, "device": device}
         self.seq_len = seq_len
         self.tok = nn.Embedding(vocab, width, **factory)
         self.pos = nn.Embedding(seq_len, width, **factory)
-        self.blocks = nn.Sequential(*[Block(width, heads, fused_attention=fused_attention, **factory)
+        self.blocks = nn.Sequential(*[Block(width, heads, fused_attention=fused_attention,
+                                            attention=attention, **factory)
                                       for _ in range(depth)])
         self.ln = nn.LayerNorm(width, **factory)
         self.head = nn.Linear(width, vocab, **factory)

@@ -47,6 +47,16 @@ def _accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _heads_last(q: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty tensor of q's shape laid out (..., Nq, heads, d) in memory, as SDPA lays out its
+    output: `out.transpose(-2, -3).reshape(..., Nq, heads·d)` is then a view, not a copy."""
+    dtype = q.dtype if dtype is None else dtype
+    if q.ndim < 4:
+        return torch.empty(q.shape, dtype=dtype, device=q.device)
+    shape = (*q.shape[:-3], q.shape[-2], q.shape[-3], q.shape[-1])
+    return torch.empty(shape, dtype=dtype, device=q.device).transpose(-2, -3)
+
+
 def _tile_scores(qi, kj, scale, rows, cols, offset, is_causal):
     """(…, Bq, Bk) fp32 scores of one tile, −inf where the causal mask hides a key."""
     s = (qi @ kj.transpose(-2, -1)) * scale                  # (..., g, Bq, Bk) fp32
@@ -65,7 +75,8 @@ def flash_forward(q, k, v, is_causal: bool = False, *, scale: float | None = Non
     acc = _accumulator(q.dtype)
     n_q, n_k = q.shape[-2], k.shape[-2]
     offset = visible_keys(n_q, n_k)                          # query i sees keys j <= i + offset
-    out = torch.empty(q5.shape, dtype=q.dtype, device=q.device)
+    out = _heads_last(q)                                     # q's shape, (..., Nq, H, d) in memory
+    out5 = grouped(out, k, v)[0]                             # a view: tiles write into `out`
     lse = torch.empty(q5.shape[:-1], dtype=acc, device=q.device)
     for i0 in range(0, n_q, block_q):
         qi = q5[..., i0:i0 + block_q, :].to(acc)             # (..., g, Bq, d)
@@ -85,9 +96,9 @@ def flash_forward(q, k, v, is_causal: bool = False, *, scale: float | None = Non
             l = alpha * l + p.sum(dim=-1)
             num = alpha[..., None] * num + p @ vj
             m = m_new
-        out[..., i0:i0 + block_q, :] = num / l.masked_fill(l == 0, 1.0)[..., None]
+        out5[..., i0:i0 + block_q, :] = num / l.masked_fill(l == 0, 1.0)[..., None]
         lse[..., i0:i0 + block_q] = m + torch.log(l)         # −inf + −inf where l == 0
-    return ungrouped(out, q), lse.reshape(q.shape[:-1])
+    return out, lse.reshape(q.shape[:-1])
 
 
 def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool = False, *,

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from companion.attention.flash import check_blocks
+from companion.attention.flash import _heads_last, check_blocks
 from companion.attention.shapes import check_inputs, grouped, visible_keys
 
 __all__ = ["FlashAttentionTriton", "triton_available", "interpreted", "MAX_HEAD_DIM"]
@@ -54,8 +54,8 @@ def triton_available(device: torch.device | str = "cuda") -> bool:
 
 @triton.jit
 def _forward(Q, K, V, O, L, n_q, n_k, d, offset, scale, heads, kv_heads, group,
-             CAUSAL: tl.constexpr, FP32: tl.constexpr, BLOCK_Q: tl.constexpr,
-             BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+             o_batch, o_head, o_row, CAUSAL: tl.constexpr, FP32: tl.constexpr,
+             BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     tile, bh = tl.program_id(0), tl.program_id(1)
     kvh = (bh // heads) * kv_heads + (bh % heads) // group          # this head's k, v head
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -91,8 +91,9 @@ def _forward(Q, K, V, O, L, n_q, n_k, d, offset, scale, heads, kv_heads, group,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(O + bh * n_q * d + rows[:, None] * d + dims[None, :],
-             out.to(O.dtype.element_ty), mask=q_mask)
+    o_off = (bh // heads) * o_batch + (bh % heads) * o_head + rows[:, None] * o_row + dims[None, :]
+    # O is laid out (..., Nq, heads, d), as SDPA's output: (B, T, H·d) is then a view
+    tl.store(O + o_off, out.to(O.dtype.element_ty), mask=q_mask)
     lse = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), float("-inf"))   # no key: −inf
     tl.store(L + bh * n_q + rows, lse, mask=rows < n_q)
 
@@ -225,14 +226,14 @@ class FlashAttentionTriton(torch.autograd.Function):
         q3, k3, v3, heads, kv_heads, group = _layout(q, k, v)
         n_q, n_k = q3.shape[1], k3.shape[1]
         fp32 = interpreted() or q.dtype == torch.float32
-        out = torch.empty(q3.shape, device=q.device,
-                          dtype=torch.float32 if interpreted() else q.dtype)
+        out = _heads_last(q, torch.float32 if interpreted() else q.dtype)
+        o_strides = (n_q * heads * d, d, heads * d) if q.ndim >= 4 else (n_q * d, 0, d)
         lse = torch.empty(q3.shape[:2], device=q.device, dtype=torch.float32)
         grid = (triton.cdiv(n_q, block_q), q3.shape[0])
         _forward[grid](q3, k3, v3, out, lse, n_q, n_k, d, visible_keys(n_q, n_k), scale, heads,
-                       kv_heads, group, CAUSAL=is_causal, FP32=fp32, BLOCK_Q=block_q,
+                       kv_heads, group, *o_strides, CAUSAL=is_causal, FP32=fp32, BLOCK_Q=block_q,
                        BLOCK_K=block_k, BLOCK_D=max(16, triton.next_power_of_2(d)))
-        out = out.to(q.dtype).reshape(q.shape)
+        out = out.to(q.dtype)                                 # keeps the (..., Nq, H, d) layout
         lse = lse.reshape(q.shape[:-1])
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (is_causal, scale, block_q, block_k)
