@@ -135,7 +135,8 @@ def mlp_activations(batch: int, width: int, depth: int, d_out: int, *,
 
 
 def gpt_activations(batch: int, seq_len: int, width: int, depth: int, heads: int, vocab: int, *,
-                    precision: str = "fp32", device_type: str = "cpu") -> int:
+                    precision: str = "fp32", device_type: str = "cpu",
+                    attention: str = "written") -> int:
     """Bytes `GPT.loss` saves for backward, beyond its input tokens and targets.
 
     Per block, with N = batch·seq_len tokens and C = width (values of e bytes):
@@ -147,13 +148,25 @@ def gpt_activations(batch: int, seq_len: int, width: int, depth: int, heads: int
       dtype on CPU; CUDA's kernels keep these in fp32, 8·N more bytes per LayerNorm in 16-bit).
     Outside the blocks: the final LayerNorm's input and output (2·N·C) and statistics, the
     log-softmax of the logits (N·vocab), the position indices (8·T bytes) and a one-value weight.
-    "autocast": see `_gpt_autocast_activations`; `device_type` matters only there."""
+    "autocast": see `_gpt_autocast_activations`; `device_type` matters only there.
+
+    `attention="fused"` (SDPA's kernels, `companion.attention`'s FlashAttention: `GPT(attention=
+    "sdpa" | "flash" | "flash_triton")`): no softmax weights and no mask, but one fp32
+    log-sum-exp per query and head (4·B·heads·T bytes); the (N, C) output the kernel saves
+    replaces the copy of v the written-out product keeps."""
+    _check_choice("attention", attention, ("written", "fused"))
     if precision == "autocast":
-        return _gpt_autocast_activations(batch, seq_len, width, depth, heads, vocab, device_type)
-    e = bytes_per_element(precision)
-    N, T = batch * seq_len, seq_len
-    block = 16 * N * width * e + batch * heads * T * T * e + T * T + 2 * 2 * N * e
-    return depth * block + 2 * N * width * e + 2 * N * e + N * vocab * e + 8 * T + e
+        acts = _gpt_autocast_activations(batch, seq_len, width, depth, heads, vocab, device_type)
+        softmax = (2 if device_type == "cpu" else 6) * batch * heads * seq_len ** 2
+    else:
+        e = bytes_per_element(precision)
+        N, T = batch * seq_len, seq_len
+        block = 16 * N * width * e + batch * heads * T * T * e + T * T + 2 * 2 * N * e
+        acts = depth * block + 2 * N * width * e + 2 * N * e + N * vocab * e + 8 * T + e
+        softmax = batch * heads * T * T * e
+    if attention == "fused":
+        acts -= depth * (softmax + seq_len ** 2 - 4 * batch * heads * seq_len)
+    return acts
 
 
 def _gpt_autocast_activations(batch: int, seq_len: int, width: int, depth: int, heads: int,

@@ -71,16 +71,14 @@ def _activations(s: GPTShape, c: Candidate, device_type: str) -> tuple[int, int,
     precision = {"fp32": "fp32", "autocast": "autocast", "mixed": "bf16"}[c.precision]
     if c.zero_stage == 3 and c.precision == "autocast":
         precision = "bf16"                             # FSDP gathers and computes in bf16
+    attention = "fused" if s.fused_attention else "written"    # fused: no (T, T) softmax or mask
     full = estimate.gpt_activations(B, T, C, L, h, V, precision=precision,
-                                    device_type=device_type)
+                                    device_type=device_type, attention=attention)
     outside = estimate.gpt_activations(B, T, C, 0, h, V, precision=precision,
                                        device_type=device_type)     # embeddings, final LN, loss
     per_block = (full - outside) // L
     if precision == "bf16":
         outside += 2 * B * T * V                       # the loss's log-softmax is fp32 here
-    if s.fused_attention:                              # no (T, T) softmax or mask, a log-sum-exp
-        softmax = {"fp32": 4, "bf16": 2}.get(precision, 2 if device_type == "cpu" else 6)
-        per_block += 4 * B * h * T - softmax * B * h * T * T - T * T
     if c.lora_rank:                                    # x·Aᵀ, (N, r), saved for B's gradient
         per_block += 4 * B * T * c.lora_rank * (2 if c.precision != "fp32" else 4)
     checkpoint = (2 if c.precision == "mixed" else 4) * B * T * C
