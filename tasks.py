@@ -10,8 +10,9 @@ skipped, with the reason, where /usr/bin/chromium is missing.
 
 Setup makes a virtual environment in .venv, installs PyTorch there if it has none (a torch you
 installed yourself, e.g. a CUDA build, is kept), then the companion package: `lab` and `reset` with
-what the course needs, `test` also with the test tools (pytest, hypothesis, Playwright, and Triton on Linux). Every
-command is safe to re-run; the second time, setup only checks that nothing changed.
+what the course needs, `test` also with the test tools (pytest, hypothesis, Playwright, and
+Triton on Linux). Every command is safe to re-run; the second time, setup only checks that
+nothing changed.
 """
 from __future__ import annotations
 
