@@ -94,6 +94,11 @@ class Sizes:
     cap_depth: int = 4        # blocks,
     cap_batch: int = 16       # sequences per optimizer step (the effective batch a plan keeps),
     cap_budget: int = 8 * 2**20   # and the device bytes it must train in (chapter 09)
+    attn_batch: int = 1       # chapter 10's attention sweep: batch, heads and head dimension of
+    attn_heads: int = 4       # q, k, v (batch, heads, T, head_dim),
+    attn_head_dim: int = 32
+    attn_max_len: int = 16384        # the longest T our FlashAttention runs (powers of 2 from 256)
+    attn_naive_max_len: int = 4096   # the longest T the written-out attention runs
 
 
 _SIZES = {
@@ -105,7 +110,8 @@ _SIZES = {
                   offload_width=1536, offload_depth=16, offload_batch=1, act_offload_batch=8,
                   amp_gpt_batch=8, amp_width=1024, amp_depth=8, amp_batch=4096, amp_accum=256,
                   amp_steps=500, amp_matmul=8192, anatomy_gpt_batch=8, token_rows=2,
-                  cap_width=1024, cap_depth=12, cap_batch=16, cap_budget=4 * 2**30),
+                  cap_width=1024, cap_depth=12, cap_batch=16, cap_budget=4 * 2**30,
+                  attn_batch=4, attn_heads=16, attn_head_dim=64, attn_max_len=32768),
 }
 
 
@@ -115,10 +121,10 @@ _R = dataclasses.replace
 _GPU_CLASSES = {80: _SIZES["cuda"]}
 _GPU_CLASSES[40] = _R(_GPU_CLASSES[80], anatomy_gpt_batch=4, amp_gpt_batch=4, act_offload_batch=4,
                       ckpt_gpt_batch=4, ckpt_depth=32, ckpt_batch=4096, offload_width=1024,
-                      cap_batch=8, token_rows=1)
+                      cap_batch=8, token_rows=1, attn_batch=2)
 _GPU_CLASSES[24] = _R(_GPU_CLASSES[40], width=2048, anatomy_gpt_batch=2, amp_gpt_batch=2,
                       act_offload_batch=2, ckpt_gpt_batch=2, ckpt_gpt_depth=12, zero_width=4096,
-                      offload_depth=8, amp_matmul=4096, cap_batch=4)
+                      offload_depth=8, amp_matmul=4096, cap_batch=4, attn_batch=1)
 _GPU_CLASSES[16] = _R(_GPU_CLASSES[24], depth=16, gpt_depth=8, anatomy_gpt_batch=1,
                       amp_gpt_batch=1, act_offload_batch=1, ckpt_gpt_batch=1, ckpt_gpt_depth=8,
                       ckpt_depth=32, ckpt_batch=2048, offload_width=768, cap_batch=2,

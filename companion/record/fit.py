@@ -49,7 +49,8 @@ def predicted_peaks(s) -> dict[str, dict[str, int]]:
     chapter ("00", ...) and run. Reads every field of `s` that sizes device memory."""
     return {"00": _anatomy(s), "01": _gradient_descent(s), "02": _float_formats(s),
             "03": _accumulation(s), "04": _checkpointing(s), "05": _mixed_precision(s),
-            "06": _data_parallel(s), "07": _zero(s), "08": _offload(s), "09": _capstone(s)}
+            "06": _data_parallel(s), "07": _zero(s), "08": _offload(s), "09": _capstone(s),
+            "10": _attention(s)}
 
 
 def _anatomy(s) -> dict[str, int]:
@@ -153,3 +154,14 @@ def _capstone(s) -> dict[str, int]:
     return {"unconstrained gpt step": gpt_step_bytes(s, batch=s.cap_batch, depth=s.cap_depth,
                                                      width=s.cap_width),
             "plan under the budget": s.cap_budget}
+
+
+def _attention(s) -> dict[str, int]:
+    # The written-out attention at its longest T, bounded by six fp32 (B, H, T, T) tensors at
+    # once (scores, probabilities, mask, and in backward their gradients), plus q, k, v, o and
+    # their gradients; our kernel at its longest T holds those eight and fp32 accumulators.
+    rows = s.attn_batch * s.attn_heads
+    qkvo = lambda T: 8 * rows * T * s.attn_head_dim * 4
+    return {"written-out attention": 6 * rows * s.attn_naive_max_len ** 2 * 4
+            + qkvo(s.attn_naive_max_len),
+            "flashattention": 2 * qkvo(s.attn_max_len)}

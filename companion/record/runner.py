@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from companion.device import describe, gpu_class, sizes
-from companion.record import basics, capstone, parallel, techniques
+from companion.record import attention, basics, capstone, parallel, techniques
 from companion.record.common import SizesRead
 from companion.results import RESULTS_DIR, is_curve
 
@@ -38,7 +38,7 @@ CHAPTERS: dict[str, Callable] = {
     "00": basics.anatomy, "01": basics.batch_activations, "02": basics.low_precision_sums,
     "03": basics.batch_memory, "04": techniques.checkpoint_segments,
     "05": techniques.mixed_precision, "06": parallel.data_parallel, "07": parallel.zero,
-    "08": techniques.offload, "09": capstone.capstone,
+    "08": techniques.offload, "09": capstone.capstone, "10": attention.attention_sweep,
 }
 
 
