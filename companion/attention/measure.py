@@ -22,7 +22,8 @@ from companion.attention.flash import FlashAttentionTorch
 from companion.attention.naive import naive_attention
 from companion.memory import track
 
-__all__ = ["KINDS", "available", "attention_fn", "attention_memory", "attention_seconds", "median"]
+__all__ = ["KINDS", "available", "attention_fn", "attention_memory", "attention_seconds", "median",
+           "triton_interpreted"]
 
 KINDS = ("naive", "flash", "flash_triton", "sdpa_flash", "sdpa_efficient", "sdpa_math")
 _BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient":
@@ -111,3 +112,35 @@ def attention_seconds(kinds: list[str], T: int, *, repeats: int = 5, batch: int 
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+_CHILD = """
+import torch
+from companion.attention import FlashAttentionTorch, FlashAttentionTriton
+for qs, ks, causal in (((1, 4, 70, 32), (1, 2, 70, 32), True), ((2, 45, 16), (2, 77, 16), False)):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=g, requires_grad=True) for s in (qs, ks, ks))
+    outs = []
+    for kernel in (FlashAttentionTorch, FlashAttentionTriton):
+        o = kernel.apply(q, k, v, causal)
+        outs.append((o, *torch.autograd.grad(o, (q, k, v), torch.ones_like(o))))
+    diff = max(float((a - b).abs().max()) for a, b in zip(*outs))
+    print(f"q {qs}, k {ks}, causal={causal}: Triton (interpreted) vs PyTorch, largest "
+          f"difference in o, dq, dk, dv: {diff:.1e}")
+"""
+
+
+def triton_interpreted(timeout: float = 300.0) -> str:
+    """Run the Triton kernels on CPU tensors under Triton's interpreter, in a child process
+    (TRITON_INTERPRET=1 is set there only), against FlashAttentionTorch; return what it printed,
+    or why it could not run."""
+    import os
+    import subprocess
+    import sys
+    if not _has_triton():
+        return "Triton is not installed here (a Linux-only extra: pip install triton)."
+    done = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "TRITON_INTERPRET": "1"})
+    if done.returncode:
+        return f"the interpreted run failed:\n{done.stderr[-2000:]}"
+    return done.stdout.strip()
