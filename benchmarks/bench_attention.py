@@ -9,9 +9,11 @@ median time of forward + backward as ours / SDPA flash (on a GPU, goal <= 1.5x f
 """
 from __future__ import annotations
 
+from statistics import median
+
 import torch
 
-from companion.attention.measure import attention_memory, attention_seconds, available, median
+from companion.attention.measure import attention_memory, attention_seconds, available
 
 
 def main() -> None:

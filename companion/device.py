@@ -99,6 +99,8 @@ class Sizes:
     attn_head_dim: int = 32
     attn_max_len: int = 16384        # the longest T our FlashAttention runs (powers of 2 from 256)
     attn_naive_max_len: int = 4096   # the longest T the written-out attention runs
+    attn_gpt_len: int = 512   # the longest sequence of the course GPT (gpt_width, gpt_depth,
+    attn_gpt_batch: int = 4   # vocab) whose step chapter 10 measures, and its batch
 
 
 _SIZES = {
@@ -111,7 +113,8 @@ _SIZES = {
                   amp_gpt_batch=8, amp_width=1024, amp_depth=8, amp_batch=4096, amp_accum=256,
                   amp_steps=500, amp_matmul=8192, anatomy_gpt_batch=8, token_rows=2,
                   cap_width=1024, cap_depth=12, cap_batch=16, cap_budget=4 * 2**30,
-                  attn_batch=4, attn_heads=16, attn_head_dim=64, attn_max_len=32768),
+                  attn_batch=4, attn_heads=16, attn_head_dim=64, attn_max_len=32768,
+                  attn_gpt_len=4096, attn_gpt_batch=1),
 }
 
 
@@ -121,7 +124,7 @@ _R = dataclasses.replace
 _GPU_CLASSES = {80: _SIZES["cuda"]}
 _GPU_CLASSES[40] = _R(_GPU_CLASSES[80], anatomy_gpt_batch=4, amp_gpt_batch=4, act_offload_batch=4,
                       ckpt_gpt_batch=4, ckpt_depth=32, ckpt_batch=4096, offload_width=1024,
-                      cap_batch=8, token_rows=1, attn_batch=2)
+                      cap_batch=8, token_rows=1, attn_batch=2, attn_gpt_len=2048)
 _GPU_CLASSES[24] = _R(_GPU_CLASSES[40], width=2048, anatomy_gpt_batch=2, amp_gpt_batch=2,
                       act_offload_batch=2, ckpt_gpt_batch=2, ckpt_gpt_depth=12, zero_width=4096,
                       offload_depth=8, amp_matmul=4096, cap_batch=4, attn_batch=1)

@@ -152,8 +152,10 @@ def gpt_activations(batch: int, seq_len: int, width: int, depth: int, heads: int
 
     `attention="fused"` (SDPA's kernels, `companion.attention`'s FlashAttention: `GPT(attention=
     "sdpa" | "flash" | "flash_triton")`): no softmax weights and no mask, but one fp32
-    log-sum-exp per query and head (4·B·heads·T bytes); the (N, C) output the kernel saves
-    replaces the copy of v the written-out product keeps."""
+    log-sum-exp per query and head (4·B·heads·T bytes). The linear terms stay 4·N·C around
+    attention: the kernel keeps q, k, v as the one qkv output and its own output, which is the
+    projection's input (a view), where the written-out products keep contiguous copies of q, k, v
+    and the projection its input."""
     _check_choice("attention", attention, ("written", "fused"))
     if precision == "autocast":
         acts = _gpt_autocast_activations(batch, seq_len, width, depth, heads, vocab, device_type)

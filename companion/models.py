@@ -87,7 +87,6 @@ class Block(nn.Module):
         if width % heads:
             raise ValueError(f"width {width} must be a multiple of heads {heads}")
         self.heads, self.kind = heads, _attention_kind(attention, fused_attention)
-        self.fused_attention = self.kind != "written"
         self.ln1, self.ln2 = nn.LayerNorm(width, **factory), nn.LayerNorm(width, **factory)
         self.qkv = nn.Linear(width, 3 * width, **factory)
         self.proj = nn.Linear(width, width, **factory)
@@ -107,6 +106,11 @@ class Block(nn.Module):
         weights = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)  # (B, nh, T, T)
         y = (weights @ v).transpose(1, 2).reshape(B, T, C)         # (B, T, C)
         return self.proj(y)
+
+    @property
+    def fused_attention(self) -> bool:
+        """True when no (T, T) tensor is kept: any kind but the written-out attention."""
+        return self.kind != "written"
 
     def _fused(self, q, k, v):
         if self.kind == "sdpa":

@@ -10,7 +10,6 @@ Example:
 """
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable
 
@@ -22,7 +21,7 @@ from companion.attention.flash import FlashAttentionTorch
 from companion.attention.naive import naive_attention
 from companion.memory import track
 
-__all__ = ["KINDS", "available", "attention_fn", "attention_memory", "attention_seconds", "median",
+__all__ = ["KINDS", "available", "attention_fn", "attention_memory", "attention_seconds",
            "triton_interpreted"]
 
 KINDS = ("naive", "flash", "flash_triton", "sdpa_flash", "sdpa_efficient", "sdpa_math")
@@ -108,10 +107,6 @@ def attention_seconds(kinds: list[str], T: int, *, repeats: int = 5, batch: int 
                 times[kind].append(time.perf_counter() - start)
             q.grad = k.grad = v.grad = None
     return times
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
 
 
 _CHILD = """

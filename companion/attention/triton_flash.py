@@ -53,6 +53,41 @@ def triton_available(device: torch.device | str = "cuda") -> bool:
 
 
 @triton.jit
+def _load_tile(ptr, base, idx, dims, n, d, FP32: tl.constexpr):
+    """Rows `idx` of the (n, d) matrix at ptr + base, as a (rows, BLOCK_D) tile: 0 past n and d,
+    cast to fp32 when FP32."""
+    mask = (idx[:, None] < n) & (dims[None, :] < d)
+    tile = tl.load(ptr + base + idx[:, None] * d + dims[None, :], mask=mask, other=0.0)
+    if FP32:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _store_tile(ptr, base, idx, dims, n, d, row_stride, value):
+    mask = (idx[:, None] < n) & (dims[None, :] < d)
+    tl.store(ptr + base + idx[:, None] * row_stride + dims[None, :],
+             value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scores(q, k, rows, cols, n_k, offset, scale, CAUSAL: tl.constexpr):
+    """S = q kᵀ · scale of one tile (fp32), −inf past n_k and where the causal mask hides a key."""
+    s = tl.dot(q, tl.trans(k)) * scale
+    seen = cols[None, :] < n_k
+    if CAUSAL:
+        seen = seen & (cols[None, :] <= rows[:, None] + offset)
+    return tl.where(seen, s, float("-inf"))
+
+
+@triton.jit
+def _probs(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL: tl.constexpr):
+    """P = exp(S − L) of one tile: 0 where masked, and in rows whose query saw no key."""
+    lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)
+    return tl.exp(_scores(q, k, rows, cols, n_k, offset, scale, CAUSAL) - lse_safe[:, None])
+
+
+@triton.jit
 def _forward(Q, K, V, O, L, n_q, n_k, d, offset, scale, heads, kv_heads, group,
              o_batch, o_head, o_row, CAUSAL: tl.constexpr, FP32: tl.constexpr,
              BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -60,10 +95,7 @@ def _forward(Q, K, V, O, L, n_q, n_k, d, offset, scale, heads, kv_heads, group,
     kvh = (bh // heads) * kv_heads + (bh % heads) // group          # this head's k, v head
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     dims = tl.arange(0, BLOCK_D)
-    q_mask = (rows[:, None] < n_q) & (dims[None, :] < d)
-    q = tl.load(Q + bh * n_q * d + rows[:, None] * d + dims[None, :], mask=q_mask, other=0.0)
-    if FP32:
-        q = q.to(tl.float32)
+    q = _load_tile(Q, bh * n_q * d, rows, dims, n_q, d, FP32)
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)               # running max
     l = tl.zeros([BLOCK_Q], tl.float32)                             # running sum
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)                  # unnormalized O tile
@@ -72,17 +104,9 @@ def _forward(Q, K, V, O, L, n_q, n_k, d, offset, scale, heads, kv_heads, group,
         stop = tl.minimum(n_k, tile * BLOCK_Q + BLOCK_Q + offset)   # keys past it are hidden
     for start in range(0, stop, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
-        kv_mask = (cols[:, None] < n_k) & (dims[None, :] < d)
-        kv_off = kvh * n_k * d + cols[:, None] * d + dims[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-        if FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale                          # (BLOCK_Q, BLOCK_K) fp32
-        seen = cols[None, :] < n_k
-        if CAUSAL:
-            seen = seen & (cols[None, :] <= rows[:, None] + offset)
-        s = tl.where(seen, s, float("-inf"))
+        k = _load_tile(K, kvh * n_k * d, cols, dims, n_k, d, FP32)
+        v = _load_tile(V, kvh * n_k * d, cols, dims, n_k, d, FP32)
+        s = _scores(q, k, rows, cols, n_k, offset, scale, CAUSAL)   # (BLOCK_Q, BLOCK_K) fp32
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)       # rows with no key yet
         p = tl.exp(s - m_safe[:, None])
@@ -90,23 +114,11 @@ def _forward(Q, K, V, O, L, n_q, n_k, d, offset, scale, heads, kv_heads, group,
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    o_off = (bh // heads) * o_batch + (bh % heads) * o_head + rows[:, None] * o_row + dims[None, :]
     # O is laid out (..., Nq, heads, d), as SDPA's output: (B, T, H·d) is then a view
-    tl.store(O + o_off, out.to(O.dtype.element_ty), mask=q_mask)
+    _store_tile(O, (bh // heads) * o_batch + (bh % heads) * o_head, rows, dims, n_q, d, o_row,
+                acc / tl.where(l > 0, l, 1.0)[:, None])
     lse = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), float("-inf"))   # no key: −inf
     tl.store(L + bh * n_q + rows, lse, mask=rows < n_q)
-
-
-@triton.jit
-def _scores(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL: tl.constexpr):
-    """P = exp(S − L) of one tile, 0 where masked or where the query saw no key."""
-    s = tl.dot(q, tl.trans(k)) * scale
-    seen = cols[None, :] < n_k
-    if CAUSAL:
-        seen = seen & (cols[None, :] <= rows[:, None] + offset)
-    lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)
-    return tl.where(seen, tl.exp(s - lse_safe[:, None]), 0.0)
 
 
 @triton.jit
@@ -116,12 +128,8 @@ def _backward_kv(Q, K, V, DO, L, D, DK, DV, n_q, n_k, d, offset, scale, heads, k
     tile, bkv = tl.program_id(0), tl.program_id(1)
     cols = tile * BLOCK_K + tl.arange(0, BLOCK_K)
     dims = tl.arange(0, BLOCK_D)
-    kv_mask = (cols[:, None] < n_k) & (dims[None, :] < d)
-    kv_off = bkv * n_k * d + cols[:, None] * d + dims[None, :]
-    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-    if FP32:
-        k, v = k.to(tl.float32), v.to(tl.float32)
+    k = _load_tile(K, bkv * n_k * d, cols, dims, n_k, d, FP32)
+    v = _load_tile(V, bkv * n_k * d, cols, dims, n_k, d, FP32)
     dk = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
     first = 0
@@ -131,21 +139,16 @@ def _backward_kv(Q, K, V, DO, L, D, DK, DV, n_q, n_k, d, offset, scale, heads, k
         bh = (bkv // kv_heads) * heads + (bkv % kv_heads) * group + g
         for start in range(first, n_q, BLOCK_Q):
             rows = start + tl.arange(0, BLOCK_Q)
-            q_mask = (rows[:, None] < n_q) & (dims[None, :] < d)
-            q_off = bh * n_q * d + rows[:, None] * d + dims[None, :]
-            q = tl.load(Q + q_off, mask=q_mask, other=0.0)
-            do = tl.load(DO + q_off, mask=q_mask, other=0.0)
-            if FP32:
-                q, do = q.to(tl.float32), do.to(tl.float32)
+            q = _load_tile(Q, bh * n_q * d, rows, dims, n_q, d, FP32)
+            do = _load_tile(DO, bh * n_q * d, rows, dims, n_q, d, FP32)
             lse = tl.load(L + bh * n_q + rows, mask=rows < n_q, other=float("-inf"))
             delta = tl.load(D + bh * n_q + rows, mask=rows < n_q, other=0.0)
-            p = _scores(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL)
+            p = _probs(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
+            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])     # P ∘ (dP − D)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q) * scale
-    tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    _store_tile(DK, bkv * n_k * d, cols, dims, n_k, d, d, dk)
+    _store_tile(DV, bkv * n_k * d, cols, dims, n_k, d, d, dv)
 
 
 @triton.jit
@@ -156,12 +159,8 @@ def _backward_q(Q, K, V, DO, L, D, DQ, n_q, n_k, d, offset, scale, heads, kv_hea
     kvh = (bh // heads) * kv_heads + (bh % heads) // group
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     dims = tl.arange(0, BLOCK_D)
-    q_mask = (rows[:, None] < n_q) & (dims[None, :] < d)
-    q_off = bh * n_q * d + rows[:, None] * d + dims[None, :]
-    q = tl.load(Q + q_off, mask=q_mask, other=0.0)
-    do = tl.load(DO + q_off, mask=q_mask, other=0.0)
-    if FP32:
-        q, do = q.to(tl.float32), do.to(tl.float32)
+    q = _load_tile(Q, bh * n_q * d, rows, dims, n_q, d, FP32)
+    do = _load_tile(DO, bh * n_q * d, rows, dims, n_q, d, FP32)
     lse = tl.load(L + bh * n_q + rows, mask=rows < n_q, other=float("-inf"))
     delta = tl.load(D + bh * n_q + rows, mask=rows < n_q, other=0.0)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
@@ -170,17 +169,12 @@ def _backward_q(Q, K, V, DO, L, D, DQ, n_q, n_k, d, offset, scale, heads, kv_hea
         stop = tl.minimum(n_k, tile * BLOCK_Q + BLOCK_Q + offset)
     for start in range(0, stop, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
-        kv_mask = (cols[:, None] < n_k) & (dims[None, :] < d)
-        kv_off = kvh * n_k * d + cols[:, None] * d + dims[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-        if FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        p = _scores(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
+        k = _load_tile(K, kvh * n_k * d, cols, dims, n_k, d, FP32)
+        v = _load_tile(V, kvh * n_k * d, cols, dims, n_k, d, FP32)
+        p = _probs(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])         # P ∘ (dP − D)
         dq += tl.dot(ds.to(k.dtype), k) * scale
-    tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=q_mask)
+    _store_tile(DQ, bh * n_q * d, rows, dims, n_q, d, d, dq)
 
 
 def _default_blocks(d: int) -> tuple[int, int]:

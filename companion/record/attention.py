@@ -10,10 +10,12 @@ Example:
 """
 from __future__ import annotations
 
+from statistics import median
+
 import torch
 
 from companion.attention import flash_saved_bytes, naive_saved_bytes
-from companion.attention.measure import attention_memory, attention_seconds, available, median
+from companion.attention.measure import attention_memory, attention_seconds, available
 from companion.results import curve
 
 __all__ = ["attention_sweep", "lengths", "attention_figures", "QUADRATIC"]

@@ -17,6 +17,8 @@ allocator rounding or fragmentation (the 40% left free is for those, and for the
 """
 from __future__ import annotations
 
+import types
+
 from companion import estimate as E
 
 __all__ = ["predicted_peaks", "gpt_step_bytes", "mlp_step_bytes"]
@@ -159,9 +161,16 @@ def _capstone(s) -> dict[str, int]:
 def _attention(s) -> dict[str, int]:
     # The written-out attention at its longest T, bounded by six fp32 (B, H, T, T) tensors at
     # once (scores, probabilities, mask, and in backward their gradients), plus q, k, v, o and
-    # their gradients; our kernel at its longest T holds those eight and fp32 accumulators.
+    # their gradients; our kernel at its longest T holds those eight and fp32 accumulators. The
+    # GPT step at its longest sequence (no optimizer), with the other model's weights and
+    # gradients still alive.
     rows = s.attn_batch * s.attn_heads
     qkvo = lambda T: 8 * rows * T * s.attn_head_dim * 4
+    long = types.SimpleNamespace(vocab=s.vocab, seq_len=s.attn_gpt_len, gpt_width=s.gpt_width,
+                                 gpt_heads=s.gpt_heads)
+    other = 8 * E.gpt_params(s.vocab, s.attn_gpt_len, s.gpt_width, s.gpt_depth)
     return {"written-out attention": 6 * rows * s.attn_naive_max_len ** 2 * 4
             + qkvo(s.attn_naive_max_len),
-            "flashattention": 2 * qkvo(s.attn_max_len)}
+            "flashattention": 2 * qkvo(s.attn_max_len),
+            "gpt step, written-out attention": other + gpt_step_bytes(
+                long, batch=s.attn_gpt_batch, depth=s.gpt_depth, optimizer="sgd")}

@@ -41,7 +41,8 @@ SMOKE_SIZES = dataclasses.replace(
     zero_depth=2, zero_batch=4, zero_vocab=256, offload_width=32, offload_depth=1,
     offload_batch=1, act_offload_batch=2, amp_gpt_batch=2, amp_width=32, amp_depth=2,
     amp_batch=32, amp_accum=4, amp_steps=8, amp_matmul=64, anatomy_gpt_batch=2, attn_heads=2,
-    attn_head_dim=16, attn_max_len=512, attn_naive_max_len=256)
+    attn_head_dim=16, attn_max_len=512, attn_naive_max_len=256, attn_gpt_len=64,
+    attn_gpt_batch=2)
 
 
 def _tracker(device: torch.device) -> str:
