@@ -6,7 +6,8 @@ you need (``from companion import memory``); this file only lists them.
 
 Measure and predict: `memory` (track, measure, memory_budget; `memory_plot`), `allocator` (the
 CUDA caching allocator's snapshots and settings), `placement` (device, host or disk), `estimate`
-(with `estimate_offload`), `device`, `models`, `network` (the α–β model of communication).
+(with `estimate_offload`), `device`, `models`, `cost` (time: the machine measured, a cited GPU
+table, the α–β model of communication, step-time models, statistics for timings).
 Techniques: `gd`, `optim` (Adam from scratch, the step fused into backward), `floats`,
 `accumulation`, `chunked_loss` (cross-entropy without the whole logits), `checkpointing`, `amp`
 (GradScaler, MasterWeights, autocast_dtypes), `collectives`, `dp`, `ddp`, `launch`, `lora`, `zero`
@@ -24,6 +25,7 @@ __all__ = [
     "chunked_loss",
     "checks",
     "collectives",
+    "cost",
     "ddp",
     "device",
     "dp",
@@ -37,7 +39,6 @@ __all__ = [
     "memory",
     "memory_plot",
     "models",
-    "network",
     "notebooks",
     "nvme",
     "offload",

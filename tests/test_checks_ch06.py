@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed import all_reduce as imported_all_reduce
 
 from companion import collectives
-from companion.checks import ch06
+from companion.checks import _collective_guard, ch06
 from companion.checks.core import CheckFailed, NotDone
 
 
@@ -34,6 +34,65 @@ def _swap(send, dst, recv, src):
         dist.recv(recv, src)
     if request is not None:
         request.wait()
+
+
+def _ring(tensor, exchange):
+    """The ring all-reduce, with `exchange(send, dst, recv, src)` for each step's traffic."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = list(torch.tensor_split(tensor.view(-1), world))
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for step in range(world - 1):
+        send_i, recv_i = (rank - step) % world, (rank - step - 1) % world
+        buffer = torch.empty_like(chunks[recv_i])
+        exchange(chunks[send_i], right, buffer, left)
+        chunks[recv_i] += buffer
+    for step in range(world - 1):
+        exchange(chunks[(rank + 1 - step) % world], right, chunks[(rank - step) % world], left)
+
+
+def _send_then_recv(send, dst, recv, src):
+    if send.numel():
+        dist.send(send, dst)
+    if recv.numel():
+        dist.recv(recv, src)
+
+
+def _recv_then_send(send, dst, recv, src):
+    if recv.numel():
+        dist.recv(recv, src)
+    if send.numel():
+        dist.send(send, dst)
+
+
+def _even_odd(send, dst, recv, src):
+    exchange = _send_then_recv if dist.get_rank() % 2 == 0 else _recv_then_send
+    exchange(send, dst, recv, src)
+
+
+def _batched(send, dst, recv, src):
+    ops = [dist.P2POp(op, t, peer) for op, t, peer in
+           ((dist.isend, send, dst), (dist.irecv, recv, src)) if t.numel()]
+    for request in dist.batch_isend_irecv(ops) if ops else []:
+        request.wait()
+
+
+def ring_blocking_even_odd(tensor, group=None):
+    """Right: blocking dist.send / dist.recv, even ranks send first, odd ranks receive first."""
+    _ring(tensor, _even_odd)
+
+
+def ring_batched(tensor, group=None):
+    """Right: each step's send and receive posted together with dist.batch_isend_irecv."""
+    _ring(tensor, _batched)
+
+
+def ring_every_rank_sends_first(tensor, group=None):
+    """Wrong: every rank calls the blocking dist.send before its dist.recv (hangs on gloo too)."""
+    _ring(tensor, _send_then_recv)
+
+
+def ring_every_rank_receives_first(tensor, group=None):
+    _ring(tensor, _recv_then_send)
 
 
 def ring_with_all_reduce(tensor, group=None):
@@ -93,6 +152,46 @@ class Averager:
                 p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p) / divisor)
                 offset += p.numel()
         self.ready, self.works, self.next = [0] * len(self.buckets), [], 0
+
+
+class AveragerInReadyOrder(Averager):
+    """Wrong: launches each bucket the moment it is complete, whichever bucket that is."""
+
+    def __init__(self, buckets):
+        super().__init__(buckets)
+        self.launched = set()
+
+    def launch_ready(self):
+        for i, bucket in enumerate(self.buckets):
+            if self.ready[i] == len(bucket) and i not in self.launched:
+                self.works.append(dist.all_reduce(self.flat[i], async_op=True))
+                self.launched.add(i)
+
+    def finish(self):
+        super().finish()
+        self.launched = set()
+
+
+class AveragerOneLaunchPerHook(Averager):
+    """Wrong: `if` for `while`: when a hook completes bucket i, a later bucket that was already
+    complete waits for the next hook call."""
+
+    def launch_ready(self):
+        if self.next < len(self.buckets) and \
+                self.ready[self.next] == len(self.buckets[self.next]):
+            self.works.append(dist.all_reduce(self.flat[self.next], async_op=True))
+            self.next += 1
+
+
+class AveragerCountsAllGradients(Averager):
+    """Wrong: one count over all buckets; bucket i goes when it reaches the sizes of 0..i."""
+
+    def launch_ready(self):
+        total = sum(self.ready)
+        while self.next < len(self.buckets) and \
+                total >= sum(len(b) for b in self.buckets[:self.next + 1]):
+            self.works.append(dist.all_reduce(self.flat[self.next], async_op=True))
+            self.next += 1
 
 
 class AveragerSums(Averager):
@@ -182,12 +281,64 @@ def test_late_launch_finds_the_first_bucket_held_back():
     assert ch06._late_launch(swapped, [3, 1, 2]) is None
 
 
+def test_early_launch_finds_a_bucket_started_before_its_last_gradient():
+    launch = [("launch", i, True, True) for i in range(3)]
+    grads = [("grad", b) for b in (0, 1, 1, 0, 2, 2)]
+    in_order = grads[:4] + launch[:2] + grads[4:] + launch[2:]
+    assert ch06._early_launch(in_order, [2, 2, 2]) is None
+    counted_together = grads[:2] + launch[:1] + grads[2:4] + launch[1:2] + grads[4:] + launch[2:]
+    assert ch06._early_launch(counted_together, [2, 2, 2]) == \
+        "bucket 0's all-reduce started with 1 of its 2 gradients in"
+    assert ch06._early_launch([("launch", -1, True, True)], [2]) is None   # not a bucket's size
+
+
+def _arrivals(kind, seed):
+    """The bucket of each gradient of the check's case, in the order backward makes them."""
+    model, buckets = ch06._bucket_case(kind, seed)
+    bucket_of = {p: i for i, bucket in enumerate(buckets) for p in bucket}
+    seen = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(bucket_of[p]))
+    ch06._bucket_loss(model, seed, 0, 0).backward()
+    return seen, [len(b) for b in buckets], [sum(p.numel() for p in b) for b in buckets]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_shuffled_case_makes_gradients_in_an_order_that_exposes_wrong_launches(seed):
+    """Each wrong launch below passes on gradients that arrive bucket after bucket (the MLP)."""
+    seen, need, sizes = _arrivals("shuffled", seed)
+    assert sorted(seen) == [0, 0, 1, 1, 2, 2] and len(set(sizes)) == 3   # sizes tell them apart
+    done = [max(j for j, b in enumerate(seen) if b == i) for i in range(3)]
+    assert done[1] < done[0]                   # in the order they complete: 1 before 0
+    assert max(done[:2]) < len(seen) - 1      # 0 and 1 can start before the last gradient
+    assert seen[:need[0]] != [0] * need[0]    # a count over all buckets reaches bucket 0's early
+    mlp, _, _ = _arrivals("mlp", seed)
+    assert mlp == sorted(mlp)
+
+
+@pytest.mark.parametrize("pattern", range(len(ch06._ARRIVALS)))
+def test_every_arrival_order_passes_the_reference_and_fails_each_wrong_launch(pattern,
+                                                                             monkeypatch):
+    monkeypatch.setattr(ch06, "fresh_seeds", lambda n: [3000 + pattern])   # seed % 3: pattern
+    ch06.check_bucketed_hooks.__wrapped__(Averager)
+    for answer in (AveragerInReadyOrder, AveragerOneLaunchPerHook, AveragerCountsAllGradients):
+        with pytest.raises(CheckFailed, match="out of bucket order"):
+            ch06.check_bucketed_hooks.__wrapped__(answer)
+
+
 def test_references_pass(capsys):
     ch06.check_ring_all_reduce(collectives.ring_all_reduce)
     ch06.check_bucketed_hooks(Averager)
     ch06.check_bucketed_hooks(AveragerFromImport)
     out = capsys.readouterr().out
     assert out.count("passed") == 3 and "while backward was still running" in out
+
+
+@pytest.mark.parametrize("answer", [ring_blocking_even_odd, ring_batched],
+                         ids=lambda v: v.__name__)
+def test_a_right_ring_passes_with_blocking_or_batched_calls(answer, capsys):
+    ch06.check_ring_all_reduce(answer)
+    assert "passed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("check, answer, words", [
@@ -203,6 +354,9 @@ def test_references_pass(capsys):
     (ch06.check_bucketed_hooks, AveragerLeavesGrads, "copy the averaged bucket back"),
     (ch06.check_bucketed_hooks, AveragerWaitsInHook, "work.wait() ran while backward"),
     (ch06.check_bucketed_hooks, AveragerLaunchesAtLastHook, "overlaps nothing with backward"),
+    (ch06.check_bucketed_hooks, AveragerInReadyOrder, "all-reduced in the order [1, 0, 2]"),
+    (ch06.check_bucketed_hooks, AveragerOneLaunchPerHook, "several buckets to launch"),
+    (ch06.check_bucketed_hooks, AveragerCountsAllGradients, "count them per bucket"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_checks_fail_on_known_wrong_answers_with_their_hint(check, answer, words):
     with pytest.raises(CheckFailed) as info:
@@ -217,9 +371,29 @@ def test_bad_answers_fail_cleanly_before_starting_workers(check, answer):
         check(answer)
 
 
-def test_a_hanging_answer_fails_within_the_worker_timeout():
-    with pytest.raises(CheckFailed, match="did not finish"):
-        ch06.check_ring_all_reduce(ring_that_hangs, worker_timeout=2)
+@pytest.mark.parametrize("answer", [ring_that_hangs, ring_every_rank_sends_first,
+                                    ring_every_rank_receives_first], ids=lambda v: v.__name__)
+def test_a_ring_that_deadlocks_fails_within_the_worker_timeout_naming_safe_orders(answer):
+    with pytest.raises(CheckFailed, match=r"did not finish within 2 s \(on 2 ranks\)") as info:
+        ch06.check_ring_all_reduce(answer, worker_timeout=2)
+    assert "every rank sends first" in info.value.hint
+    assert "even ranks send first while odd ranks receive first" in info.value.hint
+
+
+def test_the_guard_counts_a_send_that_torch_makes_of_an_isend_once():
+    """dist.send calls isend inside (torch 2.13 does): that isend is not a second send."""
+    log = []
+    sends = _collective_guard._SendLog(log)
+    isend = sends.wrap(lambda tensor, dst=None, group=None, tag=0, group_dst=None: "work")
+
+    def blocking_send(tensor, dst=None, group=None, tag=0, group_dst=None):
+        isend(tensor, group=group, tag=tag, group_dst=dst)
+
+    send = sends.wrap(blocking_send)
+    send(torch.zeros(3), 1)
+    assert isend(torch.zeros(2), dst=2) == "work"
+    isend(torch.zeros(5, dtype=torch.float64), group_dst=0)
+    assert log == [(1, 12), (2, 8), (0, 40)]
 
 
 def test_an_unfinished_exercise_reads_not_done():

@@ -13,9 +13,9 @@ scores and accumulators in fp32):
 and `forward_hbm_bytes` the traffic of the forward pass: Q read and O written once, K and V
 read once per query tile, so larger query tiles mean fewer passes over K and V.
 
-`SRAM_PER_SM` lists the shared memory one SM can give its programs, by GPU (NVIDIA CUDA C++
-Programming Guide, "Technical Specifications per Compute Capability", maximum shared memory per
-SM; the architecture whitepapers give the combined L1/shared size in brackets):
+`SRAM_PER_SM` lists the shared memory one SM can give its programs, by GPU, read from the one
+cited table, `companion.cost.gpus` (`GPU.shared_memory_per_sm`, from the NVIDIA CUDA C++
+Programming Guide's "Compute Capabilities"; `GPU.sram_per_sm` is the combined L1/shared size).
 
 Simplified vs a real kernel: registers are a second limit (the accumulator lives in registers on
 NVIDIA GPUs), two programs often share an SM to hide latency, and tensor-core shapes round tiles
@@ -23,24 +23,17 @@ to multiples of 16; autotuners (Triton's, FlashAttention's tables) settle the re
 """
 from __future__ import annotations
 
+from companion.cost.gpus import GPUS
+
 __all__ = ["SRAM_PER_SM", "tile_sram_bytes", "forward_hbm_bytes", "fitting_tiles", "choose_tiles"]
 
-KIB = 1024
-
+_ENTRIES = {"V100": "V100", "T4": "T4", "A100": "A100 40GB", "A10": "A10", "RTX 4090": "RTX 4090",
+            "L4": "L4", "H100": "H100 SXM", "H200": "H200", "B200": "B200"}   # one per SM design
+# name: shared memory per SM usable by programs (bytes), compute capability, source
 SRAM_PER_SM: dict[str, dict] = {
-    # name: shared memory per SM usable by programs (bytes), compute capability, source
-    "V100": {"bytes": 96 * KIB, "cc": "7.0", "source": "CUDA Guide cc 7.0 (128 KB L1+shared)"},
-    "T4": {"bytes": 64 * KIB, "cc": "7.5", "source": "CUDA Guide cc 7.5 (96 KB L1+shared)"},
-    "A100": {"bytes": 164 * KIB, "cc": "8.0", "source": "CUDA Guide cc 8.0; A100 whitepaper "
-             "(192 KB L1+shared)"},
-    "A10": {"bytes": 100 * KIB, "cc": "8.6", "source": "CUDA Guide cc 8.6 (128 KB L1+shared)"},
-    "RTX 4090": {"bytes": 100 * KIB, "cc": "8.9", "source": "CUDA Guide cc 8.9 (128 KB)"},
-    "L4": {"bytes": 100 * KIB, "cc": "8.9", "source": "CUDA Guide cc 8.9 (128 KB L1+shared)"},
-    "H100": {"bytes": 228 * KIB, "cc": "9.0", "source": "CUDA Guide cc 9.0; H100 whitepaper "
-             "(256 KB L1+shared)"},
-    "H200": {"bytes": 228 * KIB, "cc": "9.0", "source": "the H100's SM (GH100), CUDA Guide cc 9.0"},
-    "B200": {"bytes": 228 * KIB, "cc": "10.0", "source": "CUDA Guide cc 10.0"},
-}
+    short: {"bytes": GPUS[key].shared_memory_per_sm, "cc": GPUS[key].compute_capability,
+            "source": GPUS[key].source("sram")}
+    for short, key in _ENTRIES.items()}
 
 
 def tile_sram_bytes(block_q: int, block_k: int, head_dim: int, dtype_bytes: int) -> int:

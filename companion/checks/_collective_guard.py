@@ -42,26 +42,48 @@ def _refuse(name: str) -> Callable:
     return refuse
 
 
-def _logged(original: Callable, log: list[tuple[int, int]]) -> Callable:
-    def send(tensor, dst=None, *args, group_dst=None, **kwargs):
-        peer = dst if dst is not None else group_dst
-        log.append((peer, tensor.numel() * tensor.element_size()))      # (destination, bytes)
-        return original(tensor, dst, *args, group_dst=group_dst, **kwargs)
-    return send
+class _SendLog:
+    """send and isend, wrapped: each call the answer makes appends (destination, bytes) to `log`.
+    A send made inside one of them goes straight through: in recent torch (2.13) dist.send
+    calls isend, then wait(), and counting that isend too would double every blocking send."""
+
+    def __init__(self, log: list[tuple[int, int]]):
+        self.log, self.inside = log, False
+
+    def wrap(self, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        def send(*args, **kwargs):
+            if self.inside:
+                return original(*args, **kwargs)
+            try:
+                bound = signature.bind(*args, **kwargs).arguments
+            except TypeError:                           # let torch say what is wrong
+                return original(*args, **kwargs)
+            dst, tensor = bound.get("dst"), bound["tensor"]
+            self.log.append((dst if dst is not None else bound.get("group_dst"),
+                             tensor.numel() * tensor.element_size()))
+            self.inside = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.inside = False
+        return send
 
 
 @contextlib.contextmanager
 def point_to_point_only(log: list[tuple[int, int]]) -> Iterator[list[tuple[int, int]]]:
     """Inside, every torch.distributed call but send/isend/recv/irecv/batch_isend_irecv, barriers
-    and queries raises; each send or isend appends (destination, bytes) to `log`.
+    and queries raises; each send or isend the caller makes appends (destination, bytes) to `log`.
 
         log = []
         with point_to_point_only(log):
             answer(tensor)
         sum(b for _, b in log)          # bytes this rank sent
     """
+    sends = _SendLog(log)
     replaced = {name: _refuse(name) for name in _communicating()}
-    replaced.update({name: _logged(getattr(c10d, name), log) for name in _SENDS})
+    replaced.update({name: sends.wrap(getattr(c10d, name)) for name in _SENDS})
     saved = [(module, name, getattr(module, name)) for module in (dist, c10d)
              for name in replaced if hasattr(module, name)]
     for module, name, _ in saved:        # c10d too: P2POp compares ops to c10d.isend / irecv

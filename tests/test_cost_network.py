@@ -1,10 +1,11 @@
-"""companion.network: the α–β fit recovers known latency and bandwidth, the predictions follow the
+"""companion.cost.network: the α–β fit recovers known latency and bandwidth, the predictions follow the
 formulas, and the overlap model picks the bucket count a brute-force schedule would."""
 import random
 
 import pytest
 
-from companion import launch, network
+from companion import launch
+from companion.cost import network
 
 
 def test_fit_recovers_alpha_and_beta_from_synthetic_timings():
@@ -69,3 +70,47 @@ def test_all_reduce_timings_grow_with_size(impl):
     times = launch.run(network.time_all_reduce_sizes, 2, impl, sizes, 3, timeout=60)
     assert times[0] == times[1]                                # the slowest rank's, on every rank
     assert times[0][0] > 0 and times[0][1] > 16 * 2**20 / 100e9   # 16 MiB: not faster than 100 GB/s
+
+
+def test_buckets_are_the_ones_ddp_makes():
+    import torch
+    from torch import nn
+
+    from companion.ddp.core import _make_buckets
+
+    sizes = [300, 5, 1000, 7, 250, 250, 2000, 1]
+    params = [nn.Parameter(torch.zeros(n)) for n in sizes]
+    for cap in (4, 1000, 1200, 4000, 10**6):
+        ours = network.buckets([4 * n for n in sizes], cap)
+        theirs = _make_buckets(params, cap)
+        assert [size for _, size in ours] == [4 * b.flat.numel() for b in theirs]
+        ends = [sum(len(b.params) for b in theirs[:j + 1]) - 1 for j in range(len(theirs))]
+        assert [last for last, _ in ours] == ends
+    with pytest.raises(ValueError, match="cap_bytes"):
+        network.buckets(sizes, 0)
+
+
+def test_bucketed_exposure_matches_the_equal_bucket_model():
+    a, b, N, S, T = 1e-4, 1e-9, 4, 64e6, 0.05
+    for count in (1, 2, 8, 32):
+        got = network.bucketed_exposed([S / 32] * 32, [T / 32] * 32, N, alpha=a, beta=b,
+                                       cap_bytes=S / count)
+        assert got == pytest.approx(network.exposed_seconds(T, S, N, alpha=a, beta=b,
+                                                            buckets=count), rel=1e-9)
+    one_big_last = network.bucketed_exposed([1e6] * 7 + [50e6], [0.5 / 8] * 8, N, alpha=a,
+                                            beta=b, cap_bytes=8e6)
+    assert one_big_last == pytest.approx(network.all_reduce_seconds(50e6, N, alpha=a, beta=b))
+    with pytest.raises(ValueError, match="one backward time"):
+        network.bucketed_exposed([1.0], [], 2, alpha=a, beta=b, cap_bytes=1.0)
+
+
+def test_residuals_are_relative_errors_of_the_fit():
+    a, b = 1e-4, 1e-9
+    sizes = [1e3, 1e6, 1e8]
+    exact = [network.all_reduce_seconds(n, 2, alpha=a, beta=b) for n in sizes]
+    assert network.residuals(sizes, exact, alpha=a, beta=b, world_size=2) == \
+        pytest.approx([0, 0, 0], abs=1e-12)
+    slow = [t * 1.5 for t in exact]
+    assert network.residuals(sizes, slow, alpha=a, beta=b, world_size=2) == \
+        pytest.approx([0.5] * 3)
+    assert network.residuals([10.0], [2.0], alpha=1.0, beta=0.1) == pytest.approx([0.0])

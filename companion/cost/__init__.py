@@ -1,0 +1,32 @@
+"""Time beside bytes: what a training step costs in seconds, measured and modelled.
+
+The course counts bytes exactly; a practitioner choosing between DDP, ZeRO-1/2/3, accumulation and
+offload also needs to know how much slower each is. This package is the one home for time:
+
+- `stats`: medians of interleaved repeats, a bootstrap interval of a ratio, a rank test, and
+  the verdict "faster", "slower" or "no difference detected" (`compare`);
+- `network`: the α–β model of communication (ring all-reduce, reduce-scatter, all-gather, the
+  overlap of buckets with backward) and its fit to timed collectives;
+- `gpus`: a table of GPUs (memory, FLOP/s by dtype, bandwidths, SRAM), every number cited, with
+  the fraction of peak real kernels reach (`efficiency`);
+- `profile`: `calibrate()`, the learner's machine measured in under 20 seconds;
+- `step`: step-time models for one device, DDP, ZeRO-1/2/3 with accumulation and prefetch, and
+  offload, each returning its parts (`StepTime`);
+- `validate`: those models against real gloo ranks (`benchmarks/bench_cost.py` reports them).
+
+Example:
+    >>> from companion import cost
+    >>> speeds = cost.calibrate(threads=1).speeds()                    # doctest: +SKIP
+    >>> cost.ddp_step(cost.mlp_layers(512, 32, 16), speeds, 2, bucket_bytes=4 * 2**20).parts()
+"""
+from companion.cost import network, stats
+from companion.cost.profile import DeviceProfile, Measured, calibrate
+from companion.cost.stats import compare
+from companion.cost.step import (Layer, Speeds, StepTime, ddp_step, gpt_layers, mlp_layers,
+                                 offload_step, single_step, tokens_to_hide_gathers,
+                                 training_flops, zero_step, zero_traffic)
+
+__all__ = ["network", "stats", "calibrate", "DeviceProfile", "Measured", "compare", "Layer",
+           "Speeds", "StepTime", "ddp_step", "gpt_layers", "mlp_layers", "offload_step",
+           "single_step", "tokens_to_hide_gathers", "training_flops", "zero_step",
+           "zero_traffic"]

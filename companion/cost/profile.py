@@ -1,0 +1,345 @@
+"""Measure the machine at hand in under 20 seconds: the speeds every step-time model reads.
+
+`calibrate()` times, each over interleaved repeats and with its spread (lower and upper quartile):
+- matmul throughput by dtype and size: the roofline (attainable FLOP/s against arithmetic
+  intensity: a small matmul moves more bytes per FLOP and cannot reach the peak);
+- copy bandwidth (bytes read + written per second by `Tensor.copy_`) and the fixed cost of one
+  operator (a one-element add: dispatch and, on a GPU, the kernel launch);
+- host <-> device bandwidth, from pinned and from pageable host memory (GPU only: on a CPU there
+  is no second memory to copy to);
+- the host AdamW rate in parameters per second, for the for-loop, foreach and fused versions
+  (what ZeRO-Offload's host step runs at);
+- α and β of a gloo process group of 2 ranks (the `launch` module's workers), one fit per round.
+
+`DeviceProfile.speeds(dtype)` turns it into the `Speeds` of `companion.cost.step`.
+
+Example:
+    >>> profile = calibrate()                       # doctest: +SKIP
+    >>> profile.matmul["float32"][-1]               # (side, Measured FLOP/s) of the largest
+    >>> profile.speeds(torch.float32)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from companion.cost import network
+from companion.cost.stats import spread
+from companion.cost.step import Speeds
+
+__all__ = ["Measured", "DeviceProfile", "calibrate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A measured figure: the median of `repeats` and the quartiles around it."""
+
+    median: float
+    low: float
+    high: float
+    repeats: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Measured":
+        med, q1, q3 = spread(values)
+        return cls(med, q1, q3, len(values))
+
+    def __format__(self, spec: str) -> str:
+        spec = spec or ".3g"
+        return f"{self.median:{spec}} ({self.low:{spec}}-{self.high:{spec}})"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """What `calibrate` measured on one device (see the module docstring for each field)."""
+
+    device: str
+    name: str
+    threads: int
+    matmul: dict[str, list[tuple[int, Measured]]]    # dtype -> [(side n, FLOP/s of n x n @ n x n)]
+    grid: dict[str, list[tuple[tuple[int, int, int], Measured]]]   # dtype -> [((m, k, n), FLOP/s)]
+    copy_bandwidth: Measured                          # bytes/s, read + write
+    op_seconds: Measured                              # seconds per tiny operator
+    layer_seconds: Measured                           # a tiny Linear + ReLU's forward + backward
+    adamw: dict[str, Measured]                        # "for-loop"/"foreach"/"fused" -> params/s
+    host_to_device: dict[str, Measured] | None = None  # "pinned"/"pageable" -> bytes/s
+    device_to_host: dict[str, Measured] | None = None
+    alpha: Measured | None = None                     # seconds per message (gloo, 2 ranks)
+    beta: Measured | None = None                      # seconds per byte
+    collectives: dict[str, list[tuple[int, Measured]]] | None = None  # kind -> [(bytes, s)]
+    world_size: int = 2                               # ranks the collectives were timed on
+    seconds: float = 0.0                              # how long calibrate took
+
+    def peak_flops(self, dtype: torch.dtype | str = torch.float32) -> float:
+        """The best median FLOP/s over the sizes timed in `dtype`."""
+        rows = self.matmul.get(_name(dtype))
+        if not rows:
+            raise ValueError(f"no matmul timed in {_name(dtype)}; timed: {sorted(self.matmul)}")
+        return max(m.median for _, m in rows)
+
+    def speeds(self, dtype: torch.dtype | str = torch.float32, *, overlap: float = 1.0,
+               adamw: str = "for-loop") -> Speeds:
+        """The step models' `Speeds`: peak matmul FLOP/s in `dtype`, copy bandwidth, the cost of
+        an operator, α–β (zero when not measured), pinned host bandwidth and the host AdamW rate."""
+        host = (self.host_to_device or {}).get("pinned")
+        rate = self.adamw.get(adamw)
+        if rate is None:
+            raise ValueError(f"adamw must be one of {sorted(self.adamw)}, got {adamw!r}")
+        table = tuple((tuple(mkn), m.median) for mkn, m in self.grid.get(_name(dtype), ()))
+        return Speeds(matmul_flops=self.peak_flops(dtype),
+                      layer_seconds=self.layer_seconds.median, matmul_table=table,
+                      dtype_bytes=2 if _name(dtype) in ("bfloat16", "float16") else 4,
+                      memory_bandwidth=self.copy_bandwidth.median,
+                      op_seconds=self.op_seconds.median,
+                      alpha=self.alpha.median if self.alpha else 0.0,
+                      beta=self.beta.median if self.beta else 0.0,
+                      host_bandwidth=host.median if host else math.inf,
+                      host_adam_rate=rate.median, overlap=overlap,
+                      collective_table=tuple(
+                          (kind, self.world_size, tuple((n, m.median) for n, m in rows))
+                          for kind, rows in (self.collectives or {}).items()))
+
+    def to_json(self) -> str:
+        """The profile as JSON (a recorded GPU run keeps it; `from_json` reads it back)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "DeviceProfile":
+        d = json.loads(text)
+        m = lambda v: None if v is None else Measured(**v)
+        md = lambda v: None if v is None else {k: Measured(**x) for k, x in v.items()}
+        return cls(device=d["device"], name=d["name"], threads=d["threads"],
+                   matmul={k: [(n, Measured(**x)) for n, x in rows]
+                           for k, rows in d["matmul"].items()},
+                   grid={k: [(tuple(mkn), Measured(**x)) for mkn, x in rows]
+                         for k, rows in d["grid"].items()},
+                   copy_bandwidth=m(d["copy_bandwidth"]), op_seconds=m(d["op_seconds"]),
+                   layer_seconds=m(d["layer_seconds"]),
+                   adamw=md(d["adamw"]), host_to_device=md(d["host_to_device"]),
+                   device_to_host=md(d["device_to_host"]), alpha=m(d["alpha"]),
+                   beta=m(d["beta"]), seconds=d["seconds"], world_size=d["world_size"],
+                   collectives=None if d["collectives"] is None else {
+                       k: [(n, Measured(**x)) for n, x in rows]
+                       for k, rows in d["collectives"].items()})
+
+
+def _name(dtype: torch.dtype | str) -> str:
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "tf32": "tf32"}
+    return names.get(dtype, dtype)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)                              # host-device sync
+
+
+def _times(fn: Callable[[], Any], device: torch.device, repeats: int, inner: int = 1) -> list[float]:
+    """Seconds per call of fn, `repeats` times (each the mean of `inner` calls), after a warm-up."""
+    fn()
+    _sync(device)
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        out.append((time.perf_counter() - start) / inner)
+    return out
+
+
+def _matmul(device: torch.device, dtypes: Sequence[str], sides: Sequence[int], repeats: int,
+            slowest: float) -> dict[str, list[tuple[int, Measured]]]:
+    out: dict[str, list[tuple[int, Measured]]] = {}
+    for name in dtypes:
+        tf32 = name == "tf32"
+        dtype = torch.float32 if tf32 else getattr(torch, name)
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            rows = []
+            for n in sides:
+                a = torch.randn(n, n, device=device).to(dtype)
+                b = torch.randn(n, n, device=device).to(dtype)
+                one = _times(lambda: a @ b, device, 1)[0]
+                if one > slowest:                                   # too slow here: stop
+                    break
+                inner = max(1, int(0.02 / max(one, 1e-7)))
+                flops = [2 * n**3 / t for t in _times(lambda: a @ b, device, repeats, inner)]
+                rows.append((n, Measured.of(flops)))
+            out[name] = rows
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
+    return out
+
+
+def _grid(device: torch.device, name: str, sides: Sequence[int], repeats: int,
+          pool_bytes: int) -> list[tuple[tuple[int, int, int], Measured]]:
+    """FLOP/s of (m, k) @ (k, n) for every m, k, n in `sides`. Each call takes the next of a pool
+    of distinct operands larger than the caches (`pool_bytes`), as a model's layers do: timing one
+    matrix again and again measures the cache, not the memory the weights live in."""
+    dtype = getattr(torch, name)
+    out = []
+    for m in sides:
+        for k in sides:
+            for n in sides:
+                each = (m * k + k * n) * dtype.itemsize
+                copies = max(2, min(64, pool_bytes // each))
+                a = [torch.randn(m, k, device=device).to(dtype) for _ in range(copies)]
+                b = [torch.randn(k, n, device=device).to(dtype) for _ in range(copies)]
+                turn = iter(range(10**9))
+
+                def call():
+                    i = next(turn) % copies
+                    return a[i] @ b[i]
+                one = _times(call, device, 1)[0]
+                inner = max(1, min(copies, int(0.004 / max(one, 1e-7))))
+                flops = [2 * m * k * n / t for t in _times(call, device, repeats, inner)]
+                out.append(((m, k, n), Measured.of(flops)))
+    return out
+
+
+def _layer_seconds(device: torch.device, repeats: int) -> Measured:
+    """Seconds per layer of forward + backward through 64 Linear(8, 8) + ReLU layers: the fixed
+    cost of autograd and of launching a layer's operators, nearly without arithmetic."""
+    from torch import nn
+
+    depth = 64
+    net = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(8, 8), nn.ReLU())])
+    net.to(device)
+    x, y = torch.randn(16, 8, device=device), torch.randn(16, 8, device=device)
+
+    def step():
+        nn.functional.mse_loss(net(x), y).backward()
+        for p in net.parameters():
+            p.grad = None
+    return Measured.of([t / depth for t in _times(step, device, repeats, inner=3)])
+
+
+def _adamw_rates(repeats: int) -> dict[str, Measured]:
+    """Parameters per second of one AdamW step on the host (CPU tensors), 2^20 parameters in 8
+    tensors, for each implementation this torch offers."""
+    out = {}
+    for impl, options in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}),
+                          ("fused", {"fused": True})):
+        params = [torch.zeros(2**17, requires_grad=True) for _ in range(8)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        try:
+            opt = torch.optim.AdamW(params, lr=1e-3, **options)
+            opt.step()
+        except (RuntimeError, TypeError, ValueError):              # not built in this torch
+            continue
+        out[impl] = Measured.of([2**20 / t for t in _times(opt.step, torch.device("cpu"),
+                                                            repeats)])
+    return out
+
+
+def _host_copies(device: torch.device, repeats: int) -> tuple[dict, dict]:
+    nbytes = 64 * 2**20
+    gpu = torch.empty(nbytes // 4, device=device)
+    down, up = {}, {}
+    for kind, pin in (("pinned", True), ("pageable", False)):
+        host = torch.empty(nbytes // 4, pin_memory=pin)
+        up[kind] = Measured.of([nbytes / t for t in _times(
+            lambda: gpu.copy_(host, non_blocking=pin), device, repeats)])
+        down[kind] = Measured.of([nbytes / t for t in _times(
+            lambda: host.copy_(gpu, non_blocking=pin), device, repeats)])
+    return up, down
+
+
+def _alpha_beta(repeats: int) -> tuple[Measured, Measured, dict]:
+    """α and β of a 2-rank gloo group, one fit of the ring formula to all_reduce per interleaved
+    round; and each collective's measured time per size (its curve: a transport that switches
+    protocol with size follows no two-number fit everywhere)."""
+    from companion import launch
+
+    sizes = [4**k for k in range(4, 13)]                             # 256 B .. 64 MiB
+    rounds = launch.run(network.time_collectives, 2, sizes, repeats, timeout=120)[0]
+    ring = [network.fit_all_reduce(sizes, [rounds["all_reduce"][k][r]
+                                           for k in range(len(sizes))], 2)
+            for r in range(repeats)]
+    curves = {kind: [(n, Measured.of(row)) for n, row in zip(sizes, rows)]
+              for kind, rows in rounds.items()}
+    return Measured.of([a for a, _ in ring]), Measured.of([b for _, b in ring]), curves
+
+
+def _per_rank(device: torch.device, dtypes: Sequence[str], repeats: int) -> dict:
+    """What one rank measures: matmuls (squares and the shape grid), copies, operator and layer
+    costs, the host AdamW rate, and host copies on a GPU."""
+    cuda = device.type == "cuda"
+    sides = [128, 256, 512, 1024] + ([2048, 4096, 8192] if cuda else [])
+    big = torch.empty(32 * 2**20 // 4, device=device)
+    dst = torch.empty_like(big)
+    one = torch.zeros(1, device=device)
+    out = {"matmul": _matmul(device, dtypes, sides, repeats, slowest=0.25),
+           "grid": {name: _grid(device, name, [64, 256, 1024, 4096, 16384] if cuda
+                                else [16, 64, 256, 1024], repeats, (256 if cuda else 96) * 2**20)
+                    for name in (["float32", "bfloat16"] if cuda else ["float32"])},
+           "copy_bandwidth": Measured.of([2 * big.numel() * 4 / t for t in _times(
+               lambda: dst.copy_(big), device, repeats)]),
+           "op_seconds": Measured.of(_times(lambda: one.add_(1), device, repeats, inner=1000)),
+           "layer_seconds": _layer_seconds(device, repeats),
+           "adamw": _adamw_rates(repeats), "host_to_device": None, "device_to_host": None}
+    if cuda:
+        out["host_to_device"], out["device_to_host"] = _host_copies(device, repeats)
+    return out
+
+
+def _per_rank_worker(rank: int, world_size: int, dtypes: Sequence[str], repeats: int) -> dict:
+    import torch.distributed as dist
+
+    dist.barrier()                                  # every rank measures at the same time
+    return _per_rank(torch.device("cpu"), dtypes, repeats)
+
+
+def calibrate(device: torch.device | str | None = None, *, threads: int | None = None,
+              dtypes: Sequence[str] | None = None, repeats: int = 5, process_group: bool = True,
+              concurrent: int = 1) -> DeviceProfile:
+    """Measure `device` (the picked one when None) as the module docstring says. `threads`: the
+    CPU threads to time with (ranks of `launch.run` use 1; None keeps torch's setting). dtypes:
+    the matmul dtypes (default: float32, bfloat16 and float16, plus tf32 on a GPU).
+    process_group=False skips the α–β fit (the 2-rank launch takes a few seconds).
+    concurrent=N (CPU only): measure in N single-threaded processes at once, as N gloo ranks on
+    this machine run, sharing its caches and memory bandwidth (rank 0's figures are kept)."""
+    from companion.device import describe, pick_device
+
+    start = time.perf_counter()
+    device = pick_device() if device is None else torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("calibrate('cuda') needs a CUDA device; this torch sees none")
+    if not isinstance(repeats, int) or repeats < 3:
+        raise ValueError(f"repeats must be an int of at least 3 (for quartiles), got {repeats!r}")
+    if not isinstance(concurrent, int) or concurrent < 1 or (concurrent > 1 and
+                                                             device.type != "cpu"):
+        raise ValueError(f"concurrent must be a positive int (above 1 on a CPU only), got "
+                         f"{concurrent!r}")
+    if dtypes is None:
+        dtypes = ["float32", "bfloat16", "float16"] + (["tf32"] if device.type == "cuda" else [])
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        if concurrent > 1:
+            from companion import launch
+
+            parts = launch.run(_per_rank_worker, concurrent, list(dtypes), repeats,
+                               timeout=120)[0]
+            threads_used = 1
+        else:
+            parts = _per_rank(device, dtypes, repeats)
+            threads_used = torch.get_num_threads()
+        alpha = beta = curves = None
+        if process_group:
+            alpha, beta, curves = _alpha_beta(repeats)
+        return DeviceProfile(device=str(device), name=str(describe(device).get("name")),
+                             threads=threads_used, alpha=alpha, beta=beta, collectives=curves,
+                             seconds=time.perf_counter() - start, **parts)
+    finally:
+        torch.set_num_threads(old_threads)
