@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed import all_reduce as imported_all_reduce
 
 from companion import collectives
+from companion.cost import network
 from companion.checks import _collective_guard, ch06
 from companion.checks.core import CheckFailed, NotDone
 
@@ -417,3 +418,80 @@ def test_all_reduce_imported_by_name_before_the_check_is_watched_too():
         assert module.all_reduce is real and dist.all_reduce is real       # restored
     finally:
         del sys.modules["early_answer"]
+
+
+# ---------------------------------------------------------------- exercise 3: the bucket cap
+
+def _exposure(grads, times, world, alpha, beta):
+    """A learner's own schedule: ready times, buckets of at most the cap, one link."""
+    ready = [sum(times[:i + 1]) for i in range(len(times))]
+
+    def exposed(cap):
+        end, size, last, buckets = 0.0, 0.0, None, []
+        for i, n in enumerate(grads):
+            if size and size + n > cap:
+                buckets.append((last, size))
+                size = 0.0
+            size, last = size + n, i
+        buckets.append((last, size))
+        for i, nbytes in buckets:
+            end = max(end, ready[i]) + collectives_time(nbytes, world, alpha, beta)
+        return end - ready[-1]
+    return exposed
+
+
+def collectives_time(nbytes, world, alpha, beta):
+    return 2 * (world - 1) * (alpha + nbytes / world * beta)
+
+
+def cap_by_search(grads, times, world, alpha, beta):
+    exposed = _exposure(grads, times, world, alpha, beta)
+    caps = {sum(grads[i:j]) for i in range(len(grads)) for j in range(i + 1, len(grads) + 1)}
+    return min(caps, key=lambda c: (exposed(c), c))
+
+
+def cap_by_powers_of_two(grads, times, world, alpha, beta):
+    exposed = _exposure(grads, times, world, alpha, beta)
+    return min((2**k for k in range(10, 40) if 2**k <= 2 * sum(grads)), key=exposed)
+
+
+def test_the_bucket_cap_check_passes_searches_of_the_schedule():
+    ch06.check_bucket_cap(cap_by_search)
+    ch06.check_bucket_cap(cap_by_powers_of_two)
+
+
+@pytest.mark.parametrize("answer", [
+    lambda g, t, w, a, b: 25 * 2**20,                                   # torch's default
+    lambda g, t, w, a, b: sum(g),                                       # one bucket
+    lambda g, t, w, a, b: min(g),                                       # one per gradient
+    lambda g, t, w, a, b: a / b,                                        # α = β·n
+    lambda g, t, w, a, b: sum(g) / network.best_bucket_count(           # equal buckets, even
+        sum(t), sum(g), w, alpha=a, beta=b, most=len(g)),               # production
+    lambda g, t, w, a, b: cap_by_search(g, t, 2, a, b),                 # N ignored
+], ids=["25 MiB", "one bucket", "per gradient", "alpha over beta", "equal buckets",
+        "world size ignored"])
+def test_the_bucket_cap_check_fails_the_caps_learners_pick(answer):
+    with pytest.raises(CheckFailed, match="exposed"):
+        for _ in range(3):                                              # 36 cases
+            ch06.check_bucket_cap(answer)
+
+
+@pytest.mark.parametrize("answer, match", [
+    (lambda *args: None, "positive number"), (lambda *args: float("nan"), "positive number"),
+    (lambda *args: -1.0, "positive number"), (lambda *args: True, "positive number"),
+    (lambda *args: "8 MiB", "positive number")])
+def test_the_bucket_cap_check_rejects_what_is_not_a_cap(answer, match):
+    with pytest.raises(CheckFailed, match=match):
+        ch06.check_bucket_cap(answer)
+
+
+def test_the_bucket_cap_cases_span_the_kinds_and_the_best_cap_is_the_brute_force_one():
+    from companion.checks.ch06 import _best_cap, _cap_case, _exposed_at
+
+    cases = [_cap_case(seed) for seed in range(40)]
+    assert {c["kind"] for c in cases} == {"uniform", "embedding last", "head first", "mixed"}
+    assert {c["world"] for c in cases} == {2, 4, 8, 64}
+    for c in cases[:10]:
+        cap, exposed = _best_cap(c)
+        assert exposed == pytest.approx(_exposed_at(c, cap_by_search(
+            c["grads"], c["times"], c["world"], c["alpha"], c["beta"])))

@@ -18,11 +18,12 @@ from torch import nn
 from torch.distributed import distributed_c10d as c10d
 
 from companion import collectives
+from companion.cost import network
 from companion.checks import _ranks
 from companion.checks._collective_guard import point_to_point_only, ring_direction
 from companion.checks.core import CheckFailed, compare, exercise, fresh_seeds, require
 
-__all__ = ["check_ring_all_reduce", "check_bucketed_hooks"]
+__all__ = ["check_ring_all_reduce", "check_bucketed_hooks", "check_bucket_cap"]
 
 
 # ---------------------------------------------------------------- exercise 1: ring all-reduce
@@ -350,3 +351,86 @@ def check_bucketed_hooks(answer, *, worker_timeout: float = 20.0) -> str:
             "once, asynchronously, in bucket order, launched from the hook that completed it "
             "(and the buckets before it) while backward was still running, and waited for only "
             "in finish(); every rank left with the average")
+
+
+# ---------------------------------------------------------------- exercise 3: choose the cap
+
+def _cap_case(seed: int) -> dict:
+    """A model's gradients in backward order (bytes, backward seconds each), N and a fit: uniform
+    stacks, a huge embedding gradient arriving last, a huge output layer first, fast and slow
+    backward passes, gloo-like and NCCL-like latencies."""
+    import random
+
+    rng = random.Random(seed)
+    kind = rng.choice(["uniform", "embedding last", "head first", "mixed"])
+    layers = rng.randint(12, 48)
+    each = rng.choice([2**18, 2**20, 4 * 2**20])
+    grads = [float(each * rng.choice([1, 1, 1, 2]) if kind == "mixed" else each)
+             for _ in range(layers)]
+    if kind == "embedding last":
+        grads.append(float(rng.randint(layers // 2, 2 * layers) * each))
+    if kind == "head first":
+        grads.insert(0, float(rng.randint(layers // 2, 2 * layers) * each))
+    world = rng.choice([2, 4, 8, 64])
+    alpha = rng.choice([8e-6, 3e-5, 2e-4, 1e-3])
+    beta = 1 / rng.choice([1e9, 10e9, 50e9, 200e9])
+    one = network.all_reduce_seconds(sum(grads), world, alpha=alpha, beta=beta)
+    backward = one * rng.choice([0.2, 1.0, 3.0, 10.0])           # comm-bound .. compute-bound
+    weights = [g ** rng.choice([0.5, 1.0]) for g in grads]
+    times = [backward * w / sum(weights) for w in weights]
+    return {"kind": kind, "grads": grads, "times": times, "world": world, "alpha": alpha,
+            "beta": beta}
+
+
+def _exposed_at(case: dict, cap: float) -> float:
+    return network.bucketed_exposed(case["grads"], case["times"], case["world"],
+                                    alpha=case["alpha"], beta=case["beta"], cap_bytes=cap)
+
+
+def _best_cap(case: dict) -> tuple[float, float]:
+    """(cap, exposed seconds) of the best cap: every bucketing a cap can make is made by a cap
+    equal to the bytes of some run of consecutive gradients."""
+    g = case["grads"]
+    caps = {sum(g[i:j]) for i in range(len(g)) for j in range(i + 1, len(g) + 1)}
+    return min(((c, _exposed_at(case, c)) for c in caps), key=lambda x: (x[1], x[0]))
+
+
+@exercise(points=2, timeout=60.0, reference=("companion.cost.network.bucketed_exposed",))
+def check_bucket_cap(answer) -> str:
+    """answer(grad_bytes, backward_seconds, world_size, alpha, beta) -> a bucket cap in bytes.
+    grad_bytes[i] is the i-th gradient backward makes (in that order) and backward_seconds[i]
+    the time backward spends making it; buckets hold at most the cap (one larger gradient gets a
+    bucket of its own), each is all-reduced by a ring as soon as it is complete and the link is
+    free. Judged by the communication left after backward ends: at most 1.5x the best cap's
+    plus 5% of one whole all-reduce, on models, world sizes and links the notebook does not
+    show."""
+    from companion.checks.core import call
+
+    for seed in fresh_seeds(12):
+        case = _cap_case(seed)
+        got = call(answer, list(case["grads"]), list(case["times"]), case["world"],
+                   case["alpha"], case["beta"])
+        require(isinstance(got, (int, float)) and not isinstance(got, bool) and
+                math.isfinite(got) and got > 0,
+                f"expected a positive number of bytes, got {got!r}",
+                hint="return the cap itself, e.g. 8 * 2**20 for 8 MiB.")
+        best, best_exposed = _best_cap(case)
+        mine = _exposed_at(case, float(got))
+        one = network.all_reduce_seconds(sum(case["grads"]), case["world"],
+                                         alpha=case["alpha"], beta=case["beta"])
+        slack = 0.5 * best_exposed + 0.05 * one      # a search over powers of 2 passes
+        if mine > best_exposed + slack:
+            n_mine = len(network.buckets(case["grads"], float(got)))
+            n_best = len(network.buckets(case["grads"], best))
+            raise CheckFailed(
+                f"{case['kind']} model, {len(case['grads'])} gradients, N = {case['world']}, "
+                f"α = {case['alpha'] * 1e6:.0f} µs, {1 / case['beta'] / 1e9:.0f} GB/s, backward "
+                f"{sum(case['times']) * 1e3:.2f} ms: your cap of {got:,.0f} B makes {n_mine} "
+                f"bucket(s) and leaves {mine * 1e3:.3f} ms exposed; a cap of {best:,.0f} B "
+                f"({n_best} bucket(s)) leaves {best_exposed * 1e3:.3f} ms",
+                seed=seed, hint="the answer depends on when each gradient is ready and what "
+                "each bucket costs on the link: try the caps that change the bucketing and "
+                "keep the one whose last all-reduce ends soonest after backward.")
+    return ("within 1.5x of the best cap's exposed communication on 12 models (uniform, a late embedding gradient, an "
+            "early large head, mixed sizes) at N from 2 to 64 and links from gloo-like to "
+            "NCCL-like")
