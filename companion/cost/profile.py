@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -63,9 +64,11 @@ class DeviceProfile:
     threads: int
     matmul: dict[str, list[tuple[int, Measured]]]    # dtype -> [(side n, FLOP/s of n x n @ n x n)]
     grid: dict[str, list[tuple[tuple[int, int, int], Measured]]]   # dtype -> [((m, k, n), FLOP/s)]
+    linear: dict[str, list[tuple[tuple[int, int, int], Measured, Measured]]]
+    # dtype -> [((rows m, in k, out n), forward seconds, backward seconds)] of F.linear
     copy_bandwidth: Measured                          # bytes/s, read + write
     op_seconds: Measured                              # seconds per tiny operator
-    layer_seconds: Measured                           # a tiny Linear + ReLU's forward + backward
+    layer_seconds: Measured                           # a tiny layer's cost beyond its Linear
     adamw: dict[str, Measured]                        # "for-loop"/"foreach"/"fused" -> params/s
     host_to_device: dict[str, Measured] | None = None  # "pinned"/"pageable" -> bytes/s
     device_to_host: dict[str, Measured] | None = None
@@ -91,8 +94,11 @@ class DeviceProfile:
         if rate is None:
             raise ValueError(f"adamw must be one of {sorted(self.adamw)}, got {adamw!r}")
         table = tuple((tuple(mkn), m.median) for mkn, m in self.grid.get(_name(dtype), ()))
+        linear = tuple((tuple(mkn), f.median, b.median)
+                       for mkn, f, b in self.linear.get(_name(dtype), ()))
         return Speeds(matmul_flops=self.peak_flops(dtype),
                       layer_seconds=self.layer_seconds.median, matmul_table=table,
+                      linear_table=linear,
                       dtype_bytes=2 if _name(dtype) in ("bfloat16", "float16") else 4,
                       memory_bandwidth=self.copy_bandwidth.median,
                       op_seconds=self.op_seconds.median,
@@ -118,6 +124,8 @@ class DeviceProfile:
                            for k, rows in d["matmul"].items()},
                    grid={k: [(tuple(mkn), Measured(**x)) for mkn, x in rows]
                          for k, rows in d["grid"].items()},
+                   linear={k: [(tuple(mkn), Measured(**f), Measured(**b)) for mkn, f, b in rows]
+                           for k, rows in d["linear"].items()},
                    copy_bandwidth=m(d["copy_bandwidth"]), op_seconds=m(d["op_seconds"]),
                    layer_seconds=m(d["layer_seconds"]),
                    adamw=md(d["adamw"]), host_to_device=md(d["host_to_device"]),
@@ -205,21 +213,60 @@ def _grid(device: torch.device, name: str, sides: Sequence[int], repeats: int,
     return out
 
 
+def _linear_grid(device: torch.device, name: str, rows: Sequence[int], widths: Sequence[int],
+                 repeats: int, pool_bytes: int) -> list[tuple[tuple[int, int, int], Measured, Measured]]:
+    """Forward and backward seconds of F.linear (x (m, k) times a weight (n, k), the input's and
+    the weight's gradients in backward) for m in `rows`, k and n in `widths`: the kernels, memory
+    layouts and per-call costs a Linear layer really runs (a transposed operand is not as fast as
+    the plain matmul the grid times), over a pool of weights larger than the caches."""
+    dtype = getattr(torch, name)
+    out = []
+    for m in rows:
+        for k in widths:
+            for n in widths:
+                copies = max(2, min(32, pool_bytes // (n * k * dtype.itemsize)))
+                ws = [torch.randn(n, k, device=device, dtype=dtype, requires_grad=True)
+                      for _ in range(copies)]
+                x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+                g = torch.randn(m, n, device=device, dtype=dtype)
+                turn = iter(range(10**9))
+
+                def forward():
+                    with torch.no_grad():
+                        return torch.nn.functional.linear(x, ws[next(turn) % copies])
+
+                def both():
+                    w = ws[next(turn) % copies]
+                    torch.nn.functional.linear(x, w).backward(g)
+                    w.grad = x.grad = None
+                one = _times(both, device, 1)[0]
+                inner = max(1, min(copies, int(0.004 / max(one, 1e-7))))
+                fwd = _times(forward, device, repeats, inner)
+                total = _times(both, device, repeats, inner)
+                out.append(((m, k, n), Measured.of(fwd),
+                            Measured.of([max(t - statistics.median(fwd), 0.0) for t in total])))
+    return out
+
+
 def _layer_seconds(device: torch.device, repeats: int) -> Measured:
-    """Seconds per layer of forward + backward through 64 Linear(8, 8) + ReLU layers: the fixed
-    cost of autograd and of launching a layer's operators, nearly without arithmetic."""
+    """Seconds per layer of forward + backward through 64 Linear(8, 8) + ReLU layers, less a lone
+    Linear(8, 8)'s forward and backward: what a layer costs beyond its matmul (the activation,
+    the autograd engine's bookkeeping), nearly without arithmetic."""
     from torch import nn
 
     depth = 64
     net = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(8, 8), nn.ReLU())])
     net.to(device)
     x, y = torch.randn(16, 8, device=device), torch.randn(16, 8, device=device)
+    lone = _linear_grid(device, "float32", [16], [8], repeats, 0)[0]
 
     def step():
         nn.functional.mse_loss(net(x), y).backward()
         for p in net.parameters():
             p.grad = None
-    return Measured.of([t / depth for t in _times(step, device, repeats, inner=3)])
+    per_layer = _times(step, device, repeats, inner=3)
+    return Measured.of([max(t / depth - lone[1].median - lone[2].median, 0.0)
+                        for t in per_layer])
 
 
 def _adamw_rates(repeats: int) -> dict[str, Measured]:
@@ -282,6 +329,11 @@ def _per_rank(device: torch.device, dtypes: Sequence[str], repeats: int) -> dict
            "grid": {name: _grid(device, name, [64, 256, 1024, 4096, 16384] if cuda
                                 else [16, 64, 256, 1024], repeats, (256 if cuda else 96) * 2**20)
                     for name in (["float32", "bfloat16"] if cuda else ["float32"])},
+           "linear": {name: _linear_grid(device, name, [256, 1024, 4096, 16384] if cuda
+                                         else [16, 64, 256, 1024],
+                                         [1024, 4096, 16384] if cuda else [64, 256, 1024],
+                                         repeats, (256 if cuda else 96) * 2**20)
+                      for name in (["float32", "bfloat16"] if cuda else ["float32"])},
            "copy_bandwidth": Measured.of([2 * big.numel() * 4 / t for t in _times(
                lambda: dst.copy_(big), device, repeats)]),
            "op_seconds": Measured.of(_times(lambda: one.add_(1), device, repeats, inner=1000)),

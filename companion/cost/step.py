@@ -23,9 +23,14 @@ The step models return a `StepTime`, whose parts a chart can stack:
   units gathered ahead while the current one computes);
 - `offload_step`: gradients to the host, AdamW there, weights back (ZeRO-Offload's schedule).
 
-Simplified vs a real run: one link per rank at one speed (α–β), communication that does not slow
-the compute it overlaps (on a CPU the two share cores: `Speeds.overlap` says how much of the
-link's time can hide), no memory-allocator or Python overhead beyond `op_seconds` per operator.
+Simplified vs a real run: one link per rank at one speed (the measured curve of each collective,
+or α–β), communication that does not slow the compute it overlaps (on a CPU the two share cores:
+`Speeds.overlap` says how much of the link's time can hide), ranks that do not slow each other's
+compute (on a CPU they share caches and memory bandwidth), no Python overhead beyond the measured
+per-layer and per-operator costs, and no allocator effects: on a CPU, a gradient allocated afresh
+each step (zero_grad's set_to_none) can pay page faults inside the matmul that first writes it
+(an MLP of 4 MiB weights measured here: its backward's matmuls 1.5x slower with fresh gradients
+than with kept ones), which CUDA's caching allocator avoids.
 How far that carries is measured, not assumed: `companion.cost.validate` runs each model against
 real gloo ranks and `benchmarks/bench_cost.py` reports the errors.
 """
@@ -67,6 +72,21 @@ class Speeds:
     matmul_table: tuple = ()      # ((m, k, n), FLOP/s) measured, for `matmul_seconds`
     dtype_bytes: int = 4          # bytes per element of the compute dtype
     collective_table: tuple = ()  # (kind, world size, ((bytes, seconds), ...)), measured
+    linear_table: tuple = ()      # ((m, k, n), forward s, backward s) of F.linear, measured
+
+    def linear_seconds(self, m: int, k: int, n: int) -> tuple[float, float]:
+        """(forward, backward) seconds of a Linear on (m, k) inputs with n outputs: interpolated
+        in log-size between the shapes of `linear_table` (as FLOP/s), or, without a table, the
+        matmuls' times: (m, k) @ (k, n) forward, (m, n) @ (n, k) and (k, m) @ (m, n) backward."""
+        if not self.linear_table:
+            return (self.matmul_seconds(m, k, n),
+                    self.matmul_seconds(m, n, k) + self.matmul_seconds(k, m, n))
+        flops = 2 * m * k * n
+        forward = tuple((mkn, 2 * mkn[0] * mkn[1] * mkn[2] / f) for mkn, f, _ in self.linear_table)
+        backward = tuple((mkn, 4 * mkn[0] * mkn[1] * mkn[2] / max(b, 1e-12))
+                         for mkn, _, b in self.linear_table)
+        return (flops / _interpolate(forward, (m, k, n)),
+                2 * flops / _interpolate(backward, (m, k, n)))
 
     def collective_seconds(self, kind: str, nbytes: float, world_size: int) -> float:
         """Seconds of one collective ("all_reduce", "reduce_scatter", "all_gather") of a whole
@@ -162,28 +182,42 @@ def _interpolate(table, shape) -> float:
 class Layer:
     """One unit of a model as the cost model sees it (a Linear, a transformer block)."""
 
-    matmuls: tuple          # forward matmuls (m, k, n) for one micro-batch: (m, k) @ (k, n)
+    matmuls: tuple          # Linear layers (m rows, k in, n out) for one micro-batch
     other_bytes: float      # bytes the other forward operators read and write
     ops: int                # forward operators launched besides the matmuls
     params: int             # parameters held (elements)
+    other_matmuls: tuple = ()   # matmuls of two activations (m, k) @ (k, n): attention's
     trainable: bool = True  # frozen layers compute no weight gradient
     tensors: int = 1        # parameter tensors (the optimizer's for-loop visits each)
 
     @property
     def flops(self) -> float:
         """Forward matmul FLOPs for one micro-batch."""
-        return sum(2 * m * k * n for m, k, n in self.matmuls)
+        return sum(2 * m * k * n for m, k, n in self.matmuls + self.other_matmuls)
+
+    def _matmuls(self, s: Speeds) -> tuple[float, float]:
+        """(forward, backward) seconds of the layer's matmuls. A Linear's backward makes the
+        input's gradient and, when trained, the weight's; a matmul of two activations makes
+        both inputs' gradients: (m, n) @ (n, k) and (k, m) @ (m, n)."""
+        forward = backward = 0.0
+        for m, k, n in self.matmuls:
+            f, b = s.linear_seconds(m, k, n)
+            if not self.trainable:          # the input's gradient only: about one forward
+                b = f if s.linear_table else s.matmul_seconds(m, n, k)
+            forward, backward = forward + f, backward + b
+        for m, k, n in self.other_matmuls:
+            forward += s.matmul_seconds(m, k, n)
+            backward += s.matmul_seconds(m, n, k) + s.matmul_seconds(k, m, n)
+        return forward, backward
 
     def forward_seconds(self, s: Speeds) -> float:
-        matmul = sum(s.matmul_seconds(*mkn) for mkn in self.matmuls)
+        matmul = self._matmuls(s)[0]
         return (matmul + self.other_bytes / s.memory_bandwidth + self.ops * s.op_seconds
                 + s.layer_seconds / 3)
 
     def backward_seconds(self, s: Speeds) -> float:
-        """Each forward matmul (m, k) @ (k, n) gives the input's gradient, (m, n) @ (n, k), and
-        when trained the weight's, (k, m) @ (m, n); the other operators cost twice the forward."""
-        matmul = sum(s.matmul_seconds(m, n, k) + (s.matmul_seconds(k, m, n) if self.trainable
-                                                   else 0.0) for m, k, n in self.matmuls)
+        """The matmuls' gradients (see `_matmuls`); the other operators cost twice the forward."""
+        matmul = self._matmuls(s)[1]
         return (matmul + 2 * self.other_bytes / s.memory_bandwidth + 2 * self.ops * s.op_seconds
                 + 2 * s.layer_seconds / 3)
 
@@ -246,7 +280,7 @@ def gpt_layers(width: int, depth: int, seq_len: int, vocab: int, tokens: int, *,
     rows = tokens // T * (C // 64) * T if C >= 64 else tokens     # (batch · heads · T) at d = 64
     d = 64 if C >= 64 else C
     block = Layer(matmuls=((tokens, C, 3 * C), (tokens, C, C), (tokens, C, 4 * C),
-                           (tokens, 4 * C, C), (rows, d, T), (rows, T, d)),
+                           (tokens, 4 * C, C)), other_matmuls=((rows, d, T), (rows, T, d)),
                   other_bytes=16 * act + 2 * tokens * T * 4, ops=20,
                   params=12 * C * C + 13 * C, trainable=not frozen, tensors=12)
     head = Layer(matmuls=((tokens, C, vocab),), other_bytes=3 * tokens * vocab * 4, ops=6,

@@ -139,7 +139,8 @@ def measure(rank: int, world_size: int, configs: Sequence[dict], rounds: int = 7
 def validate(configs: Sequence[dict], speeds: Speeds, *, world_size: int = 2, rounds: int = 7,
              timeout: float = 600.0) -> list[dict]:
     """Each configuration with its predicted parts, predicted and measured seconds (median of
-    `rounds`, with the quartiles) and the relative error (predicted - measured) / measured."""
+    `rounds`, with the quartiles, and every round's "times") and the relative error
+    (predicted - measured) / measured."""
     from companion import launch
     from companion.cost.stats import spread
 
@@ -150,7 +151,7 @@ def validate(configs: Sequence[dict], speeds: Speeds, *, world_size: int = 2, ro
         p = predict(c, speeds, world_size)
         med, low, high = spread(times)
         rows.append({**c, "world_size": world_size, "predicted": p.total, "parts": p.parts(),
-                     "measured": med, "low": low, "high": high,
+                     "measured": med, "low": low, "high": high, "times": times,
                      "error": (p.total - med) / med})
     return rows
 

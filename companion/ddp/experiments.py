@@ -21,8 +21,9 @@ def time_training_step(rank: int, world_size: int, impl: str, width: int, depth:
                        use_no_sync: bool = True) -> dict:
     """A worker for `launch.run`: train an MLP (depth Linear+ReLU layers of `width`) on `batch`
     rows per rank and micro-step, and return the median seconds per optimizer step of `steps`
-    timed steps (after one warm-up step), the fastest and slowest of them, and the bytes
-    all-reduced per step. impl: "ours", "torch" or "naive"."""
+    timed steps (after one warm-up step), the fastest and slowest of them, every step's seconds
+    ("times", for `companion.cost.stats.compare`), and the bytes all-reduced per step.
+    impl: "ours", "torch" or "naive"."""
     torch.manual_seed(0)
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
@@ -55,7 +56,7 @@ def time_training_step(rank: int, world_size: int, impl: str, width: int, depth:
         seconds.append(time.perf_counter() - start)
     sent = wrapped.stats.bytes / (steps + 1) if impl == "ours" else None
     return {"seconds": statistics.median(seconds[1:]), "fastest": min(seconds[1:]),
-            "slowest": max(seconds[1:]), "all_reduce_bytes": sent}
+            "slowest": max(seconds[1:]), "times": seconds[1:], "all_reduce_bytes": sent}
 
 
 def profile_buckets(rank: int, world_size: int, width: int, depth: int, batch: int,
@@ -85,8 +86,9 @@ def profile_buckets(rank: int, world_size: int, width: int, depth: int, batch: i
         steps_s, backward_s = _timed_steps(wrapped, optimizer, x, y, steps + 1)
         out["caps"][cap] = {"buckets": len(wrapped.buckets), "times": wrapped.last_times,
                             "seconds": statistics.median(steps_s[1:]), "fastest": min(steps_s[1:]),
-                            "slowest": max(steps_s[1:]),
-                            "backward_seconds": statistics.median(backward_s[1:])}
+                            "slowest": max(steps_s[1:]), "step_times": steps_s[1:],
+                            "backward_seconds": statistics.median(backward_s[1:]),
+                            "backward_times": backward_s[1:]}
     local = []
     for _ in range(steps):
         with wrapped.no_sync():
@@ -96,6 +98,7 @@ def profile_buckets(rank: int, world_size: int, width: int, depth: int, batch: i
             local.append(time.perf_counter() - start)
         optimizer.zero_grad()
     out["backward_seconds"] = statistics.median(local)
+    out["backward_alone"] = local
     return out
 
 
