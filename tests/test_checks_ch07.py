@@ -2,6 +2,8 @@
 
 The reduce-scatter answers live at module level, so the gloo workers can import them by name.
 """
+import collections
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,7 +11,8 @@ import torch.distributed as dist
 from companion import collectives
 from companion.checks import ch07
 from companion.checks.core import CheckFailed, evaluate
-from companion.zero import flat_partition, per_rank_state_bytes, register_gather_hooks
+from companion.zero import (flat_partition, per_rank_state_bytes, register_gather_hooks,
+                           run_with_prefetch)
 from elsewhere import Elsewhere
 
 
@@ -184,6 +187,141 @@ def hooks_free_in_a_second_pre_hook(module, names, gather):
     return module.register_forward_pre_hook(before), module.register_forward_pre_hook(free)
 
 
+def hooks_free_in_place(module, names, gather):
+    """Frees the gathered weight with set_(): autograd saved it for backward."""
+    def before(mod, inputs):
+        for n in names:
+            setattr(mod, n, gather(n))
+
+    def after(mod, inputs, output):
+        for n in names:
+            getattr(mod, n).set_()
+            setattr(mod, n, None)
+    return module.register_forward_pre_hook(before), module.register_forward_hook(after)
+
+
+def hooks_free_by_resize(module, names, gather):
+    """Frees the bytes the way torch's FSDP does, on memory it does not own."""
+    def before(mod, inputs):
+        for n in names:
+            setattr(mod, n, gather(n))
+
+    def after(mod, inputs, output):
+        for n in names:
+            getattr(mod, n).untyped_storage().resize_(0)
+            setattr(mod, n, None)
+    return module.register_forward_pre_hook(before), module.register_forward_hook(after)
+
+
+def _hooks_setting(make):
+    def answer(module, names, gather):
+        def before(mod, inputs):
+            for n in names:
+                setattr(mod, n, make(gather(n)))
+
+        def after(mod, inputs, output):
+            for n in names:
+                setattr(mod, n, None)
+        return module.register_forward_pre_hook(before), module.register_forward_hook(after)
+    return answer
+
+
+hooks_detach = _hooks_setting(lambda t: t.detach())
+hooks_as_parameter = _hooks_setting(torch.nn.Parameter)
+hooks_clone = _hooks_setting(lambda t: t.clone())
+CACHE = {}
+
+
+def hooks_cache_for_backward(module, names, gather):
+    """Keeps the gathered weights so that backward needn't gather them again."""
+    def before(mod, inputs):
+        for n in names:
+            CACHE[n] = gather(n)
+            setattr(mod, n, CACHE[n])
+
+    def after(mod, inputs, output):
+        for n in names:
+            setattr(mod, n, None)
+    return module.register_forward_pre_hook(before), module.register_forward_hook(after)
+
+
+# ---------------------------------------------------------------- prefetching
+
+def prefetch_none(units, gather, compute, depth):
+    """Gather, wait, compute, one unit at a time: nothing overlaps."""
+    outputs = []
+    for unit in units:
+        weights, work = gather(unit)
+        work.wait()
+        outputs.append(compute(unit, weights))
+    return outputs
+
+
+def prefetch_everything(units, gather, compute, depth):
+    """Every gather up front: the whole model in memory."""
+    started = [gather(unit) for unit in units]
+    outputs = []
+    for unit, (weights, work) in zip(units, started):
+        work.wait()
+        outputs.append(compute(unit, weights))
+    return outputs
+
+
+def prefetch_without_waiting(units, gather, compute, depth):
+    in_flight = {}
+    outputs = []
+    for i, unit in enumerate(units):
+        for j in range(i, min(i + depth + 1, len(units))):
+            in_flight.setdefault(j, gather(units[j]))
+        weights, work = in_flight.pop(i)
+        outputs.append(compute(unit, weights))
+        work.wait()
+    return outputs
+
+
+def prefetch_one_too_far(units, gather, compute, depth):
+    """Prefetches unit i+depth+1 and gathers unit i+1 only when it is needed."""
+    in_flight = {}
+    outputs = []
+    for i, unit in enumerate(units):
+        if i + depth + 1 < len(units):
+            in_flight[i + depth + 1] = gather(units[i + depth + 1])
+        weights, work = in_flight.pop(i) if i in in_flight else gather(unit)
+        work.wait()
+        outputs.append(compute(unit, weights))
+    return outputs
+
+
+def prefetch_skips_the_last(units, gather, compute, depth):
+    return run_with_prefetch(units[:-1], gather, compute, depth) if len(units) > 1 else \
+        run_with_prefetch(units, gather, compute, depth)
+
+
+def prefetch_waits_early(units, gather, compute, depth):
+    """Waits for each gather as soon as it is issued: in flight on paper only."""
+    started = {}
+    outputs = []
+    for i, unit in enumerate(units):
+        for j in range(i, min(i + depth + 1, len(units))):
+            if j not in started:
+                started[j] = gather(units[j])
+                started[j][1].wait()
+        outputs.append(compute(unit, started.pop(i)[0]))
+    return outputs
+
+
+def prefetch_with_a_queue(units, gather, compute, depth):
+    """A right answer unlike the reference: a queue of depth+1 gathers, topped up each time."""
+    queue, upcoming, outputs = collections.deque(), iter(units), []
+    for unit in units:
+        while len(queue) < depth + 1 and (later := next(upcoming, None)) is not None:
+            queue.append(gather(later))
+        weights, work = queue.popleft()
+        work.wait()
+        outputs.append(compute(unit, weights))
+    return outputs
+
+
 # ---------------------------------------------------------------- exercise 4
 
 def states_floor(n, stage, world, w, g, k):
@@ -208,10 +346,12 @@ def states_psi_over_n(n, stage, world, w, g, k):
 def test_references_pass(capsys):
     ch07.check_flat_partition(flat_partition)
     ch07.check_ring_reduce_scatter(collectives.ring_reduce_scatter)
+    ch07.check_prefetch(run_with_prefetch)
     ch07.check_gather_hooks(register_gather_hooks)
     ch07.check_per_rank_model_states(per_rank_state_bytes)
     out = capsys.readouterr().out
-    assert out.count("passed") == 4 and "120.0 / 31.4 / 16.6 / 1.9 GB" in out
+    assert out.count("passed") == 5 and "120.0 / 31.4 / 16.6 / 1.9 GB" in out
+    assert "2.19 KiB of gathered weight stay alive with the hooks alone" in out
 
 
 @pytest.mark.parametrize("check, answer, words", [
@@ -237,6 +377,18 @@ def test_references_pass(capsys):
     (ch07.check_gather_hooks, hooks_without_handles, "two hook handles"),
     (ch07.check_gather_hooks, hooks_delete_the_attribute, "don't delete it"),
     (ch07.check_gather_hooks, hooks_free_in_a_second_pre_hook, "not in a second pre-hook"),
+    (ch07.check_gather_hooks, hooks_free_in_place, "dropping your reference only"),
+    (ch07.check_gather_hooks, hooks_free_by_resize, "memory you do not own"),
+    (ch07.check_gather_hooks, hooks_detach, "the shard gets no gradient"),
+    (ch07.check_gather_hooks, hooks_as_parameter, "the shard gets no gradient"),
+    (ch07.check_gather_hooks, hooks_clone, "a copy of the gathered weight"),
+    (ch07.check_gather_hooks, hooks_cache_for_backward, "no other reference"),
+    (ch07.check_prefetch, prefetch_none, "nothing was in flight"),
+    (ch07.check_prefetch, prefetch_everything, "you gathered every unit before computing"),
+    (ch07.check_prefetch, prefetch_without_waiting, "call work.wait() before compute"),
+    (ch07.check_prefetch, prefetch_one_too_far, "off by one"),
+    (ch07.check_prefetch, prefetch_skips_the_last, "the last ones too"),
+    (ch07.check_prefetch, prefetch_waits_early, "no longer overlaps"),
     (ch07.check_per_rank_model_states, states_floor, "ceil"),
     (ch07.check_per_rank_model_states, states_shard_everything, "stage 1 shards only"),
     (ch07.check_per_rank_model_states, states_only_optimizer, "stage 2 shards the gradients"),
@@ -246,6 +398,11 @@ def test_checks_fail_on_known_wrong_answers_with_their_hint(check, answer, words
     with pytest.raises(CheckFailed) as info:
         check(answer)
     assert words in str(info.value)
+
+
+def test_the_prefetch_check_passes_a_right_answer_other_than_the_reference(capsys):
+    ch07.check_prefetch(prefetch_with_a_queue)
+    assert "at most 3 units' weights at once" in capsys.readouterr().out
 
 
 def test_failures_show_whole_values_and_name_the_fields_not_an_index_path():
@@ -277,6 +434,7 @@ def test_stage_3_without_sharding_parameters_gets_its_own_hint():
 @pytest.mark.parametrize("name, reference", [
     ("check_flat_partition", flat_partition),
     ("check_ring_reduce_scatter", collectives.ring_reduce_scatter),
+    ("check_prefetch", run_with_prefetch),
     ("check_gather_hooks", register_gather_hooks),
     ("check_per_rank_model_states", per_rank_state_bytes)])
 def test_checks_pass_on_an_answer_that_lives_in_another_process(name, reference):
@@ -288,3 +446,7 @@ def test_the_hooks_check_runs_the_answer_where_it_lives_and_judges_it_here():
         evaluate("check_gather_hooks", Elsewhere(hooks_delete_the_attribute))
     with pytest.raises(CheckFailed, match="not in a second pre-hook"):
         evaluate("check_gather_hooks", Elsewhere(hooks_free_in_a_second_pre_hook))
+    with pytest.raises(CheckFailed, match="the shard gets no gradient"):
+        evaluate("check_gather_hooks", Elsewhere(hooks_detach))
+    with pytest.raises(CheckFailed, match="off by one"):
+        evaluate("check_prefetch", Elsewhere(prefetch_one_too_far))

@@ -3,6 +3,7 @@
 Workers live at module level so that gloo ranks can import them. Each launch costs about a second,
 so one worker usually checks several things.
 """
+import math
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 from companion import checkpointing, estimate, launch
 from companion.models import MLP
 from companion.memory import track
+from companion import zero
 from companion.zero import FSDP, FlatLayout, ShardedOptimizer, experiments, flat_partition
 
 BATCH, STEPS = 8, 3
@@ -398,9 +400,10 @@ def test_fsdp_frees_gathered_weights_after_forward_and_gathers_them_again_for_ba
         assert payload["all_gather"] == 2 * payload["reduce_scatter"] == 2 * 4 * 2 * shard_numel
 
 
-def _fsdp_bf16(rank, world, dtype_name):
+def _fsdp_bf16(rank, world, dtype_name, reduce_name=None):
     dtype = getattr(torch, dtype_name)
-    model = FSDP(Small(), compute_dtype=dtype)
+    model = FSDP(Small(), compute_dtype=dtype) if reduce_name is None else \
+        FSDP(Small(), param_dtype=dtype, reduce_dtype=getattr(torch, reduce_name))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     for step in range(STEPS):
         x, y = _batch(step)
@@ -414,14 +417,17 @@ def _fsdp_bf16(rank, world, dtype_name):
         {p.dtype for p in model.parameters()}, dict(model.comm.payload)
 
 
-def test_fsdp_compute_dtype_gathers_in_bf16_and_keeps_fp32_shards_and_gradients():
+@pytest.mark.parametrize("reduce_name", [None, "float32", "bfloat16"])
+def test_fsdp_param_dtype_gathers_in_bf16_and_keeps_fp32_shards_and_gradients(reduce_name):
     expected = _one_process("adamw", slices=2)
     for params, out_dtype, grad_dtypes, param_dtypes, payload in launch.run(
-            _fsdp_bf16, 2, "bfloat16", timeout=60):
+            _fsdp_bf16, 2, "bfloat16", reduce_name, timeout=60):
         assert out_dtype == torch.bfloat16
         assert grad_dtypes == param_dtypes == {torch.float32}
-        # two gathers of 2 bytes per element weigh at most one reduce-scatter of 4 bytes
-        assert payload["all_gather"] <= payload["reduce_scatter"]
+        # two gathers of 2 bytes per element weigh at most one reduce-scatter of 4 bytes, or
+        # twice one of 2 bytes (reduce_dtype=torch.bfloat16)
+        ratio = 1 if reduce_name != "bfloat16" else 2
+        assert payload["all_gather"] <= ratio * payload["reduce_scatter"]
         for got, want in zip(params, expected):
             assert got.dtype == torch.float32
             torch.testing.assert_close(got, want, rtol=0.05, atol=0.02)
@@ -487,18 +493,27 @@ def _errors(rank, world):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(2, 5)).sum().backward()
     expect(RuntimeError, optimizer.step)
+    expect(RuntimeError, lambda: model.clip_grad_norm_(1.0))
     model.finish_gradient_synchronization()
+    expect(ValueError, lambda: model.clip_grad_norm_(1.0, norm_type=0))
     optimizer.step()                                     # fine once synchronized
     sharded = ShardedOptimizer(Small().parameters(), torch.optim.AdamW, lr=0.1)
     saved = sharded.state_dict()
     saved["rank"] = 1 - rank
     expect(ValueError, lambda: sharded.load_state_dict(saved))
+    expect(ValueError, lambda: FSDP(Small(), prefetch=-1))
+    expect(TypeError, lambda: FSDP(Small(), reshard_after_forward="yes"))
+    expect(ValueError, lambda: FSDP(Small(), param_dtype=torch.bfloat16,
+                                    compute_dtype=torch.float16))
+    expect(TypeError, lambda: FSDP(Small(), reduce_dtype=torch.int32))
+    expect(ValueError, lambda: zero.shard_by_resize(nn.ReLU(), zero.Comm()))
     return messages
 
 
 def test_clear_errors():
     for messages in launch.run(_errors, 2, timeout=30):
-        few, devices, instance, stage, no_matrix, early, wrong_rank = messages
+        few, devices, instance, stage, no_matrix, early, clip_early, norm_type, wrong_rank, \
+            depth, reshard, two_names, reduce, nothing_to_shard = messages
         assert "every rank must own at least one element" in few
         assert "different devices" in devices and "model.to(device)" in devices
         assert "the class, not an instance" in instance
@@ -506,6 +521,11 @@ def test_clear_errors():
         assert "companion.ddp.DDP" in no_matrix
         assert "finish_gradient_synchronization()" in early
         assert "consolidate_state_dict" in wrong_rank
+        assert "finish_gradient_synchronization() first" in clip_early
+        assert "norm_type must be > 0" in norm_type
+        assert "prefetch is how many units" in depth and "True or False" in reshard
+        assert "older name of param_dtype" in two_names and "floating torch dtype" in reduce
+        assert "owns no parameter of its own" in nothing_to_shard
 
 
 def test_chapter_sizes_for_a_gpu_fit_an_80_gb_device_at_60_percent():
@@ -516,3 +536,333 @@ def test_chapter_sizes_for_a_gpu_fit_an_80_gb_device_at_60_percent():
     activations = estimate.mlp_activations(s.zero_batch, s.zero_width, s.zero_depth, 16)
     embedding = estimate.model_states(s.zero_vocab * 64, optimizer="adamw").total
     assert states + activations <= 0.6 * 80e9 and embedding <= 0.6 * 80e9
+
+
+# ---------------------------------------------------------------- traffic with accumulation
+
+def test_predicted_traffic_grows_with_k_only_at_stages_2_and_3():
+    n, share = 1000, 0.5                                  # 2 ranks: a ring sends half
+    per = [[zero.predicted_traffic(s, k, 2, n) / (share * 4 * n) for k in (1, 2, 4)]
+           for s in (0, 1, 2)]
+    assert per == [[2, 2, 2], [2, 2, 2], [2, 3, 5]]
+    three = [zero.predicted_traffic(3, k, 2, n) / (share * 4 * n) for k in (1, 2, 4)]
+    assert three == [3, 6, 12]
+    assert zero.predicted_traffic(3, 2, 2, n, reshard_after_forward=False) == share * 4 * n * 4
+    # 100 1-D parameters all-reduced once per step; 200 elements never gathered for backward;
+    # bf16 gathers, fp32 reduce-scatters
+    got = zero.predicted_traffic(3, 2, 4, n, n_replicated=100, n_skipped=200, param_bytes=2)
+    assert got == 0.75 * (2 * (2 * 900 + 2 * 700 + 4 * 900) + 2 * 4 * 100)
+
+
+@pytest.mark.parametrize("args, kwargs, words", [
+    ((4, 1, 2, 10), {}, "stage must be 0"),
+    ((2, 0, 2, 10), {}, "micro-batches"),
+    ((2, 1, 0, 10), {}, "world_size"),
+    ((1, 1, 2, 10), {"n_replicated": 2}, r"stage 3 \(FSDP\) only"),
+    ((3, 1, 2, 10), {"n_replicated": 6, "n_skipped": 5}, "parts of n_params"),
+    ((3, 1, 2, 10), {"param_bytes": 0}, "param_bytes"),
+])
+def test_predicted_traffic_explains_bad_input(args, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        zero.predicted_traffic(*args, **kwargs)
+
+
+def _accumulation_traffic(rank, world):
+    """One launch: every stage at k = 1, 2, 4 on the ring; FSDP's options on gloo's collectives."""
+    out = {"stages": experiments.traffic_with_accumulation(rank, world, [0, 1, 2, 3], [1, 2, 4],
+                                                           32, 3, 2)}
+    for name, options in [("no reshard", dict(reshard_after_forward=False)),
+                          ("prefetch", dict(prefetch=2)),
+                          ("bf16 gathers", dict(param_dtype=torch.bfloat16)),
+                          ("bf16 both", dict(param_dtype=torch.bfloat16,
+                                             reduce_dtype=torch.bfloat16))]:
+        out[name] = experiments.traffic_with_accumulation(rank, world, [3], [1, 3], 32, 3, 2,
+                                                          False, **options)
+    return out
+
+
+def test_traffic_with_accumulation_is_the_predicted_traffic_to_the_byte():
+    options = {"stages": {}, "no reshard": {"reshard_after_forward": False}, "prefetch": {},
+               "bf16 gathers": {"param_bytes": 2},
+               "bf16 both": {"param_bytes": 2, "reduce_bytes": 2}}
+    for by_name in launch.run(_accumulation_traffic, 2, timeout=120):
+        for name, reports in by_name.items():
+            for r in reports:
+                want = zero.predicted_traffic(r["stage"], r["k"], 2, r["n_params"],
+                                              n_replicated=r["n_replicated"],
+                                              n_skipped=r["n_skipped"], **options[name])
+                assert r["sent_bytes"] == want, (name, r)
+        ratio = {(r["stage"], r["k"]): r["sent_bytes"] / (0.5 * 4 * r["n_params"])
+                 for r in by_name["stages"]}
+        assert ratio[0, 4] == ratio[1, 4] == 2 and ratio[2, 2] == 3 and ratio[2, 4] == 5
+        per_micro = ratio[3, 2] - ratio[3, 1]            # linear in k: 1-D all-reduce once
+        assert 2.5 < per_micro < 3 and ratio[3, 4] - ratio[3, 2] == pytest.approx(2 * per_micro)
+        gathers = [r["payload"]["all_gather"] for r in by_name["bf16 gathers"]]
+        scatters = [r["payload"]["reduce_scatter"] for r in by_name["bf16 gathers"]]
+        full = [r["payload"]["all_gather"] for r in by_name["prefetch"]]
+        assert [2 * g for g in gathers] == full                # half the gather bytes
+        assert scatters == [r["payload"]["reduce_scatter"] for r in by_name["prefetch"]]
+
+
+# ---------------------------------------------------------------- resharding and prefetching
+
+def test_run_with_prefetch_keeps_depth_plus_one_units_and_gathers_each_once():
+    for n, depth in [(1, 0), (5, 0), (5, 1), (6, 2), (3, 7)]:
+        log, live, peak = [], set(), [0]
+
+        class Work:
+            def __init__(self, i):
+                self.i = i
+
+            def wait(self):
+                log.append(("wait", self.i))
+
+        def gather(unit):
+            live.add(unit)
+            peak[0] = max(peak[0], len(live))
+            log.append(("gather", unit))
+            return unit * 10, Work(unit)
+
+        def compute(unit, weights):
+            live.discard(unit)
+            log.append(("compute", unit))
+            return weights + 1
+
+        assert zero.run_with_prefetch(range(n), gather, compute, depth) == \
+            [10 * i + 1 for i in range(n)]
+        assert peak[0] == min(depth + 1, n)
+        gathered = [u for kind, u in log if kind == "gather"]
+        assert gathered == list(range(n))                    # each once, in order
+        for i in range(n):                 # units i+1 … i+depth in flight when i computes
+            started = log.index(("compute", i))
+            assert all(log.index(("gather", j)) < started
+                       for j in range(i, min(i + depth + 1, n)))
+            assert log.index(("wait", i)) < started
+    with pytest.raises(ValueError, match="whole number of units"):
+        zero.run_with_prefetch([1], gather, compute, -1)
+
+
+def test_predicted_gathered_peak():
+    units = [4, 4, 4, 1]
+    assert [zero.predicted_gathered_peak(units, prefetch=d) for d in (0, 1, 2, 9)] == \
+        [4, 8, 12, 13]
+    assert zero.predicted_gathered_peak(units, keep=[True] * 4) == 13
+    assert zero.predicted_gathered_peak(units, prefetch=1, keep=[True, False, False, False]) == 12
+    with pytest.raises(ValueError, match="one True/False per unit"):
+        zero.predicted_gathered_peak(units, keep=[True])
+
+
+def test_fsdp_forward_peak_is_the_gathered_window_and_prefetch_sends_nothing_more():
+    settings = [(True, 0), (True, 1), (True, 2), (False, 0), (False, 1)]
+    for reports in launch.run(experiments.fsdp_memory_report, 2, 128, 4, 2, settings,
+                              timeout=60):
+        base = reports[0]
+        for r in reports:
+            want = zero.predicted_gathered_peak(r["unit_bytes"], prefetch=r["prefetch"],
+                                                keep=r["keep"])
+            activations = r["after_forward"] - r["kept_after_forward"]
+            layer_output = 2 * 128 * 4                   # one Linear's output, freed by ReLU
+            assert 0 <= r["forward_peak"] - want <= activations + layer_output, r
+            assert r["kept_after_forward"] == (0 if r["reshard_after_forward"] else
+                                               sum(r["unit_bytes"]))
+            assert torch.equal(r["grads"], base["grads"])
+            unit = r["unit_bytes"][0]
+            assert r["backward_peak"] - base["backward_peak"] <= r["prefetch"] * unit
+            if r["reshard_after_forward"]:
+                assert r["payload"] == base["payload"]       # prefetching moves no extra byte
+            else:                                            # no gather in backward
+                assert r["payload"]["all_gather"] == r["payload"]["reduce_scatter"]
+
+
+class Rooted(nn.Module):
+    """The wrapped module owns a matrix itself (used last, like an output head)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Parameter(torch.randn(16, 3) / 4)
+
+    def forward(self, x):
+        return torch.tanh(self.body(x)) @ self.head
+
+
+class Backwards(nn.Module):
+    """Registers its layers in the opposite order to the one it runs them in."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.last = nn.Linear(16, 3)
+        self.first = nn.Linear(5, 16)
+
+    def forward(self, x):
+        return self.last(torch.relu(self.first(x)))
+
+
+def _fsdp_options(rank, world):
+    """Three steps of three models under each FSDP option: parameters, payload of the last step."""
+    out = {}
+    for model_name, build in (("small", Small), ("rooted", Rooted), ("backwards", Backwards)):
+        for option in ({}, {"reshard_after_forward": False}, {"prefetch": 1},
+                       {"prefetch": 2, "ring": True},
+                       {"prefetch": 1, "reshard_after_forward": False}):
+            model = FSDP(build(), **option)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+            for step in range(STEPS):
+                model.comm.reset()
+                x, y = _batch(step)
+                nn.functional.mse_loss(model(x[_mine(rank, world)]), y[_mine(rank, world)]
+                                       ).backward()
+                model.finish_gradient_synchronization()
+                optimizer.step()
+                optimizer.zero_grad()
+            out[model_name, tuple(sorted(option.items()))] = (
+                list(model.gather_full_params().values()), dict(model.comm.payload),
+                [4 * g.layout.padded for g in model.groups])
+    return out
+
+
+def test_fsdp_options_train_the_same_and_the_root_unit_is_gathered_once():
+    for by_option in launch.run(_fsdp_options, 2, timeout=120):
+        for (model_name, option), (params, payload, units) in by_option.items():
+            plain, plain_payload, _ = by_option[model_name, ()]
+            for a, b in zip(params, plain):                  # the same sums, in the same order
+                assert torch.equal(a, b), (model_name, option)
+            if dict(option).get("reshard_after_forward") is False:
+                assert payload["all_gather"] == payload["reduce_scatter"]
+            else:                                       # prefetching, in its recorded order
+                assert payload == plain_payload, (model_name, option)
+        _, payload, (root, first, second) = by_option["rooted", ()]
+        # forward gathers all three; backward only the second Linear: the root unit stays whole
+        # from forward to backward, the first Linear's weight is not needed (its input is data)
+        assert payload["all_gather"] == root + first + 2 * second
+
+
+# ---------------------------------------------------------------- storage resize, clipping
+
+def _nbytes(flats):
+    return [f.untyped_storage().nbytes() for f in flats]
+
+
+def _resize_and_clip(rank, world):
+    """One launch: a model of shard_by_resize units (storage freed and refilled), and
+    clip_grad_norm_ over FSDP's and ShardedOptimizer's shards (SGD, lr 1: the step shows the
+    clipped gradients)."""
+    model = Small()
+    shards, flats = zip(*[zero.shard_by_resize(m, zero.Comm()) for m in model.net
+                          if isinstance(m, nn.Linear)])
+    during = []
+
+    def record(mod, inputs, output):      # runs after the unit's own hook, which gathers it
+        output.register_hook(lambda grad: during.append(_nbytes(flats)))   # again for backward
+
+    for m in model.net:
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(record)
+    x, y = _batch(0)
+    out = {"before forward": _nbytes(flats)}
+    loss = nn.functional.mse_loss(model(x[_mine(rank, world)]), y[_mine(rank, world)])
+    out["after forward"] = _nbytes(flats)
+    loss.backward()
+    out["during backward"], out["after backward"] = during, _nbytes(flats)
+    out["resize grads"] = [s.grad.clone() for s in shards]
+    for norm_type in (2.0, 1.0, float("inf")):
+        for kind in ("fsdp", 1, 2):
+            out[kind, norm_type] = _clipped(rank, world, kind, norm_type, max_norm=0.05)
+    out["fsdp", "loose"] = _clipped(rank, world, "fsdp", 2.0, max_norm=1e6)
+    out["nonfinite"] = _nonfinite(rank, world)
+    return out
+
+
+def _clipped(rank, world, kind, norm_type, *, max_norm):
+    model = Small()
+    if kind == "fsdp":
+        net = FSDP(model)
+        optimizer = torch.optim.SGD(net.parameters(), lr=1.0)
+    else:
+        net = model
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=kind, lr=1.0,
+                                     bucket_cap_mb=0.0003)
+    x, y = _batch(0)
+    nn.functional.mse_loss(net(x[_mine(rank, world)]), y[_mine(rank, world)]).backward()
+    if kind == "fsdp":
+        net.finish_gradient_synchronization()
+        norm = net.clip_grad_norm_(max_norm, norm_type)
+    else:
+        norm = optimizer.clip_grad_norm_(max_norm, norm_type)
+    optimizer.step()
+    params = net.gather_full_params().values() if kind == "fsdp" else model.parameters()
+    return float(norm), [p.detach().clone() for p in params]
+
+
+def _nonfinite(rank, world):
+    """A NaN or an inf in rank 1's shard only: every rank sees the same non-finite norm."""
+    out = {}
+    for bad in ("nan", "inf"):
+        for norm_type in (2.0, float("inf")):
+            model = FSDP(Small())
+            x, y = _batch(0)
+            nn.functional.mse_loss(model(x[_mine(rank, world)]), y[_mine(rank, world)]).backward()
+            model.finish_gradient_synchronization()
+            if rank == 1:
+                model.shards[0].grad[0] = float(bad)
+            try:
+                model.clip_grad_norm_(1.0, norm_type, error_if_nonfinite=True)
+                raised = ""
+            except RuntimeError as e:
+                raised = str(e)
+            norm = float(model.clip_grad_norm_(1.0, norm_type))
+            nonfinite = sum(int((~torch.isfinite(s.grad)).sum()) for s in model.shards)
+            out[bad, norm_type] = raised, norm, nonfinite, sum(s.numel() for s in model.shards)
+    return out
+
+
+def _reference_grads():
+    """The averaged gradient of the two ranks' slices, in one process."""
+    model = Small()
+    x, y = _batch(0)
+    for r in range(2):
+        (nn.functional.mse_loss(model(x[_mine(r, 2)]), y[_mine(r, 2)]) / 2).backward()
+    return model
+
+
+@pytest.fixture(scope="module")
+def resize_and_clip():
+    return launch.run(_resize_and_clip, 2, timeout=120)
+
+
+def test_resized_units_free_their_bytes_after_forward_and_refill_them_for_backward(
+        resize_and_clip):
+    reference = _reference_grads()
+    layers = [m for m in reference.net if isinstance(m, nn.Linear)]
+    for rank, r in enumerate(resize_and_clip):
+        full = [4 * FlatLayout.of(list(m.parameters()), 2).padded for m in layers]
+        assert r["before forward"] == r["after forward"] == r["after backward"] == [0, 0, 0]
+        # backward runs the layers last to first; each is whole while its backward runs only
+        assert r["during backward"] == [[0, 0, full[2]], [0, full[1], 0], [full[0], 0, 0]]
+        for got, m in zip(r["resize grads"], layers):
+            layout = FlatLayout.of(list(m.parameters()), 2)
+            want = layout.chunk(layout.flatten([p.grad for p in m.parameters()]), rank)
+            torch.testing.assert_close(got, want)
+
+
+def test_clip_grad_norm_over_shards_equals_torch_on_the_whole_model(resize_and_clip):
+    for key in [(k, p) for p in (2.0, 1.0, float("inf")) for k in ("fsdp", 1, 2)] + \
+            [("fsdp", "loose")]:
+        model = _reference_grads()
+        max_norm, norm_type = (1e6, 2.0) if key[1] == "loose" else (0.05, key[1])
+        want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= p.grad                                          # SGD, lr 1
+        for r in resize_and_clip:
+            norm, params = r[key]
+            assert norm == pytest.approx(want, rel=1e-6), key
+            for a, b in zip(params, model.parameters()):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for rank, r in enumerate(resize_and_clip):   # as torch: scaled by 1/NaN (NaN) or 1/inf (0)
+        for (bad, norm_type), (raised, norm, nonfinite, total) in r["nonfinite"].items():
+            assert "non-finite" in raised and "error_if_nonfinite=False" in raised
+            assert math.isnan(norm) if bad == "nan" else math.isinf(norm)
+            assert nonfinite == (total if bad == "nan" else rank)    # inf · 0 = NaN on rank 1

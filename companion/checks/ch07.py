@@ -1,5 +1,7 @@
 """Checks for chapter 07 (ZeRO). The reduce-scatter runs in real gloo worker processes; the
-partition, the gather hooks and the memory prediction run here."""
+partition, prefetching, the gather hooks (forward and backward) and the memory prediction run
+here. `check_ring_reduce_scatter` stays for workbooks that still use it; the chapter's exercise
+on communication is now `check_prefetch`."""
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +22,8 @@ from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_s
 from companion.memory import format_bytes
 from companion.zero import flat_partition, per_rank_state_bytes
 
-__all__ = ["check_flat_partition", "check_ring_reduce_scatter", "check_gather_hooks",
-           "check_per_rank_model_states"]
+__all__ = ["check_flat_partition", "check_ring_reduce_scatter", "check_prefetch",
+           "check_gather_hooks", "check_per_rank_model_states"]
 
 
 # ---------------------------------------------------------------- exercise 1: flat partition
@@ -207,12 +209,174 @@ def check_ring_reduce_scatter(answer, *, worker_timeout: float = 20.0) -> str:
             f"{collectives.shard_bytes_per_rank(full, 3):.0f}; an all-reduce sends twice that)")
 
 
+# ---------------------------------------------------------------- exercise: prefetching
+
+class _Work:
+    """The handle of the check's asynchronous gather: wait() fills the unit's buffer."""
+
+    def __init__(self, state: dict, i: int, buffer: torch.Tensor):
+        self.state, self.i, self.buffer, self.done = state, i, buffer, False
+
+    def wait(self) -> bool:
+        self.state["log"].append(("wait", self.i))
+        if not self.done:
+            self.buffer.copy_(self.state["weights"][self.i])           # the gather lands
+            self.done = True
+        return True
+
+
+@harness
+def _observe_prefetch(answer, seed: int, n: int, depth: int) -> dict:
+    """Run the answer on n units of 4 x 4 weights (each unit: x <- tanh(W x)) with a gather that
+    logs when it is issued and waited, and a compute that logs what it got and frees it. Returns
+    the log, the most units in memory at once and the outputs, as plain data."""
+    g = torch.Generator().manual_seed(seed)
+    state = {"log": [], "weights": [torch.randn(4, 4, generator=g) / 2 for _ in range(n)],
+             "x": torch.randn(4, generator=g), "in_memory": 0, "peak": 0}
+    units = [f"block{seed % 89}.{i}" for i in range(n)]
+    index = {u: i for i, u in enumerate(units)}
+    owner: dict[int, _Work] = {}                          # buffer address -> its gather
+
+    def gather(unit):
+        i = index.get(unit) if isinstance(unit, str) else None
+        buffer = torch.full((4, 4), float("nan"))          # garbage until the gather lands
+        state["log"].append(("gather", i if i is not None else repr(unit)[:40]))
+        state["in_memory"] += 1
+        state["peak"] = max(state["peak"], state["in_memory"])
+        work = _Work(state, -1 if i is None else i, buffer)
+        owner[buffer.data_ptr()] = work
+        return buffer, work
+
+    def compute(unit, weights):
+        i = index.get(unit) if isinstance(unit, str) else None
+        work = owner.get(weights.data_ptr()) if isinstance(weights, torch.Tensor) else None
+        state["log"].append(("compute", i if i is not None else repr(unit)[:40],
+                             None if work is None else work.i, work is not None and work.done))
+        y = torch.full((4,), float("nan"))
+        if work is not None:
+            y = torch.tanh(weights @ state["x"])
+            del owner[weights.data_ptr()]
+            weights.fill_(float("nan"))                    # freed, like a reshard
+            state["in_memory"] -= 1
+        state["x"] = y
+        return y.clone()
+
+    result = call(answer, list(units), gather, compute, depth)
+    outputs = [o.detach().clone() if isinstance(o, torch.Tensor) else repr(o)[:40]
+               for o in result] if isinstance(result, (list, tuple)) else repr(result)[:80]
+    return {"log": state["log"], "peak": state["peak"], "outputs": outputs}
+
+
+def _prefetch_reference(seed: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(4, 4, generator=g) / 2 for _ in range(n)]
+    x, out = torch.randn(4, generator=g), []
+    for w in weights:
+        x = torch.tanh(w @ x)
+        out.append(x.clone())
+    return out
+
+
+def _judge_compute(event: tuple, done: int, gathered: list, n: int, depth: int) -> None:
+    """One compute event: the right unit, its own waited weights, the next `depth` in flight."""
+    _, i, owner, waited = event
+    require(i == done, f"compute ran on {i!r} when unit {done} was next",
+            hint="compute every unit once, in the order of `units`, with the unit itself "
+                 "(units[j]) as its first argument.")
+    require(owner == i, f"unit {i} was computed on " + (f"unit {owner}'s weights" if
+            isinstance(owner, int) and owner >= 0 else "weights that no gather of it returned"),
+            hint="hand compute the `weights` that gather(unit) returned for that same unit.")
+    require(waited, f"unit {i} was computed before its gather was waited",
+            hint="call work.wait() before compute: until then the buffer holds whatever was in "
+                 "memory, not the unit's weights.")
+    missing = [j for j in range(i + 1, min(i + depth + 1, n)) if j not in gathered]
+    if missing:
+        beyond = [j for j in gathered if j > i + depth]
+        hint = (f"off by one: you gathered unit {beyond[0]} ahead, but while unit i computes the "
+                "units in flight are i+1 … i+depth." if beyond else
+                "nothing was in flight: with depth d, the gathers of units i+1 … i+d must be "
+                "issued before unit i computes, so they overlap it." if len(missing) == depth
+                else "keep depth units in flight: before computing unit i, issue the gathers "
+                     "of units up to i+depth that are not issued yet.")
+        raise CheckFailed(f"unit {i} was computed before unit {missing[0]}'s gather was "
+                          "issued", hint=hint)
+
+
+def _judge_prefetch(seen: dict, n: int, depth: int, expected: list) -> None:
+    """Walk the log in time order; the first broken rule fails with its hint."""
+    gathered, done, in_memory = [], 0, 0
+    kinds = [event[0] for event in seen["log"]]
+    upfront = kinds.index("compute") if "compute" in kinds else len(kinds)   # gathers first
+    for event in seen["log"]:
+        kind, i = event[0], event[1]
+        if kind == "gather":
+            require(isinstance(i, int), f"gather was called with {i}, not one of the units",
+                    hint="pass the unit itself: gather(units[j]).")
+            require(i not in gathered, f"unit {i} was gathered twice",
+                    hint="gather each unit once: every gather moves a whole unit's weights.")
+            gathered.append(i)
+            in_memory += 1
+            require(in_memory <= depth + 1, f"{in_memory} units' weights were in memory at "
+                    f"once (at most {depth + 1}: the one computing and {depth} in flight)",
+                    hint="you gathered every unit before computing: prefetching trades memory "
+                    "for overlap, depth units at a time." if kinds[:upfront].count("gather") == n
+                    else f"off by one: unit {max(gathered)} was gathered while unit {done} had "
+                    "yet to compute; while unit i computes, the units in flight are i+1 … "
+                    "i+depth." if max(gathered) > done + depth else
+                    "issue unit i+depth's gather only when unit i-1 has been computed (compute "
+                    "frees a unit's weights when it returns).")
+        elif kind == "wait" and i > done:
+            raise CheckFailed(f"unit {i}'s gather was waited before unit {i - 1} was computed",
+                              hint="wait for a unit's gather just before computing it: an "
+                                   "earlier wait blocks until the gather lands, so it no longer "
+                                   "overlaps the compute of the units before it.")
+        elif kind == "compute":
+            _judge_compute(event, done, gathered, n, depth)
+            done, in_memory = done + 1, in_memory - 1
+    require(done == n, f"{n - done} of the {n} units were never computed (unit {done} first)",
+            hint="run every unit, the last ones too: near the end there is nothing left to "
+                 "prefetch, but each unit still has to be gathered, waited and computed.")
+    compare(seen["outputs"], expected, name="the outputs",
+            hint="return the list of compute's results, one per unit, in order.")
+
+
+@exercise(points=2, reference="companion.zero.run_with_prefetch")
+def check_prefetch(answer) -> str:
+    """answer(units, gather, compute, depth) -> outputs: run every unit, in order, with the
+    gathers of the next `depth` units in flight while one computes.
+
+    - units: the units, a list in the order they run.
+    - gather(unit) -> (weights, work): starts the unit's all-gather and returns at once; the
+      buffer `weights` holds garbage until `work.wait()` has returned.
+    - compute(unit, weights) -> output: runs the unit on its weights, then frees them.
+    - depth: an int >= 0.
+    Return the outputs of compute, in the order of `units`. Checked on several unit counts and
+    depths: every unit gathered once and computed once, in order, on its own weights after its
+    work.wait(); while unit i computes, the gathers of units i+1 … i+depth have been issued; at
+    most depth+1 units' weights in memory at once (gathered, not yet computed); unit i's wait
+    comes after unit i-1's compute.
+    """
+    peaks = {}
+    for seed, (n, depth) in zip(fresh_seeds(7), [(1, 0), (4, 0), (5, 1), (7, 2), (6, 3),
+                                                 (3, 5), (2, 1)]):
+        seen = _observe_prefetch(answer, seed, n, depth)
+        try:
+            _judge_prefetch(seen, n, depth, _prefetch_reference(seed, n))
+        except CheckFailed as failure:
+            failure.summary = f"{n} unit{'s' * (n != 1)}, depth {depth}: {failure.summary}"
+            raise
+        peaks[n, depth] = seen["peak"]
+    return (f"1 to 7 units at depths 0 to 5 run in order, units i+1 … i+depth in flight while "
+            f"unit i computes; 7 units at depth 2 held at most {peaks[7, 2]} units' weights at "
+            "once (7 if all were gathered up front), and no unit was gathered twice")
+
+
 # ---------------------------------------------------------------- exercise 3: gather hooks
 
 class _Sharded(nn.Module):
     """A Linear whose weight and bias were taken out (sharded): forward reads plain attributes."""
 
-    def __init__(self, d_in: int, d_out: int, gathered: list[str]):
+    def __init__(self, d_in: int, d_out: int, gathered: list):
         super().__init__()
         object.__setattr__(self, "weight", None)
         object.__setattr__(self, "bias", None)
@@ -227,36 +391,97 @@ class _Sharded(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
-def _gather_case(seed: int, d_in: int, d_out: int) -> tuple[dict, torch.Tensor]:
-    """The full weights that gather() hands out, and the input, drawn from `seed`."""
+class _AllGather(torch.autograd.Function):
+    """The check's all-gather: a fresh buffer holding the shard's values, in numpy memory (so
+    that the check sees when nothing holds it any more); backward hands the gradient on to the
+    shard, as FSDP's reduce-scatter does."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, name: str, buffers: list) -> torch.Tensor:
+        memory = shard.detach().numpy().copy()
+        buffers.append((name, weakref.ref(memory), memory.nbytes, memory.ctypes.data))
+        return torch.from_numpy(memory)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None
+
+
+def _gather_case(seed: int, d_in: int, d_out: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The full weights that gather() hands out, the input and the output's gradient."""
     g = torch.Generator().manual_seed(seed)
     full = {"weight": torch.randn(d_out, d_in, generator=g),
             "bias": torch.randn(d_out, generator=g)}
-    return full, torch.randn(5, d_in, generator=g)
+    return full, torch.randn(3, d_in, generator=g), torch.randn(3, d_out, generator=g)
+
+
+def _alive(buffers: list) -> int:
+    return sum(nbytes for _, ref, nbytes, _ in buffers if ref() is not None)     # bytes
+
+
+def _forward_backward(module, x: torch.Tensor, grad_out, shards: dict, buffers: list,
+                      key: str) -> dict:
+    """One forward (with grad) and backward of `module` on x; what it gave and left behind."""
+    out = call(module, x)
+    seen = {key + "output": out.detach() if isinstance(out, torch.Tensor) else out,
+            key + "alive after forward": _alive(buffers), key + "backward error": None}
+    try:
+        out.backward(grad_out)
+    except Exception as e:                              # noqa: BLE001 (the learner's hooks)
+        seen[key + "backward error"] = f"{type(e).__name__}: {e}"
+    seen[key + "grads"] = [None if t.grad is None else t.grad.clone()
+                           for t in (x, shards["weight"], shards["bias"])]
+    for t in shards.values():
+        t.grad = None
+    return seen
 
 
 @harness
 def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int) -> dict:
-    """Register the answer's hooks on a sharded layer and run it: what was gathered and when, the
-    output, what the layer holds after forward, how many gathered bytes are still alive, and what
-    remove() does. Plain data only."""
-    full, x = _gather_case(seed, d_in, d_out)
-    calls, alive = [], []
+    """Register the answer's hooks on a sharded layer and train it one step twice: with autograd
+    as it is (the hooks alone), then under FSDP-like saved-tensor hooks that save a token for a
+    view of gathered memory and gather again in backward. What was gathered and when, outputs,
+    gradients, the gathered bytes still alive, what autograd saved, what remove() does."""
+    full, x, grad_out = _gather_case(seed, d_in, d_out)
+    shards = {n: v.clone().requires_grad_() for n, v in full.items()}
+    calls, buffers, saved = [], [], {}
     module = _Sharded(d_in, d_out, calls)
 
     def gather(name):
         calls.append(name)
-        memory = full[name].numpy().copy()      # a fresh "all-gathered" buffer each time
-        alive.append((weakref.ref(memory), memory.nbytes))     # lives while any view of it does
-        return torch.from_numpy(memory)
+        return _AllGather.apply(shards[name], name, buffers)
+
+    def pack(t):
+        where = t.untyped_storage().data_ptr()
+        for name, ref, _, address in buffers:
+            if address == where and ref() is not None:
+                return ("token", name, t.storage_offset(), t.shape, t.stride())
+        saved[where] = t.untyped_storage().nbytes()
+        return ("tensor", t.detach())
+
+    def unpack(packed):
+        if packed[0] == "tensor":
+            return packed[1]
+        _, name, offset, shape, stride = packed
+        return gather(name).detach().as_strided(shape, stride, offset)    # gathered again
 
     handles = call(answer, module, ["weight", "bias"], gather)
     seen = {"early": list(calls)}
-    with torch.no_grad():
-        seen["output"] = call(module, x)
+    seen.update(_forward_backward(module, x.clone().requires_grad_(), grad_out, shards, buffers,
+                                  "plain "))
     seen["calls"], seen["kept"] = list(calls), hasattr(module, "weight") and hasattr(module, "bias")
     seen["freed"] = seen["kept"] and module.weight is None and module.bias is None
-    seen["alive"] = sum(nbytes for ref, nbytes in alive if ref() is not None)   # bytes
+    seen["alive"] = _alive(buffers)                      # after backward: nothing holds them
+    calls.clear()
+    x_tokens, seen["tokens error"] = x.clone().requires_grad_(), None
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            seen.update(_forward_backward(module, x_tokens, grad_out, shards, buffers, "tokens "))
+    except CheckFailed as failure:
+        seen["tokens error"] = failure.summary
+    seen["tokens calls"] = list(calls)
+    saved.pop(x_tokens.untyped_storage().data_ptr(), None)     # the input: saved, as it must be
+    seen["copies"] = sum(saved.values())
     seen["handles"] = type(handles).__name__ if not (
         isinstance(handles, (tuple, list)) and len(handles) == 2 and
         all(hasattr(h, "remove") for h in handles)) else None
@@ -271,13 +496,31 @@ def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int) -> dict:
     return seen
 
 
-def _judge_gather_hooks(seen: dict, expected: torch.Tensor) -> None:
+def _reference_step(full: dict, x: torch.Tensor, grad_out: torch.Tensor) -> tuple:
+    """Output and gradients (input, weight, bias) of the unsharded layer."""
+    x, w, b = (t.clone().requires_grad_() for t in (x, full["weight"], full["bias"]))
+    out = nn.functional.linear(x, w, b)
+    out.backward(grad_out)
+    return out.detach(), [x.grad, w.grad, b.grad]
+
+
+_NO_GRADIENT = ("use the tensor gather returned as it is: autograd carries its gradient back to "
+                "the shard. A .detach(), torch.no_grad() or nn.Parameter(...) around it makes a "
+                "new leaf, and the shard gets no gradient.")
+
+
+_NO_REFERENCE = ("keep no other reference to the gathered tensors or to views of them (no list, "
+                 "no closure, no .detach() copy): while one lives, so does the full weight's "
+                 "memory.")
+
+
+def _judge_gather_hooks(seen: dict, expected: torch.Tensor, grads: list, weight_bytes: int) -> None:
     require(not seen["early"], "gather was called before any forward",
             hint="gather inside the pre-forward hook, not when registering it: "
                  "the full weights must not exist between forwards.")
-    compare(seen["output"], expected, name="the module's output")
+    compare(seen["plain output"], expected, name="the module's output")
     require(sorted(seen["calls"]) == ["bias", "weight"],
-            f"gather was called {seen['calls']} in one forward",
+            f"gather was called {seen['calls']} in one forward and backward",
             hint="gather each name once per forward, in the pre-forward hook.")
     require(seen["kept"], "after forward the module has no attribute weight (or bias) any more",
             hint="set each name back to None in a forward hook (setattr(mod, name, None)); don't "
@@ -285,10 +528,37 @@ def _judge_gather_hooks(seen: dict, expected: torch.Tensor) -> None:
     require(seen["freed"], "after forward the module still holds the full weights",
             hint="set each name back to None in a forward hook (module.register_forward_hook), "
                  "so the full tensors can be freed.")
+    error = seen["plain backward error"]
+    require(error is None, f"backward failed after your hooks ran: {error}",
+            hint="autograd saved the gathered weight for backward; your forward hook changed it "
+                 "in place (set_, zero_, resize_, .data = ...). Free it by dropping your "
+                 "reference only: setattr(mod, name, None).")
+    names = ("the input's gradient", "the weight shard's gradient", "the bias shard's gradient")
+    for got, want, name in zip(seen["plain grads"], grads, names):
+        require(got is not None, f"{name} is None after backward", hint=_NO_GRADIENT)
+        compare(got, want, name=name, hint=_NO_GRADIENT)
     require(not seen["alive"], f"{format_bytes(seen['alive'])} of gathered weights are still "
-            "in memory after forward", hint="keep no other reference to the gathered tensors or "
-            "to views of them (no list, no closure, no .detach() copy): while one lives, so does "
-            "the full weight's memory.")
+            "in memory after forward and backward", hint=_NO_REFERENCE)
+    for error in (seen["tokens error"], seen.get("tokens backward error")):
+        require(error is None, f"under FSDP's saved-tensor hooks: {error}",
+                hint="set the gathered tensors before forward and None after it, nothing else: "
+                     "FSDP's hooks do the rest.")
+    alive = seen["tokens alive after forward"]
+    require(not alive, f"{format_bytes(alive)} of gathered weights are still in memory after "
+            "forward, though autograd kept only tokens", hint=_NO_REFERENCE)
+    require(not seen["copies"], f"autograd saved {format_bytes(seen['copies'])} beyond the "
+            f"input: a copy of the gathered weight ({format_bytes(weight_bytes)}), which stays "
+            "in memory until backward", hint="hand the module the tensor gather returned, not a "
+            "copy of it (.clone(), * 1.0, torch.tensor(...)): FSDP can only replace what "
+            "autograd saves by a token when it is a view of the gathered memory.")
+    require(seen["tokens calls"].count("weight") == 2 and seen["tokens calls"].count("bias") == 1,
+            f"with FSDP's saved-tensor hooks gather ran {seen['tokens calls']}: expected the "
+            "weight and bias in forward and the weight again in backward",
+            hint="gather once per name in the pre-forward hook and keep no reference after it.")
+    for got, want, name in zip(seen["tokens grads"], grads, names):
+        require(got is not None, f"{name} is None after backward (tokens)", hint=_NO_GRADIENT)
+        compare(got, want, name=f"{name} (weights gathered again in backward)",
+                hint=_NO_GRADIENT)
     require(seen["handles"] is None, f"expected the two hook handles, got {seen['handles']}",
             hint="return (module.register_forward_pre_hook(...), "
                  "module.register_forward_hook(...)).")
@@ -299,7 +569,10 @@ def _judge_gather_hooks(seen: dict, expected: torch.Tensor) -> None:
 @exercise(points=2, reference="companion.zero.register_gather_hooks")
 def check_gather_hooks(answer) -> str:
     """answer(module, names, gather) -> (pre_handle, post_handle): before module's forward set each
-    name to gather(name), after it set each to None."""
+    name to gather(name), after it set each to None. Checked through forward *and* backward:
+    gradients against the unsharded layer's, gathered memory freed once nothing needs it, and,
+    under FSDP-like saved-tensor hooks, freed right after forward and gathered again for
+    backward."""
     for seed, (d_in, d_out) in zip(fresh_seeds(2), [(7, 5), (33, 17)]):
         try:
             seen = _observe_gather_hooks(answer, seed, d_in, d_out)
@@ -310,11 +583,20 @@ def check_gather_hooks(answer) -> str:
             elif "when forward ran" in failure.summary:
                 failure.hint = ("free with module.register_forward_hook(fn), whose fn(mod, "
                                 "inputs, output) runs after forward.")
+            elif "resize" in failure.summary:
+                failure.hint = ("gather hands you a new tensor each time, memory you do not "
+                                "own: drop your reference (setattr(mod, name, None)). Torch's "
+                                "FSDP resizes storage it allocated itself, and refills it "
+                                "before backward (companion.zero.gather).")
             raise
-        full, x = _gather_case(seed, d_in, d_out)           # the verdict's own reference
-        _judge_gather_hooks(seen, nn.functional.linear(x, full["weight"], full["bias"]))
-    return (f"full weights exist only during forward ({format_bytes(4 * (33 * 17 + 17))} for a "
-            "33 x 17 layer, then freed)")
+        full, x, grad_out = _gather_case(seed, d_in, d_out)   # the verdict's own reference
+        expected, grads = _reference_step(full, x, grad_out)
+        _judge_gather_hooks(seen, expected, grads, full["weight"].numel() * 4)
+    return (f"forward and backward match the unsharded 33 x 17 layer. After forward, "
+            f"{format_bytes(seen['plain alive after forward'])} of gathered weight stay alive "
+            "with the hooks alone (autograd saved the weight), "
+            f"{format_bytes(seen['tokens alive after forward'])} under FSDP's saved-tensor "
+            "tokens, which gather it again for backward")
 
 
 # ---------------------------------------------------------------- exercise 4: memory per rank

@@ -9,7 +9,9 @@
 With `ring=False` (the default) torch's collectives run (gloo or NCCL, asynchronous, their own
 algorithms) and the counter adds what a ring would send, (N-1)/N of the full tensor for a gather
 or scatter, 2(N-1)/N for an all-reduce; tests hold the two counts equal. `Comm.payload` adds up the
-full tensors handed to each kind of collective (the paper's Ψ, in bytes).
+full tensors handed to each kind of collective (the paper's Ψ, in bytes). `count_collectives()`
+counts the same payload for code that calls torch.distributed directly (FSDP2, ZeroRedundancy-
+Optimizer).
 
 Example (inside a rank started by `companion.launch.run`):
     >>> comm = Comm(ring=True)
@@ -23,6 +25,8 @@ overlap with computation. `reduce_scatter` always sums; callers divide to averag
 from __future__ import annotations
 
 import collections
+import contextlib
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,7 +34,7 @@ import torch.distributed as dist
 from companion import collectives
 from companion.collectives import Traffic
 
-__all__ = ["Comm"]
+__all__ = ["Comm", "count_collectives"]
 
 
 def _torch_collective(new: str, old: str):
@@ -105,3 +109,33 @@ class Comm:
             return _Done()
         work = dist.all_reduce(tensor, group=self.group, async_op=async_op)     # collective
         return work if async_op else _Done()
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[collections.Counter]:
+    """Inside, torch's all-gather, reduce-scatter, all-reduce and broadcast add the bytes of the
+    full tensor they move (payload) to the yielded Counter, by kind. Works on any code that calls
+    them through `torch.distributed` (ours with ring=False, FSDP2, ZeroRedundancyOptimizer)."""
+    counter: collections.Counter = collections.Counter()
+    full = {"all_gather_single": (0, "output_tensor", "all_gather"),       # where the full
+            "all_gather_into_tensor": (0, "output_tensor", "all_gather"),  # tensor is passed
+            "reduce_scatter_single": (1, "input", "reduce_scatter"),
+            "reduce_scatter_tensor": (1, "input", "reduce_scatter"),
+            "all_reduce": (0, "tensor", "all_reduce"),
+            "broadcast": (0, "tensor", "broadcast")}
+    saved = {n: getattr(dist, n) for n in full if hasattr(dist, n)}
+
+    def counted(original, position, keyword, kind):
+        def call(*args, **kwargs):
+            tensor = args[position] if len(args) > position else kwargs[keyword]
+            counter[kind] += tensor.numel() * tensor.element_size()
+            return original(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, counted(fn, *full[name]))
+    try:
+        yield counter
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)

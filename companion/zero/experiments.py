@@ -14,11 +14,8 @@ Example:
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import statistics
 import time
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,12 +25,12 @@ from torch import nn
 from companion.estimate import ModelStates, model_states
 from companion.memory import track
 from companion.models import MLP
-from companion.zero.comm import Comm
+from companion.zero.comm import Comm, count_collectives
 from companion.zero.fsdp import FSDP
 from companion.zero.optimizer import ShardedOptimizer
 
 __all__ = ["predicted_model_states", "stage_report", "imbalance_report", "fsdp_comparison",
-           "state_bytes", "count_collectives"]
+           "traffic_with_accumulation", "fsdp_memory_report", "state_bytes", "count_collectives"]
 
 _OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
                "sgd_momentum": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9})}
@@ -70,8 +67,10 @@ def _sample(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).cpu() for p in params])[::97].clone()
 
 
-def _wrap(stage: int, model: nn.Module, opt: str, ring: bool, bucket_cap_mb: float | None):
-    """(network to call, optimizer, Comm, what to call between backward and step) for a stage."""
+def _wrap(stage: int, model: nn.Module, opt: str, ring: bool, bucket_cap_mb: float | None,
+          **fsdp_options):
+    """(network to call, optimizer, Comm, what to call between backward and step) for a stage;
+    `fsdp_options` go to FSDP at stage 3."""
     cls, kw = _OPTIMIZERS[opt]
     if stage == 0:                                 # data parallel: all-reduce every gradient
         comm = Comm(ring=ring)
@@ -81,7 +80,7 @@ def _wrap(stage: int, model: nn.Module, opt: str, ring: bool, bucket_cap_mb: flo
         sharded = ShardedOptimizer(model.parameters(), cls, stage=stage, ring=ring,
                                    bucket_cap_mb=bucket_cap_mb or quarter_mb, **kw)
         return model, sharded, sharded.comm, lambda: None
-    fsdp = FSDP(model, ring=ring)
+    fsdp = FSDP(model, ring=ring, **fsdp_options)
     return fsdp, cls(fsdp.parameters(), **kw), fsdp.comm, fsdp.finish_gradient_synchronization
 
 
@@ -196,36 +195,6 @@ def imbalance_report(rank: int, world_size: int, vocab: int, width: int) -> dict
     return out
 
 
-@contextlib.contextmanager
-def count_collectives() -> Iterator[collections.Counter]:
-    """Inside, torch's all-gather, reduce-scatter, all-reduce and broadcast add the bytes of the
-    full tensor they move (payload) to the yielded Counter, by kind. Works on any code that calls
-    them through `torch.distributed` (ours with ring=False, FSDP2, ZeroRedundancyOptimizer)."""
-    counter: collections.Counter = collections.Counter()
-    full = {"all_gather_single": (0, "output_tensor", "all_gather"),       # where the full
-            "all_gather_into_tensor": (0, "output_tensor", "all_gather"),  # tensor is passed
-            "reduce_scatter_single": (1, "input", "reduce_scatter"),
-            "reduce_scatter_tensor": (1, "input", "reduce_scatter"),
-            "all_reduce": (0, "tensor", "all_reduce"),
-            "broadcast": (0, "tensor", "broadcast")}
-    saved = {n: getattr(dist, n) for n in full if hasattr(dist, n)}
-
-    def counted(original, position, keyword, kind):
-        def call(*args, **kwargs):
-            tensor = args[position] if len(args) > position else kwargs[keyword]
-            counter[kind] += tensor.numel() * tensor.element_size()
-            return original(*args, **kwargs)
-        return call
-
-    for name, fn in saved.items():
-        setattr(dist, name, counted(fn, *full[name]))
-    try:
-        yield counter
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
 def state_bytes(params: list, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of the distinct storages behind parameters, gradients and optimizer state (the local
     shard of a DTensor), counted without the tracker."""
@@ -284,3 +253,82 @@ def fsdp_comparison(rank: int, world_size: int, width: int, depth: int, batch: i
     return {name: {"seconds": statistics.median(seconds[name]), "payload": payload[name],
                    **state_bytes(list(net.parameters()), opt)}
             for name, (net, opt) in runs.items()}
+
+
+def traffic_with_accumulation(rank: int, world_size: int, stages: list[int], ks: list[int],
+                              width: int, depth: int, batch: int, ring: bool = True,
+                              classes: int = 16, *, param_dtype: torch.dtype | None = None,
+                              reduce_dtype: torch.dtype | None = None,
+                              reshard_after_forward: bool = True, prefetch: int = 0
+                              ) -> list[dict]:
+    """Bytes this rank sends in one optimizer step of k micro-batches (`batch` rows each), for
+    each stage (0 = DDP, accumulating locally and all-reducing once, as under no_sync) and each k
+    in `ks`. One dict per (stage, k): the bytes sent (on the ring, counted at every send), the
+    payload of each kind of collective, and what `traffic.predicted_traffic` takes: n_params,
+    and at stage 3 n_replicated (FSDP's 1-D parameters) and n_skipped (the first Linear's weight:
+    its input is the data, so backward never gathers it again). The keyword options go to FSDP.
+
+    Stages 0 and 1 send the same for any k; stage 2 reduce-scatters every micro-batch, as
+    DeepSpeed's stage 2 does ("ZeRO stage >= 2 communicates during non gradient accumulation
+    boundaries as well", deepspeed/runtime/engine.py); stage 3 gathers twice and reduce-scatters
+    every micro-batch. FSDP2 skips the reduce-scatter with set_requires_gradient_sync(False), at
+    the memory of the unsharded gradients. The cited facts: `companion.zero.traffic`.
+    """
+    fsdp = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+    reports = []
+    for stage in stages:
+        for k in ks:
+            x, y = _data(rank, world_size, width, k * batch, classes)
+            model = MLP(width, width, depth, classes, seed=0, device=_device())
+            counts = {"n_params": sum(p.numel() for p in model.parameters()),
+                      "n_replicated": 0, "n_skipped": 0}
+            if stage == 3:
+                counts["n_replicated"] = sum(p.numel() for p in model.parameters() if p.dim() < 2)
+                counts["n_skipped"] = model.net[0].weight.numel()
+            net, opt, comm, sync = _wrap(stage, model, "adamw", ring, None,
+                                         **(fsdp if stage == 3 else {}))
+            comm.reset()
+            for x_micro, y_micro in zip(x.chunk(k), y.chunk(k)):
+                (F.cross_entropy(net(x_micro).float(), y_micro) / k).backward()
+            sync()                                    # DDP: the one all-reduce of the step
+            opt.step()
+            reports.append({"stage": stage, "k": k, "sent_bytes": comm.traffic.sent_bytes,
+                            "payload": dict(comm.payload), **counts})
+    return reports
+
+
+def fsdp_memory_report(rank: int, world_size: int, width: int, depth: int, batch: int,
+                       settings: list[tuple[bool, int]], classes: int = 16) -> list[dict]:
+    """For each (reshard_after_forward, prefetch) in `settings`, one step of the course MLP under
+    FSDP, measured with `track`: the peak bytes allocated during forward and during backward
+    (above what was alive when each began), what forward left alive, how much of it is gathered
+    weights kept for backward, each unit's gathered bytes in forward order and whether it is kept
+    (`prefetch.predicted_gathered_peak` takes both), the shards' bytes, the payload per step and
+    a sample of the gradients. On the counting ring, which is synchronous: a prefetched gather
+    lands at once, so the memory is what an asynchronous one holds, the overlap is not measured.
+    """
+    x, y = _data(rank, world_size, width, batch, classes)
+    reports = []
+    for reshard, prefetch in settings:
+        model = FSDP(MLP(width, width, depth, classes, seed=0, device=_device()),
+                     reshard_after_forward=reshard, prefetch=prefetch, ring=True)
+        with track(_device()) as forward:
+            out = model(x)
+        order = model._forward_order
+        unit_bytes = [model.groups[g].layout.padded * model.shards[g].element_size()
+                      for g in order]
+        keep = [model.groups[g].root or not reshard for g in order]
+        kept = sum(b for b, g in zip(unit_bytes, order) if model.groups[g].kept is not None)
+        with track(_device()) as backward:
+            F.cross_entropy(out, y).backward()
+            model.finish_gradient_synchronization()
+        reports.append({"reshard_after_forward": reshard, "prefetch": prefetch,
+                        "unit_bytes": unit_bytes, "keep": keep,
+                        "forward_peak": forward.peak, "after_forward": forward.current,
+                        "kept_after_forward": kept, "backward_peak": backward.peak,
+                        "shard_bytes": _storage_bytes(model.parameters()),
+                        "payload": dict(model.comm.payload),
+                        "grads": _sample([p.grad for p in model.parameters()])})
+        del model, out
+    return reports

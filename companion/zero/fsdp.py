@@ -2,29 +2,36 @@
 
 Stages 1 and 2 still keep every weight on every rank (4Ψ in fp32). Stage 3 keeps 1/N of them: each
 module's matrix-shaped parameters (2-D and up, nearly all of Ψ) are flattened into one padded
-buffer and rank r keeps chunk r as an fp32 *shard*. Around the module's forward:
+buffer, a *unit*, and rank r keeps chunk r as an fp32 *shard*. Around the module's forward:
 
-1. before it runs, all-gather the shards into the full flat tensor (in `compute_dtype` if given)
+1. before it runs, all-gather the shards into the full flat tensor (in `param_dtype` if given)
    and hand the module views of it;
 2. right after, drop them: the tensors autograd saves for backward are packed as "gather me
-   again" tokens (saved-tensor hooks) instead of references, so the full weights are freed;
+   again" tokens (saved-tensor hooks) instead of references, so the full weights are freed
+   (torch's FSDP2 frees the bytes instead, see `companion.zero.gather`);
 3. in backward, unpacking a token all-gathers the weights again; the full gradient that arrives
-   is reduce-scattered at once (rank r keeps the average of its chunk) and freed.
+   is reduce-scattered at once (in `reduce_dtype`; rank r keeps the average of its chunk) and
+   freed.
 
 1-D parameters (biases, norm weights) stay whole on every rank and are all-reduced like DDP: they
 are few. Memory per rank (fp32 Adam): 16Ψ/N plus one module's full weights and gradients at a
-time. Traffic: all-gather in forward, again in backward, reduce-scatter: 3Ψ, 1.5x DDP's 2Ψ.
+time, (1 + prefetch) modules' with `prefetch`, all of them with `reshard_after_forward=False`.
+Traffic per micro-batch: all-gather in forward, again in backward, reduce-scatter: 3Ψ, 1.5x
+DDP's 2Ψ; 2Ψ with `reshard_after_forward=False`. With k micro-batches per step every one of them
+pays it, 3kΨ (`companion.zero.traffic`).
 
 Example (inside a rank started by `companion.launch.run`):
-    >>> model = FSDP(GPT(...), compute_dtype=torch.bfloat16)   # doctest: +SKIP
+    >>> model = FSDP(GPT(...), param_dtype=torch.bfloat16, prefetch=1)   # doctest: +SKIP
     >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # fp32 shards + replicated 1-D
     >>> loss_fn(model(x_mine), y_mine).backward()
     >>> model.finish_gradient_synchronization()                # before optimizer.step()
+    >>> model.clip_grad_norm_(1.0)                             # optional: the global norm
     >>> opt.step(); opt.zero_grad()
 
 Simplified vs PyTorch's FSDP2 (`fully_shard`): one unit per module that owns parameters (FSDP2
-groups whatever you wrap); no prefetching of the next unit's gather; at most one reduce-scatter in
-flight; frozen parameters stay whole; every rank must use the same parameters in each step.
+groups whatever you wrap); prefetching follows the previous forward's order, not a recorded
+schedule per module; at most one reduce-scatter in flight; frozen parameters stay whole; every
+rank must use the same parameters in each step.
 """
 from __future__ import annotations
 
@@ -38,37 +45,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from companion.zero.clip import clip_grad_norm_
 from companion.zero.comm import Comm
 from companion.zero.partition import FlatLayout, check_devices
+from companion.zero.prefetch import ahead
 
-__all__ = ["FSDP", "register_gather_hooks"]
-
-
-def register_gather_hooks(module: nn.Module, names: list[str], gather):
-    """ZeRO-3's core in two hooks, the naive version of what `FSDP` does for every module.
-
-    Before `module` runs, set each attribute in `names` to `gather(name)` (the full tensor, e.g.
-    all-gathered from the ranks' shards); right after, set it to None, so that the full tensor can
-    be freed. The parameters must already be gone from `module._parameters`. Returns the two
-    hooks' handles (`.remove()` them to stop). Memory: a full weight exists only while its module
-    runs (and while autograd holds it for backward; `FSDP` packs those as tokens instead).
-    """
-    def before(mod: nn.Module, inputs) -> None:
-        for name in names:
-            object.__setattr__(mod, name, gather(name))      # 1. the full tensor, just in time
-
-    def after(mod: nn.Module, inputs, output) -> None:
-        for name in names:
-            object.__setattr__(mod, name, None)              # 2. dropped right after
-
-    return module.register_forward_pre_hook(before), module.register_forward_hook(after)
+__all__ = ["FSDP"]
 
 
 @dataclasses.dataclass(eq=False)
 class _Group:
     names: list[str]                  # full names, as in module.named_parameters()
     layout: FlatLayout
+    root: bool = False                # owned by the wrapped module itself: kept after forward
     live: Any = None                  # weakref to the full flat tensor while it exists
+    kept: Any = None                  # the full flat tensor, from forward until its backward
 
 
 @dataclasses.dataclass(eq=False)
@@ -85,12 +76,18 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard: torch.Tensor, fsdp: "FSDP", group: int) -> torch.Tensor:
         ctx.fsdp, ctx.group = fsdp, group
-        return fsdp._all_gather(group)
+        return fsdp._take(group, fsdp._forward_order, fsdp._taken)
 
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor):
         ctx.fsdp._reduce_scatter(ctx.group, grad_full)
         return None, None, None
+
+
+def _floating(name: str, dtype) -> None:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"{name} must be a floating torch dtype such as torch.bfloat16, "
+                        f"got {dtype!r}")
 
 
 class FSDP(nn.Module):
@@ -100,20 +97,45 @@ class FSDP(nn.Module):
         module: the model, built the same way on every rank; rank 0's initial values are
             broadcast to all.
             Create the optimizer *after* wrapping, over `FSDP.parameters()`.
-        compute_dtype: gather and compute in this dtype (torch.bfloat16, torch.float16); the
-            shards and the gradients the optimizer sees stay fp32.
+        param_dtype: gather and compute in this dtype (torch.bfloat16, torch.float16): the
+            gathers move 2 bytes per element instead of 4; the shards and the gradients the
+            optimizer sees stay fp32 (as FSDP2's MixedPrecisionPolicy(param_dtype=...)).
+        reduce_dtype: reduce-scatter (and all-reduce) gradients in this dtype (default: the
+            shards' own, fp32). FSDP2's default is param_dtype instead.
+        reshard_after_forward: free each unit's gathered parameters after its forward (True) or
+            keep them until its backward (False: no gather in backward, 2Ψ instead of 3Ψ per
+            micro-batch, at the memory of all the full parameters). The root unit (the wrapped
+            module's own parameters) is never resharded after forward, as in FSDP2: backward
+            starts right after it.
+        prefetch: gather the next `prefetch` units asynchronously while one computes, in
+            forward and in backward (`companion.zero.prefetch`); memory: 1 + prefetch units.
+            The order is the previous forward's; the first forward guesses the order the
+            modules were registered in (a wrong guess wastes a gather, never a result).
+        compute_dtype: the older name of param_dtype.
         process_group: the data-parallel group (default: the whole world).
         ring: communicate on companion.collectives' ring, counting every byte sent.
     """
 
-    def __init__(self, module: nn.Module, *, compute_dtype: torch.dtype | None = None,
+    def __init__(self, module: nn.Module, *, param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
+                 prefetch: int = 0, compute_dtype: torch.dtype | None = None,
                  process_group=None, ring: bool = False):
         super().__init__()
-        if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
-                                              and compute_dtype.is_floating_point):
-            raise TypeError(f"compute_dtype must be a floating torch dtype such as "
-                            f"torch.bfloat16, got {compute_dtype!r}")
-        self.module, self.compute_dtype = module, compute_dtype
+        for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
+                            ("compute_dtype", compute_dtype)):
+            _floating(name, dtype)
+        if None not in (param_dtype, compute_dtype) and param_dtype != compute_dtype:
+            raise ValueError(f"compute_dtype is the older name of param_dtype: give one "
+                             f"(got {param_dtype} and {compute_dtype})")
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be True or False, "
+                            f"got {reshard_after_forward!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch is how many units to gather ahead, an int >= 0 "
+                             f"(0: none), got {prefetch!r}")
+        self.module, self.param_dtype = module, param_dtype or compute_dtype
+        self.compute_dtype, self.reduce_dtype = self.param_dtype, reduce_dtype
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.comm = Comm(process_group, ring=ring)
         params = dict(module.named_parameters())                 # tied weights: first name once
         check_devices(list(params.values()))
@@ -130,6 +152,11 @@ class FSDP(nn.Module):
             raise ValueError("the module has no trainable matrix-shaped (2-D or more) parameter "
                              "to shard; use companion.ddp.DDP instead")
         self._pending, self._in_flight, self._outer = False, None, None
+        self._ahead: dict[int, tuple] = {}                      # prefetched: group -> (full, work)
+        self._forward_order = list(range(len(self.groups)))      # guess: registration order
+        self._backward_order: list[int] = []
+        self._taken: list[int] = []
+        self._packed: list[int] = []
         self._guard = register_optimizer_step_pre_hook(
             functools.partial(_check_synchronized, weakref.ref(self)))
 
@@ -150,7 +177,7 @@ class FSDP(nn.Module):
                 layout = FlatLayout.of(new, self.comm.world_size)
                 flat = layout.flatten([p.detach() for p in new])        # (N·s,) fp32, transient
                 self.shards.append(nn.Parameter(layout.chunk(flat, self.comm.rank).clone()))
-                self.groups.append(_Group([name_of[p] for p in new], layout))
+                self.groups.append(_Group([name_of[p] for p in new], layout, owner is module))
                 where.update({p: (len(self.groups) - 1, i) for i, p in enumerate(new)})
             for _, p in mine:                                # 2. the rest stays whole
                 if p not in where:
@@ -168,11 +195,15 @@ class FSDP(nn.Module):
     # ------------------------------------------------------------ forward
 
     def forward(self, *args, **kwargs):
-        if self.compute_dtype is not None:
-            args, kwargs = _cast((args, kwargs), self.compute_dtype)
+        if self.param_dtype is not None:
+            args, kwargs = _cast((args, kwargs), self.param_dtype)
         self._outer = _outer_hooks()                     # e.g. companion.memory.track's
+        self._taken, self._packed = [], []               # this forward's order of units
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        self._forward_order, self._backward_order = self._taken, self._packed[::-1]
+        self._drain()                                    # prefetched, but not run this time
+        return out
 
     def _before(self, slots: list[_Slot], owner: nn.Module, inputs) -> None:
         """Pre-forward hook: gather the owner's sharded parameters, hand it every parameter."""
@@ -180,7 +211,7 @@ class FSDP(nn.Module):
         for slot in slots:
             if slot.group is None:
                 p = self.replicated[slot.index]
-                value = p if self.compute_dtype is None else p.to(self.compute_dtype)
+                value = p if self.param_dtype is None else p.to(self.param_dtype)
             else:
                 if slot.group not in full:                   # all-gather (collective)
                     full[slot.group] = _Gather.apply(self.shards[slot.group], self, slot.group)
@@ -189,21 +220,52 @@ class FSDP(nn.Module):
             object.__setattr__(owner, slot.attr, value)      # a plain attribute, not registered
 
     def _after(self, slots: list[_Slot], owner: nn.Module, inputs, output) -> None:
-        """Post-forward hook: drop the full weights (saved tensors hold tokens, not them)."""
+        """Post-forward hook: drop the full weights (saved tensors hold tokens, not them), or
+        keep them for backward (the root unit; every unit if not reshard_after_forward)."""
         for slot in slots:
             if slot.group is not None:
+                group = self.groups[slot.group]
+                if torch.is_grad_enabled() and (group.root or not self.reshard_after_forward):
+                    group.kept = group.live()                # whole until its backward
+                else:
+                    group.live = None
                 object.__setattr__(owner, slot.attr, None)
-                self.groups[slot.group].live = None
 
-    def _all_gather(self, group: int) -> torch.Tensor:
-        """The group's full flat tensor, (N·s,) in compute dtype: every rank's shard."""
+    def _take(self, group: int, order: list[int], seen: list[int]) -> torch.Tensor:
+        """The group's full flat tensor: its prefetched gather (waited) or one now. Then start
+        the gathers of the `prefetch` groups that follow it in `order` (asynchronously)."""
+        if group not in seen:
+            seen.append(group)
+        if group in self._ahead:
+            full, work = self._ahead.pop(group)
+            work.wait()                                          # sync point: prefetched
+        else:
+            full = self._all_gather(group)                       # collective, blocking
+        for later in ahead(order, group, self.prefetch):
+            if later not in self._ahead and self._live(later) is None:
+                self._ahead[later] = self._all_gather(later, async_op=True)   # collective
+        return full
+
+    def _live(self, group: int) -> torch.Tensor | None:
+        ref = self.groups[group].live
+        return ref() if ref is not None else None
+
+    def _all_gather(self, group: int, *, async_op: bool = False):
+        """The group's full flat tensor, (N·s,) in param dtype: every rank's shard; with
+        async_op, (that tensor, the work to wait for before reading it)."""
         shard = self.shards[group].detach()
-        if self.compute_dtype is not None:
-            shard = shard.to(self.compute_dtype)                 # (s,) 2 bytes each in bf16
+        if self.param_dtype is not None:
+            shard = shard.to(self.param_dtype)                   # (s,) 2 bytes each in bf16
         full = torch.empty(self.groups[group].layout.padded, dtype=shard.dtype,
                            device=shard.device)
-        self.comm.all_gather(full, shard)                        # collective, blocking
-        return full
+        work = self.comm.all_gather(full, shard, async_op=async_op)      # collective
+        return (full, work) if async_op else full
+
+    def _drain(self) -> None:
+        """Finish and drop prefetched gathers nobody took (the order changed)."""
+        for _, work in self._ahead.values():
+            work.wait()                                          # sync point
+        self._ahead.clear()
 
     # ------------------------------------------------------------ saved tensors
 
@@ -213,6 +275,8 @@ class FSDP(nn.Module):
         for g, group in enumerate(self.groups):
             full = group.live() if group.live is not None else None
             if full is not None and where == full.untyped_storage().data_ptr():
+                if g not in self._packed:
+                    self._packed.append(g)                       # backward needs it, in reverse
                 return ("gather", g, t.storage_offset(), t.shape, t.stride())
         if self._outer is not None:                              # someone else's hooks, e.g. track
             return ("outer", self._outer[0](t), self._outer[1])
@@ -225,9 +289,9 @@ class FSDP(nn.Module):
         if kind == "outer":
             return packed[2](packed[1])
         _, g, offset, shape, stride = packed
-        full = self.groups[g].live() if self.groups[g].live is not None else None
+        full = self._live(g)
         if full is None:                                         # 3. gather again for backward
-            full = self._all_gather(g)
+            full = self._take(g, self._backward_order, [])
             self.groups[g].live = weakref.ref(full)
         return full.as_strided(shape, stride, offset)
 
@@ -235,9 +299,11 @@ class FSDP(nn.Module):
 
     def _reduce_scatter(self, group: int, grad_full: torch.Tensor) -> None:
         """Average the full gradient of a group over ranks into this rank's chunk (async)."""
+        self.groups[group].kept = None           # backward is done with the full weights
         self._finish_in_flight()                 # at most one: bounds full-gradient memory
-        grad = grad_full.to(torch.float32).contiguous()          # (N·s,) reduced in fp32
-        out = torch.empty_like(self.shards[group])               # (s,)
+        dtype = self.reduce_dtype or self.shards[group].dtype
+        grad = grad_full.to(dtype).contiguous()                  # (N·s,) reduced in reduce dtype
+        out = torch.empty(self.shards[group].shape, dtype=dtype, device=grad.device)   # (s,)
         work = self.comm.reduce_scatter(out, grad, async_op=True)  # collective, asynchronous
         self._in_flight, self._pending = (group, out, grad, work), True
 
@@ -248,22 +314,37 @@ class FSDP(nn.Module):
         work.wait()                                              # sync point
         out /= self.comm.world_size
         shard = self.shards[group]
+        out = out.to(shard.dtype)                                # (s,) no copy if the same
         shard.grad = out if shard.grad is None else shard.grad.add_(out)
         self._in_flight = None                                   # frees the full gradient
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the last reduce-scatter; all-reduce the replicated parameters' gradients.
         Call after backward, before optimizer.step()."""
+        self._drain()
         self._finish_in_flight()
         trainable = [p for p in self.replicated if p.requires_grad]
         if trainable:
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                               for p in trainable])               # (Ψ_1d,) small
+            flat = flat.to(self.reduce_dtype or flat.dtype)
             self.comm.all_reduce(flat)                           # collective, blocking
             flat /= self.comm.world_size
             for p, g in zip(trainable, torch.split(flat, [p.numel() for p in trainable])):
-                p.grad = g.view_as(p).clone()
+                p.grad = g.view_as(p).to(p.dtype, copy=True)
         self._pending = False
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the whole model's gradient to the global norm `max_norm` (shards and replicated
+        parameters), as torch.nn.utils.clip_grad_norm_ on the unsharded model; return the norm.
+        Collective. Call after finish_gradient_synchronization(), before optimizer.step()."""
+        if self._pending:
+            raise RuntimeError("clip_grad_norm_() before the gradients were synchronized: call "
+                               "model.finish_gradient_synchronization() first, then clip.")
+        return clip_grad_norm_(list(self.shards), max_norm, norm_type,
+                               replicated=[p for p in self.replicated if p.requires_grad],
+                               group=self.comm.group, error_if_nonfinite=error_if_nonfinite)
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:

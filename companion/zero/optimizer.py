@@ -19,12 +19,17 @@ Example (inside a rank started by `companion.launch.run`, no DDP wrapper needed)
     >>> opt.step()                                     # own slice steps, then all-gather
     >>> opt.zero_grad()
 
+Gradient clipping: `clip_grad_norm_(max_norm)` between backward and step clips by the global norm
+over every rank's shard (`companion.zero.clip`), as torch.nn.utils.clip_grad_norm_ would on the
+unsharded model.
+
 Simplified vs PyTorch/DeepSpeed: the inner optimizer sees one flat tensor per bucket, so it must
 work element by element (SGD, Adam, AdamW do; LAMB or Adafactor, which use per-tensor norms, would
-not); a parameter that gets no gradient is stepped with zeros; no fp16 loss scaling, no
-gradient clipping across shards, no overlap of the all-gather with the next forward. Stage 2 keeps
-at most one reduce-scatter in flight, and with gradient accumulation every micro-batch's backward
-reduce-scatters (there is no `no_sync`: no full gradients are kept to accumulate into).
+not); a parameter that gets no gradient is stepped with zeros; no fp16 loss scaling, no overlap of
+the all-gather with the next forward. Stage 2 keeps at most one reduce-scatter in flight, and with
+gradient accumulation every micro-batch's backward reduce-scatters (there is no `no_sync`: no
+full gradients are kept to accumulate into), (k+1)Ψ per step instead of 2Ψ, as in DeepSpeed's
+stage 2 (`companion.zero.traffic`).
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from companion.zero.clip import clip_grad_norm_
 from companion.zero.comm import Comm
 from companion.zero.partition import FlatLayout, check_devices
 
@@ -62,9 +68,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             are kept out of the shards; a parameter listed twice (tied weights) counts once.
         optimizer_cls: a torch optimizer class that works element by element (SGD, Adam, AdamW).
         stage: 1 reduce-scatters gradients in `step`; 2 during backward, keeping only the shard.
-        bucket_cap_mb: stage 2's bucket size (stage 1 uses one bucket per param group). A
-            bucket's full gradients live until its reduce-scatter is done: keep it well below
-            the model's size, or stage 2 holds as much gradient as stage 1 until step().
+        bucket_cap_mb: stage 2's bucket size in MiB (stage 1 uses one bucket per param group);
+            25 by default, the default of torch DDP's bucket_cap_mb too (DeepSpeed's
+            reduce_bucket_size defaults to 5e8 elements instead). A bucket's full gradients live
+            until its reduce-scatter is done: keep it well below the model's size, or stage 2
+            holds as much gradient as stage 1 until step().
         process_group: the data-parallel group (default: the whole world).
         ring: communicate on companion.collectives' ring, counting every byte sent.
         **defaults: options of `optimizer_cls` (lr, weight_decay, ...).
@@ -95,7 +103,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.optim = optimizer_cls([dict(self._options(b.group), params=[b.master])  # 2. inner
                                     for b in self.buckets], **defaults)
-        self._next = 0
+        self._next, self._synchronized = 0, False
         if stage == 2:
             for p in self._slot:                                        # 3. one hook each
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -194,7 +202,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ShardedOptimizer.step does not take a closure; run "
                              "forward and backward before step()")
-        self._synchronize_gradients()                                     # 1. reduce-scatter
+        if not self._synchronized:                   # clip_grad_norm_ may have done it
+            self._synchronize_gradients()                                 # 1. reduce-scatter
+        self._synchronized = False
         for inner, bucket in zip(self.optim.param_groups, self.buckets):
             inner.update(self._options(bucket.group))   # an LR scheduler changes the outer ones
         self.optim.step()                                                 # 2. own slice only
@@ -203,8 +213,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for work in works:
             work.wait()                                 # sync point: parameters whole again
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Average the gradients onto the shards now, then clip them to the global norm
+        `max_norm` over all ranks' shards; return that norm. Collective. Call after backward,
+        right before step() (which then steps the clipped shards)."""
+        if not self._synchronized:
+            self._synchronize_gradients()                                 # reduce-scatter
+            self._synchronized = True
+        return clip_grad_norm_([b.master for b in self.buckets], max_norm, norm_type,
+                               group=self.comm.group, error_if_nonfinite=error_if_nonfinite)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. Stage 1 zeroes its flat buffer in place (the .grad views stay)."""
+        self._synchronized = False
         for bucket in self.buckets:
             if self.stage == 1:
                 bucket.grads.zero_()
