@@ -450,3 +450,88 @@ def test_the_hooks_check_runs_the_answer_where_it_lives_and_judges_it_here():
         evaluate("check_gather_hooks", Elsewhere(hooks_detach))
     with pytest.raises(CheckFailed, match="off by one"):
         evaluate("check_prefetch", Elsewhere(prefetch_one_too_far))
+
+
+# ---------------------------------------------------------------- the decision: stage, k, prefetch
+
+def _search(shape, batch, gpu, world, limit):
+    """A learner's search: every plan, the chapter's bytes and the cost model's time."""
+    plans = [(s, k, p) for s in range(4) for k in range(1, batch + 1) if batch % k == 0
+             for p in ((0, 1, 2) if s == 3 else (0,))]
+    fits = [p for p in plans if ch07.zero_plan_bytes(shape, batch, world, *p) <= limit]
+    return min(fits, key=lambda p: ch07.zero_plan_seconds(shape, batch, gpu, world, *p))
+
+
+def _fits(shape, batch, world, limit, plans):
+    return [p for p in plans if ch07.zero_plan_bytes(shape, batch, world, *p) <= limit]
+
+
+def _always_zero3(shape, batch, gpu, world, limit):
+    plans = [(3, k, p) for k in range(1, batch + 1) if batch % k == 0 for p in (2, 1, 0)]
+    return (_fits(shape, batch, world, limit, plans) or [(3, batch, 0)])[0]
+
+
+def _leanest(shape, batch, gpu, world, limit):
+    return (3, batch, 0)
+
+
+def _lowest_stage_first(shape, batch, gpu, world, limit):
+    plans = [(s, k, 0) for s in range(4) for k in range(1, batch + 1) if batch % k == 0]
+    return _fits(shape, batch, world, limit, plans)[0]
+
+
+def _states_only(shape, batch, gpu, world, limit):
+    from companion import estimate
+
+    n = estimate.gpt_params(shape["vocab"], shape["seq_len"], shape["width"], shape["depth"])
+    plans = [(s, 1, 0) for s in range(4)]
+    ok = [p for p in plans if estimate.model_states(n, optimizer="adam", precision="mixed",
+                                                    zero_stage=p[0], world_size=world).total <= limit]
+    return min(ok or [(3, 1, 0)], key=lambda p: ch07.zero_plan_seconds(shape, batch, gpu, world, *p))
+
+
+def test_choose_zero_passes_a_search_over_every_plan():
+    ch07.check_choose_zero(_search)
+
+
+@pytest.mark.parametrize("answer", [_always_zero3, _leanest, _lowest_stage_first, _states_only],
+                         ids=["always ZeRO-3", "leanest", "lowest stage first", "states only"])
+def test_choose_zero_fails_the_rules_of_thumb(answer):
+    with pytest.raises(CheckFailed):
+        for _ in range(3):
+            ch07.check_choose_zero(answer)
+
+
+@pytest.mark.parametrize("answer, match", [
+    (lambda *a: None, "three ints"), (lambda *a: (1, 2), "three ints"),
+    (lambda *a: (4, 1, 0), "stage must be"), (lambda *a: (1, 3, 0), "equal micro-batches"),
+    (lambda *a: (1, 1, 1), "prefetch must be"), (lambda *a: (True, 1, 0), "three ints")])
+def test_choose_zero_rejects_what_is_not_a_plan(answer, match):
+    with pytest.raises(CheckFailed, match=match):
+        ch07.check_choose_zero(answer)
+
+
+def test_the_plan_cases_mix_gpus_links_and_winners():
+    from companion.cost import gpus
+
+    cases = [ch07._zero_case(seed) for seed in range(60)]
+    links = {gpus.gpu(c["gpu"]).nvlink_bandwidth is None for c in cases}
+    winners = {ch07._best_plan(c)[0][0] for c in cases}
+    assert links == {True, False} and winners >= {0, 1, 3}
+    for c in cases[:5]:                                     # the limit always admits a plan
+        assert ch07.zero_plan_bytes(c["shape"], c["batch"], c["world"], *ch07._best_plan(c)[0]) \
+            <= c["limit"] <= gpus.gpu(c["gpu"]).memory_bytes
+
+
+def test_plan_bytes_follow_the_estimator_and_the_gathered_blocks():
+    from companion import estimate
+
+    shape = {"width": 1024, "depth": 4, "heads": 8, "seq_len": 256, "vocab": 1000}
+    n = estimate.gpt_params(1000, 256, 1024, 4)
+    acts = estimate.gpt_activations(2, 256, 1024, 4, 8, 1000, precision="bf16")
+    ddp = ch07.zero_plan_bytes(shape, 4, 8, 0, 2, 0)
+    assert ddp == 16 * n + acts
+    block = 12 * 1024**2 + 13 * 1024
+    z3 = estimate.model_states(n, optimizer="adam", precision="mixed", zero_stage=3,
+                               world_size=8).total
+    assert ch07.zero_plan_bytes(shape, 4, 8, 3, 2, 2) == z3 + acts + 4 * block * 3

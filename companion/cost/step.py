@@ -117,6 +117,23 @@ class Speeds:
         if not 0 <= self.overlap <= 1:
             raise ValueError(f"Speeds.overlap must lie in [0, 1], got {self.overlap!r}")
 
+    @classmethod
+    def for_gpu(cls, name: str, dtype: str = "bf16", *, alpha: float = 20e-6) -> "Speeds":
+        """The speeds of a GPU of `companion.cost.gpus` on paper: its dense `dtype` FLOP/s times
+        `gpus.efficiency` (the cited fraction training reaches), HBM bandwidth, one direction of
+        NVLink between GPUs (half the total NVIDIA quotes), or of PCIe where there is no NVLink,
+        and of PCIe to the host. Assumed, not cited: `alpha`, 20 µs per step of a collective
+        (NCCL inside one machine is of the order of ten microseconds; fit yours as chapter 06
+        does), and 5 µs per operator (a kernel launch)."""
+        from companion.cost import gpus
+
+        g = gpus.gpu(name)
+        link = g.nvlink_bandwidth / 2 if g.nvlink_bandwidth else g.pcie_bandwidth
+        return cls(matmul_flops=g.flops(dtype) * gpus.efficiency(g, dtype)[0],
+                   memory_bandwidth=g.hbm_bandwidth, op_seconds=5e-6, alpha=alpha,
+                   beta=1 / link, host_bandwidth=g.pcie_bandwidth,
+                   dtype_bytes=4 if dtype in ("fp32", "tf32") else 2)
+
     def attainable(self, intensity: float) -> float:
         """The roofline: FLOP/s of a kernel doing `intensity` FLOPs per byte it moves."""
         return min(self.matmul_flops, intensity * self.memory_bandwidth)
@@ -304,11 +321,15 @@ def _check_ranks(world_size: int, k: int) -> None:
         raise ValueError(f"k (micro-batches per step) must be a positive int, got {k!r}")
 
 
-def _optimizer_seconds(layers: Sequence[Layer], s: Speeds, optimizer: str, share: float) -> float:
+def _optimizer_seconds(layers: Sequence[Layer], s: Speeds, optimizer: str, share: float,
+                       tensors: int | None = None) -> float:
+    """The optimizer's bytes at memory bandwidth plus its operators per tensor: every parameter
+    tensor (share 1), or `tensors` flat shards (ZeRO steps one flat tensor per bucket or unit)."""
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_BYTES)}, got {optimizer!r}")
     params = sum(l.params for l in layers if l.trainable) * share
-    tensors = sum(l.tensors for l in layers if l.trainable)
+    if tensors is None:
+        tensors = sum(l.tensors for l in layers if l.trainable)
     return OPTIMIZER_BYTES[optimizer] * params / s.memory_bandwidth + \
         _OPTIMIZER_OPS[optimizer] * tensors * s.op_seconds
 
@@ -422,7 +443,10 @@ def zero_step(layers: Sequence[Layer], s: Speeds, world_size: int, stage: int, *
     N = world_size
     shard = 1.0 / N
     base = single_step(layers, s, k=k, optimizer=optimizer)
-    base = dataclasses.replace(base, optimizer=_optimizer_seconds(layers, s, optimizer, shard))
+    flat = (len(_buckets(layers, bucket_bytes, grad_bytes)) if stage in (1, 2)
+            else sum(l.trainable for l in layers))      # one flat shard per bucket or unit
+    base = dataclasses.replace(base, optimizer=_optimizer_seconds(layers, s, optimizer, shard,
+                                                                  flat))
     if N == 1:
         return base
     psi = sum(l.params for l in layers if l.trainable) * grad_bytes
@@ -458,7 +482,11 @@ def zero_step(layers: Sequence[Layer], s: Speeds, world_size: int, stage: int, *
         order = list(reversed(units))
         again = gather if reshard_after_forward else [0.0] * len(layers)
         exposed_total += _pipeline(order, again, bwd, prefetch, s, after=scatter)
-    return dataclasses.replace(base, traffic=traffic, communication=exposed_total)
+    # each gather copies the shards into the full flat buffer and hands out views of it; each
+    # unit's gradients are flattened for the reduce-scatter: passes over the bytes, per micro-batch
+    gathered = (2 if reshard_after_forward else 1) * gather_bytes_per_param / grad_bytes
+    return dataclasses.replace(base, traffic=traffic, communication=exposed_total,
+                               bucketing=_copies(layers, s, grad_bytes, k * (gathered + 1)))
 
 
 def _pipeline(order: Sequence[int], gather: Sequence[float], compute: Sequence[float],
