@@ -92,6 +92,22 @@ def test_speeds_reject_impossible_values(field, value):
         _speeds(**{field: value})
 
 
+def test_ranks_sharing_a_machine_slow_the_compute_only():
+    s = _speeds(alpha=1e-4, beta=1e-9, shared_compute=2.0, op_seconds=1e-6,
+                matmul_table=(((16, 16, 16), 1e9),), linear_table=(((16, 16, 16), 1e-3, 2e-3),))
+    two = s.ranks(2)
+    assert s.ranks(1) is s and two.shared_compute == 1
+    assert two.matmul_flops == 5e11 and two.memory_bandwidth == 5e10 and two.op_seconds == 2e-6
+    assert two.linear_seconds(16, 16, 16) == pytest.approx((2e-3, 4e-3))
+    assert (two.alpha, two.beta) == (s.alpha, s.beta)                     # the link as measured
+    layers = _two_layers()
+    alone = model.single_step(layers, _speeds())
+    shared = model.ddp_step(layers, _speeds(shared_compute=2.0), 2, bucket_bytes=1e12)
+    assert shared.compute == pytest.approx(2 * alone.compute)
+    with pytest.raises(ValueError, match="shared_compute"):
+        _speeds(shared_compute=0.5)
+
+
 def test_collectives_use_the_measured_curve_else_the_ring():
     ring = _speeds(alpha=1e-5, beta=1e-9)
     assert ring.collective_seconds("all_reduce", 1e6, 4) == pytest.approx(
@@ -257,11 +273,17 @@ def test_calibrate_measures_this_machine_with_spreads(profile):
     m = profile.copy_bandwidth
     assert m.low <= m.median <= m.high and m.repeats == 3
     assert set(profile.adamw) >= {"for-loop", "foreach"}
-    assert len(profile.grid["float32"]) == 64
+    assert len(profile.grid["float32"]) == 27 and len(profile.linear["float32"]) == 36
+    for (m, k, n), forward, backward in profile.linear["float32"]:
+        assert 0 < forward.median and 0 < backward.median
     assert profile.alpha.median > 0 and profile.beta.median > 0
     assert set(profile.collectives) == set(network.COLLECTIVES)
     s = profile.speeds()
-    assert s.collective_table and s.matmul_table and s.layer_seconds > 0
+    assert s.collective_table and s.matmul_table and s.linear_table and s.layer_seconds > 0
+    for _, _, curve in s.collective_table:                      # stalls taken out: monotone
+        assert all(a[1] <= b[1] for a, b in zip(curve, curve[1:]))
+    assert profile.shared_compute.median > 0 and profile.overlap.repeats == 3
+    assert s.shared_compute >= 1 and 0 <= s.overlap <= 1
     again = cost.DeviceProfile.from_json(profile.to_json())
     assert again == profile
     with pytest.raises(ValueError, match="bfloat16"):
@@ -303,3 +325,26 @@ def test_validation_predicts_and_measures_each_configuration(profile):
         V.predict({"kind": "zero4", "width": 4, "depth": 1, "batch": 1}, profile.speeds(), 2)
     with pytest.raises(ValueError, match="width"):
         V.predict({"kind": "ddp", "width": 0, "depth": 1, "batch": 1}, profile.speeds(), 2)
+
+
+def test_validation_configurations_take_zero3_prefetch():
+    """A zero3 configuration's "prefetch" reaches the model (zero_step) and the ranks (FSDP);
+    other kinds refuse it."""
+    from companion import launch
+
+    speeds = model.Speeds(matmul_flops=1e10, memory_bandwidth=1e10, op_seconds=1e-6,
+                          alpha=1e-4, beta=1e-8)
+    config = {"kind": "zero3", "width": 256, "depth": 4, "batch": 64}
+    layers = model.mlp_layers(256, 4, 64, bias=False)
+    for prefetch in (0, 1):
+        want = model.zero_step(layers, speeds, 2, 3, prefetch=prefetch, optimizer="adamw")
+        assert V.predict({**config, "prefetch": prefetch}, speeds, 2) == want
+    assert V.predict({**config, "prefetch": 1}, speeds, 2).communication < \
+        V.predict(config, speeds, 2).communication          # gathers hidden behind layers
+    times = launch.run(V.measure, 2, [V._check({**config, "prefetch": p}) for p in (0, 1)], 2,
+                       timeout=120)[0]
+    assert len(times) == 2 and all(len(t) == 2 and min(t) > 0 for t in times)
+    with pytest.raises(ValueError, match="zero3"):
+        V.predict({"kind": "zero2", "width": 4, "depth": 1, "batch": 1, "prefetch": 1}, speeds, 2)
+    with pytest.raises(ValueError, match="prefetch"):
+        V.predict({**config, "prefetch": -1}, speeds, 2)

@@ -9,7 +9,12 @@
   is no second memory to copy to);
 - the host AdamW rate in parameters per second, for the for-loop, foreach and fused versions
   (what ZeRO-Offload's host step runs at);
-- α and β of a gloo process group of 2 ranks (the `launch` module's workers), one fit per round.
+- α and β of a gloo process group of 2 ranks (the `launch` module's workers), one fit per round,
+  and each collective's curve (seconds against bytes);
+- how 2 ranks share the machine: a training step with both ranks stepping against one alone
+  (`shared_compute`: CPU ranks share caches and memory bandwidth), and the share of an all-reduce
+  that hides behind a step running at the same time (`overlap`: on a CPU the two compete for the
+  same cores; NCCL on a GPU runs beside the kernels).
 
 `DeviceProfile.speeds(dtype)` turns it into the `Speeds` of `companion.cost.step`.
 
@@ -75,6 +80,8 @@ class DeviceProfile:
     alpha: Measured | None = None                     # seconds per message (gloo, 2 ranks)
     beta: Measured | None = None                      # seconds per byte
     collectives: dict[str, list[tuple[int, Measured]]] | None = None  # kind -> [(bytes, s)]
+    shared_compute: Measured | None = None            # a step with 2 ranks at once over alone
+    overlap: Measured | None = None                   # share of an all-reduce hidden by compute
     world_size: int = 2                               # ranks the collectives were timed on
     seconds: float = 0.0                              # how long calibrate took
 
@@ -85,10 +92,12 @@ class DeviceProfile:
             raise ValueError(f"no matmul timed in {_name(dtype)}; timed: {sorted(self.matmul)}")
         return max(m.median for _, m in rows)
 
-    def speeds(self, dtype: torch.dtype | str = torch.float32, *, overlap: float = 1.0,
+    def speeds(self, dtype: torch.dtype | str = torch.float32, *, overlap: float | None = None,
                adamw: str = "for-loop") -> Speeds:
-        """The step models' `Speeds`: peak matmul FLOP/s in `dtype`, copy bandwidth, the cost of
-        an operator, α–β (zero when not measured), pinned host bandwidth and the host AdamW rate."""
+        """The step models' `Speeds`: peak matmul FLOP/s in `dtype` (and the grids), copy
+        bandwidth, the cost of an operator and a layer, α–β and each collective's curve, how
+        ranks share the machine (`shared_compute`, `overlap`: measured, else 1 and full
+        overlap; pass overlap= to override), pinned host bandwidth and the host AdamW rate."""
         host = (self.host_to_device or {}).get("pinned")
         rate = self.adamw.get(adamw)
         if rate is None:
@@ -105,9 +114,13 @@ class DeviceProfile:
                       alpha=self.alpha.median if self.alpha else 0.0,
                       beta=self.beta.median if self.beta else 0.0,
                       host_bandwidth=host.median if host else math.inf,
-                      host_adam_rate=rate.median, overlap=overlap,
+                      host_adam_rate=rate.median,
+                      overlap=(overlap if overlap is not None else
+                               min(1.0, max(0.0, self.overlap.median)) if self.overlap else 1.0),
+                      shared_compute=max(1.0, self.shared_compute.median)
+                      if self.shared_compute else 1.0,
                       collective_table=tuple(
-                          (kind, self.world_size, tuple((n, m.median) for n, m in rows))
+                          (kind, self.world_size, _monotone([(n, m.median) for n, m in rows]))
                           for kind, rows in (self.collectives or {}).items()))
 
     def to_json(self) -> str:
@@ -131,9 +144,21 @@ class DeviceProfile:
                    adamw=md(d["adamw"]), host_to_device=md(d["host_to_device"]),
                    device_to_host=md(d["device_to_host"]), alpha=m(d["alpha"]),
                    beta=m(d["beta"]), seconds=d["seconds"], world_size=d["world_size"],
+                   shared_compute=m(d["shared_compute"]), overlap=m(d["overlap"]),
                    collectives=None if d["collectives"] is None else {
                        k: [(n, Measured(**x)) for n, x in rows]
                        for k, rows in d["collectives"].items()})
+
+
+def _monotone(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """A measured curve of seconds against bytes, made non-decreasing: a size slower than some
+    larger size was a stall (the transport waiting while other work held the cores), so each
+    point takes the least time measured at its size or above."""
+    out, least = [], math.inf
+    for n, t in sorted(points, reverse=True):
+        least = min(least, t)
+        out.append((n, least))
+    return tuple(sorted(out))
 
 
 def _name(dtype: torch.dtype | str) -> str:
@@ -171,14 +196,16 @@ def _matmul(device: torch.device, dtypes: Sequence[str], sides: Sequence[int], r
         old = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
-            rows = []
+            rows, last = [], 0.0
             for n in sides:
+                if rows and last * (n / rows[-1][0]) ** 3 > slowest:
+                    break                                   # the next size would take too long
                 a = torch.randn(n, n, device=device).to(dtype)
                 b = torch.randn(n, n, device=device).to(dtype)
-                one = _times(lambda: a @ b, device, 1)[0]
-                if one > slowest:                                   # too slow here: stop
+                last = _times(lambda: a @ b, device, 1)[0]
+                if last > slowest:                                  # too slow here: stop
                     break
-                inner = max(1, int(0.02 / max(one, 1e-7)))
+                inner = max(1, int(0.02 / max(last, 1e-7)))
                 flops = [2 * n**3 / t for t in _times(lambda: a @ b, device, repeats, inner)]
                 rows.append((n, Measured.of(flops)))
             out[name] = rows
@@ -308,6 +335,7 @@ def _alpha_beta(repeats: int) -> tuple[Measured, Measured, dict]:
     from companion import launch
 
     sizes = [4**k for k in range(4, 13)]                             # 256 B .. 64 MiB
+    repeats = max(repeats, 9)                  # the small sizes scatter: more rounds than the rest
     rounds = launch.run(network.time_collectives, 2, sizes, repeats, timeout=120)[0]
     ring = [network.fit_all_reduce(sizes, [rounds["all_reduce"][k][r]
                                            for k in range(len(sizes))], 2)
@@ -317,17 +345,60 @@ def _alpha_beta(repeats: int) -> tuple[Measured, Measured, dict]:
     return Measured.of([a for a, _ in ring]), Measured.of([b for _, b in ring]), curves
 
 
+def _sharing_worker(rank: int, world_size: int, repeats: int) -> tuple[list, list]:
+    """A worker for `launch.run`: in interleaved rounds, rank 0 times an MLP's training step
+    alone (the others wait), with every rank stepping at once, an all-reduce of 16 MiB alone, and
+    the step with that all-reduce in flight. Returns per round (both at once / alone) and the
+    share of the shorter of step and all-reduce that hid behind the other."""
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(512, 512), nn.ReLU())])
+    x, y = torch.randn(64, 512), torch.randn(64, 512)
+    flat = torch.ones(4 * 2**20)
+
+    def step():
+        nn.functional.mse_loss(net(x), y).backward()
+        for p in net.parameters():
+            p.grad = None
+
+    def timed(fn, who=None):
+        dist.barrier()
+        start = time.perf_counter()
+        if who is None or rank == who:
+            fn()
+        seconds = time.perf_counter() - start
+        dist.barrier()
+        return seconds
+
+    def both():
+        work = dist.all_reduce(flat, async_op=True)          # collective, asynchronous
+        step()
+        work.wait()
+    shared, hidden = [], []
+    for r in range(repeats + 1):
+        alone = timed(step, who=0)
+        together = timed(step)
+        link = timed(lambda: dist.all_reduce(flat))          # collective
+        overlapped = timed(both)
+        if r:
+            shared.append(together / alone)
+            hidden.append((together + link - overlapped) / min(together, link))
+    return shared, hidden
+
+
 def _per_rank(device: torch.device, dtypes: Sequence[str], repeats: int) -> dict:
     """What one rank measures: matmuls (squares and the shape grid), copies, operator and layer
     costs, the host AdamW rate, and host copies on a GPU."""
     cuda = device.type == "cuda"
-    sides = [128, 256, 512, 1024] + ([2048, 4096, 8192] if cuda else [])
+    sides = [256, 512, 1024] + ([2048, 4096, 8192] if cuda else [])
     big = torch.empty(32 * 2**20 // 4, device=device)
     dst = torch.empty_like(big)
     one = torch.zeros(1, device=device)
-    out = {"matmul": _matmul(device, dtypes, sides, repeats, slowest=0.25),
-           "grid": {name: _grid(device, name, [64, 256, 1024, 4096, 16384] if cuda
-                                else [16, 64, 256, 1024], repeats, (256 if cuda else 96) * 2**20)
+    out = {"matmul": _matmul(device, dtypes, sides, repeats, slowest=0.05),
+           "grid": {name: _grid(device, name, [64, 1024, 16384] if cuda else [16, 128, 1024],
+                                repeats, (256 if cuda else 96) * 2**20)
                     for name in (["float32", "bfloat16"] if cuda else ["float32"])},
            "linear": {name: _linear_grid(device, name, [256, 1024, 4096, 16384] if cuda
                                          else [16, 64, 256, 1024],
@@ -387,11 +458,16 @@ def calibrate(device: torch.device | str | None = None, *, threads: int | None =
         else:
             parts = _per_rank(device, dtypes, repeats)
             threads_used = torch.get_num_threads()
-        alpha = beta = curves = None
+        alpha = beta = curves = shared = overlap = None
         if process_group:
             alpha, beta, curves = _alpha_beta(repeats)
+            from companion import launch
+
+            ratios, hidden = launch.run(_sharing_worker, 2, repeats, timeout=120)[0]
+            shared, overlap = Measured.of(ratios), Measured.of(hidden)
         return DeviceProfile(device=str(device), name=str(describe(device).get("name")),
                              threads=threads_used, alpha=alpha, beta=beta, collectives=curves,
+                             shared_compute=shared, overlap=overlap,
                              seconds=time.perf_counter() - start, **parts)
     finally:
         torch.set_num_threads(old_threads)

@@ -71,6 +71,8 @@ class Speeds:
     layer_seconds: float = 0.0    # fixed cost of one layer's forward + backward (autograd)
     matmul_table: tuple = ()      # ((m, k, n), FLOP/s) measured, for `matmul_seconds`
     dtype_bytes: int = 4          # bytes per element of the compute dtype
+    shared_compute: float = 1.0   # compute time of a rank while the others compute too, over
+                                  # alone (CPU ranks share caches and memory; 1 on own GPUs)
     collective_table: tuple = ()  # (kind, world size, ((bytes, seconds), ...)), measured
     linear_table: tuple = ()      # ((m, k, n), forward s, backward s) of F.linear, measured
 
@@ -116,6 +118,21 @@ class Speeds:
                 raise ValueError(f"Speeds.{name} must be finite and non-negative, got {value!r}")
         if not 0 <= self.overlap <= 1:
             raise ValueError(f"Speeds.overlap must lie in [0, 1], got {self.overlap!r}")
+        if not 1 <= self.shared_compute < math.inf:
+            raise ValueError(f"Speeds.shared_compute must be at least 1, got {self.shared_compute!r}")
+
+    def ranks(self, world_size: int) -> "Speeds":
+        """These speeds for one of `world_size` ranks running at once: compute slowed by
+        `shared_compute` when there is more than one (the link's speeds were measured so)."""
+        if world_size == 1 or self.shared_compute == 1:
+            return self
+        f = self.shared_compute
+        return dataclasses.replace(
+            self, shared_compute=1.0, matmul_flops=self.matmul_flops / f,
+            memory_bandwidth=self.memory_bandwidth / f, op_seconds=self.op_seconds * f,
+            layer_seconds=self.layer_seconds * f,
+            matmul_table=tuple((mkn, v / f) for mkn, v in self.matmul_table),
+            linear_table=tuple((mkn, a * f, b * f) for mkn, a, b in self.linear_table))
 
     @classmethod
     def for_gpu(cls, name: str, dtype: str = "bf16", *, alpha: float = 20e-6) -> "Speeds":
@@ -394,6 +411,7 @@ def ddp_step(layers: Sequence[Layer], s: Speeds, world_size: int, *, bucket_byte
     _check_ranks(world_size, k)
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes!r}")
+    s = s.ranks(world_size)
     base = single_step(layers, s, k=k, optimizer=optimizer)
     syncing = 1 if no_sync else k
     # each synchronised backward copies the gradients into the buckets, divides them by N and
@@ -412,7 +430,9 @@ def ddp_step(layers: Sequence[Layer], s: Speeds, world_size: int, *, bucket_byte
 
 def zero_traffic(stage: int, k: int, world_size: int, param_bytes: float, *,
                  reshard_after_forward: bool = True, gather_bytes: float | None = None) -> float:
-    """Bytes one rank sends per optimizer step (ring shares): DDP (stage 0, no_sync) and ZeRO-1
+    """Bytes one rank sends per optimizer step (ring shares), for a model whose every parameter is
+    sharded (`companion.zero.predicted_traffic` is exact for the course's code, which keeps 1-D
+    parameters whole and does not gather the first unit again): DDP (stage 0, no_sync) and ZeRO-1
     2·(N-1)/N·Ψ; ZeRO-2 (k+1)·(N-1)/N·Ψ (a reduce-scatter every micro-batch, one all-gather);
     ZeRO-3 (N-1)/N·(2k·Ψg + k·Ψ) with Ψg the gathered bytes (2k gathers, k reduce-scatters), or
     (N-1)/N·(k·Ψg + k·Ψ) when gathered weights are kept from forward to backward."""
@@ -442,6 +462,7 @@ def zero_step(layers: Sequence[Layer], s: Speeds, world_size: int, stage: int, *
         raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
     N = world_size
     shard = 1.0 / N
+    s = s.ranks(world_size)
     base = single_step(layers, s, k=k, optimizer=optimizer)
     flat = (len(_buckets(layers, bucket_bytes, grad_bytes)) if stage in (1, 2)
             else sum(l.trainable for l in layers))      # one flat shard per bucket or unit

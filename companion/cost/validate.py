@@ -1,8 +1,9 @@
 """The step-time models against real ranks: predicted beside measured, per configuration.
 
 A configuration is a dict: kind ("single", "ddp", "zero1", "zero2", "zero3"), the MLP's width,
-depth and rows per rank (`batch`), k micro-batches per step, and for DDP and ZeRO the bucket cap
-in MiB (`bucket_mb`); world size is chosen per call. `measure` trains each configuration on gloo
+depth and rows per rank (`batch`), k micro-batches per step, for DDP and ZeRO the bucket cap
+in MiB (`bucket_mb`), and for ZeRO-3 the units gathered ahead (`prefetch`, 0 by default); world
+size is chosen per call. `measure` trains each configuration on gloo
 ranks with the course's own DDP, ShardedOptimizer and FSDP, timing them in interleaved rounds
 (round r starts at the r-th configuration), and keeps the slowest rank's time of each step.
 `predict` runs the matching model of `companion.cost.step` on a calibrated `Speeds`.
@@ -48,10 +49,16 @@ CONFIGS = [
 def _check(config: dict) -> dict:
     if config.get("kind") not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {config.get('kind')!r}")
-    out = {"k": 1, "bucket_mb": 25.0, **config}
+    out = {"k": 1, "bucket_mb": 25.0, "prefetch": 0, **config}
     for key in ("width", "depth", "batch", "k"):
         if not isinstance(out.get(key), int) or out[key] < 1:
             raise ValueError(f"{key} must be a positive int, got {out.get(key)!r} in {config}")
+    prefetch = out["prefetch"]
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r} in {config}")
+    if prefetch and out["kind"] != "zero3":
+        raise ValueError(f"prefetch gathers ZeRO-3's units ahead: use it with kind 'zero3', "
+                         f"not {out['kind']!r} ({config})")
     return out
 
 
@@ -61,13 +68,13 @@ def predict(config: dict, speeds: Speeds, world_size: int) -> StepTime:
     bias = c["kind"] != "zero3"
     layers = model.mlp_layers(c["width"], c["depth"], c["batch"], bias=bias)
     cap = c["bucket_mb"] * 2**20
-    if c["kind"] == "single":
-        return model.single_step(layers, speeds, k=c["k"], optimizer="sgd")
+    if c["kind"] == "single":              # alone, or beside the other ranks' own steps
+        return model.single_step(layers, speeds.ranks(world_size), k=c["k"], optimizer="sgd")
     if c["kind"] == "ddp":
         return model.ddp_step(layers, speeds, world_size, bucket_bytes=cap, k=c["k"])
     stage = int(c["kind"][-1])
     return model.zero_step(layers, speeds, world_size, stage, k=c["k"], bucket_bytes=cap,
-                           optimizer="adamw")
+                           prefetch=c["prefetch"], optimizer="adamw")
 
 
 def _build(c: dict):
@@ -97,7 +104,7 @@ def _build(c: dict):
             opt.zero_grad()
         return step
     if kind == "zero3":
-        wrapped = FSDP(net)
+        wrapped = FSDP(net, prefetch=c["prefetch"])
         opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4, foreach=False)
 
         def step():
