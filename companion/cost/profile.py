@@ -120,7 +120,7 @@ class DeviceProfile:
                       shared_compute=max(1.0, self.shared_compute.median)
                       if self.shared_compute else 1.0,
                       collective_table=tuple(
-                          (kind, self.world_size, _monotone([(n, m.median) for n, m in rows]))
+                          (kind, self.world_size, _fitted([(n, m.median) for n, m in rows]))
                           for kind, rows in (self.collectives or {}).items()))
 
     def to_json(self) -> str:
@@ -150,15 +150,15 @@ class DeviceProfile:
                        for k, rows in d["collectives"].items()})
 
 
-def _monotone(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
-    """A measured curve of seconds against bytes, made non-decreasing: a size slower than some
-    larger size was a stall (the transport waiting while other work held the cores), so each
-    point takes the least time measured at its size or above."""
-    out, least = [], math.inf
-    for n, t in sorted(points, reverse=True):
-        least = min(least, t)
-        out.append((n, least))
-    return tuple(sorted(out))
+def _fitted(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """A collective's measured curve replaced by its own two-number fit, A + B·bytes, at the same
+    sizes: each collective keeps its own latency and slope (gloo's reduce-scatter is no half of
+    its all-reduce), while a size that stalled in this run (the transport waiting while other
+    work held the cores) does not carry its stall into every prediction made at that size."""
+    sizes, seconds = [n for n, _ in points], [t for _, t in points]
+    a, b = network.fit_alpha_beta(sizes, seconds)
+    a, b = max(a, min(seconds) / 2), max(b, 0.0)
+    return tuple((n, a + b * n) for n in sorted(sizes))
 
 
 def _name(dtype: torch.dtype | str) -> str:

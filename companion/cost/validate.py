@@ -35,14 +35,18 @@ KINDS = ("single", "ddp", "zero1", "zero2", "zero3")
 CONFIGS = [
     {"kind": "single", "width": 512, "depth": 16, "batch": 64, "k": 1},
     {"kind": "single", "width": 1024, "depth": 8, "batch": 16, "k": 2},
+    {"kind": "single", "width": 256, "depth": 32, "batch": 256, "k": 1},
     {"kind": "ddp", "width": 512, "depth": 32, "batch": 16, "k": 1, "bucket_mb": 25},
     {"kind": "ddp", "width": 512, "depth": 32, "batch": 16, "k": 1, "bucket_mb": 2},
     {"kind": "ddp", "width": 1024, "depth": 8, "batch": 64, "k": 4, "bucket_mb": 4},
     {"kind": "zero1", "width": 512, "depth": 16, "batch": 16, "k": 1, "bucket_mb": 25},
+    {"kind": "zero1", "width": 1024, "depth": 4, "batch": 64, "k": 2, "bucket_mb": 4},
     {"kind": "zero2", "width": 512, "depth": 16, "batch": 16, "k": 1, "bucket_mb": 4},
     {"kind": "zero2", "width": 512, "depth": 16, "batch": 16, "k": 4, "bucket_mb": 4},
+    {"kind": "zero2", "width": 1024, "depth": 4, "batch": 64, "k": 2, "bucket_mb": 25},
     {"kind": "zero3", "width": 512, "depth": 16, "batch": 16, "k": 1},
     {"kind": "zero3", "width": 512, "depth": 16, "batch": 16, "k": 2},
+    {"kind": "zero3", "width": 1024, "depth": 4, "batch": 64, "k": 1},
 ]
 
 
