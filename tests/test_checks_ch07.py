@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from companion import collectives
 from companion.checks import ch07
+from companion.zero import planning
 from companion.checks.core import CheckFailed, evaluate
 from companion.zero import (flat_partition, per_rank_state_bytes, register_gather_hooks,
                            run_with_prefetch)
@@ -458,12 +459,12 @@ def _search(shape, batch, gpu, world, limit):
     """A learner's search: every plan, the chapter's bytes and the cost model's time."""
     plans = [(s, k, p) for s in range(4) for k in range(1, batch + 1) if batch % k == 0
              for p in ((0, 1, 2) if s == 3 else (0,))]
-    fits = [p for p in plans if ch07.zero_plan_bytes(shape, batch, world, *p) <= limit]
-    return min(fits, key=lambda p: ch07.zero_plan_seconds(shape, batch, gpu, world, *p))
+    fits = [p for p in plans if planning.plan_bytes(shape, batch, world, *p) <= limit]
+    return min(fits, key=lambda p: planning.plan_seconds(shape, batch, gpu, world, *p))
 
 
 def _fits(shape, batch, world, limit, plans):
-    return [p for p in plans if ch07.zero_plan_bytes(shape, batch, world, *p) <= limit]
+    return [p for p in plans if planning.plan_bytes(shape, batch, world, *p) <= limit]
 
 
 def _always_zero3(shape, batch, gpu, world, limit):
@@ -487,7 +488,7 @@ def _states_only(shape, batch, gpu, world, limit):
     plans = [(s, 1, 0) for s in range(4)]
     ok = [p for p in plans if estimate.model_states(n, optimizer="adam", precision="mixed",
                                                     zero_stage=p[0], world_size=world).total <= limit]
-    return min(ok or [(3, 1, 0)], key=lambda p: ch07.zero_plan_seconds(shape, batch, gpu, world, *p))
+    return min(ok or [(3, 1, 0)], key=lambda p: planning.plan_seconds(shape, batch, gpu, world, *p))
 
 
 def test_choose_zero_passes_a_search_over_every_plan():
@@ -519,7 +520,7 @@ def test_the_plan_cases_mix_gpus_links_and_winners():
     winners = {ch07._best_plan(c)[0][0] for c in cases}
     assert links == {True, False} and winners >= {0, 1, 3}
     for c in cases[:5]:                                     # the limit always admits a plan
-        assert ch07.zero_plan_bytes(c["shape"], c["batch"], c["world"], *ch07._best_plan(c)[0]) \
+        assert planning.plan_bytes(c["shape"], c["batch"], c["world"], *ch07._best_plan(c)[0]) \
             <= c["limit"] <= gpus.gpu(c["gpu"]).memory_bytes
 
 
@@ -529,9 +530,9 @@ def test_plan_bytes_follow_the_estimator_and_the_gathered_blocks():
     shape = {"width": 1024, "depth": 4, "heads": 8, "seq_len": 256, "vocab": 1000}
     n = estimate.gpt_params(1000, 256, 1024, 4)
     acts = estimate.gpt_activations(2, 256, 1024, 4, 8, 1000, precision="bf16")
-    ddp = ch07.zero_plan_bytes(shape, 4, 8, 0, 2, 0)
+    ddp = planning.plan_bytes(shape, 4, 8, 0, 2, 0)
     assert ddp == 16 * n + acts
     block = 12 * 1024**2 + 13 * 1024
     z3 = estimate.model_states(n, optimizer="adam", precision="mixed", zero_stage=3,
                                world_size=8).total
-    assert ch07.zero_plan_bytes(shape, 4, 8, 3, 2, 2) == z3 + acts + 4 * block * 3
+    assert planning.plan_bytes(shape, 4, 8, 3, 2, 2) == z3 + acts + 4 * block * 3

@@ -21,10 +21,10 @@ from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_s
                                    require)
 from companion.memory import format_bytes
 from companion.zero import flat_partition, per_rank_state_bytes
+from companion.zero.planning import plan_bytes, plan_seconds, plans
 
 __all__ = ["check_flat_partition", "check_ring_reduce_scatter", "check_prefetch",
-           "check_gather_hooks", "check_per_rank_model_states", "check_choose_zero",
-           "zero_plan_bytes", "zero_plan_seconds"]
+           "check_gather_hooks", "check_per_rank_model_states", "check_choose_zero"]
 
 
 # ---------------------------------------------------------------- exercise 1: flat partition
@@ -684,67 +684,34 @@ def _zero_case(seed: int) -> dict:
                       if (g.nvlink_bandwidth is None) == pcie and g.bf16_flops
                       and g.memory_bytes >= 24 * 2**30])
     most = gpus.gpu(gpu).memory_bytes
-    sizes = sorted(b for b in (zero_plan_bytes(shape, batch, world, *p) for p in _plans(batch))
+    sizes = sorted(b for b in (plan_bytes(shape, batch, world, *p) for p in plans(batch))
                    if b <= most)
     if not sizes:                                   # too big for this GPU: draw again
         return _zero_case(seed + 1)
-    ddp = zero_plan_bytes(shape, batch, world, 0, batch, 0)
+    ddp = plan_bytes(shape, batch, world, 0, batch, 0)
     roomy = [b for b in sizes if b >= ddp]          # half the cases: DDP fits at some k
     limit = rng.choice(roomy if roomy and rng.random() < 0.5 else sizes[len(sizes) // 4:])
     return {"shape": shape, "batch": batch, "gpu": gpu, "world": world, "limit": int(limit)}
 
 
-def _plans(batch: int):
-    for stage in _LEVELS["stage"]:
-        for k in (k for k in range(1, batch + 1) if batch % k == 0):
-            for prefetch in (_LEVELS["prefetch"] if stage == 3 else (0,)):
-                yield stage, k, prefetch
-
-
-def zero_plan_bytes(shape: dict, batch: int, world_size: int, stage: int, k: int,
-                    prefetch: int) -> int:
-    """Bytes per GPU of a plan, as chapter 07 counts them: bf16 mixed-precision AdamW model states
-    (16 B per parameter, ZeRO-sharded), one micro-batch's bf16 activations, and under ZeRO-3 the
-    gathered blocks in flight (the current one and `prefetch` ahead: bf16 weights and gradient)."""
-    C, L, T, V, h = (shape[x] for x in ("width", "depth", "seq_len", "vocab", "heads"))
-    n = estimate.gpt_params(V, T, C, L)
-    states = estimate.model_states(n, optimizer="adam", precision="mixed", zero_stage=stage,
-                                   world_size=world_size).total
-    acts = estimate.gpt_activations(batch // k, T, C, L, h, V, precision="bf16")
-    block = 12 * C * C + 13 * C
-    return int(states + acts + (4 * block * (1 + prefetch) if stage == 3 else 0))
-
-
-def zero_plan_seconds(shape: dict, batch: int, gpu: str, world_size: int, stage: int, k: int,
-                      prefetch: int) -> float:
-    """Seconds of an optimizer step of a plan, by `companion.cost` on the GPU's table speeds."""
-    from companion import cost
-
-    C, L, T, V = (shape[x] for x in ("width", "depth", "seq_len", "vocab"))
-    layers = cost.gpt_layers(C, L, T, V, batch // k * T, dtype_bytes=2)
-    speeds = cost.Speeds.for_gpu(gpu)
-    if stage == 0:
-        return cost.ddp_step(layers, speeds, world_size, k=k, optimizer="adamw").total
-    return cost.zero_step(layers, speeds, world_size, stage, k=k, prefetch=prefetch,
-                          optimizer="adamw", gather_bytes_per_param=2).total
-
-
 def _best_plan(case: dict) -> tuple[tuple[int, int, int], float]:
-    fits = [p for p in _plans(case["batch"])
-            if zero_plan_bytes(case["shape"], case["batch"], case["world"], *p) <= case["limit"]]
-    timed = [(p, zero_plan_seconds(case["shape"], case["batch"], case["gpu"], case["world"], *p))
+    fits = [p for p in plans(case["batch"])
+            if plan_bytes(case["shape"], case["batch"], case["world"], *p) <= case["limit"]]
+    timed = [(p, plan_seconds(case["shape"], case["batch"], case["gpu"], case["world"], *p))
              for p in fits]
     return min(timed, key=lambda x: (x[1], x[0]))
 
 
-@exercise(points=2, timeout=120.0)
+@exercise(points=2, timeout=120.0, reference=("companion.zero.planning.plan_bytes",
+                                               "companion.zero.planning.plan_seconds"))
 def check_choose_zero(answer) -> str:
     """answer(shape, batch, gpu, world_size, memory_limit) -> (stage, k, prefetch): the ZeRO
     stage (0 = DDP), micro-batches per step (k divides batch, the sequences per rank per step)
     and prefetch depth (0 below stage 3) of the fastest plan whose bytes per GPU, as the chapter
-    counts them, fit the limit. Judged on GPTs, GPUs, world sizes and limits the notebook does
-    not show: the plan must fit, and its step time by `companion.cost` must be within 2% of the
-    fastest plan that fits."""
+    counts them (`companion.zero.planning.plan_bytes`, which an answer may not call), fit the
+    limit. Judged on GPTs, GPUs, world sizes and limits the notebook does
+    not show: the plan must fit, and its step time by `companion.cost` (`plan_seconds`, not to be
+    called either) must be within 2% of the fastest plan that fits."""
     cases = [_zero_case(seed) for seed in fresh_seeds(8)]
     extra = iter(fresh_seeds(60))
     while sum(_best_plan(c)[0][0] < 3 for c in cases) < 2:    # where ZeRO-3 is not the answer
@@ -768,12 +735,12 @@ def check_choose_zero(answer) -> str:
         where = (f"{case['shape']['depth']} blocks of width {case['shape']['width']}, T = "
                  f"{case['shape']['seq_len']}, {case['batch']} sequences per rank, "
                  f"{case['world']} x {case['gpu']}, limit {case['limit'] / 2**30:.1f} GiB")
-        need = zero_plan_bytes(case["shape"], case["batch"], case["world"], *got)
+        need = plan_bytes(case["shape"], case["batch"], case["world"], *got)
         require(need <= case["limit"], f"{where}: your plan {tuple(got)} needs "
                 f"{need / 2**30:.2f} GiB per GPU; the best plan that fits is {best}",
                 hint="count the sharded model states, one micro-batch's activations and, under "
                 "ZeRO-3, the blocks gathered at once.")
-        mine = zero_plan_seconds(case["shape"], case["batch"], case["gpu"], case["world"], *got)
+        mine = plan_seconds(case["shape"], case["batch"], case["gpu"], case["world"], *got)
         require(mine <= 1.02 * best_s, f"{where}: your plan {tuple(got)} fits but takes "
                 f"{mine * 1e3:.0f} ms per step; {best} fits and takes {best_s * 1e3:.0f} ms",
                 hint="among the plans that fit, compare their step times: more micro-batches "
