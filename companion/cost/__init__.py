@@ -10,6 +10,7 @@ offload also needs to know how much slower each is. This package is the one home
 - `gpus`: a table of GPUs (memory, FLOP/s by dtype, bandwidths, SRAM), every number cited, with
   the fraction of peak real kernels reach (`efficiency`);
 - `profile`: `calibrate()`, the learner's machine measured in under 20 seconds;
+- `speeds`: what a rank does per second (`Speeds`) and what a model asks of it (`Layer`);
 - `step`: step-time models for one device, DDP, ZeRO-1/2/3 with accumulation and prefetch, and
   offload, each returning its parts (`StepTime`);
 - `validate`: those models against real gloo ranks (`benchmarks/bench_cost.py` reports them).
@@ -22,9 +23,9 @@ Example:
 from companion.cost import network, stats
 from companion.cost.profile import DeviceProfile, Measured, calibrate
 from companion.cost.stats import compare
-from companion.cost.step import (Layer, Speeds, StepTime, ddp_step, gpt_layers, mlp_layers,
-                                 offload_step, single_step, tokens_to_hide_gathers,
-                                 training_flops, zero_step, zero_traffic)
+from companion.cost.speeds import Layer, Speeds, gpt_layers, mlp_layers, training_flops
+from companion.cost.step import (StepTime, ddp_step, offload_step, single_step,
+                                 tokens_to_hide_gathers, zero_step, zero_traffic)
 
 __all__ = ["network", "stats", "calibrate", "DeviceProfile", "Measured", "compare", "Layer",
            "Speeds", "StepTime", "ddp_step", "gpt_layers", "mlp_layers", "offload_step",

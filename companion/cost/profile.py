@@ -36,7 +36,7 @@ import torch
 
 from companion.cost import network
 from companion.cost.stats import spread
-from companion.cost.step import Speeds
+from companion.cost.speeds import Speeds
 
 __all__ = ["Measured", "DeviceProfile", "calibrate"]
 
