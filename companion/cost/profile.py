@@ -240,13 +240,27 @@ def _grid(device: torch.device, name: str, sides: Sequence[int], repeats: int,
     return out
 
 
+def _backward_call(device: torch.device, repeats: int) -> float:
+    """Median seconds of the fixed cost of one `backward()` call (the autograd engine starting
+    and ending a pass), timed on a one-element graph: a layer in a deep model does not pay it,
+    so the timings of a lone layer's backward below take it off."""
+    leaf = torch.ones(1, device=device, requires_grad=True)
+
+    def call():
+        (leaf * 2).sum().backward()
+        leaf.grad = None
+    return statistics.median(_times(call, device, repeats, inner=20))
+
+
 def _linear_grid(device: torch.device, name: str, rows: Sequence[int], widths: Sequence[int],
                  repeats: int, pool_bytes: int) -> list[tuple[tuple[int, int, int], Measured, Measured]]:
     """Forward and backward seconds of F.linear (x (m, k) times a weight (n, k), the input's and
     the weight's gradients in backward) for m in `rows`, k and n in `widths`: the kernels, memory
     layouts and per-call costs a Linear layer really runs (a transposed operand is not as fast as
-    the plain matmul the grid times), over a pool of weights larger than the caches."""
+    the plain matmul the grid times), over a pool of weights larger than the caches. The fixed
+    cost of the `backward()` call itself is taken off: in a model, one call covers every layer."""
     dtype = getattr(torch, name)
+    call = _backward_call(device, repeats)
     out = []
     for m in rows:
         for k in widths:
@@ -271,7 +285,8 @@ def _linear_grid(device: torch.device, name: str, rows: Sequence[int], widths: S
                 fwd = _times(forward, device, repeats, inner)
                 total = _times(both, device, repeats, inner)
                 out.append(((m, k, n), Measured.of(fwd),
-                            Measured.of([max(t - statistics.median(fwd), 0.0) for t in total])))
+                            Measured.of([max(t - statistics.median(fwd) - call, 0.1 * t)
+                                         for t in total])))
     return out
 
 
