@@ -395,6 +395,17 @@ def _best_cap(case: dict) -> tuple[float, float]:
     return min(((c, _exposed_at(case, c)) for c in caps), key=lambda x: (x[1], x[0]))
 
 
+def _judge_cap(case: dict, cap: float) -> tuple[bool, float, float, float]:
+    """(good enough, the cap's exposed seconds, the best cap, its exposed seconds): good enough is
+    at most 1.5x the best's exposure plus 5% of one whole all-reduce (a search over powers of two
+    passed all of 300 fixed cases, and fails about 3 check calls in 100 on fresh ones)."""
+    best, best_exposed = _best_cap(case)
+    mine = _exposed_at(case, cap)
+    one = network.all_reduce_seconds(sum(case["grads"]), case["world"], alpha=case["alpha"],
+                                     beta=case["beta"])
+    return mine <= 1.5 * best_exposed + 0.05 * one, mine, best, best_exposed
+
+
 @exercise(points=2, timeout=60.0, reference=("companion.cost.network.bucketed_exposed",))
 def check_bucket_cap(answer) -> str:
     """answer(grad_bytes, backward_seconds, world_size, alpha, beta) -> a bucket cap in bytes.
@@ -414,12 +425,8 @@ def check_bucket_cap(answer) -> str:
                 math.isfinite(got) and got > 0,
                 f"expected a positive number of bytes, got {got!r}",
                 hint="return the cap itself, e.g. 8 * 2**20 for 8 MiB.")
-        best, best_exposed = _best_cap(case)
-        mine = _exposed_at(case, float(got))
-        one = network.all_reduce_seconds(sum(case["grads"]), case["world"],
-                                         alpha=case["alpha"], beta=case["beta"])
-        slack = 0.5 * best_exposed + 0.05 * one      # a search over powers of 2 passes
-        if mine > best_exposed + slack:
+        good, mine, best, best_exposed = _judge_cap(case, float(got))
+        if not good:
             n_mine = len(network.buckets(case["grads"], float(got)))
             n_best = len(network.buckets(case["grads"], best))
             raise CheckFailed(
@@ -431,6 +438,6 @@ def check_bucket_cap(answer) -> str:
                 seed=seed, hint="the answer depends on when each gradient is ready and what "
                 "each bucket costs on the link: try the caps that change the bucketing and "
                 "keep the one whose last all-reduce ends soonest after backward.")
-    return ("within 1.5x of the best cap's exposed communication on 12 models (uniform, a late embedding gradient, an "
-            "early large head, mixed sizes) at N from 2 to 64 and links from gloo-like to "
-            "NCCL-like")
+    return ("within 1.5x of the best cap's exposed communication on 12 models (uniform, a late "
+            "embedding gradient, an early large head, mixed sizes) at N from 2 to 64 and links "
+            "from gloo-like to NCCL-like")
