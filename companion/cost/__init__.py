@@ -20,14 +20,14 @@ Example:
     >>> speeds = cost.calibrate(threads=1).speeds()                    # doctest: +SKIP
     >>> cost.ddp_step(cost.mlp_layers(512, 32, 16), speeds, 2, bucket_bytes=4 * 2**20).parts()
 """
-from companion.cost import network, stats
+from companion.cost import gpus, network, stats
 from companion.cost.profile import DeviceProfile, Measured, calibrate
 from companion.cost.stats import compare
 from companion.cost.speeds import Layer, Speeds, gpt_layers, mlp_layers, training_flops
 from companion.cost.step import (StepTime, ddp_step, offload_step, single_step,
                                  tokens_to_hide_gathers, zero_step, zero_traffic)
 
-__all__ = ["network", "stats", "calibrate", "DeviceProfile", "Measured", "compare", "Layer",
+__all__ = ["gpus", "network", "stats", "calibrate", "DeviceProfile", "Measured", "compare", "Layer",
            "Speeds", "StepTime", "ddp_step", "gpt_layers", "mlp_layers", "offload_step",
            "single_step", "tokens_to_hide_gathers", "training_flops", "zero_step",
            "zero_traffic"]

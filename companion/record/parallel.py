@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from companion import ddp, dp, launch
+from companion import cost, ddp, dp, launch
 from companion.results import curve
 from companion.zero import experiments
 
-__all__ = ["ranks", "data_parallel", "dp_figures", "zero", "stage_figures", "fsdp_figures"]
+__all__ = ["ranks", "data_parallel", "dp_figures", "calibration_figures", "zero", "stage_figures",
+           "fsdp_figures"]
 
 
 def ranks(device: torch.device) -> tuple[int, str]:
@@ -68,8 +69,36 @@ def data_parallel(S, device: torch.device, *, repeats: int = 3) -> dict:
                     ddp_ours_over_torch=seconds["ours"] / seconds["torch"],
                     ddp_all_reduce_bytes=steps["ours"][0]["all_reduce_bytes"])
     predicted["ddp_all_reduce_bytes"] = grad_bytes               # every gradient, once per step
-    return {"experiment": "DataParallel's master; a DDP step, ours against torch's",
+    profile = cost.calibrate(device, threads=None if device.type == "cuda" else 1, repeats=3)
+    measured.update(calibration_figures(profile, device))
+    layers = cost.mlp_layers(S.width, S.depth // 2, S.batch)
+    predicted["ddp_ours_step_seconds"] = cost.ddp_step(layers, profile.speeds(), world).total
+    return {"experiment": "DataParallel's master; a DDP step, ours against torch's and against "
+            "companion.cost's prediction; the device calibrated",
             "measured": measured, "predicted": predicted}
+
+
+def calibration_figures(profile: "cost.DeviceProfile", device: torch.device) -> dict:
+    """`cost.calibrate`'s medians as a record's numbers, and on a GPU of `cost.gpus`' table the
+    fraction of its datasheet's fp32 and bf16 peaks that the best timed matmul reached: the
+    figure the table's cited efficiency factors are waiting for."""
+    pinned = (profile.host_to_device or {}).get("pinned")
+    pageable = (profile.host_to_device or {}).get("pageable")
+    bf16 = profile.peak_flops("bfloat16") if profile.matmul.get("bfloat16") else None
+    out = {"calibrate_fp32_peak_flops": profile.peak_flops("float32"),
+           "calibrate_bf16_peak_flops": bf16,
+           "calibrate_copy_bandwidth": profile.copy_bandwidth.median,
+           "calibrate_h2d_pinned_bandwidth": pinned.median if pinned else None,
+           "calibrate_h2d_pageable_bandwidth": pageable.median if pageable else None,
+           "calibrate_host_adamw_params_per_second": max(m.median for m in profile.adamw.values()),
+           "calibrate_gloo_alpha_seconds": profile.alpha.median if profile.alpha else None,
+           "calibrate_seconds": profile.seconds}
+    table = cost.gpus.gpu_for_device(device) if device.type == "cuda" else None
+    if table is not None:
+        out["gpu_fp32_fraction_of_datasheet"] = out["calibrate_fp32_peak_flops"] / table.fp32_flops
+        if bf16 and table.bf16_flops:
+            out["gpu_bf16_fraction_of_datasheet"] = bf16 / table.bf16_flops
+    return out
 
 
 def stage_figures(per_rank: list, world: int) -> dict:
