@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import os
 import statistics
 import time
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.gather_object(report, reports, dst=0)                     # collective
         if dist.get_rank() == 0:
             print(report_table(config, reports), flush=True)
+        gc.collect()                            # the model's hooks and work handles, freed
+                                                # while the group still lives
         dist.barrier()                          # collective: no rank tears down gloo's pairs
     finally:                                    # while another still uses them
         dist.destroy_process_group()
