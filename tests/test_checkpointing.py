@@ -289,3 +289,143 @@ def test_policies_name_the_right_operators():
     assert ck.save_linear_outputs(aten.addmm.default) and ck.save_linear_outputs(aten.mm.default)
     assert not ck.save_linear_outputs(aten.bmm.default) and ck.save_matmul_outputs(aten.bmm.default)
     assert not ck.save_matmul_outputs(aten._softmax.default)
+
+
+# ---------------------------------------------------------------- the contract of torch.utils.checkpoint
+# The same scenario through torch.utils.checkpoint and ours: same numbers, or the same refusal.
+
+def _keep(policy):
+    """Our policy as torch's selective checkpoint context."""
+    return lambda: tuc.create_selective_checkpoint_contexts(
+        lambda ctx, op, *a, **k: tuc.CheckpointPolicy.MUST_SAVE if policy(op)
+        else tuc.CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _sin_then_double(t):
+    return t.sin().mul_(2).cos()                       # the kept sin changed in place
+
+
+def _residual_in_place(lin):
+    def fn(t):
+        h = lin(t)
+        h += t                                        # the kept addmm output changed in place
+        return h.tanh()
+    return fn
+
+
+KEEP_SIN = lambda op: op.overloadpacket is torch.ops.aten.sin
+
+
+@pytest.mark.parametrize("case", ["sin", "residual"])
+def test_a_kept_output_changed_in_place_raises_like_torch_instead_of_wrong_gradients(case):
+    lin = torch.nn.Linear(6, 6)
+    fn, policy = (_sin_then_double, KEEP_SIN) if case == "sin" else \
+        (_residual_in_place(lin), ck.save_linear_outputs)
+    x = torch.randn(4, 6, requires_grad=True)
+    for run in (lambda: ck.checkpoint_hooks(fn, x, policy=policy),
+                lambda: tuc.checkpoint(fn, x, use_reentrant=False, context_fn=_keep(policy))):
+        y = run()
+        with pytest.raises(RuntimeError, match="has been mutated"):
+            y.sum().backward()
+    assert x.grad is None
+
+
+def test_an_out_of_place_residual_keeps_working_and_equals_torch():
+    lin = torch.nn.Linear(6, 6)
+
+    def fn(t):
+        h = lin(t)
+        h = h + t
+        return h.tanh()
+    x = torch.randn(4, 6, requires_grad=True)
+    (ours,) = torch.autograd.grad(ck.checkpoint_hooks(fn, x, policy=ck.save_linear_outputs).sum(), x)
+    (theirs,) = torch.autograd.grad(tuc.checkpoint(fn, x, use_reentrant=False,
+                                                   context_fn=_keep(ck.save_linear_outputs)).sum(), x)
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("call", ["grad", "create_graph", "inputs"])
+def test_the_reentrant_checkpoint_refuses_autograd_grad_as_torch_does_and_leaves_no_grad(call):
+    block = _block()
+    x = torch.randn(3, 12, requires_grad=True)
+    weight = block[0].weight
+
+    def backprop(y):
+        if call == "inputs":
+            y.sum().backward(inputs=[x])
+        else:
+            torch.autograd.grad(y.sum(), x, create_graph=call == "create_graph")
+    messages = []
+    for run in (lambda: ck.checkpoint(block, x), lambda: tuc.checkpoint(block, x, use_reentrant=True)):
+        with pytest.raises(RuntimeError, match="incompatible with .grad()") as err:
+            backprop(run())
+        messages.append(str(err.value))
+        assert weight.grad is None and x.grad is None       # no side effect before the error
+    assert messages[0] == messages[1]
+
+
+def test_the_reentrant_checkpoint_recomputes_under_forwards_autocast_like_torch():
+    block = _block()
+    x = torch.randn(6, 12, requires_grad=True)
+    grads = {}
+    for name, run in [("plain", lambda: block(x)), ("ours", lambda: ck.checkpoint(block, x)),
+                      ("torch", lambda: tuc.checkpoint(block, x, use_reentrant=True))]:
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = run()
+        y.float().sum().backward()                          # backward outside autocast
+        grads[name] = [x.grad] + [p.grad for p in block.parameters()]
+    for ours, theirs, plain in zip(grads["ours"], grads["torch"], grads["plain"]):
+        assert torch.equal(ours, theirs) and torch.equal(ours, plain)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_retain_graph_and_nesting_give_torchs_gradients(use_reentrant):
+    outer, inner = _block(seed=1), _block(seed=2)
+
+    def nested(ckpt):
+        return lambda t: outer(ckpt(inner, t))
+    x = torch.randn(4, 12, requires_grad=True)
+    got = {}
+    for name, ckpt in [("ours", lambda f, t: ck.checkpoint(f, t, use_reentrant=use_reentrant)),
+                       ("torch", lambda f, t: tuc.checkpoint(f, t, use_reentrant=use_reentrant))]:
+        for m in (outer, inner):
+            m.zero_grad(set_to_none=True)
+        x.grad = None
+        y = ckpt(nested(ckpt), x)
+        y.sum().backward(retain_graph=True)
+        (y * 2).sum().backward()                            # the second backward of one graph
+        got[name] = [x.grad] + [p.grad for m in (outer, inner) for p in m.parameters()]
+    for a, b in zip(got["ours"], got["torch"]):
+        assert torch.equal(a, b)
+
+
+def test_torchs_own_options_are_refused_not_passed_to_the_function():
+    block = _block()
+    x = torch.randn(2, 12, requires_grad=True)
+    y = ck.checkpoint(block, x, preserve_rng_state=True)    # what ours always does
+    assert torch.equal(y, block(x))
+    for use_reentrant in (True, False):
+        with pytest.raises(ValueError, match="preserve_rng_state=False"):
+            ck.checkpoint(block, x, preserve_rng_state=False, use_reentrant=use_reentrant)
+        for option in ("context_fn", "determinism_check", "debug"):
+            with pytest.raises(ValueError, match=f"{option}= is an option of torch"):
+                ck.checkpoint(block, x, use_reentrant=use_reentrant, **{option: None})
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_sequential_with_dropout_equals_torch_for_both_designs(use_reentrant):
+    layers = [m for seed in range(5) for m in _block(p=0.3, seed=seed)]
+    x = torch.randn(6, 12, requires_grad=True)
+    got = {}
+    for name, run in [("ours", ck.checkpoint_sequential), ("torch", tuc.checkpoint_sequential)]:
+        for m in layers:
+            m.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(3)
+        y = run(layers, 3, x, use_reentrant=use_reentrant)
+        y.sum().backward()
+        got[name] = [y.detach(), x.grad] + [p.grad for m in layers for p in m.parameters()]
+    for a, b in zip(got["ours"], got["torch"]):
+        assert torch.equal(a, b)

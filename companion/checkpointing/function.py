@@ -4,8 +4,14 @@ Forward runs the block under `no_grad` and saves only its inputs; backward rebui
 fresh leaves, runs the block again with autograd on, and calls `torch.autograd.backward` on that
 recomputed graph, from *inside* the outer backward (which is what "reentrant" means).
 
-Simplified vs PyTorch (`torch.utils.checkpoint(use_reentrant=True)`): no autocast state restored,
-tensor (or tuple of tensor) outputs only, positional arguments only.
+As in PyTorch, the reentrant design refuses `torch.autograd.grad` and `backward(inputs=...)`
+(the inner backward would write `.grad`, and `create_graph=True` would get no graph): the error
+comes before anything is recomputed, so no `.grad` is touched.
+
+Simplified vs PyTorch (`torch.utils.checkpoint(use_reentrant=True)`): tensor (or tuple of
+tensor) outputs only, positional arguments only; no `preserve_rng_state=False`
+(the random state is always replayed), no `determinism_check` or `debug`; no warning when no input
+requires grad (an internal anchor makes the block's parameters get their gradients anyway).
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from companion.checkpointing.hooks import checkpoint_hooks
+from companion.checkpointing.hooks import _autocast, autocast_settings, checkpoint_hooks
 
 __all__ = ["Checkpoint", "checkpoint", "checkpoint_sequential"]
 
@@ -34,6 +40,7 @@ class Checkpoint(torch.autograd.Function):
         ctx.cuda_devices = sorted({a.device.index for a in args
                                    if isinstance(a, torch.Tensor) and a.is_cuda})
         ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
+        ctx.autocast = autocast_settings()
         ctx.tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*[args[i] for i in ctx.tensor_at])   # the only activations kept
@@ -43,6 +50,14 @@ class Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        # 0. The inner backward below writes .grad (torch.autograd.backward), which
+        #    torch.autograd.grad and backward(inputs=...) promise not to do: refuse them first.
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad() or "
+                "passing an `inputs` parameter to .backward(). To resolve this error, you can "
+                "either set use_reentrant=False, or call .backward() without passing the "
+                "`inputs` argument.")
         # 1. Rebuild the inputs as fresh leaves, so the recomputed graph starts here.
         args = list(ctx.others)
         for i, saved in zip(ctx.tensor_at, ctx.saved_tensors):
@@ -53,7 +68,7 @@ class Checkpoint(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             for device, state in zip(ctx.cuda_devices, ctx.cuda_rng):
                 torch.cuda.set_rng_state(state, device)
-            with torch.enable_grad():
+            with torch.enable_grad(), _autocast(ctx.autocast):      # forward's precision
                 outputs = ctx.fn(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         # 3. Backpropagate through the recomputed graph: parameter .grad fills here,
@@ -79,6 +94,7 @@ def checkpoint(fn: Callable, *args, use_reentrant: bool = True, policy: Callable
         >>> y = checkpoint(block, torch.randn(4, 8))
         >>> y.sum().backward()                 # block's parameters get their .grad
     """
+    _refuse_torch_options(kwargs)
     if not use_reentrant:
         return checkpoint_hooks(fn, *args, policy=policy, **kwargs)
     if kwargs or policy is not None:
@@ -88,6 +104,22 @@ def checkpoint(fn: Callable, *args, use_reentrant: bool = True, policy: Callable
     # requires grad (the first block of a network), because fn's parameters still need gradients.
     anchor = torch.empty(0, requires_grad=True)
     return Checkpoint.apply(fn, anchor, *args)
+
+
+def _refuse_torch_options(kwargs: dict) -> None:
+    """torch.utils.checkpoint's own options, which would otherwise reach `fn` as its arguments:
+    `preserve_rng_state=True` is what this checkpoint always does; the others are not built."""
+    if kwargs.get("preserve_rng_state", True) is True:
+        kwargs.pop("preserve_rng_state", None)
+    else:
+        raise ValueError("preserve_rng_state=False is not supported: this checkpoint always "
+                         "replays the random state (same dropout masks); use "
+                         "torch.utils.checkpoint for it")
+    for name in ("context_fn", "determinism_check", "debug"):
+        if name in kwargs:
+            raise ValueError(f"{name}= is an option of torch.utils.checkpoint that this "
+                             "checkpoint does not have: for selective recomputation pass "
+                             "policy=... with use_reentrant=False, or use torch.utils.checkpoint")
 
 
 def _run(layers: Sequence[Callable]) -> Callable:

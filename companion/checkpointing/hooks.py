@@ -22,9 +22,14 @@ Example:
     >>> y = checkpoint_hooks(block, x, policy=save_linear_outputs)
     >>> torch.autograd.grad(y.sum(), x)                       # works, unlike the reentrant one
 
+A kept output that is changed in place after forward made it raises in backward, as PyTorch's
+selective checkpointing does (with its message): recomputing from the changed value would give
+wrong gradients.
+
 Simplified vs PyTorch: recomputation always runs the whole block (PyTorch stops as soon as it has
 the tensors it needs), no check that the recomputed tensors match the originals' shapes, and the
-policy sees only the operator (PyTorch's also sees its arguments).
+policy sees only the operator (PyTorch's also sees its arguments and can tell PREFER from MUST);
+no `allow_cache_entry_mutation`, no `determinism_check` or `debug` options, no early stop.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["checkpoint_hooks", "save_linear_outputs", "save_matmul_outputs"]
 
@@ -54,7 +59,16 @@ def save_matmul_outputs(op: torch._ops.OpOverload) -> bool:
 
 
 def _detached(out: Any) -> Any:
-    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+    """`out`'s tensors detached, sharing storage and version counter with them. Below autograd
+    (inside a dispatch mode) detach shares the counter only with the ADInplaceOrView key on."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+
+
+def _versions(out: Any) -> list[int]:
+    """The version counters of the tensors in `out`: each in-place op on a tensor (or on a view
+    or detached alias of it, which share its counter) adds one."""
+    return [t._version for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
 class _KeepOutputs(TorchDispatchMode):
@@ -76,9 +90,18 @@ class _KeepOutputs(TorchDispatchMode):
                                    "through once: its kept outputs were handed to the first "
                                    "backward. Run forward again (or use policy=None, full "
                                    "recomputation, which supports retain_graph=True).")
-            return _detached(self.kept.pop(0))
+            out, versions = self.kept.pop(0)
+            if _versions(out) != versions:         # changed in place since it was kept
+                raise RuntimeError(
+                    f"Tensor cached during selective activation checkpoint has been mutated: "
+                    f"the output of {func} that the policy keeps was changed in place after "
+                    "forward made it (e.g. `h = linear(x); h += x`), so recomputing from it would "
+                    "give wrong gradients. Make that operation out of place (`h = h + x`), or "
+                    "leave the operator out of the policy.")
+            return out
         out = func(*args, **(kwargs or {}))
-        self.kept.append(_detached(out))           # same storage: kept alive, not copied
+        kept = _detached(out)                      # same storage: kept alive, not copied
+        self.kept.append((kept, _versions(kept)))
         return out
 
 
@@ -92,8 +115,7 @@ class _Frame:
         self.cuda_devices = sorted({a.device.index for a in args
                                     if isinstance(a, torch.Tensor) and a.is_cuda})
         self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
-        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                         for d in ("cpu", "cuda")]
+        self.autocast = autocast_settings()
 
     def run(self, *, replay: bool):
         if self.policy is None:
@@ -127,6 +149,12 @@ class _Frame:
                 self.run(replay=True)               # 2. pack number i is saved tensor i again
         self.recomputed = dict(enumerate(found))
         found.clear()                               # 3. only `recomputed` holds them now
+
+
+def autocast_settings() -> list[tuple[str, bool, torch.dtype]]:
+    """Whether autocast is on, and in which dtype, for each device type: what a recomputation
+    must enter again to compute what forward computed."""
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
 
 
 class _autocast:
