@@ -122,6 +122,19 @@ def test_unscale_grads_matches_torchs_kernel(inv_scale):
         assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(ours, theirs))
 
 
+@pytest.mark.parametrize("poisons", [(math.inf, math.inf), (math.nan, -math.inf),
+                                     (math.inf, math.inf, math.nan)])
+def test_unscale_grads_returns_a_flag_however_many_dtype_groups_overflow(poisons):
+    dtypes = [torch.float32, torch.bfloat16, torch.float64]
+    grads = [torch.full((3,), poison, dtype=dtype) for poison, dtype in zip(poisons, dtypes)]
+    found = torch.zeros(())
+    for group in (torch.float32, torch.bfloat16, torch.float64):      # torch: one call per group
+        mine = [g.clone() for g in grads if g.dtype == group]
+        if mine:
+            torch._amp_foreach_non_finite_check_and_unscale_(mine, found, torch.tensor(0.5))
+    assert amp.unscale_grads_(grads, torch.tensor(0.5)).item() == found.item() == 1.0
+
+
 def _one_backward(scaler, model, opt):
     X, y = make_classification(8, 9, 5)
     opt.zero_grad()
@@ -550,3 +563,85 @@ def test_chapter_sizes_for_a_gpu_fit_an_80_gb_device_at_60_percent():
     assert E.model_states(mlp).total + E.mlp_activations(s.amp_batch, s.amp_width, s.amp_depth,
                                                          10) <= 0.6 * 80e9
     assert s.amp_batch * s.amp_accum == _SIZES["cpu"].amp_batch * _SIZES["cpu"].amp_accum == 2**20
+
+
+# ---------------------------------------------------------------- the contract of torch.amp.GradScaler
+# Scenarios from PyTorch's AMP examples, run through torch.amp.GradScaler and ours side by side.
+
+def _accumulated(make, k=4, steps=6, overflow_at=2):
+    """Gradient accumulation: k scaled micro-batch backwards, then one unscale_, clip and step."""
+    scaler = make("cpu", init_scale=2.0**10, growth_interval=3)
+    model = _twins(seed=4)[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    X, y = make_classification(32, 9, 5)
+    scales = []
+    for step in range(steps):
+        for micro in range(k):
+            part = slice(micro * 8, (micro + 1) * 8)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model.loss(X[part], y[part]) / k
+            if step == overflow_at and micro == k - 1:
+                loss = loss * math.inf
+            scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().clone() for p in model.parameters()]
+
+
+def test_gradient_accumulation_unscales_once_and_matches_torch():
+    (our_scales, ours), (their_scales, theirs) = (_accumulated(make) for make in
+                                                  (amp.GradScaler, torch.amp.GradScaler))
+    assert our_scales == their_scales and our_scales[2] == 2.0**9       # the overflow backed off
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_two_losses_two_optimizers_one_scaler_like_torchs_example():
+    """PyTorch's AMP example "Working with multiple models, losses, and optimizers"."""
+    results = []
+    for make in (amp.GradScaler, torch.amp.GradScaler):
+        scaler = make("cpu", init_scale=2.0**6)
+        (a, b), X, y = _twins(seed=2), *make_classification(8, 9, 5)
+        opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.Adam(b.parameters())
+        for i in range(5):
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out_a, out_b = a.loss(X, y), b.loss(X, y)
+                loss0 = 0.3 * out_a + 0.7 * out_b
+                loss1 = 0.6 * out_a - 0.4 * out_b * (math.inf if i == 3 else 1.0)
+            scaler.scale(loss0).backward(retain_graph=True)
+            scaler.scale(loss1).backward()
+            scaler.unscale_(opt_a)                   # clip one optimizer's gradients only
+            torch.nn.utils.clip_grad_norm_(a.parameters(), 0.1)
+            scaler.step(opt_a)
+            scaler.step(opt_b)
+            scaler.update()
+        results.append((scaler.get_scale(), [p.clone() for m in (a, b) for p in m.parameters()]))
+    assert results[0][0] == results[1][0]
+    assert all(torch.equal(p, q) for p, q in zip(results[0][1], results[1][1]))
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "loop"])
+def test_every_adam_implementation_takes_torchs_steps(impl):
+    """torch hands a fused optimizer the scale and the inf flag (`_step_supports_amp_scaling`)
+    and it unscales inside its kernel; ours unscales first and then calls step: same numbers."""
+    options = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
+    results = []
+    for make in (amp.GradScaler, torch.amp.GradScaler):
+        scaler = make("cpu", init_scale=2.0**8)
+        model = _twins(seed=5)[0]
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, **options[impl])
+        X, y = make_classification(16, 9, 5)
+        for i in range(5):
+            opt.zero_grad()
+            scaler.scale(model.loss(X, y) * (math.inf if i == 1 else 1.0)).backward()
+            scaler.step(opt)
+            scaler.update()
+        results.append((scaler.get_scale(), [p.clone() for p in model.parameters()]))
+    assert results[0][0] == results[1][0] == 2.0**7
+    for p, q in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -14,8 +14,10 @@ Example:
 
 Simplified vs PyTorch (`torch.amp.GradScaler`): the scale update runs on the host, from a host
 copy of the scale, after the one wait for the inf flag that `step` makes anyway (PyTorch's
-`_amp_update_scale_` runs on the device); no sparse gradients, no fused optimizers
-(`_step_supports_amp_scaling`); the device defaults to "cpu" (PyTorch's to "cuda") and the options
+`_amp_update_scale_` runs on the device); `step` waits for that flag (`.item()`) with every
+optimizer, where PyTorch hands a fused one (`fused=True`, which sets `_step_supports_amp_scaling`)
+the scale and the flag on the device and waits for nothing (the same numbers: tested); no sparse
+gradients; the device defaults to "cpu" (PyTorch's to "cuda") and the options
 after it are keyword-only (PyTorch's may be passed by position); misuse that PyTorch meets with an
 AssertionError or AttributeError raises a ValueError or RuntimeError that says what to do.
 """
@@ -80,8 +82,8 @@ def unscale_grads_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.
             # 1. A tensor holds inf or NaN exactly when its min or max is not finite (NaN
             #    propagates through both): 2 values per tensor, no mask of its size.
             ends = [v for g in group if g.numel() for v in torch.aminmax(g)]
-            if ends:
-                found_inf += (~torch.stack(ends).isfinite()).any().to(found_inf.device)
+            if ends:                  # a flag, not a count: 1.0 however many groups have one
+                found_inf.logical_or_((~torch.stack(ends).isfinite()).any().to(found_inf.device))
             # 2. Unscale in place, (1/s)·g, as PyTorch's kernel does: exact for powers of two.
             torch._foreach_mul_(group, inv_scale.to(device))
     return found_inf
@@ -102,7 +104,8 @@ class GradScaler:
     """Dynamic loss scaling, a drop-in for `torch.amp.GradScaler`.
 
     Memory: one float32 scale; gradients are unscaled in place. Cost: one multiply per gradient
-    element and one host-device sync per step (to decide whether to skip it).
+    element and one host-device sync per step (to decide whether to skip it; PyTorch's scaler
+    avoids it for fused optimizers, see the module docstring).
 
         scaler = GradScaler("cuda")
         for x, y in data:
