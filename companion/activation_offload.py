@@ -20,7 +20,7 @@ import torch
 
 from companion.placement import on_host
 
-__all__ = ["to_host", "to_device", "OffloadActivations", "offload_activations"]
+__all__ = ["to_host", "to_device", "can_pin", "OffloadActivations", "offload_activations"]
 
 
 def to_host(t: torch.Tensor, *, dtype: torch.dtype | None = None,
@@ -36,15 +36,23 @@ def to_host(t: torch.Tensor, *, dtype: torch.dtype | None = None,
         >>> master = to_host(weight, dtype=torch.float32)     # (same shape) fp32 on the host
 
     Simplified vs PyTorch: `t.to("cpu", dtype, non_blocking=True)` with pinned memory, plus the
-    host label on a CPU-only machine."""
+    host label on a CPU-only machine. `pin_memory=True` without an accelerator does not pin (there
+    is nothing to copy to asynchronously), as save_on_cpu does, where torch.empty would raise."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"to_host copies a tensor, got a {type(t).__name__}: pass a "
                         "torch.Tensor (torch.tensor(...) makes one)")
-    pin = t.is_cuda if pin_memory is None else pin_memory
+    pin = (t.is_cuda if pin_memory is None else bool(pin_memory)) and can_pin()
     with on_host():
         out = torch.empty(t.shape, dtype=dtype or t.dtype, device="cpu", pin_memory=pin)
         out.copy_(t, non_blocking=pin)                     # device -> host (async on CUDA)
     return out
+
+
+def can_pin() -> bool:
+    """Whether page-locked host memory exists here: only with an accelerator (CUDA, or another
+    backend torch.accelerator knows)."""
+    accelerator = getattr(torch, "accelerator", None)           # torch 2.6 and later
+    return torch.cuda.is_available() or bool(accelerator and accelerator.is_available())
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -78,8 +86,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     still holds, such as a buffer, is then copied without freeing device memory.
 
     Simplified vs PyTorch's save_on_cpu: it skips parameters, small and expanded tensors; like it,
-    a tensor saved twice is copied twice, and the copies run on the current stream, not overlapped
-    with compute on a side stream.
+    a tensor saved twice is copied twice, the copies run on the current stream (not overlapped
+    with compute on a side stream), and `pin_memory=True` pins only where an accelerator exists.
+    Unlike it, a saved tensor is copied on a CPU-only machine too (save_on_cpu's `t.cpu()` is the
+    tensor itself there), so a saved tensor changed in place after forward gives the gradient of
+    forward's values here, where save_on_cpu on a CPU uses the changed values and plain autograd
+    raises.
     """
 
     def __init__(self, *, min_bytes: int = 2**20, pin_memory: bool | None = None):

@@ -38,8 +38,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from companion.activation_offload import (OffloadActivations, offload_activations, to_device,
-                                          to_host)
+from companion.activation_offload import (OffloadActivations, can_pin, offload_activations,
+                                          to_device, to_host)
 from companion.placement import on_host
 
 __all__ = ["to_host", "to_device", "CPUOffloadOptimizer", "OffloadActivations",
@@ -118,7 +118,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         _check_params(self._params)
         first = self._params[0]
         self._stream = torch.cuda.Stream(first.device) if first.is_cuda else None
-        self._pin = self._stream is not None if pin_memory is None else pin_memory
+        self._pin = (self._stream is not None if pin_memory is None else bool(pin_memory)) \
+            and can_pin()                          # no accelerator: nothing to pin for
         self.profile, self.step_times = profile, []
         self._times = dict.fromkeys(("copy_down", "wait", "host_step", "copy_up"), 0.0)
         # 1. On the host: an fp32 master copy of each weight, a gradient buffer, and for 16-bit

@@ -1,5 +1,6 @@
 """companion.offload: offloaded training equals plain training bit for bit, the device keeps only
-the weights (measured, against offload_placement), activation offload restores tensors exactly."""
+the weights (measured, against offload_placement). Activation offload and the host copies are
+tested in test_activation_offload.py."""
 import copy
 import gc
 import weakref
@@ -7,12 +8,10 @@ import weakref
 import pytest
 import torch
 
-from companion.checkpointing import saved_for_backward
 from companion.estimate import offload_placement
 from companion.memory import memory_budget, track
 from companion.models import GPT, make_tokens
-from companion.offload import (CPUOffloadOptimizer, offload_activations, step_phases, to_device,
-                               to_host)
+from companion.offload import CPUOffloadOptimizer, offload_activations, step_phases
 
 
 def _gpt(seed=0, dtype=torch.float32):
@@ -275,84 +274,6 @@ def test_clip_grad_norm_on_the_host_equals_pytorch_on_the_device():
 def test_clip_grad_norm_before_backward_fails_clearly():
     with pytest.raises(RuntimeError, match="after backward"):
         CPUOffloadOptimizer(_gpt().parameters()).clip_grad_norm_(1.0)
-
-
-@pytest.mark.parametrize("fn", [to_host, lambda t: to_device(t, "cpu")])
-def test_to_host_and_to_device_reject_what_is_not_a_tensor(fn):
-    with pytest.raises(TypeError, match="tensor"):
-        fn([1, 2])
-
-
-def test_to_host_is_counted_on_the_host_and_to_device_makes_a_new_tensor():
-    x = torch.randn(5, 7).t()                              # not contiguous
-    with track("cpu") as t:
-        h = to_host(x, dtype=torch.float64)
-        d = to_device(h, "cpu")
-    assert (t.host_current, t.current) == (35 * 8, 35 * 8)
-    assert torch.equal(d, x.double()) and d.untyped_storage().data_ptr() != h.data_ptr()
-
-
-# ---------------------------------------------------------------- activation offload
-
-def _loss_and_grads(model, x, y, context):
-    model.zero_grad(set_to_none=True)
-    with context:
-        loss = model.loss(x, y)
-    loss.backward()
-    return [loss.detach()] + [p.grad for p in model.parameters()]
-
-
-def test_activation_offload_gives_the_same_gradients_and_counts_bytes():
-    model, (x, y) = _gpt(), _data()
-    min_bytes = 2048
-    saved = saved_for_backward(model.loss, x, y)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    expected = sum(s.nbytes for s in saved if s.nbytes >= min_bytes and s.storage not in params)
-    plain = _loss_and_grads(model, x, y, torch.enable_grad())
-    moved = offload_activations(min_bytes=min_bytes)
-    offloaded = _loss_and_grads(model, x, y, moved)
-    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
-    assert moved.bytes_to_host == moved.bytes_to_device == expected > 0
-    assert moved.tensors_moved + moved.tensors_kept == len(saved)
-
-
-def test_pack_then_unpack_restores_every_saved_tensor_exactly():
-    hooks = offload_activations(min_bytes=0)
-    base = torch.randn(6, 10, requires_grad=True) * 3     # not a leaf: it is moved
-    for t in [base, base.t(), base[::2, 1:], base.to(torch.bfloat16), torch.arange(12.0).exp()]:
-        packed = hooks._pack(t)
-        back = hooks._unpack(packed)
-        assert isinstance(packed, tuple) and back.dtype == t.dtype and torch.equal(back, t)
-        assert back.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-
-
-def test_activation_offload_leaves_parameters_and_small_tensors():
-    weight = torch.nn.Parameter(torch.randn(64, 64))
-    x = torch.randn(8, 64)
-    with offload_activations(min_bytes=0) as moved:
-        y = (x @ weight.t()).relu()                        # saves x, weight.t() (a view), y
-    assert moved.bytes_to_host == (x.numel() + y.numel()) * 4   # not the weight
-    with offload_activations(min_bytes=10**9) as moved:
-        (torch.randn(8, 64, requires_grad=True) * 2).exp()
-    assert (moved.tensors_moved, moved.bytes_to_host) == (0, 0)
-
-
-def test_activation_offload_lowers_the_device_peak_by_what_it_moves():
-    model, (x, y) = _gpt(), _data()
-    model.loss(x, y).backward()                            # gradients exist before measuring
-    with track("cpu") as plain:
-        model.loss(x, y).backward()
-    with track("cpu") as offloaded:
-        with offload_activations(min_bytes=2048) as moved:
-            loss = model.loss(x, y)
-        loss.backward()
-    assert offloaded.peak < plain.peak and offloaded.host_peak == moved.bytes_to_host
-
-
-@pytest.mark.parametrize("bad", [-1, 1.5, "1 MiB", True])
-def test_activation_offload_rejects_a_bad_threshold(bad):
-    with pytest.raises(ValueError, match="min_bytes"):
-        offload_activations(min_bytes=bad)
 
 
 @pytest.mark.gpu
