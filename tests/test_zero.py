@@ -3,6 +3,7 @@
 Workers live at module level so that gloo ranks can import them. Each launch costs about a second,
 so one worker usually checks several things.
 """
+import functools
 import math
 import time
 
@@ -866,3 +867,121 @@ def test_clip_grad_norm_over_shards_equals_torch_on_the_whole_model(resize_and_c
             assert "non-finite" in raised and "error_if_nonfinite=False" in raised
             assert math.isnan(norm) if bad == "nan" else math.isinf(norm)
             assert nonfinite == (total if bad == "nan" else rank)    # inf · 0 = NaN on rank 1
+
+
+# ---------------------------------------------------------------- the contract of a torch optimizer
+# ShardedOptimizer beside torch.optim.AdamW (every rank gets the same batch, so the averaged
+# gradient is each rank's own, exactly) and torch's ZeroRedundancyOptimizer.
+
+def _same_batch_step(model, optimizer, step):
+    x, y = _batch(step)
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _contract(rank, world, stage):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    torch.set_num_threads(1)
+    out = {}
+    # 1. param_groups and defaults mirror the inner optimizer's, as ZeroRedundancyOptimizer's do
+    ours = ShardedOptimizer(Small().parameters(), torch.optim.AdamW, stage=stage, lr=0.05)
+    theirs = ZeroRedundancyOptimizer(Small().parameters(), torch.optim.AdamW, lr=0.05)
+    out["groups"] = ({k: v for k, v in ours.param_groups[0].items() if k != "params"},
+                     {k: v for k, v in theirs.param_groups[0].items() if k != "params"})
+    out["defaults"] = (ours.defaults, theirs.defaults)
+    # 2. a group added after the first step is sharded and trained, with its own options
+    runs = []
+    for make in (lambda ps: ShardedOptimizer(ps, torch.optim.AdamW, stage=stage, lr=0.05,
+                                             bucket_cap_mb=0.0003),
+                 lambda ps: torch.optim.AdamW(ps, lr=0.05)):
+        model = Small()
+        first, rest = list(model.net[0].parameters()), list(model.net[2:].parameters())
+        optimizer = make(first)
+        _same_batch_step(model, optimizer, 0)
+        optimizer.add_param_group({"params": rest, "lr": 0.02, "weight_decay": 0.3})
+        for step in range(1, STEPS + 1):
+            _same_batch_step(model, optimizer, step)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    out["added"] = runs
+    # 3. load_state_dict restores the options too: lr from the file, not from the constructor
+    runs = []
+    for make in (lambda ps, lr: ShardedOptimizer(ps, torch.optim.AdamW, stage=stage, lr=lr),
+                 lambda ps, lr: torch.optim.AdamW(ps, lr=lr)):
+        model = Small()
+        optimizer = make(model.parameters(), 0.05)
+        _same_batch_step(model, optimizer, 0)
+        resumed = make(model.parameters(), 0.5)
+        resumed.load_state_dict(optimizer.state_dict())
+        _same_batch_step(model, resumed, 1)
+        runs.append((resumed.param_groups[0]["lr"], [p.detach().clone() for p in model.parameters()]))
+    out["resumed"] = runs
+    # 4. a second optimizer over the same parameters (a cell run twice) takes them over, while
+    #    the first one is still alive; stepping the first one then fails clearly
+    model, reference = Small(), Small()
+    old = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=0.05)
+    plain = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    _same_batch_step(model, old, 0)
+    new = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=0.05)
+    fresh = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    _same_batch_step(reference, plain, 0)
+    for step in range(1, STEPS):
+        _same_batch_step(model, new, step)
+        _same_batch_step(reference, fresh, step)
+    out["rerun"] = [(a.detach().clone(), b.detach().clone())
+                    for a, b in zip(model.parameters(), reference.parameters())]
+    try:
+        old.step()
+        out["old_step"] = "no error"
+    except RuntimeError as e:
+        out["old_step"] = str(e)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _contract_results(stage):
+    """One launch per stage serves the four tests below."""
+    return launch.run(_contract, 2, stage, timeout=90)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_param_groups_and_defaults_mirror_zero_redundancy_optimizer(stage):
+    for r in _contract_results(stage):
+        ours, theirs = r["groups"]
+        assert ours == theirs and r["defaults"][0] == r["defaults"][1]
+        assert ours["betas"] == (0.9, 0.999) and "amsgrad" in ours
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_added_param_group_is_sharded_and_trained_like_adamws(stage):
+    for r in _contract_results(stage):
+        assert all(torch.equal(a, b) for a, b in zip(*r["added"]))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_load_state_dict_restores_the_learning_rate_as_adamw_does(stage):
+    for r in _contract_results(stage):
+        (lr, got), (want_lr, want) = r["resumed"]
+        assert lr == want_lr == 0.05
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_second_optimizer_on_the_same_parameters_takes_them_over(stage):
+    for r in _contract_results(stage):
+        assert all(torch.equal(a, b) for a, b in r["rerun"])
+        assert "a newer ShardedOptimizer has taken over" in r["old_step"]
+
+
+def _collected(rank, world):
+    import gc
+    model = Small()
+    ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=0.05)   # dropped at once
+    gc.collect()
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x), y).backward()       # no hook of the dead optimizer fires
+    return all(p.grad is not None for p in model.parameters())
+
+
+def test_a_collected_stage_2_optimizer_leaves_no_hooks_behind():
+    assert all(launch.run(_collected, 2, timeout=60))

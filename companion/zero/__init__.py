@@ -16,7 +16,8 @@ micro-batches per step 2Ψ, 2Ψ, (k+1)Ψ and 3kΨ (`traffic.predicted_traffic`).
 Modules: `partition` (the balanced flat partition), `comm` (collectives with byte counters),
 `optimizer` (stages 1 and 2), `fsdp` (stage 3), `gather` (two ways to free gathered weights),
 `prefetch` (gathering the next units early), `clip` (the global gradient norm over shards),
-`traffic` (bytes per step, predicted), `experiments` (workers that measure them).
+`traffic` (bytes per step, predicted), `state` (shards consolidated into one state dict),
+`experiments` (workers that measure them).
 """
 from companion.zero.clip import clip_grad_norm_
 from companion.zero.comm import Comm

@@ -29,7 +29,10 @@ not); a parameter that gets no gradient is stepped with zeros; no fp16 loss scal
 the all-gather with the next forward. Stage 2 keeps at most one reduce-scatter in flight, and with
 gradient accumulation every micro-batch's backward reduce-scatters (there is no `no_sync`: no
 full gradients are kept to accumulate into), (k+1)Ψ per step instead of 2Ψ, as in DeepSpeed's
-stage 2 (`companion.zero.traffic`).
+stage 2 (`companion.zero.traffic`). `state_dict()` is this rank's shard (torch's
+ZeroRedundancyOptimizer needs `consolidate_state_dict()` first and returns the whole; ours does
+that on request). A newer ShardedOptimizer over the same parameters takes them over (a cell run
+twice works); stepping the older one then raises.
 """
 from __future__ import annotations
 
@@ -40,9 +43,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from companion.hooks import OwnedHooks
 from companion.zero.clip import clip_grad_norm_
 from companion.zero.comm import Comm
-from companion.zero.partition import FlatLayout, check_devices
+from companion.zero.partition import FlatLayout, check_devices, split_buckets, unique_params
+from companion.zero.state import consolidate
 
 __all__ = ["ShardedOptimizer"]
 
@@ -89,24 +94,53 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 shards the parameters: use FSDP), "
                              f"got {stage!r}")
-        super().__init__(_unique(params), defaults)                     # outer, unsharded groups
+        super().__init__(unique_params(params), defaults)                     # outer, unsharded groups
         self.stage, self.comm = stage, Comm(process_group, ring=ring)
+        self._cap = float("inf") if stage == 1 else bucket_cap_mb * 2**20
+        self.buckets, self._slot = [], {}
         trainable = [(i, p) for i, g in enumerate(self.param_groups) for p in g["params"]
                      if p.requires_grad]
         if not trainable:
             raise ValueError("no parameter requires grad: nothing to optimize")
-        check_devices([p for _, p in trainable])
-        FlatLayout.of([p for _, p in trainable], self.comm.world_size)  # more ranks than elements?
-        cap = float("inf") if stage == 1 else bucket_cap_mb * 2**20
-        order = trainable if stage == 1 else trainable[::-1]            # 2: backward's order
-        self.buckets = [self._bucket(i, ps) for i, ps in _split(order, cap)]      # 1. flatten
-        self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        buckets = self._shard(trainable)                                # 1. flatten
         self.optim = optimizer_cls([dict(self._options(b.group), params=[b.master])  # 2. inner
-                                    for b in self.buckets], **defaults)
+                                    for b in buckets], **defaults)
+        for group in self.param_groups:                 # every option of the inner class
+            self._fill(group)                           # (betas, eps, ...), as torch's ZeRO
         self._next, self._synchronized = 0, False
-        if stage == 2:
-            for p in self._slot:                                        # 3. one hook each
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._hooks = [OwnedHooks(self, list(self._slot),               # 3. one hook each
+                                  "_on_grad_ready" if stage == 2 else None)]
+
+    def _shard(self, trainable: list[tuple[int, nn.Parameter]]) -> list[_Bucket]:
+        """Flatten `trainable` (group index, parameter) into new buckets, in backward's order for
+        stage 2, and record where each parameter sits."""
+        check_devices([p for _, p in trainable] + [p for b in self.buckets for p in b.params])
+        FlatLayout.of([p for _, p in trainable], self.comm.world_size)  # more ranks than elements?
+        order = trainable if self.stage == 1 else trainable[::-1]
+        buckets = [self._bucket(i, ps) for i, ps in split_buckets(order, self._cap)]
+        self.buckets += buckets
+        self._slot.update({p: (b, i) for b in buckets for i, p in enumerate(b.params)})
+        return buckets
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group of parameters, as on any torch optimizer: they are sharded and stepped
+        like the others (their buckets come after the existing ones, on every rank alike)."""
+        if not hasattr(self, "optim"):                  # torch.optim.Optimizer.__init__'s groups
+            return super().add_param_group(param_group)
+        super().add_param_group(unique_params([param_group])[0])   # checks duplicates, fills defaults
+        index = len(self.param_groups) - 1
+        trainable = [(index, p) for p in self.param_groups[index]["params"] if p.requires_grad]
+        if not trainable:
+            return
+        self._fill(self.param_groups[index])
+        for bucket in self._shard(trainable):
+            self.optim.add_param_group(dict(self._options(index), params=[bucket.master]))
+        self._hooks.append(OwnedHooks(self, [p for _, p in trainable],
+                                      "_on_grad_ready" if self.stage == 2 else None))
+
+    def _fill(self, group: dict) -> None:
+        for key, value in self.optim.defaults.items():
+            group.setdefault(key, value)
 
     def _options(self, group: int) -> dict:
         return {k: v for k, v in self.param_groups[group].items() if k != "params"}
@@ -202,6 +236,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ShardedOptimizer.step does not take a closure; run "
                              "forward and backward before step()")
+        self._check_not_replaced()
         if not self._synchronized:                   # clip_grad_norm_ may have done it
             self._synchronize_gradients()                                 # 1. reduce-scatter
         self._synchronized = False
@@ -212,6 +247,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  for b in self.buckets]
         for work in works:
             work.wait()                                 # sync point: parameters whole again
+
+    def _check_not_replaced(self) -> None:
+        if any(h.replaced for h in self._hooks):
+            raise RuntimeError("a newer ShardedOptimizer has taken over these parameters (it "
+                               "re-flattened them and moved their gradient hooks): step the new "
+                               "optimizer, not this one")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -239,9 +280,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """This rank's shard only: the inner optimizer's state, and where the shard sits."""
+        """This rank's shard only: the inner optimizer's state, where the shard sits, and every
+        group's options (lr, betas, ...), which load_state_dict restores."""
         return {"shard": self.optim.state_dict(), "rank": self.comm.rank,
-                "world_size": self.comm.world_size, "stage": self.stage}
+                "world_size": self.comm.world_size, "stage": self.stage,
+                "param_groups": [self._options(i) for i in range(len(self.param_groups))]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a shard saved by `state_dict()` on the same rank of the same world size."""
@@ -251,7 +294,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              f"{state_dict.get('world_size')}; load it on that rank of that many, "
                              "or consolidate_state_dict() and load the result into an unsharded "
                              "optimizer")
+        groups = state_dict.get("param_groups")
+        if groups is not None and len(groups) != len(self.param_groups):
+            raise ValueError(f"the saved state has {len(groups)} parameter groups, this optimizer "
+                             f"{len(self.param_groups)}: build it over the same groups")
         self.optim.load_state_dict(state_dict["shard"])
+        for i, outer in enumerate(self.param_groups):  # the options, as torch optimizers restore
+            saved = groups[i] if groups is not None else next(    # (older files: the inner ones)
+                (inner for b, inner in zip(self.buckets, self.optim.param_groups)
+                 if b.group == i), {})
+            outer.update({k: v for k, v in saved.items() if k != "params"})
 
     def consolidate_state_dict(self, to: int = 0) -> dict | None:
         """Collect every rank's shard on rank `to` and return the state dict an unsharded
@@ -261,58 +313,4 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.comm.group, to) if self.comm.group else to, group=self.comm.group)  # collective
         if self.comm.rank != to:
             return None
-        index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        state: dict[int, dict] = {}
-        for b, bucket in enumerate(self.buckets):
-            keys = shards[0]["state"].get(b, {})
-            for key, value in keys.items():
-                if torch.is_tensor(value) and value.dim() > 0 and \
-                        value.numel() == bucket.layout.shard:       # not a step counter
-                    full = torch.cat([s["state"][b][key] for s in shards])       # (N·s,)
-                    pieces = [v.clone() for v in bucket.layout.views(full)]
-                else:
-                    pieces = [value.clone() if torch.is_tensor(value) else value
-                              for _ in bucket.params]
-                for p, piece in zip(bucket.params, pieces):
-                    state.setdefault(index[p], {})[key] = piece
-        inner = {b.group: g for b, g in zip(self.buckets, shards[0]["param_groups"])}
-        groups = [dict({k: v for k, v in inner.get(i, self._options(i)).items() if k != "params"},
-                       params=[index[p] for p in g["params"]])
-                  for i, g in enumerate(self.param_groups)]
-        return {"state": state, "param_groups": groups}
-
-
-def _unique(params: Iterable) -> list:
-    """Parameters or groups with each tensor once (tied weights listed twice count once)."""
-    params = list(params)
-    seen: set = set()
-    if params and isinstance(params[0], dict):
-        return [dict(g, params=[p for p in _as_list(g["params"]) if not _seen(p, seen)])
-                for g in params]
-    return [p for p in params if not _seen(p, seen)]
-
-
-def _as_list(params) -> list:
-    return [params] if isinstance(params, torch.Tensor) else list(params)
-
-
-def _seen(p, seen: set) -> bool:
-    if id(p) in seen:
-        return True
-    seen.add(id(p))
-    return False
-
-
-def _split(order: list[tuple[int, nn.Parameter]], cap: float) -> list[tuple[int, list]]:
-    """Consecutive parameters into buckets of at most `cap` bytes, never across param groups."""
-    buckets: list[tuple[int, list]] = []
-    size = 0
-    for group, p in order:
-        nbytes = p.numel() * p.element_size()
-        if not buckets or buckets[-1][0] != group or size + nbytes > cap or \
-                buckets[-1][1][0].dtype != p.dtype:
-            buckets.append((group, []))
-            size = 0
-        buckets[-1][1].append(p)
-        size += nbytes
-    return buckets
+        return consolidate(self, shards)

@@ -19,7 +19,7 @@ DeepSpeed aligns slices to 2 or 4 elements for faster copies. Here slices are ex
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -118,3 +118,39 @@ def check_devices(tensors: Sequence[torch.Tensor]) -> torch.device:
                          "ZeRO flattens them into one buffer per rank. Move the model to one "
                          "device first (model.to(device)).")
     return devices.pop()
+
+
+def unique_params(params: Iterable) -> list:
+    """Parameters or groups with each tensor once (tied weights listed twice count once)."""
+    params = list(params)
+    seen: set = set()
+    if params and isinstance(params[0], dict):
+        return [dict(g, params=[p for p in _as_list(g["params"]) if not _seen(p, seen)])
+                for g in params]
+    return [p for p in params if not _seen(p, seen)]
+
+
+def _as_list(params) -> list:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _seen(p, seen: set) -> bool:
+    if id(p) in seen:
+        return True
+    seen.add(id(p))
+    return False
+
+
+def split_buckets(order: list[tuple[int, torch.Tensor]], cap: float) -> list[tuple[int, list]]:
+    """Consecutive parameters into buckets of at most `cap` bytes, never across param groups."""
+    buckets: list[tuple[int, list]] = []
+    size = 0
+    for group, p in order:
+        nbytes = p.numel() * p.element_size()
+        if not buckets or buckets[-1][0] != group or size + nbytes > cap or \
+                buckets[-1][1][0].dtype != p.dtype:
+            buckets.append((group, []))
+            size = 0
+        buckets[-1][1].append(p)
+        size += nbytes
+    return buckets
