@@ -211,3 +211,37 @@ def test_gradient_as_bucket_view_keeps_the_gradients_once():
     assert [b[0] for b in times.buckets] == list(range(n))
     assert all(0 < start <= end for _, _, start, end in times.buckets)
     assert times.buckets[0][2] <= times.backward_end  # the first bucket left during backward
+
+
+def _wrapped_twice(rank, world_size, view):
+    """A cell run twice: the module is wrapped again while the first wrapper is still alive."""
+    model = _model("mlp", seed=rank)
+    first = ddp.DDP(model, bucket_cap_mb=0.0002, gradient_as_bucket_view=view)
+    first_buckets = first.buckets
+    wrapped = ddp.DDP(model, bucket_cap_mb=0.0002, gradient_as_bucket_view=view)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    for step in range(STEPS):
+        x, y, loss_fn = _data("mlp", step)
+        mine = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+        loss_fn(wrapped(x[mine]), y[mine]).backward()
+        wrapped.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+    try:
+        first(x)
+        old = "no error"
+    except RuntimeError as e:
+        old = str(e)
+    untouched = all(b.work is None for b in first_buckets) and first.stats.all_reduces == 0
+    return [p.detach().clone() for p in model.parameters()], \
+        wrapped.stats.all_reduces / len(wrapped.buckets), old, untouched
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket view"])
+def test_wrapping_a_module_again_moves_the_hooks_and_trains_like_torch(view):
+    expected = _single_process("mlp")
+    for params, all_reduces, old, untouched in launch.run(_wrapped_twice, 2, view, timeout=60):
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert untouched and all_reduces == STEPS           # one wrapper's buckets, not two
+        assert "a newer DDP wraps this module" in old

@@ -28,7 +28,8 @@ bucket of its own); PyTorch closes a bucket once it has reached the cap (so buck
 and makes the first bucket small (1 MiB) so communication starts sooner. No bucket rebuilding
 from the order seen in the first step, no find_unused_parameters (a parameter without a gradient
 contributes zeros and then receives the average), and finishing is explicit, where torch queues
-it at the end of backward.
+it at the end of backward. Wrapping a module again (a cell run twice) moves its gradient hooks to
+the new wrapper, and the old one refuses to run; PyTorch's DDP would keep both wrappers' hooks.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from companion.hooks import OwnedHooks
 
 __all__ = ["DDP", "SyncStats", "BucketTimes", "average_gradients", "broadcast_parameters",
            "accumulation_step"]
@@ -115,10 +118,12 @@ class DDP(nn.Module):
         trainable = [p for p in module.parameters() if p.requires_grad]   # shared ones once
         self.buckets = _make_buckets(trainable[::-1], int(bucket_cap_mb * 2**20))  # 2. buckets
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        for param in trainable:                                           # 3. one hook each
-            param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._hooks = OwnedHooks(self, trainable, "_on_grad_ready")      # 3. one hook each
 
     def forward(self, *args, **kwargs):
+        if self._hooks.replaced:
+            raise RuntimeError("a newer DDP wraps this module's parameters (it took over their "
+                               "gradient hooks): call the new wrapper, not this one")
         if self._pending:
             raise RuntimeError("gradients from the last backward are still being averaged: call "
                                "model.finish_gradient_synchronization() after backward, before "
