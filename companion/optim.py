@@ -21,7 +21,8 @@ Example:
     >>> hooks = optimizer_in_backward(model.parameters(), torch.optim.Adam, lr=1e-3)
     >>> model(x).sum().backward()                    # the steps ran inside backward
 
-Simplified vs PyTorch: no weight decay, amsgrad, maximize, capturable or complex numbers;
+Simplified vs PyTorch: no weight decay, amsgrad, maximize, capturable or complex numbers (a
+group that turns one on, e.g. from torch's state_dict, makes `step` raise);
 `adam_step` is `torch.optim.Adam`'s single-tensor path (its foreach and fused paths give the same
 numbers with fewer kernel launches, and foreach a temporary for the whole model at once).
 """
@@ -58,20 +59,33 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], *,
     param.addcdiv_(m, denom, value=-step_size)               # 5. θ ← θ − step_size·m / denom
 
 
+# torch.optim.Adam's options that this Adam does not have, at the values that turn them off: its
+# groups carry them, so that torch.optim.Adam can load its state_dict (and step it).
+_OFF = {"weight_decay": 0.0, "amsgrad": False, "maximize": False, "capturable": False,
+        "differentiable": False, "decoupled_weight_decay": False}
+
+
 class Adam(torch.optim.Optimizer):
-    """`torch.optim.Adam` without its options, built on `adam_step`; same state, same numbers."""
+    """`torch.optim.Adam` without its options, built on `adam_step`; same state, same numbers.
+    Its state_dict loads into torch.optim.Adam and back; a group that turns one of torch's other
+    options on (weight_decay=0.1, from a torch state_dict) makes `step` raise, not ignore it."""
 
     def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         if lr < 0 or eps < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"need lr >= 0, eps >= 0 and 0 <= betas < 1; got lr={lr}, "
                              f"betas={betas}, eps={eps}")
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, **_OFF,
+                                  "foreach": None, "fused": None})
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         loss = None if closure is None else torch.enable_grad()(closure)()
         for group in self.param_groups:
+            used = {k: group[k] for k in _OFF if group.get(k, _OFF[k]) != _OFF[k]}
+            if used:
+                raise ValueError(f"companion.optim.Adam has none of {sorted(used)} (this group "
+                                 f"sets {used}): use torch.optim.Adam for them")
             for p in group["params"]:
                 if p.grad is not None:
                     adam_step(p, p.grad, self.state[p], lr=group["lr"], betas=group["betas"],

@@ -103,3 +103,89 @@ def test_optimizer_in_backward_takes_the_same_step_and_frees_each_gradient():
         handle.remove()
     model.loss(X, y).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+# ---------------------------------------------------------------- the contract of torch.optim.Adam
+# A training script swaps `optim.Adam` for `torch.optim.Adam` (and back) mid-run.
+
+def _train(model, opt, X, y, steps, scheduler=None, closure=False):
+    for _ in range(steps):
+        opt.zero_grad()
+        if closure:
+            def loss_fn():
+                opt.zero_grad()
+                loss = model.loss(X, y)
+                loss.backward()
+                return loss
+            assert opt.step(loss_fn) is not None
+        else:
+            model.loss(X, y).backward()
+            opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+@pytest.mark.parametrize("first, second", [(optim.Adam, torch.optim.Adam),
+                                           (torch.optim.Adam, optim.Adam)])
+def test_a_state_dict_moves_between_ours_and_torchs_and_the_run_continues(first, second):
+    X, y = make_classification(20, 6, 3)
+    model, reference = MLP(6, 16, 2, 3, seed=1), MLP(6, 16, 2, 3, seed=1)
+    options = {"lr": 1e-2, "betas": (0.8, 0.99)}
+    opt = first(model.parameters(), **options)
+    plain = torch.optim.Adam(reference.parameters(), foreach=False, **options)
+    _train(model, opt, X, y, 3)
+    resumed = second(model.parameters(), lr=0.5)          # the file's lr wins, as in torch
+    resumed.load_state_dict(opt.state_dict())
+    assert resumed.param_groups[0]["lr"] == 1e-2
+    _train(model, resumed, X, y, 3)
+    _train(reference, plain, X, y, 6)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_param_groups_schedulers_and_closures_work_as_with_torch_adam():
+    X, y = make_classification(20, 6, 3)
+    runs = []
+    for make in (optim.Adam, lambda groups, **kw: torch.optim.Adam(groups, foreach=False, **kw)):
+        model = MLP(6, 16, 2, 3, seed=2)
+        layers = list(model.parameters())
+        opt = make([{"params": layers[:2], "lr": 3e-2}], lr=1e-2)
+        _train(model, opt, X, y, 2, closure=True)
+        opt.add_param_group({"params": layers[2:], "betas": (0.5, 0.9)})
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        _train(model, opt, X, y, 4, scheduler=scheduler)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*runs))
+
+
+def test_optimizer_in_backward_takes_torchs_steps_with_groups_of_one():
+    """PyTorch's recipe: one optimizer per parameter, stepped in a post-accumulate-grad hook."""
+    X, y = make_classification(20, 6, 3)
+    ours, theirs = MLP(6, 16, 2, 3, seed=3), MLP(6, 16, 2, 3, seed=3)
+    _, handles = optim.optimizer_in_backward(ours.parameters(), torch.optim.AdamW, lr=1e-2)
+    recipe = {p: torch.optim.AdamW([p], lr=1e-2) for p in theirs.parameters()}
+
+    def step_now(q):
+        recipe[q].step()
+        recipe[q].zero_grad()
+    for p in theirs.parameters():
+        p.register_post_accumulate_grad_hook(step_now)
+    for _ in range(3):
+        ours.loss(X, y).backward()
+        theirs.loss(X, y).backward()
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+    for handle in handles:
+        handle.remove()
+    ours.loss(X, y).backward()                             # removed: a plain backward again
+    assert all(p.grad is not None for p in ours.parameters())
+
+
+def test_a_torch_option_ours_lacks_is_refused_not_ignored():
+    model = MLP(6, 16, 2, 3, seed=4)
+    X, y = make_classification(20, 6, 3)
+    theirs = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    _train(model, theirs, X, y, 1)
+    ours = optim.Adam(model.parameters())
+    ours.load_state_dict(theirs.state_dict())
+    model.loss(X, y).backward()
+    with pytest.raises(ValueError, match="weight_decay"):
+        ours.step()
