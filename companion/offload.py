@@ -122,27 +122,47 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             and can_pin()                          # no accelerator: nothing to pin for
         self.profile, self.step_times = profile, []
         self._times = dict.fromkeys(("copy_down", "wait", "host_step", "copy_up"), 0.0)
-        # 1. On the host: an fp32 master copy of each weight, a gradient buffer, and for 16-bit
-        #    weights a 16-bit copy to send up (half the bytes on the link).
-        self.master_params = [self._host_master(i, p) for i, p in enumerate(self._params)]
-        self._grads = [self._host_empty(m, torch.float32) for m in self.master_params]
-        self._staging = [self._host_empty(p, p.dtype) if p.dtype != torch.float32 else None
-                         for p in self._params]
-        self._has_grad = [False] * len(self._params)
+        self.master_params, self._grads, self._staging, self._has_grad = [], [], [], []
+        self._hooks: list = []
+        self._host_copies(self._params)
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": self.master_params[start:start + len(g["params"])]}
                   for g, start in zip(self.param_groups, _starts(self.param_groups))]
         self.optimizer = _fastest(optimizer_cls, groups, defaults)   # runs on the host
+        weakref.finalize(self, _remove, self._hooks)
+
+    def _host_copies(self, params: list[torch.Tensor]) -> None:
+        """Host buffers and a gradient hook for each of `params` (appended to the lists)."""
+        # 1. On the host: an fp32 master copy of each weight, a gradient buffer, and for 16-bit
+        #    weights a 16-bit copy to send up (half the bytes on the link).
+        masters = [self._host_master(p) for p in params]
+        self.master_params += masters
+        self._grads += [self._host_empty(m, torch.float32) for m in masters]
+        self._staging += [self._host_empty(p, p.dtype) if p.dtype != torch.float32 else None
+                          for p in params]
+        self._has_grad += [False] * len(params)
         if self._stream is not None:
-            torch.cuda.synchronize(first.device)   # host-device sync: the masters have landed
+            torch.cuda.synchronize(params[0].device)   # host-device sync: the masters landed
         # 2. A hook per weight: its gradient goes down as soon as backward has finished it. The
         #    hooks hold the optimizer weakly; when it is garbage-collected they are removed.
-        me = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, me, i))
-                       for i, p in enumerate(self._params)]
-        weakref.finalize(self, _remove, list(self._hooks))
+        me, start = weakref.ref(self), len(self._hooks)
+        self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, me, i))
+                        for i, p in enumerate(params, start)]
 
-    def _host_master(self, index: int, p: torch.Tensor) -> torch.Tensor:
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group of parameters, as on any torch optimizer: they get host copies and hooks
+        and are stepped on the host like the others."""
+        if not hasattr(self, "optimizer"):          # torch.optim.Optimizer.__init__'s groups
+            return super().add_param_group(param_group)
+        super().add_param_group(param_group)        # checks duplicates, fills defaults
+        group = self.param_groups[-1]
+        _check_params(self._params + group["params"])
+        self._params += group["params"]
+        self._host_copies(group["params"])
+        self.optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"},
+                                        "params": self.master_params[-len(group["params"]):]})
+
+    def _host_master(self, p: torch.Tensor) -> torch.Tensor:
         return to_host(p.detach(), dtype=torch.float32, pin_memory=self._pin)
 
     def _host_empty(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -256,9 +276,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def remove_hooks(self) -> None:
         """Stop moving gradients down (the hooks stay on the parameters otherwise)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        _remove(self._hooks)
+        self._hooks.clear()
 
 
 def step_phases(loss_fn: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, *,

@@ -311,3 +311,37 @@ def test_chapter_sizes_for_a_gpu_fit_an_80_gb_device_at_60_percent():
         s.act_offload_batch, s.seq_len, s.gpt_width, s.gpt_depth, s.gpt_heads, s.vocab)
     assert plain <= 0.6 * 80e9 and activation_demo <= 0.6 * 80e9
     assert states > 2 * activations          # the model states are what does not fit
+
+
+# ---------------------------------------------------------------- the contract of torch.optim.AdamW
+
+def test_an_added_param_group_trains_on_the_host_as_with_adamw():
+    plain, offloaded = _gpt(), _gpt()
+    runs = []
+    for model, make in ((plain, lambda ps: torch.optim.AdamW(ps, lr=3e-3, fused=True)),
+                        (offloaded, lambda ps: CPUOffloadOptimizer(ps, lr=3e-3))):
+        params = list(model.parameters())
+        opt = make(params[:3])
+        losses = _train(model, opt, steps=1)
+        opt.add_param_group({"params": params[3:], "lr": 1e-3, "weight_decay": 0.3})
+        runs.append(losses + _train(model, opt, steps=3))
+    assert runs[0] == runs[1] and _equal(plain, offloaded)
+
+
+@pytest.mark.parametrize("direction", ["offload to AdamW", "AdamW to offload"])
+def test_a_state_dict_moves_between_adamw_and_the_offloaded_optimizer(direction):
+    first, second = (_gpt(), _gpt())
+    reference = _gpt()
+    offload = lambda ps, lr: CPUOffloadOptimizer(ps, lr=lr)
+    adamw = lambda ps, lr: torch.optim.AdamW(ps, lr=lr, fused=True)
+    make_first, make_second = (offload, adamw) if direction == "offload to AdamW" else (adamw, offload)
+    opt = make_first(first.parameters(), 1e-2)
+    _train(first, opt, steps=2)
+    second.load_state_dict(first.state_dict())
+    resumed = make_second(second.parameters(), 5.0)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert resumed.param_groups[0]["lr"] == 1e-2
+    plain = adamw(reference.parameters(), 1e-2)
+    _train(reference, plain, steps=2)
+    assert _train(second, resumed, steps=2) == _train(reference, plain, steps=2)
+    assert _equal(second, reference)
