@@ -16,9 +16,11 @@ Example:
     >>> opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     >>> trainable_params(model)        # only the adapters' A and B
 
-Simplified vs PEFT (Hugging Face's implementation): one adapter per layer (no named adapters to
-switch between), no dropout on the adapter's input, nn.Linear only (no Embedding or Conv
-adapters), and merging returns a new nn.Linear instead of editing the layer in place.
+Simplified vs PEFT (Hugging Face's implementation; the same outputs, gradients and merged weights
+are tested beside it): one adapter per layer (no named adapters to switch between), no dropout on
+the adapter's input, nn.Linear only (no Embedding or Conv adapters), merging returns a new
+nn.Linear instead of editing the layer in place, and alpha defaults to r (a scale of 1) where
+PEFT's lora_alpha defaults to 8 (a scale of 8/r).
 """
 from __future__ import annotations
 

@@ -115,3 +115,89 @@ def test_measured_gradients_and_adam_state_exist_only_for_the_adapters():
     assert kinds["optimizer_state"] == 8 * n + 4 * len(trainable)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     assert frozen > 5 * n                                    # what full fine-tuning would add
+
+
+# ---------------------------------------------------------------- the contract of PEFT's LoRA
+# Hugging Face PEFT (a test-only dependency; it runs on a CPU) and ours on the same model.
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k = nn.Linear(8, 12), nn.Linear(12, 6, bias=False)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.k(torch.relu(self.q(x)))))
+
+
+@pytest.fixture(scope="module")
+def peft_pair():
+    """(PEFT's model, ours) on one _Net, adapters q and k at rank 4, alpha 8, with PEFT's
+    adapter weights (B made non-zero, as after training) copied into ours."""
+    peft = pytest.importorskip("peft")
+
+    def make():
+        theirs = peft.get_peft_model(_Net(), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q", "k"], lora_dropout=0.0))
+        ours = lora.apply_lora(_Net(), 4, ["q", "k"], alpha=8)
+        torch.manual_seed(1)
+        for name in ("q", "k"):
+            layer = theirs.base_model.model.get_submodule(name)
+            with torch.no_grad():
+                layer.lora_B["default"].weight.normal_()
+                getattr(ours, name).A.copy_(layer.lora_A["default"].weight)
+                getattr(ours, name).B.copy_(layer.lora_B["default"].weight)
+        return theirs, ours
+    return make
+
+
+def test_same_trainable_parameters_as_peft(peft_pair):
+    theirs, ours = peft_pair()
+    shapes = lambda m: sorted(tuple(p.shape) for p in m.parameters() if p.requires_grad)
+    assert shapes(theirs) == shapes(ours) and len(shapes(ours)) == 4     # A and B of q and k
+    assert lora.trainable_params(ours) == sum(p.numel() for p in theirs.parameters()
+                                              if p.requires_grad)
+    assert ours.q.scale == theirs.base_model.model.q.scaling["default"] == 8 / 4
+
+
+def test_same_outputs_gradients_and_training_as_peft(peft_pair):
+    theirs, ours = peft_pair()
+    x, y = torch.randn(10, 8), torch.randn(10, 3)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-6, atol=1e-6)
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+                  for m in (theirs, ours)]
+    for _ in range(5):
+        for model, opt in zip((theirs, ours), optimizers):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    for name in ("q", "k"):
+        layer = theirs.base_model.model.get_submodule(name)
+        torch.testing.assert_close(getattr(ours, name).A, layer.lora_A["default"].weight,
+                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(getattr(ours, name).B, layer.lora_B["default"].weight,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_merging_gives_peft_merge_and_unloads_weights(peft_pair):
+    theirs, ours = peft_pair()
+    x = torch.randn(4, 8)
+    merged = theirs.merge_and_unload()
+    for name in ("q", "k"):
+        ours_merged = getattr(ours, name).merge()
+        theirs_merged = merged.get_submodule(name)
+        assert type(theirs_merged) is type(ours_merged) is nn.Linear
+        torch.testing.assert_close(ours_merged.weight, theirs_merged.weight, rtol=1e-6, atol=1e-6)
+        setattr(ours, name, ours_merged)
+    torch.testing.assert_close(ours(x), merged(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_fresh_adapter_starts_at_the_base_model_as_peft_does():
+    peft = pytest.importorskip("peft")
+    x = torch.randn(5, 8)
+    base = _Net()(x)
+    theirs = peft.get_peft_model(_Net(), peft.LoraConfig(r=2, target_modules=["q"]))
+    ours = lora.apply_lora(_Net(), 2, ["q"])
+    assert torch.equal(ours(x), base) and torch.equal(theirs(x), base)
+    assert theirs.base_model.model.q.scaling["default"] == 8 / 2 and ours.q.scale == 1.0
