@@ -135,7 +135,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """Host buffers and a gradient hook for each of `params` (appended to the lists)."""
         # 1. On the host: an fp32 master copy of each weight, a gradient buffer, and for 16-bit
         #    weights a 16-bit copy to send up (half the bytes on the link).
-        masters = [self._host_master(p) for p in params]
+        first = len(self.master_params)
+        masters = [self._host_master(i, p) for i, p in enumerate(params, first)]
         self.master_params += masters
         self._grads += [self._host_empty(m, torch.float32) for m in masters]
         self._staging += [self._host_empty(p, p.dtype) if p.dtype != torch.float32 else None
@@ -162,7 +163,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"},
                                         "params": self.master_params[-len(group["params"]):]})
 
-    def _host_master(self, p: torch.Tensor) -> torch.Tensor:
+    def _host_master(self, index: int, p: torch.Tensor) -> torch.Tensor:
         return to_host(p.detach(), dtype=torch.float32, pin_memory=self._pin)
 
     def _host_empty(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

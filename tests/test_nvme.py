@@ -152,3 +152,18 @@ def test_a_disk_too_small_fails_clearly_before_writing(tmp_path, monkeypatch):
     assert failure.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []
     monkeypatch.setattr(nvme, "_free_bytes", lambda directory: 12 * n)
     NVMeOffloadOptimizer(model.parameters(), directory=tmp_path).close()
+
+
+def test_an_added_param_group_is_paged_and_trained_like_adamw(tmp_path):
+    plain, offloaded = _gpt(), _gpt()
+    first = lambda m: list(m.children())[0].parameters()
+    rest = lambda m: [p for c in list(m.children())[1:] for p in c.parameters()]
+    reference = torch.optim.AdamW(first(plain), lr=1e-2, fused=True)
+    with NVMeOffloadOptimizer(first(offloaded), directory=tmp_path, lr=1e-2) as opt:
+        assert _step(plain, reference, 0) == _step(offloaded, opt, 0)
+        for o, m in ((reference, plain), (opt, offloaded)):
+            o.add_param_group({"params": rest(m), "lr": 3e-3})
+        for step in range(1, 3):
+            assert _step(plain, reference, step) == _step(offloaded, opt, step)
+        assert opt.disk_bytes == 12 * sum(p.numel() for p in offloaded.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), offloaded.parameters()))

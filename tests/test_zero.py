@@ -508,13 +508,16 @@ def _errors(rank, world):
                                     compute_dtype=torch.float16))
     expect(TypeError, lambda: FSDP(Small(), reduce_dtype=torch.int32))
     expect(ValueError, lambda: zero.shard_by_resize(nn.ReLU(), zero.Comm()))
+    small = Small()
+    FSDP(small)
+    expect(ValueError, lambda: FSDP(small))              # a cell that wraps it run twice
     return messages
 
 
 def test_clear_errors():
     for messages in launch.run(_errors, 2, timeout=30):
         few, devices, instance, stage, no_matrix, early, clip_early, norm_type, wrong_rank, \
-            depth, reshard, two_names, reduce, nothing_to_shard = messages
+            depth, reshard, two_names, reduce, nothing_to_shard, wrapped_twice = messages
         assert "every rank must own at least one element" in few
         assert "different devices" in devices and "model.to(device)" in devices
         assert "the class, not an instance" in instance
@@ -527,6 +530,7 @@ def test_clear_errors():
         assert "prefetch is how many units" in depth and "True or False" in reshard
         assert "older name of param_dtype" in two_names and "floating torch dtype" in reduce
         assert "owns no parameter of its own" in nothing_to_shard
+        assert "already wrapped by an FSDP" in wrapped_twice and "build the model" in wrapped_twice
 
 
 def test_chapter_sizes_for_a_gpu_fit_an_80_gb_device_at_60_percent():

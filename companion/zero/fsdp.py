@@ -31,7 +31,8 @@ Example (inside a rank started by `companion.launch.run`):
 Simplified vs PyTorch's FSDP2 (`fully_shard`): one unit per module that owns parameters (FSDP2
 groups whatever you wrap); prefetching follows the previous forward's order, not a recorded
 schedule per module; at most one reduce-scatter in flight; frozen parameters stay whole; every
-rank must use the same parameters in each step.
+rank must use the same parameters in each step. A module can be wrapped once (its parameters
+become shards): wrapping it again raises and says to build the model again.
 """
 from __future__ import annotations
 
@@ -90,6 +91,10 @@ def _floating(name: str, dtype) -> None:
                         f"got {dtype!r}")
 
 
+# Modules an FSDP has sharded (weakly held): wrapping one again would find no parameters.
+_WRAPPED: weakref.WeakSet = weakref.WeakSet()
+
+
 class FSDP(nn.Module):
     """Fully sharded data parallel: parameters, gradients and optimizer state split over ranks.
 
@@ -136,6 +141,10 @@ class FSDP(nn.Module):
         self.module, self.param_dtype = module, param_dtype or compute_dtype
         self.compute_dtype, self.reduce_dtype = self.param_dtype, reduce_dtype
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        if module in _WRAPPED:
+            raise ValueError("this module is already wrapped by an FSDP, which replaced its "
+                             "parameters by shards: keep using that wrapper, or build the model "
+                             "again (in the same cell) before wrapping it")
         self.comm = Comm(process_group, ring=ring)
         params = dict(module.named_parameters())                 # tied weights: first name once
         check_devices(list(params.values()))
@@ -159,6 +168,7 @@ class FSDP(nn.Module):
         self._packed: list[int] = []
         self._guard = register_optimizer_step_pre_hook(
             functools.partial(_check_synchronized, weakref.ref(self)))
+        _WRAPPED.add(module)
 
     def __del__(self) -> None:
         guard = getattr(self, "_guard", None)             # absent if __init__ raised
