@@ -95,6 +95,25 @@ def run(fn: Callable[..., Any], world_size: int, *args, backend: str | None = No
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     payload = _pickle_job(fn, args)
     backend = backend or pick_backend(world_size)
+    for attempt in range(_SETUP_ATTEMPTS):
+        try:
+            return _launch(payload, world_size, backend, timeout, threads_per_rank)
+        except _SetupError:
+            if attempt == _SETUP_ATTEMPTS - 1:  # joining the group failed each time: say so
+                raise
+
+
+# Joining the process group can fail for reasons outside the job (gloo's connectFullMesh loses a
+# connection on a loaded machine): no rank has run fn yet, so the launch is retried, on a new port.
+_SETUP_ATTEMPTS = 3
+
+
+class _SetupError(WorkerError):
+    """A rank failed while joining the process group, before fn started."""
+
+
+def _launch(payload: bytes, world_size: int, backend: str, timeout: float,
+            threads_per_rank: int) -> list[Any]:
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     ctx = multiprocessing.get_context(_CONTEXT)
@@ -157,6 +176,8 @@ def _collect(procs: list, conns: list, timeout: float, stacks_dir: str) -> list[
                 pending.pop(procs[rank].sentinel, None)
                 raise WorkerError(rank, "the process closed its pipe without a result") from None
             _echo(rank, output)
+            if kind == "setup-error":
+                raise _SetupError(rank, body, output=output)
             if kind == "error":
                 raise WorkerError(rank, body, output=output)
             results[rank] = pickle.loads(body)
@@ -212,19 +233,22 @@ def _worker(rank: int, setup: tuple, payload: bytes, conn) -> None:
     threading.Timer(timeout + 10.0, os._exit, args=(3,)).start()  # never outlive the caller
     torch.set_num_threads(threads)
     out = io.StringIO()
+    kind = "error"
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             fn, args = pickle.loads(payload)
+            kind = "setup-error"               # until the group is joined
             store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                                   timeout=timedelta(seconds=timeout))
             if backend == "nccl":
                 torch.cuda.set_device(rank)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                      timeout=timedelta(seconds=timeout))
+            kind = "error"
             result = fn(rank, world_size, *args)
             message = ("ok", pickle.dumps(result), out.getvalue())
     except BaseException:
-        message = ("error", traceback.format_exc(), out.getvalue())
+        message = (kind, traceback.format_exc(), out.getvalue())
     conn.send(message)
     conn.close()
     with contextlib.suppress(Exception):

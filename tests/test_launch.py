@@ -15,6 +15,10 @@ def _sum_ranks(rank, world_size, x):
     return x, dist.get_backend()
 
 
+def _rank_times_ten(rank, world_size):
+    return 10 * rank
+
+
 def _raise_on_rank_one(rank, world_size, pid_dir):
     _write_pid(pid_dir, rank)
     if rank == 1:
@@ -138,3 +142,21 @@ def test_worker_module_magic_makes_cell_functions_importable_by_workers():
     assert launch.run(shell.user_ns["doubled"], 2, timeout=20) == [0, 2]
     shell.run_cell_magic("worker_module", "ch06_test_cells", cell.format(factor=3))  # edited
     assert launch.run(shell.user_ns["doubled"], 2, timeout=20) == [0, 3]
+
+
+def test_a_failure_to_join_the_group_is_retried_on_a_new_port(monkeypatch):
+    calls = []
+    real = launch._launch
+
+    def flaky(*args):
+        calls.append(args)
+        if len(calls) == 1:                         # as gloo's connectFullMesh does, once
+            raise launch._SetupError(1, "RuntimeError: Gloo connectFullMesh failed")
+        return real(*args)
+    monkeypatch.setattr(launch, "_launch", flaky)
+    assert launch.run(_rank_times_ten, 2, timeout=20) == [0, 10] and len(calls) == 2
+
+
+def test_a_group_that_never_forms_fails_after_the_retries_with_the_reason():
+    with pytest.raises(launch.WorkerError, match="no-such-backend|Invalid backend"):
+        launch.run(_rank_times_ten, 2, backend="no-such-backend", timeout=20)
