@@ -20,7 +20,8 @@ The two halves of the ring are collectives of their own, the ones ZeRO (chapter 
 every rank's chunk. Each sends (N-1)/N·S bytes per rank.
 
 Simplified vs PyTorch: gloo and NCCL pipeline each step in smaller pieces, pick ring or tree by
-size, and run on dedicated streams; here each step is one isend/recv pair of whole chunks.
+size, and run on dedicated streams; here each step is one send and one receive of whole chunks,
+posted together (`batch_isend_irecv`, which NCCL needs to pair them).
 """
 from __future__ import annotations
 
@@ -133,12 +134,23 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, *, stats: Traffic | None =
 
 def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group,
               stats: Traffic | None) -> None:
-    """Send `send` to dst while receiving into `recv` from src (skipping empty chunks)."""
-    request = _send(send, dst, group, stats) if send.numel() else None
+    """Send `send` to dst while receiving into `recv` from src (skipping empty chunks).
+
+    The send and the receive are posted together (`batch_isend_irecv`): NCCL runs point-to-point
+    operations of one stream in order, so a send posted alone on every rank would wait for a
+    receive that no rank has posted yet, and the ring would deadlock (gloo would not)."""
+    ops = []
+    if send.numel():
+        if stats is not None:
+            stats.sent_bytes += send.numel() * send.element_size()
+            stats.messages += 1
+        ops.append(dist.P2POp(dist.isend, send, dst, group=group))
     if recv.numel():
-        _recv(recv, src, group, stats)
-    if request is not None:
+        ops.append(dist.P2POp(dist.irecv, recv, src, group=group))
+    for request in dist.batch_isend_irecv(ops) if ops else []:    # point-to-point, together
         request.wait()
+    if recv.numel() and stats is not None:
+        stats.received_bytes += recv.numel() * recv.element_size()
 
 
 def _equal_chunks(full: torch.Tensor, shard: torch.Tensor, world: int) -> list[torch.Tensor]:

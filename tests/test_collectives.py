@@ -132,3 +132,42 @@ def _uneven(rank, world_size):
 
 def test_reduce_scatter_asks_for_padding_when_sizes_do_not_fit():
     assert all("pad it to a multiple" in m for m in launch.run(_uneven, 2, timeout=30))
+
+
+def _ring_without_lone_receives(rank, world_size):
+    """NCCL runs one stream's point-to-point operations in order: a send posted alone, then a
+    blocking receive, deadlocks when every rank does it. Emulated here: a blocking recv raises,
+    and every exchange must be posted as one batch."""
+    batches = []
+
+    def lone_recv(*args, **kwargs):
+        raise AssertionError("a blocking recv: NCCL would deadlock on a ring of sends")
+
+    def batch(ops):
+        batches.append(sorted(op.op.__name__ for op in ops))
+        return real_batch(ops)
+    real_batch = dist.batch_isend_irecv
+    dist.recv, real_recv = lone_recv, dist.recv
+    dist.batch_isend_irecv = batch
+    try:
+        x = torch.arange(10.0) * (rank + 1)
+        expected = x.clone()
+        dist.all_reduce(expected)
+        collectives.ring_all_reduce(x)
+        full = torch.arange(4.0 * world_size) + rank
+        shard, gathered = torch.empty(4), torch.empty(4 * world_size)
+        collectives.ring_reduce_scatter(shard, full)
+        collectives.ring_all_gather(gathered, shard)
+        want = full.clone()
+        dist.all_reduce(want)
+        return torch.equal(x, expected) and torch.equal(gathered, want), batches
+    finally:
+        dist.recv, dist.batch_isend_irecv = real_recv, real_batch
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_ring_step_posts_its_send_and_receive_together(world_size):
+    for ok, batches in launch.run(_ring_without_lone_receives, world_size, timeout=60):
+        assert ok
+        steps = 2 * (world_size - 1) + 2 * (world_size - 1)     # all-reduce, then RS + AG
+        assert batches == [["irecv", "isend"]] * steps
