@@ -39,7 +39,7 @@ from companion.memory import format_bytes, track
 from companion.models import GPT, make_tokens
 from companion.zero import FSDP, ShardedOptimizer
 
-__all__ = ["TrainConfig", "train", "worker", "parse", "main", "report_table"]
+__all__ = ["TrainConfig", "train", "worker", "parse", "main", "report_table", "backend_for"]
 
 PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3")
 
@@ -187,14 +187,29 @@ def parse(argv: list[str] | None = None) -> TrainConfig:
         parser.error(str(e))
 
 
+def backend_for(local_rank: int, local_world_size: int, gpus: int) -> tuple[str, int | None]:
+    """("nccl", this rank's GPU) when every rank on this node has a GPU of its own, ("gloo",
+    None) on a machine without GPUs; NCCL cannot put two ranks on one GPU, so more ranks than
+    GPUs is refused with what to do instead."""
+    if gpus == 0:
+        return "gloo", None
+    if local_world_size > gpus:
+        raise SystemExit(f"torchrun started {local_world_size} ranks on this node, which has "
+                         f"{gpus} GPU(s): NCCL needs one GPU per rank. Start at most {gpus} "
+                         f"(--nproc_per_node={gpus}), or train on the CPU with gloo: "
+                         "CUDA_VISIBLE_DEVICES= torchrun ...")
+    return "nccl", local_rank
+
+
 def main(argv: list[str] | None = None) -> int:
     """Join the process group (torchrun's env://, or alone), train, print rank 0's table."""
     config = parse(argv)
     under_torchrun = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = "nccl" if use_cuda else "gloo"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend, gpu = backend_for(int(os.environ.get("LOCAL_RANK", 0)),
+                               int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gpus)
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
     if under_torchrun:
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(minutes=5))
     else:                                       # one process: a group of one, no network

@@ -54,3 +54,12 @@ def test_one_process_without_torchrun_and_clear_option_errors(capsys):
     with pytest.raises(SystemExit):
         train.parse(["--batch", "5", "--accumulation", "2"])
     assert "equal micro-batches" in capsys.readouterr().err
+
+
+def test_ranks_map_onto_the_gpus_there_are_or_are_refused_clearly():
+    assert train.backend_for(0, 2, 0) == ("gloo", None)            # no GPU: gloo on the CPU
+    assert train.backend_for(1, 2, 2) == ("nccl", 1)               # one GPU per rank
+    assert train.backend_for(0, 1, 8) == ("nccl", 0)
+    with pytest.raises(SystemExit, match="2 ranks on this node, which has 1 GPU") as err:
+        train.backend_for(1, 2, 1)                                 # two ranks, one GPU
+    assert "--nproc_per_node=1" in str(err.value) and "CUDA_VISIBLE_DEVICES=" in str(err.value)
