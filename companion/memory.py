@@ -260,6 +260,7 @@ class MemoryTracker:
         self.device = device
         self._ledger = _Ledger(device.type)
         self._cuda_base: int | None = None
+        self._cuda_peak_seen = 0          # the allocator's peak before a nested tracker reset it
         self._final: tuple[int, int, int, int] | None = None
         self.result: Any = None        # what the measured function returned (set by `measure`)
 
@@ -278,7 +279,8 @@ class MemoryTracker:
         if self._final is not None:
             return self._final[1]
         if self._cuda_base is not None:
-            return torch.cuda.max_memory_allocated(self.device) - self._cuda_base
+            return max(self._cuda_peak_seen,
+                       torch.cuda.max_memory_allocated(self.device)) - self._cuda_base
         return self._ledger.peak
 
     @property
@@ -370,8 +372,12 @@ def track(device: torch.device | str | None = None) -> Iterator[MemoryTracker]:
     ledger = tracker._ledger
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        for outer in _CUDA_TRACKERS:            # a nested tracker resets the allocator's peak:
+            outer._cuda_peak_seen = max(outer._cuda_peak_seen,   # the outer ones keep theirs
+                                        torch.cuda.max_memory_allocated(outer.device))
         torch.cuda.reset_peak_memory_stats(device)
         tracker._cuda_base = torch.cuda.memory_allocated(device)
+        _CUDA_TRACKERS.append(tracker)
     try:
         with ledger, _labels(ledger):
             yield tracker
@@ -379,7 +385,14 @@ def track(device: torch.device | str | None = None) -> Iterator[MemoryTracker]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         tracker._final = (tracker.current, tracker.peak, ledger.host_bytes, ledger.host_peak)
+        if tracker in _CUDA_TRACKERS:
+            _CUDA_TRACKERS.remove(tracker)
         ledger.close()
+
+
+# The CUDA trackers open now, outermost first: when one more starts, it resets the allocator's
+# peak counter, so each open one first keeps the peak it has seen so far.
+_CUDA_TRACKERS: list[MemoryTracker] = []
 
 
 def measure(fn: Callable, *args, **kwargs) -> MemoryTracker:

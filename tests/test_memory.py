@@ -448,3 +448,40 @@ def test_cuda_budget_is_what_find_max_batch_size_runs_into():
     with memory_budget("200 MiB", device="cuda"):
         largest = find_max_batch_size(step, start=1, device="cuda")
     assert 150 <= largest <= 200                        # the allocator rounds to 2 MiB pages
+
+
+class _FakeAllocator:
+    """The caching allocator's counters, emulated: what `track` reads on CUDA."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def alloc(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def install(self, monkeypatch):
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats",
+                            lambda device=None: setattr(self, "peak", self.allocated))
+
+
+def test_a_nested_cuda_tracker_leaves_the_outer_peak_whole(monkeypatch):
+    """On CUDA every tracker resets the allocator's peak on entry: the open ones keep theirs."""
+    fake = _FakeAllocator()
+    fake.install(monkeypatch)
+    fake.alloc(100)                                   # live before tracking: not counted
+    with track("cuda:0") as outer:
+        fake.alloc(1000)
+        fake.alloc(-1000)                             # the outer block's peak: 1000 above base
+        with track("cuda:0") as inner:
+            fake.alloc(300)
+            fake.alloc(-300)
+        fake.alloc(200)
+    assert (inner.peak, outer.peak, outer.current) == (300, 1000, 200)
+    with track("cuda:0") as again:                    # a later tracker starts afresh
+        fake.alloc(50)
+    assert again.peak == 50
