@@ -1,5 +1,6 @@
 """companion.allocator: reading the CUDA caching allocator's snapshots, on a small snapshot written
 as `torch.cuda.memory._snapshot`'s documentation describes it, and on real ones on a GPU."""
+import gc
 import pickle
 
 import pytest
@@ -65,6 +66,10 @@ def test_growing_batches_says_it_needs_a_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_real_snapshot_agrees_with_the_counters(tmp_path):
+    gc.collect()                        # earlier tests' tensors: freed now, not during the record
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=10_000)
     try:
         keep = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (3, 5, 7)]
@@ -80,6 +85,7 @@ def test_a_real_snapshot_agrees_with_the_counters(tmp_path):
     assert any(where.startswith("test_allocator.py") for _, where in report["largest"])
     line = snapshot_timeline(snapshot, device=torch.cuda.current_device())
     assert line["allocated"][-1] == (3 + 7) << 20            # what the recording saw live
+    assert torch.cuda.memory_allocated() - before == (3 + 7) << 20   # whatever ran before
     with open(tmp_path / "snapshot.pickle", "rb") as f:
         assert set(pickle.load(f)) >= {"segments", "device_traces"}
     del keep

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from companion import collectives
+from companion.compat import reduce_scatter_tensor
 from companion.checks import ch07
 from companion.zero import planning
 from companion.checks.core import CheckFailed, evaluate
@@ -90,7 +91,7 @@ def rs_all_reduce_then_slice(output, input):
 
 
 def rs_with_a_collective(output, input):
-    dist.reduce_scatter_single(output, input)
+    reduce_scatter_tensor(output, input)
 
 
 def rs_returns_instead(output, input):

@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from companion import collectives, launch
+from companion.compat import reduce_scatter_tensor
 from companion.collectives import Traffic
 
 LENGTHS = [1, 2, 3, 5, 12, 1001]
@@ -94,7 +95,7 @@ def _scatter_gather(rank, world_size, shard):
     ours, theirs = torch.empty(shard), torch.empty(shard)
     rs = Traffic()
     collectives.ring_reduce_scatter(ours, full, stats=rs)
-    dist.reduce_scatter_single(theirs, full.clone())
+    reduce_scatter_tensor(theirs, full.clone())
     in_place = full.clone()
     collectives.ring_reduce_scatter(in_place.view(world_size, -1)[rank], in_place)
     gathered, expected, ag = torch.empty(world_size * shard), torch.empty(world_size * shard), \

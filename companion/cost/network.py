@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from companion import collectives
+from companion.compat import all_gather_tensor, reduce_scatter_tensor
 
 __all__ = ["fit_alpha_beta", "fit_all_reduce", "residuals", "all_reduce_seconds",
            "reduce_scatter_seconds", "all_gather_seconds", "exposed_seconds", "best_bucket_count",
@@ -193,8 +194,7 @@ def time_collectives(rank: int, world_size: int, sizes: Sequence[int],
     torch's all_reduce, reduce-scatter and all-gather of a tensor of each size (bytes of float32,
     the whole tensor), all interleaved in rounds after a warm-up round. A transport's collectives
     need not follow the ring formulas (gloo's reduce-scatter does not): fit each one on its own."""
-    scatter = (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
-    gather = (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
+    scatter, gather = reduce_scatter_tensor, all_gather_tensor
     calls = []
     for kind in COLLECTIVES:
         for nbytes in sizes:

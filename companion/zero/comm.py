@@ -33,14 +33,9 @@ import torch.distributed as dist
 
 from companion import collectives
 from companion.collectives import Traffic
+from companion.compat import all_gather_tensor, reduce_scatter_tensor
 
 __all__ = ["Comm", "count_collectives"]
-
-
-def _torch_collective(new: str, old: str):
-    """torch 2.13 renamed all_gather_into_tensor/reduce_scatter_tensor to *_single; looked up at
-    each call, so that a patched dist (a byte counter) sees ours too."""
-    return getattr(dist, new, None) or getattr(dist, old)
 
 
 class _Done:
@@ -87,8 +82,7 @@ class Comm:
             collectives.ring_all_gather(full, shard, self.group,
                                         stats=self.traffic if count else None)
             return _Done()
-        gather = _torch_collective("all_gather_single", "all_gather_into_tensor")
-        work = gather(full, shard, group=self.group, async_op=async_op)          # collective
+        work = all_gather_tensor(full, shard, group=self.group, async_op=async_op)  # collective
         return work if async_op else _Done()
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, *, async_op: bool = False):
@@ -97,8 +91,8 @@ class Comm:
         if self.ring:
             collectives.ring_reduce_scatter(shard, full, self.group, stats=self.traffic)
             return _Done()
-        scatter = _torch_collective("reduce_scatter_single", "reduce_scatter_tensor")
-        work = scatter(shard, full, group=self.group, async_op=async_op)         # collective
+        work = reduce_scatter_tensor(shard, full, group=self.group,
+                                     async_op=async_op)                          # collective
         return work if async_op else _Done()
 
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False):
