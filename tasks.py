@@ -4,6 +4,7 @@
     python3 tasks.py lab         # set up, create your workbook, open it in JupyterLab
     python3 tasks.py test        # set up, run the unit tests and execute every notebook under nbval
     python3 tasks.py reset 01    # a fresh workbook for chapter 01; the old one is kept as a backup
+    python3 tasks.py gpu         # on a GPU machine: record every chapter (no setup, no pip)
 
 `test` includes the browser tests in tests/browser (JupyterLab driven by Chromium), which are
 skipped, with the reason, where /usr/bin/chromium is missing.
@@ -120,11 +121,25 @@ def reset(args: list[str]) -> int:
     return subprocess.run([str(PYTHON), "-m", "companion", "reset", *args], cwd=ROOT).returncode
 
 
+def gpu(args: list[str]) -> int:
+    """The whole GPU session (`python -m companion record --session`) with the Python that runs
+    this script and the package from this folder: no virtual environment, no setup, no pip, so it
+    runs on a machine with no network and no Jupyter. Extra arguments go to the session
+    (`--budget-seconds 300`, `--chapters 04 05`)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "companion", "record", "--session", *args]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env).returncode
+
+
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("lab", "test", "reset"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("lab", "test", "reset", "gpu"):
         print(__doc__)
         return 2
     command, rest = sys.argv[1], sys.argv[2:]
+    if command == "gpu":
+        return gpu(rest)                  # before setup: a GPU machine has no network
     setup(dev=command == "test")
     if command == "lab":
         lab(rest)

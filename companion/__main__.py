@@ -97,6 +97,16 @@ def _record(args) -> int:
         print(f"no recorded experiment for chapter(s) {', '.join(unknown)}; choose from "
               f"{' '.join(CHAPTERS)}", file=sys.stderr)
         return 2
+    if args.session:
+        if device.type == "cpu" and args.out is None:
+            print("a session on the CPU is a dry run at the smoke sizes: pass --out FOLDER for its "
+                  "results file (course/results holds GPU runs only)", file=sys.stderr)
+            return 2
+        from companion.record.session import session
+        summary = session(device, budget_seconds=args.budget_seconds, out=args.out,
+                          chapters=args.chapters)
+        print(summary.table())
+        return 1 if summary.failed else 0
     if args.smoke:
         rows = smoke(device, chapters=args.chapters)
         failed = [name for name, passed, _, _ in rows if not passed]
@@ -171,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder of the results file (default course/results; required on cpu)")
     p.add_argument("--smoke", action="store_true",
                    help="check in about a minute that every device code path runs; writes nothing")
+    p.add_argument("--session", action="store_true",
+                   help="the whole GPU session: smoke check, GPU tests, every chapter, within "
+                        "--budget-seconds (on cpu: a dry run at the smoke sizes)")
+    p.add_argument("--budget-seconds", type=float, default=540.0,
+                   help="the session's wall-clock budget (default 540)")
     p.set_defaults(run=_record)
 
     p = sub.add_parser("train", add_help=False,

@@ -2,6 +2,8 @@
 and the smoke run. Every file goes to a tmp folder: nothing here writes into course/results."""
 import datetime
 import json
+import os
+import pathlib
 
 import pytest
 import torch
@@ -163,3 +165,56 @@ def test_a_gpu_run_of_one_chapter(tmp_path):
     assert failed == {} and saved["device"] == "cuda" and saved["cuda"] == torch.version.cuda
     assert saved["size_class_gb"] in (None, 16, 24, 40, 80)
     assert results.recorded("01", results_dir=tmp_path)[0]["machine"] == saved["machine"]
+
+
+# ---------------------------------------------------------------- the GPU session, dry run on the CPU
+
+def test_the_session_goes_past_a_failing_chapter_and_skips_what_does_not_fit(tmp_path, monkeypatch):
+    from companion.record import runner, session as S
+
+    def broken(S_, device, repeats):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setitem(runner.CHAPTERS, "02", broken)
+    summary = S.session("cpu", out=tmp_path, chapters=["01", "02", "03"], checks=False,
+                        tests=False, progress=False)
+    status = {s.name: s.status for s in summary.stages}
+    assert status == {"01": "ok", "02": "FAILED", "03": "ok"}
+    assert "illegal memory access" in summary.failed[0].detail and "Traceback" in \
+        summary.failed[0].detail
+    assert "--- 02 FAILED ---" in summary.table()
+    tight = S.session("cpu", out=tmp_path, chapters=["01", "03"], checks=False, tests=False,
+                      budget_seconds=5.0, progress=False)           # each is expected to take 15 s
+    assert [(s.name, s.status) for s in tight.stages] == [("01", "skipped"), ("03", "skipped")]
+    assert "expected 15 s, 5 s left" in tight.stages[0].detail
+
+
+_NO_JUPYTER = '''
+import importlib.abc, sys
+class _Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"IPython", "ipykernel", "ipywidgets", "jupyter_client",
+                                  "jupyterlab", "nbclient", "nbformat", "nbval", "notebook"}:
+            raise ImportError(f"{name} is not installed on a GPU machine")
+sys.meta_path.insert(0, _Absent())
+'''
+
+
+def test_tasks_gpu_dry_runs_the_whole_session_without_setup_and_without_jupyter(tmp_path):
+    """What `python3 tasks.py gpu` runs on a GPU machine (torch, numpy, matplotlib, tqdm and
+    pytest; no Jupyter, no network), here at the smoke sizes: CI runs it, so a change that breaks
+    the GPU session fails here first."""
+    import subprocess
+    import sys
+    (tmp_path / "sitecustomize.py").write_text(_NO_JUPYTER)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(repo / "tasks.py"), "gpu", "--device", "cpu",
+                           "--out", str(tmp_path / "out")],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for stage in ["smoke", "tests", *CHAPTERS]:
+        assert f"  {stage:<8} ok " in done.stdout, done.stdout[-3000:]
+    assert "== " not in done.stdout                    # no setup step ran
+    saved = json.loads(next((tmp_path / "out").glob("*.json")).read_text())
+    validate(saved)
+    assert sorted(saved["chapters"]) == sorted(CHAPTERS)
