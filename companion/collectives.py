@@ -26,7 +26,6 @@ posted together (`batch_isend_irecv`, which NCCL needs to pair them).
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist
@@ -212,15 +211,18 @@ def time_all_reduce(rank: int, world_size: int, impl: str, numel: int,
     """A worker for `launch.run`: best seconds of `repeats` all-reduces of `numel` float32, and
     one call's traffic. impl: "ring", "naive" (ours) or "gloo" (dist.all_reduce)."""
     run = {"ring": ring_all_reduce, "naive": naive_all_reduce}.get(impl)
-    tensor = torch.ones(numel)                                            # 4·numel bytes
+    from companion.cost.clock import now                 # companion.cost imports this module
+    from companion.launch import rank_device
+    device = rank_device()
+    tensor = torch.ones(numel, device=device)                             # 4·numel bytes
     best, traffic = float("inf"), Traffic()
     for i in range(repeats + 1):                                          # +1: a warm-up call
         dist.barrier()                                                    # start together
-        start = time.perf_counter()
+        start = now(device)                                               # host-device sync
         if run is None:
             dist.all_reduce(tensor)
         else:
             run(tensor, stats=traffic if i == 0 else None)
         if i:
-            best = min(best, time.perf_counter() - start)
+            best = min(best, now(device) - start)                         # host-device sync
     return best, traffic

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from companion.memory import track
+from companion.cost.clock import now
 
 __all__ = ["DataParallel", "StepReport", "PHASES"]
 
@@ -125,10 +125,10 @@ class _Clock:
         return self
 
     def __enter__(self) -> None:
-        self.start = time.perf_counter()
+        self.start = now(None)                     # every GPU's queued work done (a sync)
 
     def __exit__(self, *exc) -> None:
-        self.seconds[self.phase] += time.perf_counter() - self.start
+        self.seconds[self.phase] += now(None) - self.start   # host-device sync, every GPU
 
 
 class _count_saved(torch.autograd.graph.saved_tensors_hooks):

@@ -48,7 +48,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["run", "WorkerError", "WorkerTimeout", "pick_backend", "load_ipython_extension"]
+__all__ = ["run", "WorkerError", "WorkerTimeout", "pick_backend", "rank_device",
+           "load_ipython_extension"]
 
 _CONTEXT = "forkserver"
 _PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel",
@@ -73,6 +74,13 @@ class WorkerTimeout(TimeoutError):
                           for r, s in stacks.items() if s)
         super().__init__(f"rank(s) {ranks} still running after {timeout:g} s and were ended: a "
                          "collective or recv that the other ranks never matched?\n" + where)
+
+
+def rank_device() -> torch.device:
+    """Inside a rank: its GPU under NCCL (`run` gives each rank its own), else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def pick_backend(world_size: int) -> str:

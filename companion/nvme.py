@@ -108,14 +108,14 @@ class NVMeOffloadOptimizer(CPUOffloadOptimizer):
             for group in _group_indices(self.param_groups):
                 chosen = [i for i in group if i in wanted and self._has_grad[i]]
                 if chosen:
-                    start = time.perf_counter()
+                    start = time.perf_counter()  # host clock
                     self._page_in(chosen)          # 1. disk -> RAM
-                    middle = time.perf_counter()
+                    middle = time.perf_counter()  # host clock
                     super()._update(chosen)        # 2. step, copy the weights up
-                    end = time.perf_counter()
+                    end = time.perf_counter()  # host clock
                     self._page_out(chosen)         # 3. RAM -> disk
                     self._times["page_in"] += middle - start
-                    self._times["page_out"] += time.perf_counter() - end
+                    self._times["page_out"] += time.perf_counter() - end  # host clock
         except BaseException:
             self.close()                           # a failed step leaves no files behind
             raise

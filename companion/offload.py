@@ -40,6 +40,7 @@ import torch
 
 from companion.activation_offload import (OffloadActivations, can_pin, offload_activations,
                                           to_device, to_host)
+from companion.cost.clock import now
 from companion.placement import on_host
 
 __all__ = ["to_host", "to_device", "CPUOffloadOptimizer", "OffloadActivations",
@@ -172,7 +173,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _copy_down(self, i: int, p: torch.Tensor) -> None:
         """Runs inside backward when p.grad is complete: move it to the host, free it here."""
-        start, host, grad = time.perf_counter(), self._grads[i], p.grad
+        start, host, grad = time.perf_counter(), self._grads[i], p.grad  # host clock
         if grad is None:
             raise RuntimeError(f"parameter {i} has no gradient when this optimizer's hook runs: "
                                "another CPUOffloadOptimizer on the same parameters moved it first. "
@@ -190,7 +191,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             grad.record_stream(self._stream)       # not reused before the copy has read it
         self._has_grad[i] = True
         p.grad = None                              # the device keeps only the weights
-        self._times["copy_down"] += time.perf_counter() - start
+        self._times["copy_down"] += time.perf_counter() - start  # host clock
 
     def _wait(self) -> None:
         if self._stream is not None:
@@ -203,9 +204,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        start = time.perf_counter()
+        start = time.perf_counter()  # host clock
         self._wait()                               # 1. every gradient is on the host
-        self._times["wait"] += time.perf_counter() - start
+        self._times["wait"] += time.perf_counter() - start  # host clock
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})   # lr schedules
         self._update(list(range(len(self._params))))                 # 2. and 3.
@@ -216,12 +217,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _update(self, indices: list[int]) -> None:
         """Step the host optimizer over the masters in `indices` that have a gradient, and copy
         those weights up to the device."""
-        start, chosen = time.perf_counter(), set(indices)
+        start, chosen = time.perf_counter(), set(indices)  # host clock
         for i, (master, grad) in enumerate(zip(self.master_params, self._grads)):
             master.grad = grad if i in chosen and self._has_grad[i] else None   # None: skipped
         with on_host():
             self.optimizer.step()                  # on the CPU: fused AdamW when available
-        middle = time.perf_counter()
+        middle = time.perf_counter()  # host clock
         if self._stream is not None:               # kernels still reading the weights go first
             self._stream.wait_stream(torch.cuda.current_stream(self._params[0].device))
         for i in [i for i in indices if self._has_grad[i]]:
@@ -235,7 +236,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if self.profile:
                 self._wait()                       # host-device sync, for honest timings
         self._times["host_step"] += middle - start
-        self._times["copy_up"] += time.perf_counter() - middle
+        self._times["copy_up"] += time.perf_counter() - middle  # host clock
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -295,23 +296,18 @@ def step_phases(loss_fn: Callable[[], torch.Tensor], optimizer: torch.optim.Opti
     (the syncs remove the overlap between phases that real training has), no per-kernel view."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    cuda = torch.device(device).type == "cuda" if device is not None else False
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    device = device if device is not None else "cpu"
     times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
     for n in range(steps + 1):
-        sync()                                     # host-device sync around each phase
-        t0 = time.perf_counter()
+        t0 = now(device)                           # host-device sync around each phase
         loss = loss_fn()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss_fn must return the loss tensor, got {type(loss).__name__}")
-        sync()
-        t1 = time.perf_counter()
+        t1 = now(device)
         loss.backward()
-        sync()
-        t2 = time.perf_counter()
+        t2 = now(device)
         optimizer.step()
-        sync()
-        t3 = time.perf_counter()
+        t3 = now(device)
         optimizer.zero_grad()
         if n:                                      # the first step is the warm-up
             for name, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):

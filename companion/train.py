@@ -25,7 +25,6 @@ import dataclasses
 import gc
 import os
 import statistics
-import time
 from datetime import timedelta
 
 import torch
@@ -38,6 +37,7 @@ from companion import ddp
 from companion.memory import format_bytes, track
 from companion.models import GPT, make_tokens
 from companion.zero import FSDP, ShardedOptimizer
+from companion.cost.clock import now
 
 __all__ = ["TrainConfig", "train", "worker", "parse", "main", "report_table", "backend_for"]
 
@@ -148,11 +148,9 @@ def train(config: TrainConfig) -> dict:
             if comm is not None:
                 comm.reset()
             dist.barrier()
-            start = time.perf_counter()
+            start = now(device)                                       # host-device sync
             losses.append(_step(config, net, optimizer, finish, batches, device))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)                        # host-device sync
-            seconds.append(time.perf_counter() - start)
+            seconds.append(now(device) - start)                       # host-device sync
     states = tracker.breakdown("current")
     return {"rank": rank, "world_size": world, "peak": tracker.peak,
             "model_states": states["parameters"] + states["gradients"] + states["optimizer_state"],

@@ -10,7 +10,6 @@ Example:
 """
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -19,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from companion.attention.flash import FlashAttentionTorch
 from companion.attention.naive import naive_attention
+from companion.cost.clock import now
 from companion.memory import track
 
 __all__ = ["KINDS", "available", "attention_fn", "attention_memory", "attention_seconds",
@@ -94,17 +94,14 @@ def attention_seconds(kinds: list[str], T: int, *, repeats: int = 5, batch: int 
     kind per round, so a slow spell of the machine hits all of them), after one warm-up each."""
     device = torch.device(device)
     q, k, v = _inputs(T, batch, heads, head_dim, dtype, device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fns = {kind: attention_fn(kind, block=block) for kind in kinds}
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_ in range(repeats + 1):
         for kind, fn in fns.items():
-            sync()
-            start = time.perf_counter()
+            start = now(device)                          # host-device sync, then the clock
             fn(q, k, v, causal).backward(torch.ones(q.shape, device=device, dtype=dtype))
-            sync()
             if round_:                                   # round 0 warms up
-                times[kind].append(time.perf_counter() - start)
+                times[kind].append(now(device) - start)  # host-device sync
             q.grad = k.grad = v.grad = None
     return times
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from typing import Callable, Sequence
 
 import torch
 
 from companion.memory import track
+from companion.cost.clock import now
 
 __all__ = ["predicted_activation_units", "predicted_activation_bytes", "segments_for_budget",
            "sqrt_segments", "predicted_time_ratio", "SegmentRun", "profile_segments"]
@@ -87,7 +87,6 @@ def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
     of each count's runs is kept, with the fastest and slowest.
     """
     device = torch.device(device) if device is not None else None
-    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     trackers = {}
     for segments in counts:
         step(segments)                                          # warm-up
@@ -96,11 +95,9 @@ def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
     times: dict[int, list[float]] = {segments: [] for segments in counts}
     for _ in range(repeats):
         for segments in counts:                                 # interleaved: one of each
-            sync()                                              # host-device sync
-            start = time.perf_counter()
+            start = now(device)                                 # host-device sync
             step(segments)
-            sync()                                              # host-device sync
-            times[segments].append(time.perf_counter() - start)
+            times[segments].append(now(device) - start)         # host-device sync
     return [SegmentRun(s, trackers[s].peak, _saved_peak(trackers[s].timeline()),
                        statistics.median(times[s]), min(times[s]), max(times[s])) for s in counts]
 

@@ -3,6 +3,7 @@
 The course counts bytes exactly; a practitioner choosing between DDP, ZeRO-1/2/3, accumulation and
 offload also needs to know how much slower each is. This package is the one home for time:
 
+- `clock`: the package's one timer of device work (a host-device sync on both ends);
 - `stats`: medians of interleaved repeats, a bootstrap interval of a ratio, a rank test, and
   the verdict "faster", "slower" or "no difference detected" (`compare`);
 - `network`: the α–β model of communication (ring all-reduce, reduce-scatter, all-gather, the

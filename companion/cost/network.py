@@ -28,7 +28,6 @@ bandwidth for a log(N) latency term at small messages).
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Sequence
 
 import torch
@@ -36,6 +35,8 @@ import torch.distributed as dist
 
 from companion import collectives
 from companion.compat import all_gather_tensor, reduce_scatter_tensor
+from companion.cost.clock import now
+from companion.launch import rank_device
 
 __all__ = ["fit_alpha_beta", "fit_all_reduce", "residuals", "all_reduce_seconds",
            "reduce_scatter_seconds", "all_gather_seconds", "exposed_seconds", "best_bucket_count",
@@ -170,18 +171,19 @@ def time_all_reduce_sizes(rank: int, world_size: int, impl: str, sizes: Sequence
     every=True: each size's list of `repeats` times (the slowest rank's per call) instead."""
     run = {"ring": collectives.ring_all_reduce, "naive": collectives.naive_all_reduce,
            "gloo": dist.all_reduce}[impl]
-    tensors = [torch.ones(max(nbytes // 4, 1)) for nbytes in sizes]
+    device = rank_device()
+    tensors = [torch.ones(max(nbytes // 4, 1), device=device) for nbytes in sizes]
     times: list[list[float]] = [[] for _ in sizes]
     for r in range(repeats + 1):                                          # round 0: warm-up
         order = list(range(len(sizes)))
         order = order[r % len(order):] + order[:r % len(order)]
         for k in order:
             dist.barrier()                                                # start together
-            start = time.perf_counter()
+            start = now(device)                                           # host-device sync
             run(tensors[k])                                               # collective
             if r:
-                times[k].append(time.perf_counter() - start)
-    slowest = torch.tensor(times, dtype=torch.float64)
+                times[k].append(now(device) - start)                      # host-device sync
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)                        # collective
     if every:
         return slowest.tolist()
@@ -195,11 +197,11 @@ def time_collectives(rank: int, world_size: int, sizes: Sequence[int],
     the whole tensor), all interleaved in rounds after a warm-up round. A transport's collectives
     need not follow the ring formulas (gloo's reduce-scatter does not): fit each one on its own."""
     scatter, gather = reduce_scatter_tensor, all_gather_tensor
-    calls = []
+    calls, device = [], rank_device()
     for kind in COLLECTIVES:
         for nbytes in sizes:
             n = max(nbytes // 4 // world_size, 1) * world_size
-            full, shard = torch.ones(n), torch.ones(n // world_size)
+            full, shard = torch.ones(n, device=device), torch.ones(n // world_size, device=device)
             calls.append((kind, {"all_reduce": lambda f=full: dist.all_reduce(f),
                                  "reduce_scatter": lambda f=full, s=shard: scatter(s, f),
                                  "all_gather": lambda f=full, s=shard: gather(f, s)}[kind]))
@@ -208,11 +210,11 @@ def time_collectives(rank: int, world_size: int, sizes: Sequence[int],
         order = list(range(len(calls)))
         for i in order[r % len(order):] + order[:r % len(order)]:
             dist.barrier()                                                # start together
-            start = time.perf_counter()
+            start = now(device)                                           # host-device sync
             calls[i][1]()                                                 # collective
             if r:
-                times[i].append(time.perf_counter() - start)
-    slowest = torch.tensor(times, dtype=torch.float64)
+                times[i].append(now(device) - start)                      # host-device sync
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)                        # collective
     rows = slowest.tolist()
     return {kind: rows[j * len(sizes):(j + 1) * len(sizes)] for j, kind in enumerate(COLLECTIVES)}

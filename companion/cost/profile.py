@@ -37,6 +37,7 @@ import torch
 from companion.cost import network
 from companion.cost.stats import spread
 from companion.cost.speeds import Speeds
+from companion.cost.clock import now
 
 __all__ = ["Measured", "DeviceProfile", "calibrate"]
 
@@ -168,22 +169,15 @@ def _name(dtype: torch.dtype | str) -> str:
     return names.get(dtype, dtype)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)                              # host-device sync
-
-
 def _times(fn: Callable[[], Any], device: torch.device, repeats: int, inner: int = 1) -> list[float]:
     """Seconds per call of fn, `repeats` times (each the mean of `inner` calls), after a warm-up."""
     fn()
-    _sync(device)
     out = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now(device)                                         # host-device sync
         for _ in range(inner):
             fn()
-        _sync(device)
-        out.append((time.perf_counter() - start) / inner)
+        out.append((now(device) - start) / inner)                   # host-device sync
     return out
 
 
@@ -380,10 +374,10 @@ def _sharing_worker(rank: int, world_size: int, repeats: int) -> tuple[list, lis
 
     def timed(fn, who=None):
         dist.barrier()
-        start = time.perf_counter()
+        start = now("cpu")                                 # this worker runs on the CPU
         if who is None or rank == who:
             fn()
-        seconds = time.perf_counter() - start
+        seconds = now("cpu") - start
         dist.barrier()
         return seconds
 
@@ -448,7 +442,7 @@ def calibrate(device: torch.device | str | None = None, *, threads: int | None =
     this machine run, sharing its caches and memory bandwidth (rank 0's figures are kept)."""
     from companion.device import describe, pick_device
 
-    start = time.perf_counter()
+    start = time.perf_counter()                                     # host clock
     device = pick_device() if device is None else torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("calibrate('cuda') needs a CUDA device; this torch sees none")
@@ -483,6 +477,7 @@ def calibrate(device: torch.device | str | None = None, *, threads: int | None =
         return DeviceProfile(device=str(device), name=str(describe(device).get("name")),
                              threads=threads_used, alpha=alpha, beta=beta, collectives=curves,
                              shared_compute=shared, overlap=overlap,
-                             seconds=time.perf_counter() - start, **parts)
+                             seconds=time.perf_counter() - start,  # host clock
+                             **parts)
     finally:
         torch.set_num_threads(old_threads)

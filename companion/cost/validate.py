@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from typing import Sequence
 
 import torch
@@ -26,6 +25,7 @@ from torch import nn
 
 from companion.cost import step as model
 from companion.cost.step import Speeds, StepTime
+from companion.cost.clock import now
 
 __all__ = ["CONFIGS", "predict", "measure", "validate"]
 
@@ -138,10 +138,10 @@ def measure(rank: int, world_size: int, configs: Sequence[dict], rounds: int = 7
         order = list(range(len(configs)))
         for i in order[r % len(order):] + order[:r % len(order)]:
             dist.barrier()                                              # start together
-            start = time.perf_counter()
+            start = now("cpu")                  # the validation runs on CPU ranks (gloo)
             steps[i]()
             if r:
-                times[i][r - 1] = time.perf_counter() - start
+                times[i][r - 1] = now("cpu") - start
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)                      # collective
     return slowest.tolist()

@@ -114,6 +114,7 @@ class DDP(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.stats, self.last_times = SyncStats(), BucketTimes()
         self._sync, self._pending, self._next, self._t0 = True, False, 0, 0.0
+        self._clock = _Marks(any(p.is_cuda for p in module.parameters()))
         broadcast_parameters(module, process_group)                       # 1. same start
         trainable = [p for p in module.parameters() if p.requires_grad]   # shared ones once
         self.buckets = _make_buckets(trainable[::-1], int(bucket_cap_mb * 2**20))  # 2. buckets
@@ -131,7 +132,7 @@ class DDP(nn.Module):
         if self.gradient_as_bucket_view:
             self._point_grads_into_buckets()
         if self._sync:
-            self._t0, self.last_times = time.perf_counter(), BucketTimes()
+            self._t0, self.last_times = self._clock.mark(), BucketTimes()
         return self.module(*args, **kwargs)
 
     def _point_grads_into_buckets(self) -> None:
@@ -161,7 +162,7 @@ class DDP(nn.Module):
         if not self._sync:
             return
         self._pending = True
-        self.last_times.backward_end = time.perf_counter() - self._t0
+        self.last_times.backward_end = self._clock.mark()       # a mark: seconds in finish
         self._bucket_of[param].ready.add(param)
         while self._next < len(self.buckets) and self._is_full(self.buckets[self._next]):
             self._launch(self.buckets[self._next])      # in bucket order, the same on every rank
@@ -179,14 +180,14 @@ class DDP(nn.Module):
                 view.copy_(param.grad.reshape(-1))      # the copy a bucket view avoids
         bucket.flat.div_(self.world_size)               # average = sum of (grad / N)
         nbytes = bucket.flat.numel() * bucket.flat.element_size()
-        times = [bucket.index, nbytes, time.perf_counter() - self._t0, None]   # launched now
+        times = [bucket.index, nbytes, self._clock.mark(), None]   # launched now
         bucket.work = dist.all_reduce(bucket.flat, group=self.process_group,
                                       async_op=True)    # collective, asynchronous
         self.stats.all_reduces += 1
         self.stats.bytes += nbytes
         self.last_times.buckets.append(times)
-        bucket.work.get_future().then(                  # runs when the all-reduce completes
-            lambda _: times.__setitem__(3, time.perf_counter() - self._t0))
+        bucket.work.get_future().then(                  # runs when the all-reduce completes;
+            lambda _: times.__setitem__(3, self._clock.mark()))   # on CUDA, on NCCL's stream
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all-reduce and write the averages into `param.grad`."""
@@ -204,6 +205,35 @@ class DDP(nn.Module):
             bucket.ready.clear()
             bucket.work = None
         self._pending, self._next = False, 0
+        self._clock.resolve(self.last_times, self._t0)
+
+
+class _Marks:
+    """Points in time for `BucketTimes`. On the CPU, the host clock. On CUDA, events recorded on
+    the current stream: the host clock there would time launches (kernels and NCCL's all-reduces
+    are queued, not done, when a call returns), and an all-reduce's `.then()` callback runs as
+    soon as the collective is queued, with NCCL's stream current, so an event recorded in it
+    completes when the all-reduce does. `resolve` turns marks into seconds after a sync."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()                  # host clock: CPU work is synchronous
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()                                  # on the current stream
+        return event
+
+    def resolve(self, times: BucketTimes, t0) -> None:
+        """Replace every mark in `times` by its seconds since `t0`."""
+        if self.cuda:
+            torch.cuda.synchronize()                    # host-device sync: every event done
+        since = (lambda m: t0.elapsed_time(m) / 1000) if self.cuda else (lambda m: m - t0)
+        times.backward_end = since(times.backward_end)
+        for row in times.buckets:
+            row[2] = since(row[2])
+            row[3] = since(row[3]) if row[3] is not None else None   # callback not run yet
 
 
 def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:

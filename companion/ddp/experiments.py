@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from companion.ddp.core import DDP, average_gradients, broadcast_parameters
+from companion.cost.clock import now
+from companion.launch import rank_device
 
 __all__ = ["time_training_step", "profile_buckets", "step_memory"]
 
@@ -25,7 +26,7 @@ def time_training_step(rank: int, world_size: int, impl: str, width: int, depth:
     ("times", for `companion.cost.stats.compare`), and the bytes all-reduced per step.
     impl: "ours", "torch" or "naive"."""
     torch.manual_seed(0)
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
     model.to(device)
     if impl == "ours":
@@ -40,7 +41,7 @@ def time_training_step(rank: int, world_size: int, impl: str, width: int, depth:
     seconds = []
     for _ in range(steps + 1):
         dist.barrier()
-        start = time.perf_counter()
+        start = now(device)                                               # host-device sync
         for i in range(micro_steps):
             skip = use_no_sync and i < micro_steps - 1 and impl != "naive"
             with wrapped.no_sync() if skip else contextlib.nullcontext():
@@ -51,9 +52,7 @@ def time_training_step(rank: int, world_size: int, impl: str, width: int, depth:
             average_gradients(model)
         optimizer.step()
         optimizer.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)                                # host-device sync
-        seconds.append(time.perf_counter() - start)
+        seconds.append(now(device) - start)                               # host-device sync
     sent = wrapped.stats.bytes / (steps + 1) if impl == "ours" else None
     return {"seconds": statistics.median(seconds[1:]), "fastest": min(seconds[1:]),
             "slowest": max(seconds[1:]), "times": seconds[1:], "all_reduce_bytes": sent}
@@ -75,12 +74,13 @@ def profile_buckets(rank: int, world_size: int, width: int, depth: int, batch: i
         return nn.Sequential(*[m for _ in range(depth)
                                for m in (nn.Linear(width, width, bias=False), nn.ReLU())])
 
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
-    model = make_model()
+    device = rank_device()
+    x, y = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
+    model = make_model().to(device)
     out = {"gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
            "parameters": len(list(model.parameters())), "caps": {}}
     for cap in caps_mb:
-        model = make_model()                       # a fresh one: DDP's hooks stay on a model
+        model = make_model().to(device)            # a fresh one: DDP's hooks stay on a model
         wrapped = DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
         steps_s, backward_s = _timed_steps(wrapped, optimizer, x, y, steps + 1)
@@ -93,9 +93,9 @@ def profile_buckets(rank: int, world_size: int, width: int, depth: int, batch: i
     for _ in range(steps):
         with wrapped.no_sync():
             loss = nn.functional.mse_loss(wrapped(x), y)
-            start = time.perf_counter()
+            start = now(device)                                           # host-device sync
             loss.backward()
-            local.append(time.perf_counter() - start)
+            local.append(now(device) - start)                             # host-device sync
         optimizer.zero_grad()
     out["backward_seconds"] = statistics.median(local)
     out["backward_alone"] = local
@@ -108,15 +108,15 @@ def _timed_steps(wrapped: DDP, optimizer, x: torch.Tensor, y: torch.Tensor,
     seconds, backward = [], []
     for _ in range(steps):
         dist.barrier()                                                    # start together
-        start = time.perf_counter()
+        start = now(x.device)                                             # host-device sync
         loss = nn.functional.mse_loss(wrapped(x), y)
-        before = time.perf_counter()
+        before = now(x.device)                                            # host-device sync
         loss.backward()                            # buckets launch from the hooks in here
-        backward.append(time.perf_counter() - before)
+        backward.append(now(x.device) - before)                           # host-device sync
         wrapped.finish_gradient_synchronization()
         optimizer.step()
         optimizer.zero_grad()                      # the next forward points .grad into buckets
-        seconds.append(time.perf_counter() - start)
+        seconds.append(now(x.device) - start)                             # host-device sync
     return seconds, backward
 
 

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import statistics
 import textwrap
-import time
 from typing import Callable, Iterable
 
 import torch
@@ -32,6 +31,7 @@ from companion.models import make_tokens
 from companion.plan.predict import CostModel, Prediction, predict_memory, predict_seconds
 from companion.plan.space import EXACT, Candidate, GPTShape, candidates
 from companion.plan.training import build, simulate, train_step
+from companion.cost.clock import now
 
 __all__ = ["NothingFits", "Row", "Plan", "RunReport", "plan", "run_plan", "token_batches"]
 
@@ -172,12 +172,10 @@ def run_plan(model_fn: Callable[..., nn.Module], cand: Candidate, batch: int, st
     with memory_budget(limit, device), track(device) as tracker:
         setup = build(model_fn, cand, world_size=world_size, device=device, lr=lr)
         for x, y in batches:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)                          # host-device sync
-            start = time.perf_counter()
+            start = now(device)                                         # host-device sync
             loss = train_step(setup, x[mine].to(device), y[mine].to(device))
             losses.append(float(loss))                                  # host-device sync
-            seconds.append(time.perf_counter() - start)
+            seconds.append(now(device) - start)
         del setup
     return RunReport(losses, tracker.peak, tracker.host_peak,
                      statistics.median(seconds[1:] or seconds), limit)

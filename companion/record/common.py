@@ -7,10 +7,10 @@ Example:
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable
 
 import torch
+from companion.cost.clock import now
 
 __all__ = ["median_seconds", "SizesRead"]
 
@@ -19,16 +19,12 @@ def median_seconds(fn: Callable[[], object], *, repeats: int,
                    device: torch.device | str) -> float:
     """Median wall seconds of `repeats` calls of `fn` after one warm-up call; on CUDA each call
     sits between two synchronizations, so the time is the device's, not the launch's."""
-    cuda = torch.device(device).type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()                                                    # warm-up: kernels, caches, state
     times = []
     for _ in range(max(1, repeats)):
-        sync()                                              # host-device sync
-        start = time.perf_counter()
+        start = now(device)                                 # host-device sync
         fn()
-        sync()                                              # host-device sync
-        times.append(time.perf_counter() - start)
+        times.append(now(device) - start)                   # host-device sync
     return statistics.median(times)
 
 

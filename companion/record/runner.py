@@ -111,7 +111,7 @@ def record(chapters: list[str] | None = None, *, device: torch.device | str,
     for chapter in bar:
         bar.set_postfix_str(f"chapter {chapter}")
         S = SizesRead(base_sizes or sizes(device))
-        start = time.perf_counter()
+        start = time.perf_counter()  # host clock
         try:
             run = CHAPTERS[chapter](S, device, repeats=repeats)
         except Exception as e:                  # one chapter's failure must not lose the others
@@ -121,7 +121,8 @@ def record(chapters: list[str] | None = None, *, device: torch.device | str,
             _release(device)
         today = datetime.date.today().isoformat()
         result["chapters"][chapter] = {"experiment": run["experiment"], "date": today,
-                                       "seconds": round(time.perf_counter() - start, 2),
+                                       "seconds": round(time.perf_counter() - start,  # host clock
+                                                        2),
                                        "sizes": dict(S.read), "measured": run["measured"],
                                        "predicted": run["predicted"]}
         result["date"] = today

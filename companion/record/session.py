@@ -122,14 +122,15 @@ def session(device: torch.device | str, *, budget_seconds: float = 540.0,
                                         f"expected {expected.get(name, 60.0):.0f} s, "
                                         f"{max(left(), 0):.0f} s left"))
             continue
-        began = time.perf_counter()
+        began = time.perf_counter()  # host clock
         try:
             status, detail = run()
         except Exception:                        # one stage's failure must not end the session
             status, detail = "FAILED", traceback.format_exc()
-        summary.stages.append(Stage(name, status, time.perf_counter() - began, detail))
+        seconds = time.perf_counter() - began   # host clock: a stage's wall time, syncs inside
+        summary.stages.append(Stage(name, status, seconds, detail))
         if progress:
-            print(f"{name}: {status} ({time.perf_counter() - began:.1f} s)", flush=True)
+            print(f"{name}: {status} ({seconds:.1f} s)", flush=True)
     return summary
 
 

@@ -198,12 +198,12 @@ def smoke(device: torch.device | str, *, chapters: list[str] | None = None,
         jobs[f"chapter {chapter}"] = lambda d, c=chapter: _chapter(CHAPTERS[c], c, d, validate)
     rows = []
     for name, fn in jobs.items():
-        start = time.perf_counter()
+        start = time.perf_counter()  # host clock
         try:
             row = (name, True, fn(device))
         except Exception as e:
             row = (name, False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}")
-        rows.append((row[0], row[1], time.perf_counter() - start, row[2]))
+        rows.append((row[0], row[1], time.perf_counter() - start, row[2]))  # host clock
         if progress:
             print(f"{'ok' if row[1] else 'FAILED':>6}  {name:<24} {rows[-1][2]:6.1f} s  {row[2]}",
                   flush=True)

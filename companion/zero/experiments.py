@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,8 @@ from companion.models import MLP
 from companion.zero.comm import Comm, count_collectives
 from companion.zero.fsdp import FSDP
 from companion.zero.optimizer import ShardedOptimizer
+from companion.cost.clock import now
+from companion.launch import rank_device
 
 __all__ = ["predicted_model_states", "stage_report", "imbalance_report", "fsdp_comparison",
            "traffic_with_accumulation", "fsdp_memory_report", "state_bytes", "count_collectives"]
@@ -47,10 +48,7 @@ def predicted_model_states(n_sharded: int, n_replicated: int = 0, *, stage: int,
 
 
 def _device() -> torch.device:
-    """This rank's GPU under NCCL (launch.run gives each rank its own), else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return rank_device()
 
 
 def _data(rank: int, world_size: int, width: int, batch: int, classes: int):
@@ -122,12 +120,12 @@ def stage_report(rank: int, world_size: int, stages: list[int], width: int, dept
             seconds = []
             for step in range(steps):
                 comm.reset()
-                start = time.perf_counter()
+                start = now(_device())                                   # host-device sync
                 F.cross_entropy(net(x), y).backward()
                 after_backward = _gradient_bytes(net, opt)
                 sync()
                 opt.step()
-                seconds.append(time.perf_counter() - start)
+                seconds.append(now(_device()) - start)                   # host-device sync
                 if step < steps - 1:
                     opt.zero_grad()              # the last step's gradients stay, to be measured
         kinds = t.breakdown("current")
@@ -239,12 +237,12 @@ def fsdp_comparison(rank: int, world_size: int, width: int, depth: int, batch: i
         for name, (net, opt) in runs.items():
             with count_collectives() as counter:
                 dist.barrier()
-                start = time.perf_counter()
+                start = now(_device())                                   # host-device sync
                 F.cross_entropy(net(x), y).backward()
                 if name == "ours":
                     net.finish_gradient_synchronization()
                 opt.step()
-                elapsed = time.perf_counter() - start
+                elapsed = now(_device()) - start                         # host-device sync
             if step:
                 seconds[name].append(elapsed)
                 payload[name] = dict(counter)
