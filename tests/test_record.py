@@ -218,3 +218,21 @@ def test_tasks_gpu_dry_runs_the_whole_session_without_setup_and_without_jupyter(
     saved = json.loads(next((tmp_path / "out").glob("*.json")).read_text())
     validate(saved)
     assert sorted(saved["chapters"]) == sorted(CHAPTERS)
+
+
+def test_chapter_01s_batch_sweep_leaves_out_a_workspace_made_on_the_first_matmul(monkeypatch):
+    """On a GPU, cuBLAS allocates its workspace on the first matmul and keeps it: emulated here by
+    a model whose first forward keeps a 1 MiB buffer. Batch 1 must not count it."""
+    from companion.record import basics
+    kept = []
+
+    class FirstCallKeepsAWorkspace(basics.MLP):
+        def forward(self, x):
+            if not kept:
+                kept.append(torch.empty(2**18))               # 1 MiB, alive from then on
+            return super().forward(x)
+    monkeypatch.setattr(basics, "MLP", FirstCallKeepsAWorkspace)
+    S = smoke.SMOKE_SIZES
+    run = basics.batch_activations(S, torch.device("cpu"))
+    measured = run["measured"]["activation_bytes"]
+    assert measured["x"][0] == 1 and measured["y"][0] == 1 * 3 * S.width * 4

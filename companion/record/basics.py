@@ -90,7 +90,8 @@ def batch_activations(S, device: torch.device, *, repeats: int = 1) -> dict:
     the batch size (tracked; the input batch is data, not counted), against B·3·width·4:
     activations grow with the batch, the weights do not."""
     mlp = MLP(64, S.width, 3, 10, device=device)
-    measured = {}
+    mlp(torch.randn(1, 64, device=device))    # warm-up: cuBLAS allocates its workspace once, on
+    measured = {}                             # the first matmul, and it would count at batch 1
     for b in [1, 8, S.batch, 4 * S.batch, 16 * S.batch]:
         x = torch.randn(b, 64, device=device)
         with track(device) as t:
