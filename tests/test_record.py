@@ -236,3 +236,22 @@ def test_chapter_01s_batch_sweep_leaves_out_a_workspace_made_on_the_first_matmul
     run = basics.batch_activations(S, torch.device("cpu"))
     measured = run["measured"]["activation_bytes"]
     assert measured["x"][0] == 1 and measured["y"][0] == 1 * 3 * S.width * 4
+
+
+def test_chapter_03_counts_adams_foreach_temporaries_as_on_a_gpu():
+    """torch.optim.Adam defaults to foreach on CUDA: its step holds √v of every tensor at once,
+    4 bytes per parameter, more than the activations the budget leaves room for at a GPU's widths.
+    Emulated on the CPU with foreach=True (the same code path) at such a width: the budget holds
+    the step, the prediction finds a batch, and measured peaks follow it."""
+    import dataclasses
+    from companion.record import basics
+    from companion.record.common import SizesRead
+    S = SizesRead(dataclasses.replace(sizes("cpu"), width=512, depth=4, batch=8))
+    run = basics.batch_memory(S, torch.device("cpu"), foreach=True)
+    measured, predicted = run["measured"], run["predicted"]
+    temporaries = basics.adam_temporaries(S, foreach=True)
+    assert temporaries > 6 * S.batch * (S.depth + 2) * S.width * 4    # the GPU case
+    assert abs(measured["largest_batch"] - predicted["largest_batch"]) <= 0.01 * \
+        predicted["largest_batch"]
+    for got, want in zip(measured["peak_bytes"]["y"], predicted["peak_bytes"]["y"]):
+        assert abs(got - want) <= 0.01 * want

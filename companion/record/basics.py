@@ -10,6 +10,8 @@ Example:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,7 @@ from companion.record.fit import gpt_step_bytes, mlp_step_bytes
 from companion.results import curve
 
 __all__ = ["anatomy", "anatomy_figures", "batch_activations", "activation_figures",
+           "adam_temporaries",
            "low_precision_sums", "sum_figures", "batch_memory", "batch_figures",
            "accumulation_peak"]
 
@@ -131,26 +134,36 @@ def sum_figures(values: torch.Tensor) -> dict:
             for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))}
 
 
+def adam_temporaries(S, *, foreach: bool, d_in: int = 32, classes: int = 10) -> int:
+    """Bytes Adam's step allocates beyond the model states for chapter 03's MLP: foreach (torch's
+    default on CUDA) takes √v of every tensor at once, 4 bytes per parameter; the per-tensor loop
+    (the CPU's default) holds two temporaries of the largest weight, width x width."""
+    if foreach:
+        return 4 * estimate.mlp_params(d_in, S.width, S.depth, classes)
+    return 2 * S.width * S.width * 4
+
+
 def accumulation_peak(S, batch: int, accum_steps: int = 1, *, d_in: int = 32,
-                      classes: int = 10) -> int:
+                      classes: int = 10, foreach: bool = False) -> int:
     """Chapter 03's prediction for an Adam step of the MLP (d_in, S.width, S.depth) on micro-batches
     of `batch`: in backward, weights, Adam state, one micro-batch's activations and two (b, width)
     gradients flowing back, plus the gradients when they accumulate; in the step, the model states
-    and two width x width temporaries. The larger of the two."""
+    and Adam's temporaries (`adam_temporaries`). The larger of the two."""
     states = estimate.model_states(estimate.mlp_params(d_in, S.width, S.depth, classes))
     grads_alive = states.grads if accum_steps > 1 else 0
     backward = (states.params + states.optimizer + grads_alive
                 + estimate.mlp_activations(batch, S.width, S.depth, classes)
                 + 2 * batch * S.width * 4)
-    return max(backward, states.total + 2 * S.width * S.width * 4)
+    return max(backward, states.total + adam_temporaries(S, foreach=foreach, d_in=d_in,
+                                                         classes=classes))
 
 
 def _largest_batch(make, X: torch.Tensor, Y: torch.Tensor, budget: int, *, start: int,
-                   device: torch.device) -> int:
+                   device: torch.device, foreach: bool) -> int:
     """`find_max_batch_size` of Adam steps of `make()` under `memory_budget(budget)`."""
     with memory_budget(budget, device):
         model = make()
-        opt = torch.optim.Adam(model.parameters())
+        opt = torch.optim.Adam(model.parameters(), foreach=foreach)
 
         def step(b: int) -> None:
             accumulation_step(model, F.cross_entropy, opt, X[:b], Y[:b], accum_steps=1)
@@ -172,29 +185,35 @@ def batch_figures(peaks: dict[int, int], accumulation: dict[int, int], budget: i
             "budget_bytes": budget, "largest_batch": largest}
 
 
-def batch_memory(S, device: torch.device, *, repeats: int = 1) -> dict:
+def batch_memory(S, device: torch.device, *, repeats: int = 1,
+                 foreach: bool | None = None) -> dict:
     """Peak memory of two Adam steps against the batch, and with accumulation at a fixed effective
     batch (`accumulation.step_memory`); the largest batch that fits a budget
     (`find_max_batch_size` under `memory_budget`, the allocator's cap on CUDA), each against
-    `accumulation_peak`."""
+    `accumulation_peak`. `foreach`: Adam's implementation, by default torch's for the device
+    (foreach on CUDA, whose temporaries the budget must hold too)."""
     d_in, classes = 32, 10
+    foreach = torch.device(device).type == "cuda" if foreach is None else foreach
     X, Y = (t.to(device) for t in make_classification(64 * S.batch, d_in, classes))
 
     def make():
         return MLP(d_in, S.width, S.depth, classes, device=device)
 
-    peaks = {b: step_memory(make, F.cross_entropy, X[:b], Y[:b], device=device).peak
-             for b in [S.batch * 2**i for i in range(7)]}
+    peaks = {b: step_memory(make, F.cross_entropy, X[:b], Y[:b], device=device,
+                            foreach=foreach).peak for b in [S.batch * 2**i for i in range(7)]}
     B = 16 * S.batch
     acc = {B // k: step_memory(make, F.cross_entropy, X[:B], Y[:B], accum_steps=k,
-                               device=device).peak for k in (1, 2, 4, 8, 16)}
+                               device=device, foreach=foreach).peak for k in (1, 2, 4, 8, 16)}
     states = estimate.model_states(estimate.mlp_params(d_in, S.width, S.depth, classes))
-    budget = states.total + 6 * S.batch * (S.depth + 2) * S.width * 4
-    largest = _largest_batch(make, X, Y, budget, start=S.batch, device=device)
-    predicted = batch_figures({b: accumulation_peak(S, b) for b in peaks},
-                              {b: accumulation_peak(S, b, B // b) for b in acc}, budget,
-                              max(b for b in range(1, 64 * S.batch + 1)
-                                  if accumulation_peak(S, b) <= budget), effective_batch=B)
+    temporaries = adam_temporaries(S, foreach=foreach)
+    budget = states.total + temporaries + 6 * S.batch * (S.depth + 2) * S.width * 4
+    largest = _largest_batch(make, X, Y, budget, start=S.batch, device=device, foreach=foreach)
+    peak = functools.partial(accumulation_peak, S, foreach=foreach)
+    fits = [b for b in range(1, 64 * S.batch + 1) if peak(b) <= budget]
+    if not fits:                                    # the budget is built to hold batch 6·S.batch
+        raise AssertionError(f"no batch fits the budget {budget} by the prediction itself")
+    predicted = batch_figures({b: peak(b) for b in peaks}, {b: peak(b, B // b) for b in acc},
+                              budget, max(fits), effective_batch=B)
     return {"experiment": "peak memory against the batch; accumulation; the largest batch",
             "measured": batch_figures(peaks, acc, budget, largest, effective_batch=B),
             "predicted": predicted}
