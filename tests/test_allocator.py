@@ -97,3 +97,51 @@ def test_growing_batches_runs_with_and_without_expandable_segments():
     for expandable in (False, True):
         figures = growing_batches(expandable=expandable, width=1024, depth=2, start=256, steps=4)
         assert figures["max_reserved"] >= figures["max_allocated"] > 0
+
+
+# ---------------------------------------------------------------- the allocator's sizes, modelled
+
+MiB = 2**20
+
+
+def test_requests_round_to_512_byte_blocks():
+    from companion.allocator import block_bytes
+    assert [block_bytes(n) for n in (0, 1, 512, 513, 4000)] == [0, 512, 512, 1024, 4096]
+
+
+def test_segments_follow_the_pools_sizes():
+    from companion.allocator import segment_bytes
+    assert segment_bytes(MiB) == 2 * MiB                      # small pool
+    assert segment_bytes(MiB + 512) == 20 * MiB               # large pool, under 10 MiB
+    assert segment_bytes(10 * MiB) == 10 * MiB                # its own segment
+    assert segment_bytes(11 * MiB - 512) == 12 * MiB          # rounded up to 2 MiB
+
+
+def test_reserved_bytes_pack_requests_into_segments_by_hand():
+    from companion.allocator import reserved_bytes
+    assert reserved_bytes([MiB, MiB]) == 2 * MiB              # one small segment holds both
+    assert reserved_bytes([MiB] * 3) == 4 * MiB
+    assert reserved_bytes([3 * MiB] * 7) == 40 * MiB          # six fit in 20 MiB, then another
+    assert reserved_bytes([12 * MiB, 512, 3 * MiB]) == 12 * MiB + 2 * MiB + 20 * MiB
+    assert reserved_bytes([]) == 0
+
+
+def test_headroom_and_the_cublas_workspace():
+    from companion.allocator import cublas_workspace, headroom
+    assert headroom(512) == 2 * MiB and headroom(4 * MiB) == 22 * MiB
+    assert headroom(64 * MiB) == 4 * MiB
+    assert cublas_workspace((9, 0)) == 32 * MiB and cublas_workspace((8, 0)) == 4 * MiB
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reserved_bytes_match_the_real_allocator_from_an_empty_cache():
+    from companion.allocator import reserved_bytes
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    requests = [MiB, MiB, 3 * MiB, 512, 12 * MiB, 3 * MiB]
+    keep = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in requests]
+    assert torch.cuda.memory_reserved() - before == reserved_bytes(requests)
+    del keep

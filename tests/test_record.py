@@ -255,3 +255,21 @@ def test_chapter_03_counts_adams_foreach_temporaries_as_on_a_gpu():
         predicted["largest_batch"]
     for got, want in zip(measured["peak_bytes"]["y"], predicted["peak_bytes"]["y"]):
         assert abs(got - want) <= 0.01 * want
+
+
+def test_the_gpu_smoke_capstone_is_sized_against_the_caching_allocator():
+    """On CUDA a budget caps the allocator's segments (2 and 20 MiB): the CPU smoke's 8 MiB is
+    below one. The GPU smoke sizes keep the planner's margin above the allocator's headroom, the
+    unconstrained run above the budget, and a plan under it (predicted here, on the CPU)."""
+    from companion import allocator
+    from companion.plan import Candidate, GPTShape, capstone_model, plan, predict_memory
+    cpu, gpu = smoke.smoke_sizes("cpu"), smoke.smoke_sizes("cuda")
+    assert cpu == smoke.SMOKE_SIZES and cpu.cap_budget < allocator.headroom(2**20 + 1)
+    model_fn = capstone_model(gpu)
+    shape = GPTShape.of(model_fn)
+    largest = 4 * 4 * gpu.cap_width * gpu.cap_width              # the MLP's (4w, w) weight
+    assert 0.1 * gpu.cap_budget >= allocator.headroom(largest)
+    unconstrained = predict_memory(shape, Candidate(gpu.cap_batch), device_type="cuda").peak
+    assert unconstrained > gpu.cap_budget
+    chosen = plan(model_fn, gpu.cap_batch, budget=gpu.cap_budget, device="cpu", margin=0.1)
+    assert chosen.chosen.techniques() and chosen.chosen_row.predicted.peak <= 0.9 * gpu.cap_budget

@@ -35,7 +35,7 @@ import traceback
 import torch
 
 from companion.record import runner
-from companion.record.smoke import SMOKE_SIZES, smoke
+from companion.record.smoke import smoke, smoke_sizes
 
 __all__ = ["EXPECTED_SECONDS", "Stage", "Summary", "session", "gpu_test_files"]
 
@@ -105,7 +105,7 @@ def session(device: torch.device | str, *, budget_seconds: float = 540.0,
         raise ValueError("a session on the CPU is a dry run: pass out=FOLDER for its results file "
                          "(course/results holds GPU runs only)")
     chapters = list(runner.CHAPTERS) if chapters is None else chapters
-    sizes = SMOKE_SIZES if device.type == "cpu" else None
+    sizes = smoke_sizes(device) if device.type == "cpu" else None
     summary = Summary(str(device), budget_seconds)
     start = time.monotonic()
 
