@@ -273,3 +273,26 @@ def test_the_gpu_smoke_capstone_is_sized_against_the_caching_allocator():
     assert unconstrained > gpu.cap_budget
     chosen = plan(model_fn, gpu.cap_batch, budget=gpu.cap_budget, device="cpu", margin=0.1)
     assert chosen.chosen.techniques() and chosen.chosen_row.predicted.peak <= 0.9 * gpu.cap_budget
+
+
+@pytest.mark.parametrize("foreach, device_type", [(None, "cpu"), (True, "cuda")])
+def test_the_mlp_step_peak_counts_adams_temporaries_where_the_peak_falls(foreach, device_type):
+    """Chapter 00's MLP: a first Adam step measured against `mlp_step_peak`, with the CPU's
+    per-tensor loop and with foreach, CUDA's default (the same code path on the CPU; the CUDA
+    prediction also rounds to 512-byte blocks: a few hundred bytes here)."""
+    from companion.memory import track
+    from companion.models import MLP, make_classification
+    from companion.record.fit import mlp_step_bytes, mlp_step_peak
+    S = sizes("cpu")
+    X, y = make_classification(S.batch, S.width, 10, seed=0)
+    with track("cpu") as t:
+        model = MLP(S.width, S.width, S.depth, 10, seed=0)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=foreach)
+        model.loss(X, y).backward()
+        opt.step()
+    predicted = mlp_step_peak(S.width, S.width, S.depth, 10, batch=S.batch,
+                              device_type=device_type)
+    assert abs(predicted - t.peak) <= 0.001 * t.peak
+    classic = mlp_step_bytes(S.width, S.width, S.depth, 10, batch=S.batch)
+    if foreach:                          # the sum leaves out foreach's 4 bytes per parameter
+        assert t.peak > 1.15 * classic

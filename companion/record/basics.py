@@ -19,7 +19,7 @@ from companion import estimate, floats
 from companion.accumulation import accumulation_step, find_max_batch_size, step_memory
 from companion.memory import memory_budget, track
 from companion.models import GPT, MLP, make_classification, make_tokens
-from companion.record.fit import gpt_step_bytes, mlp_step_bytes
+from companion.record.fit import gpt_step_bytes, mlp_step_peak
 from companion.results import curve
 
 __all__ = ["anatomy", "anatomy_figures", "batch_activations", "activation_figures",
@@ -48,7 +48,8 @@ def anatomy(S, device: torch.device, *, repeats: int = 1) -> dict:
     caching allocator reserved), each beside the estimator's prediction."""
     tokens = [t.to(device) for t in make_tokens(S.anatomy_gpt_batch, S.seq_len, vocab=S.vocab)]
     n = estimate.gpt_params(S.vocab, S.seq_len, S.gpt_width, S.gpt_depth)
-    with track(device) as step:
+    torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)   # warm-up: cuBLAS's
+    with track(device) as step:                       # workspace comes with the first matmul
         model = GPT(S.vocab, S.seq_len, S.gpt_width, S.gpt_depth, S.gpt_heads, device=device)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         model.loss(*tokens).backward()
@@ -71,8 +72,8 @@ def anatomy(S, device: torch.device, *, repeats: int = 1) -> dict:
                      S.vocab),
                  "gpt_step_peak_bytes": gpt_step_bytes(S, batch=S.anatomy_gpt_batch,
                                                        depth=S.gpt_depth),
-                 "mlp_step_peak_bytes": mlp_step_bytes(S.width, S.width, S.depth, 10,
-                                                       batch=S.batch) - x.nbytes}
+                 "mlp_step_peak_bytes": mlp_step_peak(S.width, S.width, S.depth, 10,
+                                                      batch=S.batch, device_type=device.type)}
     return {"experiment": "a training step of the GPT and of the MLP (fp32 Adam), by kind",
             "measured": anatomy_figures(step, saved, mlp_step), "predicted": predicted}
 

@@ -17,11 +17,13 @@ allocator rounding or fragmentation (the 40% left free is for those, and for the
 """
 from __future__ import annotations
 
+import math
+
 import types
 
 from companion import estimate as E
 
-__all__ = ["predicted_peaks", "gpt_step_bytes", "mlp_step_bytes"]
+__all__ = ["predicted_peaks", "gpt_step_bytes", "mlp_step_bytes", "mlp_step_peak"]
 
 
 def gpt_step_bytes(s, *, batch: int, depth: int, width: int | None = None,
@@ -44,6 +46,28 @@ def mlp_step_bytes(d_in: int, width: int, depth: int, d_out: int, *, batch: int,
     n = E.mlp_params(d_in, width, depth, d_out)
     states = E.model_states(n, optimizer=optimizer).total
     return states + E.mlp_activations(batch, width, depth, d_out) + 4 * batch * (d_in + 2 * width)
+
+
+def mlp_step_peak(d_in: int, width: int, depth: int, d_out: int, *, batch: int,
+                  device_type: str) -> int:
+    """The peak of a first training step (fp32 Adam, torch's default implementation for the
+    device) of `companion.models.MLP`, where it falls: in backward, weights, gradients, saved
+    activations and two (B, width) gradients flowing back; in the step, the model states and
+    Adam's temporaries, two of the largest weight in the CPU's per-tensor loop, 4 bytes per
+    parameter with foreach (CUDA's default). On CUDA every tensor is also rounded up to the
+    allocator's 512-byte blocks (`companion.allocator.block_bytes`). cuBLAS's workspace is not
+    in it: measure after a warm-up matmul (its size is an estimate, `allocator.cublas_workspace`).
+    """
+    from companion.allocator import block_bytes
+    shapes = [(width, d_in), (width,)] + [(width, width), (width,)] * (depth - 1) + \
+        [(d_out, width), (d_out,)]
+    sizes = [4 * math.prod(shape) for shape in shapes]
+    if device_type == "cuda":
+        sizes = [block_bytes(n) for n in sizes]
+    weights = sum(sizes)
+    temporaries = weights if device_type == "cuda" else 2 * max(sizes)
+    backward = 2 * weights + E.mlp_activations(batch, width, depth, d_out) + 2 * batch * width * 4
+    return max(backward, 4 * weights + temporaries)       # W + G + A (two moments) + T
 
 
 def predicted_peaks(s) -> dict[str, dict[str, int]]:
