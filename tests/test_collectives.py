@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from companion import collectives, launch
-from companion.compat import reduce_scatter_tensor
+from companion.compat import all_gather_tensor, reduce_scatter_tensor
 from companion.collectives import Traffic
 
 LENGTHS = [1, 2, 3, 5, 12, 1001]
@@ -101,7 +101,7 @@ def _scatter_gather(rank, world_size, shard):
     gathered, expected, ag = torch.empty(world_size * shard), torch.empty(world_size * shard), \
         Traffic()
     collectives.ring_all_gather(gathered, ours, stats=ag)
-    dist.all_gather_single(expected, ours)
+    all_gather_tensor(expected, ours)
     buffer = torch.zeros(world_size * shard)
     buffer.view(world_size, -1)[rank].copy_(ours)
     collectives.ring_all_gather(buffer, buffer.view(world_size, -1)[rank])

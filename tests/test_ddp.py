@@ -245,3 +245,31 @@ def test_wrapping_a_module_again_moves_the_hooks_and_trains_like_torch(view):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert untouched and all_reduces == STEPS           # one wrapper's buckets, not two
         assert "a newer DDP wraps this module" in old
+
+
+def test_bucket_times_on_a_gpu_come_from_cuda_events(monkeypatch):
+    """On CUDA the host clock times launches; `_Marks` records events (the all-reduce's end on
+    NCCL's stream, from the `.then()` callback) and turns them into seconds after one sync.
+    Emulated with events that know their time."""
+    from companion.ddp.core import BucketTimes, _Marks
+    clock = iter([0.0, 0.004, 0.001, 0.009])               # t0, backward end, launch, end
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.at = next(clock)
+
+        def elapsed_time(self, other):                      # milliseconds, as CUDA's
+            return 1000 * (other.at - self.at)
+    synced = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(True))
+    marks = _Marks(cuda=True)
+    t0, times = marks.mark(), BucketTimes()
+    times.backward_end = marks.mark()
+    times.buckets.append([0, 1024, marks.mark(), marks.mark()])
+    marks.resolve(times, t0)
+    assert synced == [True] and times.backward_end == pytest.approx(0.004)
+    assert times.buckets[0][2:] == [pytest.approx(0.001), pytest.approx(0.009)]
