@@ -645,3 +645,48 @@ def test_every_adam_implementation_takes_torchs_steps(impl):
     assert results[0][0] == results[1][0] == 2.0**7
     for p, q in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- sharded gradients (ZeRO, FSDP)
+
+def _sharded_scaler(rank, world_size, kind):
+    """FSDP on 2 gloo ranks; at step 1 an overflow lands in rank 1's shard only."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
+    from companion.zero import FSDP
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = FSDP(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = {"ours": lambda: amp.ShardedGradScaler("cpu", init_scale=2.0**8),
+              "torch": lambda: TorchSharded("cpu", init_scale=2.0**8),
+              "unsharded": lambda: amp.GradScaler("cpu", init_scale=2.0**8)}[kind]()
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+    scales, stepped = [], []
+    for step in range(4):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        model.finish_gradient_synchronization()
+        if step == 1 and rank == 1:
+            model.shards[0].grad.view(-1)[0] = math.inf         # in this rank's shard alone
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        stepped.append(not all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+        scales.append(scaler.get_scale())
+    return scales, stepped, [p.clone() for p in model.gather_full_params().values()]
+
+
+def test_a_sharded_scaler_makes_every_rank_skip_an_overflow_on_one_like_torchs():
+    from companion import launch
+    results = {kind: launch.run(_sharded_scaler, 2, kind, timeout=60)
+               for kind in ("ours", "torch", "unsharded")}
+    for kind in ("ours", "torch"):
+        (scales0, stepped0, full0), (scales1, stepped1, full1) = results[kind]
+        assert stepped0 == stepped1 == [True, False, True, True]
+        assert scales0 == scales1 == [256.0, 128.0, 128.0, 128.0]
+        assert all(torch.equal(a, b) for a, b in zip(full0, full1))
+    ours, theirs = results["ours"][0][2], results["torch"][0][2]
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    (_, stepped0, _), (_, stepped1, _) = results["unsharded"]    # without agreeing: rank 0
+    assert stepped0 == [True, True, True, True] and stepped1[1] is False   # steps, rank 1 skips

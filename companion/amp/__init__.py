@@ -10,6 +10,7 @@ the *model states*: with Adam both layouts below hold 16 bytes per parameter.
 
 Modules:
 - `scaler`: fp16's loss scaling: `update_scale` (the rule), `unscale_grads_`, `GradScaler`.
+- `sharded`: `ShardedGradScaler`, whose inf check every rank of a sharded model agrees on.
 - `master`: `MasterWeights`, the 16-bit model with an fp32 copy for the optimizer.
 - `autocast`: `autocast_dtypes`, which operators autocast ran in which dtype.
 
@@ -25,6 +26,7 @@ Simplified vs PyTorch: see each module's docstring.
 from companion.amp.autocast import OpDtype, autocast_dtypes
 from companion.amp.master import MasterWeights
 from companion.amp.scaler import GradScaler, unscale_grads_, update_scale
+from companion.amp.sharded import ShardedGradScaler
 
-__all__ = ["GradScaler", "update_scale", "unscale_grads_", "MasterWeights", "OpDtype",
-           "autocast_dtypes"]
+__all__ = ["GradScaler", "ShardedGradScaler", "update_scale", "unscale_grads_", "MasterWeights",
+           "OpDtype", "autocast_dtypes"]

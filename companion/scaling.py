@@ -1,0 +1,156 @@
+"""Scaling into narrow formats: one scale per tensor (current or delayed) or per block, for FP8.
+
+FP8 keeps 3 significant bits (e4m3, largest 448) or 2 (e5m2, largest 57344), far too little range
+for raw activations or gradients: a tensor is multiplied by a scale that brings its largest
+magnitude (its *amax*) near the format's largest value, cast, and divided by the scale again
+after the matmul (Micikevicius et al., 2022, "FP8 Formats for Deep Learning"; NVIDIA Transformer
+Engine's recipes). Which amax:
+
+- current scaling: the tensor's own, which needs a pass over it before the cast;
+- delayed scaling: the largest of the last `history` steps' amaxes, known before the step
+  (Transformer Engine's default): no extra pass, but a spike beyond the history overflows;
+- per block: one scale per tile, so one outlier costs only its tile the precision
+  (DeepSeek-V3: 1×128 tiles for activations, 128×128 for weights; the OCP MX formats: 32 values
+  sharing a power-of-two scale).
+
+torch's float8 casts do not overflow to inf: e4m3fn saturates at ±448 (even inf becomes 448), e5m2
+rounds large values to ±inf. `quantize` therefore counts the values beyond the format's range
+*before* the cast. `block_absmax` is the per-block statistic the block-wise 8- and 4-bit
+quantizers of the optimizer states share.
+
+Example:
+    >>> scale = amax_scale(x.abs().max(), "e4m3")
+    >>> codes, overflows = quantize(x, scale, "e4m3")      # float8_e4m3fn, 0 overflows
+    >>> x_again = dequantize(codes, scale)
+"""
+from __future__ import annotations
+
+import collections
+import math
+
+import torch
+
+__all__ = ["FP8", "amax_scale", "overflow_limit", "quantize", "dequantize", "DelayedScaling",
+           "block_absmax", "block_quantize", "mx_scales"]
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _dtype(fmt: str | torch.dtype) -> torch.dtype:
+    if isinstance(fmt, torch.dtype) and fmt in FP8.values():
+        return fmt
+    if fmt not in FP8:
+        raise ValueError(f"fmt is 'e4m3' (forward: weights, activations) or 'e5m2' (backward: "
+                         f"gradients), got {fmt!r}")
+    return FP8[fmt]
+
+
+def amax_scale(amax: torch.Tensor | float, fmt: str = "e4m3", *, margin: int = 0) -> torch.Tensor:
+    """The scale that maps `amax` onto the format's largest value, divided by 2^margin (room for
+    growth): (max / amax) / 2^margin; 1 where amax is 0 or not finite (nothing to scale by)."""
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    top = torch.finfo(_dtype(fmt)).max
+    scale = top / amax / 2.0**margin
+    return torch.where((amax > 0) & torch.isfinite(amax), scale, torch.ones_like(scale))
+
+
+_MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+
+
+def overflow_limit(fmt: str = "e4m3") -> float:
+    """The smallest magnitude that round-to-nearest cannot bring to the format's largest value:
+    the largest value plus half its ulp (464 for e4m3, 61440 for e5m2). Below it a value rounds
+    to a representable one (448.00003 is 448, not an overflow)."""
+    dtype = _dtype(fmt)
+    top = torch.finfo(dtype).max
+    return top + 2.0 ** (math.floor(math.log2(top)) - _MANTISSA[dtype]) / 2
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str = "e4m3"
+             ) -> tuple[torch.Tensor, int]:
+    """(x · scale cast to the FP8 format, how many values lay beyond its range before the cast,
+    `overflow_limit`, which the cast saturates or turns into inf without saying so)."""
+    dtype = _dtype(fmt)
+    scaled = x.float() * torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    overflows = int((~(scaled.abs() < overflow_limit(fmt))).sum())       # NaN counts too
+    return scaled.to(dtype), overflows
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """codes / scale in float32: what the FP8 tensor stands for."""
+    return codes.float() / torch.as_tensor(scale, dtype=torch.float32, device=codes.device)
+
+
+class DelayedScaling:
+    """Transformer Engine's delayed scaling for one tensor: the scale of step t comes from the
+    largest amax of the previous `history` steps, so it is known before the tensor exists.
+
+        >>> scaling = DelayedScaling(history=16, fmt="e4m3")
+        >>> codes, overflows = quantize(x, scaling.scale(), "e4m3")
+        >>> scaling.update(x.abs().max())                  # after the step
+
+    Before any update the scale is 1 (TE starts there too)."""
+
+    def __init__(self, history: int = 16, fmt: str = "e4m3", *, margin: int = 0):
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"history is how many past amaxes to keep, an int >= 1, "
+                             f"got {history!r}")
+        _dtype(fmt)
+        self.fmt, self.margin = fmt, margin
+        self.amaxes: collections.deque = collections.deque(maxlen=history)
+
+    def scale(self) -> torch.Tensor:
+        """The scale for the coming step."""
+        if not self.amaxes:
+            return torch.ones(())
+        return amax_scale(max(self.amaxes), self.fmt, margin=self.margin)
+
+    def update(self, amax: torch.Tensor | float) -> None:
+        """Record this step's amax (a host-device sync if it is on a GPU)."""
+        self.amaxes.append(float(amax))
+
+
+def block_absmax(x: torch.Tensor, block: int | tuple[int, int]) -> torch.Tensor:
+    """The largest magnitude of each block of `x`: `block` an int (consecutive values of the
+    flattened tensor; the last block may be short) -> (ceil(numel / block),), or (rows, cols)
+    tiles of a 2-D tensor (edge tiles may be short) -> (ceil(R / rows), ceil(C / cols))."""
+    if isinstance(block, int):
+        if block < 1:
+            raise ValueError(f"block must be >= 1, got {block}")
+        flat = x.detach().reshape(-1).float().abs()
+        pad = (-flat.numel()) % block
+        return torch.nn.functional.pad(flat, (0, pad)).view(-1, block).amax(dim=1)
+    rows, cols = block
+    if x.dim() != 2:
+        raise ValueError(f"(rows, cols) tiles need a 2-D tensor, got shape {tuple(x.shape)}")
+    R, C = x.shape
+    pr, pc = (-R) % rows, (-C) % cols
+    t = torch.nn.functional.pad(x.detach().float().abs(), (0, pc, 0, pr))   # (R', C')
+    return t.view((R + pr) // rows, rows, (C + pc) // cols, cols).amax(dim=(1, 3))
+
+
+def block_quantize(x: torch.Tensor, block: tuple[int, int], fmt: str = "e4m3"
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D tensor in FP8 with one scale per (rows, cols) tile (DeepSeek-V3's 1×128 for
+    activations, 128×128 for weights): (codes of x's shape, scales per tile). Dequantize with
+    `codes.float() / scales` expanded over the tiles (`block_dequantize` in the chapter)."""
+    rows, cols = block
+    scales = amax_scale(block_absmax(x, block), fmt)                      # (tiles_r, tiles_c)
+    full = scales.repeat_interleave(rows, 0)[:x.shape[0]]                  # (R, tiles_c)
+    full = full.repeat_interleave(cols, 1)[:, :x.shape[1]]                  # (R, C)
+    codes, _ = quantize(x, full, fmt)
+    return codes, scales
+
+
+def mx_scales(x: torch.Tensor, block: int = 32, fmt: str = "e4m3") -> torch.Tensor:
+    """The OCP Microscaling (MX) shared scale of each block of `block` values: a power of two
+    (stored as E8M0), 2^(floor(log2(amax)) - emax), emax the largest exponent of the element
+    format (8 for e4m3, 15 for e5m2), as the OCP MX specification v1.0 (section 6.3) computes it.
+    Returns the scales as float32 powers of two, one per block: a block's values are divided by
+    its scale before the cast (the opposite convention to `amax_scale`, a multiplier)."""
+    emax = {"e4m3": 8, "e5m2": 15}[fmt] if fmt in ("e4m3", "e5m2") else None
+    if emax is None:
+        raise ValueError(f"fmt is 'e4m3' or 'e5m2', got {fmt!r}")
+    amax = block_absmax(x, block)
+    exponent = torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax))))
+    return torch.exp2(exponent - emax)
