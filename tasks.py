@@ -12,8 +12,8 @@ skipped, with the reason, where /usr/bin/chromium is missing.
 Setup makes a virtual environment in .venv, installs PyTorch there if it has none (a torch you
 installed yourself, e.g. a CUDA build, is kept), then the companion package: `lab` and `reset` with
 what the course needs, `test` also with the test tools (pytest, hypothesis, Playwright, PEFT,
-and Triton on Linux). Every command is safe to re-run; the second time, setup only checks that
-nothing changed.
+bitsandbytes, and Triton on Linux). Every command is safe to re-run; the second time, setup only
+checks that nothing changed.
 """
 from __future__ import annotations
 
@@ -80,7 +80,8 @@ def setup(*, dev: bool) -> None:
         _run(*pip, TORCH)
     extras = "[dev]" if dev else ""
     _say("3/3 installing the course's packages (JupyterLab, ipywidgets, matplotlib, nbval"
-         + (", and the test tools: pytest, hypothesis, Playwright, PEFT)" if dev else ")"))
+         + (", and the test tools: pytest, hypothesis, Playwright, PEFT, bitsandbytes)" if dev
+            else ")"))
     _run(*pip, "-e", f"{ROOT}{extras}")
     STAMP.write_text(f"{wanted} {'dev' if dev else 'course'}")
     _say("setup done")

@@ -1,0 +1,92 @@
+"""Block-wise 8-bit quantization with a dynamic map (Dettmers et al., 2022, "8-bit Optimizers via
+Block-wise Quantization", sections 2.1-2.2).
+
+Each block of `blocksize` consecutive values is divided by its largest magnitude (its absmax, kept
+in fp32) and every value, now in [-1, 1], is stored as the index of the nearest of 256 levels: one
+byte per value plus 4 bytes per block. Blocks keep an outlier from costing the whole tensor its
+precision; the *dynamic* (tree) map spends its levels on every order of magnitude, because Adam's
+moments span many: a byte reads as a sign bit, then as many zeros as the decimal exponent e, an
+indicator 1, and the remaining bits a linear fraction in [0.1, 1] at 10^-e.
+
+Memory: 1 byte per value + 4 bytes per block (256: 1.016 bytes per value). Cost: a search over 256
+levels per value (searchsorted here; a binary tree in the paper's CUDA kernel).
+
+Example:
+    >>> code = dynamic_map(signed=True)
+    >>> codes, absmax = quantize_blockwise(x, code)          # uint8 like x, fp32 per block
+    >>> x_again = dequantize_blockwise(codes, absmax, code)
+
+Simplified vs bitsandbytes: the same map and nearest-level rounding, in plain torch (no CUDA or
+CPU kernel, no stochastic rounding, no paged buffers).
+"""
+from __future__ import annotations
+
+import torch
+
+from companion.scaling import block_absmax
+
+__all__ = ["dynamic_map", "quantize_blockwise", "dequantize_blockwise", "check_blocksize"]
+
+
+def dynamic_map(signed: bool = True) -> torch.Tensor:
+    """The 256 levels of the dynamic tree map, sorted, in [-1, 1] (signed) or [0, 1].
+
+    With 7 bits after the sign, exponent e (e = 0..6 zeros) leaves 6 - e fraction bits: 2^(6-e)
+    levels at 10^-e, the midpoints of as many equal bins of [0.1, 1]. Unsigned, the sign bit is
+    one more fraction bit: 2^(7-e) levels. Both add 0 and 1: 2·127 + 2 or 254 + 2 levels."""
+    levels = [0.0, 1.0]
+    for e in range(7):
+        bins = 2 ** (6 - e + (0 if signed else 1))
+        edges = torch.linspace(0.1, 1.0, bins + 1, dtype=torch.float64)
+        middles = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** -e).tolist()
+        levels += middles + ([-m for m in middles] if signed else [])
+    return torch.tensor(sorted(levels), dtype=torch.float32)
+
+
+def check_blocksize(blocksize: int) -> None:
+    if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 2 or \
+            blocksize & (blocksize - 1):
+        raise ValueError(f"blocksize must be a power of two >= 2 (64, 256, 4096, ...), "
+                         f"got {blocksize!r}")
+
+
+def _check(x: torch.Tensor, code: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"quantize a floating-point tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if code.dim() != 1 or not code.is_floating_point() or code.numel() > 256:
+        raise ValueError("code must be a 1-D float tensor of at most 256 levels (dynamic_map())")
+
+
+def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int = 256
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes: uint8 of x's shape, the index of the level nearest to x / its block's absmax;
+    absmax: float32, one per block of `blocksize` consecutive values, the last one may be short)."""
+    _check(x, code)
+    check_blocksize(blocksize)
+    absmax = block_absmax(x, blocksize)                                  # (blocks,) fp32
+    flat = x.detach().reshape(-1).float()
+    per_value = absmax.repeat_interleave(blocksize)[:flat.numel()]
+    scaled = flat / torch.where(per_value > 0, per_value, torch.ones_like(per_value))
+    levels = code.to(flat.device, torch.float32)
+    order = torch.argsort(levels)
+    ranked = levels[order]
+    upper = torch.searchsorted(ranked, scaled).clamp(1, ranked.numel() - 1)    # 1. bracket
+    lower = upper - 1
+    nearer = (scaled - ranked[lower]).abs() <= (ranked[upper] - scaled).abs()  # 2. nearest
+    index = torch.where(nearer, lower, upper)
+    return order[index].to(torch.uint8).view(x.shape), absmax
+
+
+def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                         blocksize: int = 256) -> torch.Tensor:
+    """The float32 tensor `codes` stand for: level times its block's absmax, in codes' shape."""
+    check_blocksize(blocksize)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes are uint8 (from quantize_blockwise), got {codes.dtype}")
+    flat = code.to(codes.device, torch.float32)[codes.reshape(-1).long()]
+    per_value = absmax.float().repeat_interleave(blocksize)[:flat.numel()]
+    if per_value.numel() != flat.numel():
+        raise ValueError(f"{absmax.numel()} absmax values cover {absmax.numel() * blocksize} "
+                         f"values, not {flat.numel()}: pass the blocksize used to quantize")
+    return (flat * per_value).view(codes.shape)
