@@ -30,7 +30,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-__all__ = ["LoRALinear", "apply_lora", "trainable_params", "lora_params"]
+__all__ = ["LoRALinear", "apply_lora", "adapter_parameters", "linear_targets",
+           "trainable_params", "lora_params"]
 
 
 class LoRALinear(nn.Module):
@@ -48,16 +49,11 @@ class LoRALinear(nn.Module):
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRALinear adapts an nn.Linear, got {type(base).__name__}")
         out_f, in_f = base.weight.shape
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= min(in_f, out_f):
-            raise ValueError(f"rank must be an int from 1 to min(in, out) = {min(in_f, out_f)}, "
-                             f"got {rank!r}")
+        self.A, self.B = adapter_parameters(in_f, out_f, rank, dtype=base.weight.dtype,
+                                            device=base.weight.device)   # checks the rank
         self.base, self.rank = base, rank
         self.scale = (rank if alpha is None else alpha) / rank
         base.requires_grad_(False)                                    # frozen: no grad, no state
-        factory = {"dtype": base.weight.dtype, "device": base.weight.device}
-        self.A = nn.Parameter(torch.empty(rank, in_f, **factory))     # (r, in)
-        self.B = nn.Parameter(torch.zeros(out_f, rank, **factory))    # (out, r): starts at zero
-        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))              # as nn.Linear inits a weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (..., in) -> (..., r) -> (..., out): two thin matmuls, never the (out, in) product B·A
@@ -83,6 +79,20 @@ class LoRALinear(nn.Module):
         return f"rank={self.rank}, scale={self.scale:g}"
 
 
+def adapter_parameters(in_f: int, out_f: int, rank: int, *, dtype: torch.dtype,
+                       device: torch.device | str | None = None
+                       ) -> tuple[nn.Parameter, nn.Parameter]:
+    """A (rank, in) initialised as nn.Linear initialises a weight, and B (out, rank) at zero, so
+    that a fresh adapter changes nothing. Shared with `companion.lowbit.QLoRALinear`."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= min(in_f, out_f):
+        raise ValueError(f"rank must be an int from 1 to min(in, out) = {min(in_f, out_f)}, "
+                         f"got {rank!r}")
+    A = nn.Parameter(torch.empty(rank, in_f, dtype=dtype, device=device))    # (r, in)
+    B = nn.Parameter(torch.zeros(out_f, rank, dtype=dtype, device=device))   # (out, r): zero
+    nn.init.kaiming_uniform_(A, a=math.sqrt(5))
+    return A, B
+
+
 def _wanted(name: str, module: nn.Module, targets) -> bool:
     if targets is None:
         return True
@@ -101,8 +111,20 @@ def apply_lora(model: nn.Module, rank: int, targets: Iterable[str | type] | None
     `targets`: names of layers ("qkv" matches every "blocks.N.qkv"; a full dotted name matches one)
     or module types; default every nn.Linear. Edits `model` in place and returns it. A target
     name that matches no nn.Linear is an error (a typo would otherwise train nothing)."""
-    targets = None if targets is None else list(targets)
+    chosen = linear_targets(model, targets)
     model.requires_grad_(False)
+    for name, linear in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LoRALinear(linear, rank, alpha=alpha))
+    return model
+
+
+def linear_targets(model: nn.Module, targets: Iterable[str | type] | None = None
+                   ) -> list[tuple[str, nn.Linear]]:
+    """The (name, nn.Linear) pairs of `model` that `targets` choose (see `apply_lora`); a target
+    name that matches no nn.Linear, or no Linear at all, is an error that lists the names."""
+    targets = None if targets is None else list(targets)
     chosen = [(name, m) for name, m in model.named_modules()
               if isinstance(m, nn.Linear) and name and _wanted(name, m, targets)]
     for target in targets or []:
@@ -113,11 +135,7 @@ def apply_lora(model: nn.Module, rank: int, targets: Iterable[str | type] | None
                              f"called {', '.join(linears) or 'nothing'}")
     if not chosen:
         raise ValueError("no nn.Linear layer to adapt: pass targets that name Linear layers")
-    for name, linear in chosen:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, LoRALinear(linear, rank, alpha=alpha))
-    return model
+    return chosen
 
 
 def trainable_params(model: nn.Module) -> int:

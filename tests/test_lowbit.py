@@ -1,5 +1,7 @@
 """companion.lowbit against bitsandbytes (CPU backend; a test-only dependency): the same maps, the
 nearest codes, NF4's levels, packing and dequantized values, and the bytes stored."""
+import copy
+
 import pytest
 import torch
 
@@ -67,3 +69,139 @@ def test_bad_input_says_what_to_do():
         lowbit.dequantize_blockwise(codes, absmax, code, 64)
     with pytest.raises(TypeError, match="floating-point"):
         lowbit.quantize_nf4(torch.ones(4, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------- Adam8bit
+
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+
+
+def _train(model, opt, steps=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(64, 128, generator=g), torch.randint(64, (64,), generator=g)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def _mean_distance(a, b):
+    total = sum(float((p - q).detach().abs().sum()) for p, q in zip(a.parameters(), b.parameters()))
+    return total / sum(p.numel() for p in a.parameters())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_adam8bit_stays_as_close_to_fp32_adam_as_bitsandbytes(seed):
+    bnb = pytest.importorskip("bitsandbytes")
+    models = [_mlp(seed) for _ in range(3)]
+    opts = [torch.optim.Adam(models[0].parameters(), lr=1e-3),
+            lowbit.Adam8bit(models[1].parameters(), lr=1e-3),
+            bnb.optim.Adam8bit(models[2].parameters(), lr=1e-3)]
+    for model, opt in zip(models, opts):
+        _train(model, opt, seed=seed)
+    ours, theirs = _mean_distance(models[1], models[0]), _mean_distance(models[2], models[0])
+    assert 0 < ours <= 1.05 * theirs
+
+
+def test_adam8bit_state_is_two_bytes_per_parameter_plus_absmax_and_round_trips():
+    model = _mlp(0)
+    opt = lowbit.Adam8bit(model.parameters(), lr=1e-3)
+    _train(model, opt, steps=2)
+    big = [p for p in model.parameters() if p.numel() >= 4096]        # 8-bit: the two weights
+    small = [p for p in model.parameters() if p.numel() < 4096]       # fp32: the biases
+    want = sum(2 * p.numel() + 2 * 4 * -(-p.numel() // 256) for p in big) + \
+        sum(8 * p.numel() for p in small)
+    assert opt.state_bytes() == want
+    assert all(opt.state[p]["exp_avg_codes"].dtype == torch.uint8 for p in big)
+    twin = _mlp(0)
+    twin.load_state_dict(model.state_dict())
+    resumed = lowbit.Adam8bit(twin.parameters(), lr=1e-3)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))      # as torch.save + torch.load
+    _train(model, opt, steps=2, seed=5)
+    _train(twin, resumed, steps=2, seed=5)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+# ---------------------------------------------------------------- bf16 without an fp32 master
+
+def test_stochastic_rounding_is_unbiased_where_round_to_nearest_is_not():
+    """x sits a quarter of the way between two bf16 neighbours: nearest always rounds down, the
+    stochastic mean must be x (a 5-sigma band over 20000 draws)."""
+    low = torch.tensor(1.0)
+    spacing = 2.0 ** -7                                   # bf16's spacing in [1, 2)
+    x = torch.full((20000,), 1.0 + spacing / 4)
+    g = torch.Generator().manual_seed(0)
+    draws = lowbit.round_stochastic(x, generator=g).float()
+    assert set(draws.unique().tolist()) == {1.0, 1.0 + spacing}
+    p_up = float((draws > low).float().mean())
+    sigma = (0.25 * 0.75 / x.numel()) ** 0.5
+    assert abs(p_up - 0.25) < 5 * sigma
+    assert float(x.to(torch.bfloat16).float().mean()) == 1.0       # nearest: biased, always down
+    with pytest.raises(TypeError, match="fp32"):
+        lowbit.round_stochastic(x.double())
+
+
+def _tiny_updates(compensation, steps=200):
+    """A bf16 weight of 1.0 pushed by updates of a tenth of bf16's spacing there."""
+    w = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    opt = lowbit.BF16AdamW([w], lr=2.0 ** -7 / 10, weight_decay=0.0, compensation=compensation)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        w.grad = -torch.ones_like(w)                      # Adam's step: about lr each time
+        opt.step()
+    return float(w.float().mean()) - 1.0
+
+
+def test_compensation_keeps_the_updates_that_bf16_rounding_loses():
+    wanted = 200 * 2.0 ** -7 / 10                          # what fp32 would have moved
+    assert _tiny_updates("none") == 0.0                    # every update below half a spacing
+    assert abs(_tiny_updates("kahan") - wanted) < 0.05 * wanted
+    assert abs(_tiny_updates("stochastic") - wanted) < 0.05 * wanted
+
+
+def test_bf16_adamw_refuses_fp32_parameters_and_unknown_modes():
+    with pytest.raises(TypeError, match="bf16"):
+        lowbit.BF16AdamW([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match="compensation"):
+        lowbit.BF16AdamW([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))],
+                         compensation="exact")
+
+
+# ---------------------------------------------------------------- QLoRA
+
+def test_qlora_trains_only_the_adapters_on_an_nf4_base_and_merges():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 64)
+    layer = lowbit.QLoRALinear.from_linear(linear, rank=4, alpha=8)
+    with torch.no_grad():
+        layer.B.normal_()
+    x = torch.randn(5, 128)
+    base = lowbit.dequantize_nf4(layer.base)
+    want = torch.nn.functional.linear(x, base, linear.bias) + (x @ layer.A.T @ layer.B.T) * 2.0
+    y = layer(x)
+    assert torch.allclose(y, want, atol=1e-6)
+    y.sum().backward()
+    assert [n for n, p in layer.named_parameters()] == ["A", "B"]
+    assert layer.A.grad is not None and layer.B.grad is not None
+    assert torch.allclose(layer.merge()(x), y, atol=1e-5)
+    assert (base - linear.weight).abs().max() < 0.16 * linear.weight.abs().max()  # 4 bits:
+    # at most half the widest gap between NF4 levels (-1 to -0.70) times the block absmax
+
+
+def test_apply_qlora_replaces_linears_and_says_when_there_are_none():
+    from companion.models import GPT
+    model = lowbit.apply_qlora(GPT(32, 16, 32, 2, 4, seed=0), rank=2, targets=["fc", "out"])
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(n.endswith((".A", ".B")) for n in trainable)
+    tokens = torch.randint(32, (2, 16))
+    model.loss(tokens, tokens).backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        lowbit.apply_qlora(torch.nn.Sequential(torch.nn.ReLU()), rank=2)
+    with pytest.raises(TypeError, match="nn.Linear"):
+        lowbit.QLoRALinear.from_linear(torch.nn.Conv1d(2, 2, 1), rank=1)
+    with pytest.raises(ValueError, match="power of two"):
+        lowbit.QLoRALinear.from_linear(torch.nn.Linear(8, 8), rank=1, blocksize=48)

@@ -1,0 +1,102 @@
+"""AdamW on bf16 weights with no fp32 master copy, and what keeps its small updates.
+
+bf16 keeps 8 significant bits: a weight w moves only if its update exceeds half of bf16's spacing
+at w (2^-8·|w|). Late in training most updates are smaller, and round-to-nearest drops them: the
+weights stall (chapter 05 measures it). Two fixes keep the model states at bf16's 8 bytes per
+parameter (weights 2, gradients 2, moments 2 + 2):
+
+- `compensation="stochastic"`: round the new weight up or down at random, with the probability
+  that makes the rounding unbiased (its expectation is the fp32 value), by adding 16 random low
+  bits to its fp32 pattern and cutting them off (Gupta et al., 2015, "Deep Learning with Limited
+  Numerical Precision"; used for bf16 training by Zamirai et al., 2020, "Revisiting BFloat16
+  Training");
+- `compensation="kahan"`: keep what rounding dropped in a bf16 buffer and add it to the next
+  update (Kahan summation; Zamirai et al., 2020): 2 more bytes per parameter.
+
+Example:
+    >>> model = model.to(torch.bfloat16)
+    >>> opt = BF16AdamW(model.parameters(), lr=1e-3, compensation="kahan")
+
+Simplified vs torch.optim.AdamW: the moments are stored in the parameter's dtype (bf16), and the
+update is computed in fp32 from them; no amsgrad, no maximize.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+__all__ = ["BF16AdamW", "round_stochastic"]
+
+_MODES = ("none", "stochastic", "kahan")
+
+
+def round_stochastic(x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    """fp32 `x` rounded to bf16 up or down at random, unbiased: E[result] = x (up to bf16's range).
+
+    bf16 is fp32's top 16 bits: adding a uniform random 16-bit number to the low half and cutting
+    it off rounds up exactly when the random number exceeds the distance to the next value."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"round fp32 values, got {x.dtype}")
+    bits = x.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device,
+                          generator=generator)
+    rounded = (bits + noise) & -65536                      # clear the low 16 bits
+    return rounded.view(torch.float32).to(torch.bfloat16)  # exact: the low bits are zero
+
+
+class BF16AdamW(torch.optim.Optimizer):
+    """AdamW for bf16 parameters, no fp32 master; `compensation` "none", "stochastic" or
+    "kahan" (see the module docstring). Other arguments as torch.optim.AdamW's."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, *, compensation: str = "none"):
+        if compensation not in _MODES:
+            raise ValueError(f"compensation is one of {_MODES}, got {compensation!r}")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
+                                  "weight_decay": weight_decay, "compensation": compensation})
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.bfloat16:
+                    raise TypeError(f"BF16AdamW trains bf16 parameters, got {p.dtype}: "
+                                    "model.to(torch.bfloat16) first, or use torch.optim.AdamW")
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None if closure is None else torch.enable_grad()(closure)()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)                    # bf16: 2 bytes
+                    state["exp_avg_sq"] = torch.zeros_like(p)                 # bf16: 2 bytes
+                    if group["compensation"] == "kahan":
+                        state["compensation"] = torch.zeros_like(p)           # bf16: 2 bytes
+                state["step"] += 1
+                t, g = state["step"], p.grad.float()
+                m = state["exp_avg"].float().lerp_(g, 1 - beta1)              # 1. fp32 update
+                v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                state["exp_avg"].copy_(m)
+                state["exp_avg_sq"].copy_(v)
+                denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(group["eps"])
+                w = p.float()
+                delta = -group["lr"] * (m / (1 - beta1**t) / denom + group["weight_decay"] * w)
+                self._apply(p, w, delta, group["compensation"], state)        # 2. into bf16
+        return loss
+
+    @staticmethod
+    def _apply(p: torch.Tensor, w: torch.Tensor, delta: torch.Tensor, mode: str,
+               state: dict) -> None:
+        if mode == "kahan":
+            wanted = delta + state["compensation"].float()   # this update and what was dropped
+            p.copy_(w + wanted)                              # round to nearest
+            state["compensation"].copy_(wanted - (p.float() - w))    # what rounding dropped
+        elif mode == "stochastic":
+            p.copy_(round_stochastic(w + delta))
+        else:
+            p.copy_(w + delta)                               # round to nearest: small ones lost

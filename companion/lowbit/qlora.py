@@ -1,0 +1,87 @@
+"""QLoRA: a frozen base weight in NF4 under trainable low-rank adapters (Dettmers et al., 2023).
+
+`QLoRALinear` is `companion.lora.LoRALinear` with its frozen weight stored as NF4 codes
+(`nf4`): forward dequantizes the base (to the input's dtype), adds the bias and the scaled
+adapter; only A and B get gradients. `merge()` returns a dense `nn.Linear` for inference.
+
+Memory per base weight: about 0.5 byte (4.127 bits with double quantization) instead of 2 (bf16)
+or 4 (fp32); the adapters keep their full fp32 states (16 bytes per adapter parameter with Adam).
+Cost: one dequantization of each base weight per forward (and per backward, for the input's
+gradient).
+
+Example:
+    >>> layer = QLoRALinear.from_linear(torch.nn.Linear(512, 512), rank=8)
+    >>> model = apply_qlora(GPT(...), rank=8)                 # every Linear, the rest frozen
+
+Simplified vs bitsandbytes + PEFT: dequantize then matmul in plain torch (no fused 4-bit kernel),
+one adapter per layer, no dropout on the adapter's input; the NF4 base is a plain attribute, not a
+buffer: `.to()` does not move it and `state_dict()` does not save it (merge() for inference).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from companion.lora import adapter_parameters, linear_targets
+from companion.lowbit.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
+
+__all__ = ["QLoRALinear", "apply_qlora"]
+
+
+class QLoRALinear(nn.Module):
+    """y = x·dequant(W)ᵀ + b + s·(x·Aᵀ)·Bᵀ; W in NF4 (frozen), b frozen, A and B trained."""
+
+    def __init__(self, base: NF4Tensor, bias: torch.Tensor | None, rank: int, *,
+                 alpha: float | None = None):
+        super().__init__()
+        out_f, in_f = base.shape
+        self.A, self.B = adapter_parameters(in_f, out_f, rank, dtype=base.dtype,
+                                            device=base.packed.device)   # checks the rank
+        self.base, self.rank = base, rank
+        self.scale = (rank if alpha is None else alpha) / rank
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, rank: int, alpha: float | None = None,
+                    blocksize: int = 64, double_quant: bool = True) -> "QLoRALinear":
+        """Quantize `linear`'s weight to NF4 and put an adapter of `rank` beside it."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"QLoRALinear wraps an nn.Linear, got {type(linear).__name__}")
+        base = quantize_nf4(linear.weight.detach(), blocksize, double_quant=double_quant)
+        return cls(base, linear.bias, rank, alpha=alpha)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = dequantize_nf4(self.base).to(x.dtype)                   # (out, in), transient
+        return nn.functional.linear(x, weight, self.bias) + (x @ self.A.T @ self.B.T) * self.scale
+
+    def merge(self) -> nn.Linear:
+        """A dense nn.Linear with dequant(W) + s·B·A (and the bias)."""
+        out_f, in_f = self.base.shape
+        merged = nn.Linear(in_f, out_f, bias=self.bias is not None, dtype=self.base.dtype,
+                           device=self.base.packed.device)
+        with torch.no_grad():
+            merged.weight.copy_(dequantize_nf4(self.base) + self.scale * self.B @ self.A)
+            if self.bias is not None:
+                merged.bias.copy_(self.bias)
+        return merged
+
+    def extra_repr(self) -> str:
+        return (f"rank={self.rank}, scale={self.scale:g}, base=NF4 "
+                f"{self.base.bits_per_value():.2f} bits per weight")
+
+
+def apply_qlora(model: nn.Module, rank: int, targets: Iterable[str | type] | None = None, *,
+                alpha: float | None = None, blocksize: int = 64,
+                double_quant: bool = True) -> nn.Module:
+    """Freeze `model` and replace the chosen nn.Linear layers (as `lora.apply_lora` chooses them)
+    by `QLoRALinear`s; edits `model` in place and returns it."""
+    model.requires_grad_(False)
+    for name, linear in linear_targets(model, targets):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QLoRALinear.from_linear(linear, rank=rank, alpha=alpha,
+                                                       blocksize=blocksize,
+                                                       double_quant=double_quant))
+    return model
