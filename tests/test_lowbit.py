@@ -152,7 +152,7 @@ def _tiny_updates(compensation, steps=200):
     for _ in range(steps):
         w.grad = -torch.ones_like(w)                      # Adam's step: about lr each time
         opt.step()
-    return float(w.float().mean()) - 1.0
+    return float(w.detach().float().mean()) - 1.0
 
 
 def test_compensation_keeps_the_updates_that_bf16_rounding_loses():
