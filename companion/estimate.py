@@ -20,6 +20,8 @@ peak of a step adds the largest of those to states + activations).
 """
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import numbers
 import operator
@@ -30,7 +32,8 @@ from companion.estimate_offload import (OFFLOAD_LADDER, Placement, choose_offloa
 __all__ = ["ModelStates", "model_states", "bytes_per_element", "mlp_params", "gpt_params",
            "mlp_activations", "gpt_activations", "transformer_layer_activations",
            "transformer_activations", "gpt_shape", "training_memory", "OPTIMIZERS",
-           "PRECISIONS", "Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload"]
+           "PRECISIONS", "Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload",
+           "nf4_bytes"]
 
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 PRECISIONS = ("fp32", "mixed", "bf16", "fp16", "autocast")
@@ -52,7 +55,8 @@ class ModelStates:
 
 def model_states(n_params: int | float, *, optimizer: str = "adam", precision: str = "fp32",
                  fp32_grads: bool = False, fp32_grad_buffer: bool = False, zero_stage: int = 0,
-                 world_size: int = 1) -> ModelStates:
+                 world_size: int = 1, state_bits: int = 32,
+                 compensation: str = "none") -> ModelStates:
     """Bytes per device for the weights, gradients and optimizer state of `n_params` parameters.
 
     Per parameter, following the ZeRO paper (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations
@@ -71,6 +75,13 @@ def model_states(n_params: int | float, *, optimizer: str = "adam", precision: s
     mixed Adam becomes 20 bytes, the Ultra-Scale Playbook's figure (2 + 2 + 4 + 8 + 4).
     `n_params` may be a float that holds a whole number (7.5e9); 7.5e9 + 0.5 is an error.
 
+    `state_bits=8` stores each optimizer state tensor as block-wise 8-bit codes (Dettmers et al.,
+    2022; `companion.lowbit.Adam8bit`): 1 byte per value plus a 4-byte absmax per block of 256,
+    so fp32 Adam holds about 10 bytes (4 + 4 + 2.03), pure bf16 about 6. `compensation="kahan"`
+    (pure 16-bit precisions only) adds a 16-bit compensation buffer, 2 bytes, under optimizer:
+    pure bf16 Adam becomes 10 (`companion.lowbit.BF16AdamW`). A frozen base in NF4 is
+    `nf4_bytes`.
+
     ZeRO (same paper, section 5) shards over `world_size` data-parallel ranks: stage 1 the
     optimizer state (which includes mixed precision's master weights), stage 2 also the gradients,
     stage 3 also the weights. A shard is ceil(n_params / world_size) parameters.
@@ -85,15 +96,34 @@ def model_states(n_params: int | float, *, optimizer: str = "adam", precision: s
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if state_bits not in (32, 8):
+        raise ValueError(f"state_bits is 32 (states in the weights' format) or 8 (block-wise "
+                         f"8-bit codes), got {state_bits!r}")
+    if compensation not in ("none", "kahan") or (compensation == "kahan"
+                                                 and precision not in ("bf16", "fp16")):
+        raise ValueError(f"compensation is 'none', or 'kahan' with precision 'bf16' or 'fp16' "
+                         f"(a 16-bit buffer beside 16-bit weights), got {compensation!r} with "
+                         f"{precision!r}")
     weight = 4 if precision in ("fp32", "autocast") else 2
     grad = 4 if (precision in ("fp32", "autocast") or fp32_grads) else 2 + 4 * fp32_grad_buffer
-    if precision == "mixed":
-        state = 4 + 4 * _STATES[optimizer]                           # fp32 master + fp32 states
-    else:
-        state = weight * _STATES[optimizer]
+    per_state = {32: 4 if precision == "mixed" else weight, 8: 1 + 4 / 256}[state_bits]
+    state = _STATES[optimizer] * per_state + 4 * (precision == "mixed") \
+        + 2 * (compensation == "kahan")                              # fp32 master, Kahan buffer
     shard = -(-n_params // world_size)                               # ceil
     count = [shard if zero_stage >= s else n_params for s in (3, 2, 1)]   # params, grads, optimizer
-    return ModelStates(params=weight * count[0], grads=grad * count[1], optimizer=state * count[2])
+    return ModelStates(params=weight * count[0], grads=grad * count[1],
+                       optimizer=math.ceil(state * count[2]))
+
+
+def nf4_bytes(n_params: int | float, *, blocksize: int = 64, double_quant: bool = True) -> int:
+    """Bytes of a frozen weight of `n_params` values in NF4 (QLoRA; `companion.lowbit.nf4`):
+    half a byte per value, plus a 4-byte absmax per block, or with double quantization a 1-byte
+    absmax code per block and 4 bytes per 256 of them, plus their 4-byte mean. About 0.56 bytes
+    per value (4.5 bits), 0.52 with double quantization (4.127 bits)."""
+    n = _whole_count(n_params)
+    blocks = -(-n // blocksize)
+    scales = blocks + 4 * -(-blocks // 256) + 4 if double_quant else 4 * blocks
+    return -(-n // 2) + scales
 
 
 def bytes_per_element(precision: str) -> int:

@@ -205,3 +205,32 @@ def test_apply_qlora_replaces_linears_and_says_when_there_are_none():
         lowbit.QLoRALinear.from_linear(torch.nn.Conv1d(2, 2, 1), rank=1)
     with pytest.raises(ValueError, match="power of two"):
         lowbit.QLoRALinear.from_linear(torch.nn.Linear(8, 8), rank=1, blocksize=48)
+
+
+# ---------------------------------------------------------------- the estimator's count of these layouts
+
+def test_the_estimator_counts_8_bit_states_kahan_and_nf4_as_measured():
+    from companion import estimate
+    weight = torch.nn.Parameter(torch.randn(256, 512))
+    opt = lowbit.Adam8bit([weight])
+    weight.grad = torch.randn_like(weight)
+    opt.step()
+    states = estimate.model_states(weight.numel(), state_bits=8)
+    assert opt.state_bytes() == states.optimizer and states.total / weight.numel() == \
+        pytest.approx(10.03, abs=0.01)                               # 4 + 4 + 2 x (1 + 4/256)
+    assert estimate.model_states(weight.numel(), precision="bf16",
+                                 state_bits=8).total / weight.numel() == pytest.approx(6.03, 0.01)
+    w16 = torch.nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16))
+    kahan = lowbit.BF16AdamW([w16], compensation="kahan")
+    w16.grad = torch.randn_like(w16)
+    kahan.step()
+    measured = sum(t.nbytes for t in kahan.state[w16].values() if torch.is_tensor(t))
+    assert measured == estimate.model_states(w16.numel(), precision="bf16",
+                                             compensation="kahan").optimizer == 6 * w16.numel()
+    for n, dq in [(64 * 300 + 7, True), (4096, False), (10**5, True)]:
+        q = lowbit.quantize_nf4(torch.randn(n), 64, double_quant=dq)
+        assert estimate.nf4_bytes(n, double_quant=dq) == q.nbytes()
+    with pytest.raises(ValueError, match="kahan"):
+        estimate.model_states(10, compensation="kahan")              # fp32 needs no buffer
+    with pytest.raises(ValueError, match="state_bits"):
+        estimate.model_states(10, state_bits=4)
