@@ -58,6 +58,12 @@ def _check(x: torch.Tensor, code: torch.Tensor) -> None:
         raise ValueError("code must be a 1-D float tensor of at most 256 levels (dynamic_map())")
 
 
+def _blocks(flat: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """(blocks, blocksize): flat padded with zeros to whole blocks (a view when it divides)."""
+    pad = (-flat.numel()) % blocksize
+    return (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).view(-1, blocksize)
+
+
 def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int = 256
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes: uint8 of x's shape, the index of the level nearest to x / its block's absmax;
@@ -65,17 +71,14 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int = 256
     _check(x, code)
     check_blocksize(blocksize)
     absmax = block_absmax(x, blocksize)                                  # (blocks,) fp32
-    flat = x.detach().reshape(-1).float()
-    per_value = absmax.repeat_interleave(blocksize)[:flat.numel()]
-    scaled = flat / torch.where(per_value > 0, per_value, torch.ones_like(per_value))
-    levels = code.to(flat.device, torch.float32)
-    order = torch.argsort(levels)
-    ranked = levels[order]
-    upper = torch.searchsorted(ranked, scaled).clamp(1, ranked.numel() - 1)    # 1. bracket
-    lower = upper - 1
-    nearer = (scaled - ranked[lower]).abs() <= (ranked[upper] - scaled).abs()  # 2. nearest
-    index = torch.where(nearer, lower, upper)
-    return order[index].to(torch.uint8).view(x.shape), absmax
+    blocks = _blocks(x.detach().reshape(-1).float(), blocksize)          # (blocks, size)
+    scaled = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax)).unsqueeze(1)
+    levels = code.to(x.device, torch.float32)
+    ranked, order = levels.sort()
+    middles = (ranked[1:] + ranked[:-1]) / 2                             # 255 boundaries
+    index = torch.bucketize(scaled, middles)          # the nearest level (ties: the lower one)
+    codes = order[index].to(torch.uint8).reshape(-1)[:x.numel()]
+    return codes.view(x.shape), absmax
 
 
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
@@ -84,9 +87,9 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.
     check_blocksize(blocksize)
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes are uint8 (from quantize_blockwise), got {codes.dtype}")
-    flat = code.to(codes.device, torch.float32)[codes.reshape(-1).long()]
-    per_value = absmax.float().repeat_interleave(blocksize)[:flat.numel()]
-    if per_value.numel() != flat.numel():
+    n = codes.numel()
+    if absmax.numel() != -(-n // blocksize):
         raise ValueError(f"{absmax.numel()} absmax values cover {absmax.numel() * blocksize} "
-                         f"values, not {flat.numel()}: pass the blocksize used to quantize")
-    return (flat * per_value).view(codes.shape)
+                         f"values, not {n}: pass the blocksize used to quantize")
+    levels = code.to(codes.device, torch.float32)[_blocks(codes.reshape(-1), blocksize).long()]
+    return (levels * absmax.float().unsqueeze(1)).reshape(-1)[:n].view(codes.shape)
