@@ -1,9 +1,10 @@
 """Calls whose name depends on the torch version, in one place (the package supports 2.4 and later;
 GPU machines often have an older torch than the pinned 2.13).
 
-The list comes from reading every torch, dist, F and nn attribute the repository uses against
-torch 2.11.0's own Python sources and stubs: only these two collectives are newer (torch 2.13's
-names; it deprecates the older ones). `tests/test_compat.py` hides them to run the fallbacks and
+The list comes from looking up, by name, every torch, dist, F and nn attribute the repository
+uses in torch 2.11.0's own Python sources and stubs: only these two collectives are missing there
+(torch 2.13's names; it deprecates the older ones). A name check: a keyword argument added since
+2.11 would not show, and the first GPU session's smoke run is the test of that. `tests/test_compat.py` hides them to run the fallbacks and
 fails any call to them outside this module.
 
 Each is looked up at call time, so that a patched `torch.distributed` (a byte counter, a test that

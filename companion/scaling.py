@@ -133,7 +133,7 @@ def block_quantize(x: torch.Tensor, block: tuple[int, int], fmt: str = "e4m3"
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A 2-D tensor in FP8 with one scale per (rows, cols) tile (DeepSeek-V3's 1×128 for
     activations, 128×128 for weights): (codes of x's shape, scales per tile). Dequantize with
-    `codes.float() / scales` expanded over the tiles (`block_dequantize` in the chapter)."""
+    `codes.float()` divided by each tile's scale (the scales repeated over their tiles)."""
     rows, cols = block
     scales = amax_scale(block_absmax(x, block), fmt)                      # (tiles_r, tiles_c)
     full = scales.repeat_interleave(rows, 0)[:x.shape[0]]                  # (R, tiles_c)

@@ -30,6 +30,18 @@ from companion.lowbit.blockwise import (check_blocksize, dequantize_blockwise, d
 __all__ = ["Adam8bit"]
 
 
+def adam_direction(m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, t: int,
+                   betas: tuple[float, float], eps: float) -> torch.Tensor:
+    """Fold `grad` into Adam's fp32 moments m and v (in place) at step t and return the update's
+    direction, m̂ / (√v̂ + ε) with both bias corrections; the step is -lr times it. Shared by the
+    optimizers of this package, whose moments live in other formats between steps."""
+    beta1, beta2 = betas
+    m.lerp_(grad, 1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
+    return m / (1 - beta1**t) / denom
+
+
 class Adam8bit(torch.optim.Optimizer):
     """torch.optim.Adam whose moments are stored as block-wise 8-bit codes between steps."""
 
@@ -75,7 +87,6 @@ class Adam8bit(torch.optim.Optimizer):
     def step(self, closure: Callable | None = None):
         loss = None if closure is None else torch.enable_grad()(closure)()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -86,10 +97,8 @@ class Adam8bit(torch.optim.Optimizer):
                 if group["weight_decay"]:
                     grad = grad.add(p.float(), alpha=group["weight_decay"])
                 m, v = self._moments(p, group)                       # 1. codes -> fp32
-                m.lerp_(grad, 1 - beta1)                             # 2. Adam's update, fp32
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(group["eps"])
-                p.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-group["lr"] / (1 - beta1**t))
+                direction = adam_direction(m, v, grad, t, group["betas"], group["eps"])
+                p.add_(direction.to(p.dtype), alpha=-group["lr"])    # 2. Adam's update, fp32
                 self._store(p, group, m, v)                          # 3. fp32 -> codes
         return loss
 

@@ -26,6 +26,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from companion.lowbit.adam8bit import adam_direction
+
 __all__ = ["BF16AdamW", "round_stochastic"]
 
 _MODES = ("none", "stochastic", "kahan")
@@ -66,7 +68,6 @@ class BF16AdamW(torch.optim.Optimizer):
     def step(self, closure: Callable | None = None):
         loss = None if closure is None else torch.enable_grad()(closure)()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -78,14 +79,13 @@ class BF16AdamW(torch.optim.Optimizer):
                     if group["compensation"] == "kahan":
                         state["compensation"] = torch.zeros_like(p)           # bf16: 2 bytes
                 state["step"] += 1
-                t, g = state["step"], p.grad.float()
-                m = state["exp_avg"].float().lerp_(g, 1 - beta1)              # 1. fp32 update
-                v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()  # 1. fp32 update
+                direction = adam_direction(m, v, p.grad.float(), state["step"], group["betas"],
+                                           group["eps"])
                 state["exp_avg"].copy_(m)
                 state["exp_avg_sq"].copy_(v)
-                denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(group["eps"])
                 w = p.float()
-                delta = -group["lr"] * (m / (1 - beta1**t) / denom + group["weight_decay"] * w)
+                delta = -group["lr"] * (direction + group["weight_decay"] * w)
                 self._apply(p, w, delta, group["compensation"], state)        # 2. into bf16
         return loss
 
