@@ -234,3 +234,28 @@ def test_the_estimator_counts_8_bit_states_kahan_and_nf4_as_measured():
         estimate.model_states(10, compensation="kahan")              # fp32 needs no buffer
     with pytest.raises(ValueError, match="state_bits"):
         estimate.model_states(10, state_bits=4)
+
+
+@pytest.mark.parametrize("layout, per_param", [
+    ("fp32", 16), ("bf16+master", 16), ("bf16+master+main_grad", 18), ("bf16", 8),
+    ("bf16+kahan", 10), ("fp32+adam8bit", None), ("bf16+adam8bit", None), ("qlora", None)])
+def test_each_layout_holds_the_bytes_the_estimator_counts(layout, per_param):
+    from companion import models
+    from companion.lowbit import layouts
+    x, y = models.make_tokens(4, 32, vocab=64, seed=0)
+    make = lambda: models.GPT(64, 32, 64, 2, 4)
+    got = layouts.measure(make, layout, x, y, rank=4)
+    assert got == layouts.predict(make(), layout, rank=4)
+    if per_param is not None:
+        assert got.per_param == per_param
+    with pytest.raises(ValueError, match="layout is one of"):
+        layouts.measure(make, "fp8", x, y)
+
+
+def test_8_bit_states_and_qlora_save_what_they_promise_at_size():
+    from companion import models
+    from companion.lowbit import layouts
+    big = models.GPT(32000, 256, 1024, 8, 16, device="meta")
+    per = {k: layouts.predict(big, k, rank=16).per_param for k in layouts.LAYOUTS}
+    assert 10 < per["fp32+adam8bit"] < 10.05 and 6 < per["bf16+adam8bit"] < 6.05
+    assert per["qlora"] < 0.2 * per["bf16"]                 # embeddings fp32, adapters trained

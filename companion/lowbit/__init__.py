@@ -4,7 +4,8 @@ Modules: `blockwise` (the dynamic map of the 8-bit optimizers paper, block-wise 
 one fp32 absmax per block), `nf4` (QLoRA's 4-bit NormalFloat levels and double quantization),
 `adam8bit` (`Adam8bit`: Adam's moments as block-wise 8-bit codes), `bf16` (`BF16AdamW`: bf16
 weights with no fp32 master, with stochastic rounding or Kahan compensation), `qlora`
-(`QLoRALinear`, `apply_qlora`: an NF4 base under LoRA adapters).
+(`QLoRALinear`, `apply_qlora`: an NF4 base under LoRA adapters), `layouts` (the bytes per
+parameter of each layout of model states, measured and predicted).
 The per-block absmax is `companion.scaling.block_absmax`, shared with FP8's per-tile scales.
 
 Example:
