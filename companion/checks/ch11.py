@@ -1,0 +1,366 @@
+"""Checks for chapter 11, fewer bits: block-wise codes, an 8-bit Adam step, stochastic rounding,
+NF4, and which layout fits."""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from companion.checks.core import CheckFailed, call, compare, exercise, fresh_seeds, require
+from companion.lowbit import NF4, dynamic_map
+from companion.lowbit.adam8bit import adam_direction
+
+__all__ = ["check_blockwise", "check_adam8bit_block", "check_stochastic_rounding",
+           "check_nf4_block", "check_pick_layout", "adam8bit_block", "layout_bytes",
+           "pick_layout", "CHOICES"]
+
+
+# ---------------------------------------------------------------- shared: codes against levels
+
+def _nearest(x: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Index of the level nearest to each value of x (the reference's rule)."""
+    return (x.reshape(-1, 1) - levels.reshape(1, -1)).abs().argmin(1).reshape(x.shape)
+
+
+def _as_codes(got, n: int, label: str) -> torch.Tensor:
+    require(isinstance(got, torch.Tensor), f"{label}: expected a tensor of codes, got "
+            f"{type(got).__name__}")
+    require(got.dtype == torch.uint8, f"{label}: codes are uint8 (one byte each), got {got.dtype}",
+            hint="store each index with .to(torch.uint8): an int64 index takes 8 bytes, not 1.")
+    require(got.numel() == n, f"{label}: expected {n} codes, got {got.numel()}")
+    return got.reshape(-1).long()
+
+
+def _codes_nearest(codes: torch.Tensor, scaled: torch.Tensor, levels: torch.Tensor,
+                   label: str, hint: str, known: dict | None = None) -> None:
+    """Every code is a nearest level of its scaled value (ties either way)."""
+    err = (levels[codes] - scaled.reshape(-1)).abs()
+    best = (levels[_nearest(scaled.reshape(-1), levels)] - scaled.reshape(-1)).abs()
+    bad = (err > best + 1e-6).nonzero().flatten()
+    if len(bad):
+        i = int(bad[0])
+        hints = [h for h, wrong in (known or {}).items()
+                 if torch.equal(codes, wrong.reshape(-1).long())]
+        value = scaled.reshape(-1)[i]
+        nearest = levels[_nearest(value.reshape(1), levels)][0]
+        raise CheckFailed(f"{label}: {len(bad)} of {codes.numel()} codes are not the nearest "
+                          f"level; value {i} divided by its block's absmax is {float(value):.6g}, "
+                          f"the nearest level {float(nearest):.6g}, yours "
+                          f"{float(levels[codes[i]]):.6g}", expected=float(nearest),
+                          got=float(levels[codes[i]]), hint=hints[0] if hints else hint)
+
+
+# ---------------------------------------------------------------- exercise 1: block-wise codes
+
+def _blocks_absmax(x: torch.Tensor, blocksize: int) -> torch.Tensor:
+    flat = x.reshape(-1).float()
+    pad = (-flat.numel()) % blocksize
+    return torch.nn.functional.pad(flat, (0, pad)).view(-1, blocksize).abs().amax(1)
+
+
+@exercise(points=2, reference=("companion.lowbit.quantize_blockwise",
+                               "companion.lowbit.blockwise.quantize_blockwise"))
+def check_blockwise(answer) -> str:
+    """answer(x, code, blocksize) -> (codes uint8 in x's shape, absmax fp32 per block)."""
+    rng = random.Random(fresh_seeds(1)[0])
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    lopsided = torch.sort(torch.rand(37, generator=g) ** 3 * 2 - 1).values   # not symmetric
+    lopsided = torch.cat([lopsided, torch.tensor([0.0, 1.0])]).sort().values
+    cases = [(dynamic_map(True), (rng.randrange(300, 900),), 64, "the signed dynamic map"),
+             (dynamic_map(False), (7, rng.randrange(30, 90)), 32, "the unsigned dynamic map"),
+             (lopsided, (rng.randrange(100, 400),), 16, "a map of 39 uneven levels")]
+    for code, shape, blocksize, name in cases:
+        x = torch.randn(shape, generator=g) * torch.logspace(-4, 0, shape[-1])
+        if code.min() >= 0:
+            x = x.abs()
+        x.view(-1)[:blocksize] = 0.0                                # a block of zeros
+        label = f"x of shape {tuple(shape)}, blocks of {blocksize}, {name}"
+        got = call(answer, x.clone(), code.clone(), blocksize)
+        require(isinstance(got, (tuple, list)) and len(got) == 2,
+                f"{label}: expected (codes, absmax), got {type(got).__name__}")
+        codes, absmax = got
+        codes = _as_codes(codes, x.numel(), label)
+        want = _blocks_absmax(x, blocksize)
+        compare(absmax, want, name=f"{label}: absmax", rtol=1e-6, atol=0.0,
+                hint="one absmax per block of `blocksize` consecutive values (the last block "
+                     "may be short), the largest |value| in it, in float32.")
+        scale = torch.where(want > 0, want, torch.ones_like(want)).repeat_interleave(blocksize)
+        scaled = x.reshape(-1) / scale[:x.numel()]
+        wrong = {"divide each value by its own block's absmax, not by the whole tensor's: "
+                 "a block is `blocksize` consecutive values of the flattened tensor.":
+                 _nearest(x.reshape(-1) / x.abs().max(), code),
+                 "pick the nearest level, not the first level above the value (rounding "
+                 "down or up biases every code).":
+                 torch.bucketize(scaled, code).clamp(max=len(code) - 1)}
+        _codes_nearest(codes, scaled, code, label,
+                       "each code is the index of the level nearest to value / absmax; a "
+                       "block whose absmax is 0 is all zeros (do not divide by 0).", wrong)
+    return ("codes and absmax match the nearest-level rule on two dynamic maps and an uneven "
+            "one, with short last blocks and an all-zero block")
+
+
+# ---------------------------------------------------------------- exercise 2: one Adam8bit step
+
+def adam8bit_block(p, grad, m_codes, m_absmax, v_codes, v_absmax, t, lr, betas, eps):
+    """The reference: one Adam step on one block whose moments are 8-bit codes; returns (new p,
+    m codes, m absmax, v codes, v absmax)."""
+    signed, unsigned = dynamic_map(True), dynamic_map(False)
+    m = signed[m_codes.long()] * m_absmax                        # 1. codes -> fp32
+    v = unsigned[v_codes.long()] * v_absmax
+    direction = adam_direction(m, v, grad.float(), t, betas, eps)   # 2. Adam in fp32
+    return (p - lr * direction, *_encode(m, signed), *_encode(v, unsigned))   # 3. fp32 -> codes
+
+
+def _adam_wrong(p, grad, mc, ma, vc, va, t, lr, betas, eps) -> dict:
+    signed, unsigned = dynamic_map(True), dynamic_map(False)
+    m = signed[mc.long()] * ma
+    v = unsigned[vc.long()] * va
+    b1, b2 = betas
+    m1, v1 = b1 * m + (1 - b1) * grad, b2 * v + (1 - b2) * grad**2
+    return {
+        "Adam divides by both bias corrections, 1 − β1^t and 1 − β2^t (on √v̂): without them "
+        "the first steps are far too small.": p - lr * m1 / (v1.sqrt() + eps),
+        "the step uses the new moments, after this gradient is folded in: m ← β1·m + (1−β1)·g "
+        "first.": p - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps),
+        "the second moment is never negative: decode it with the unsigned map (twice the "
+        "levels per decade), the first with the signed one.":
+            p - lr * adam_direction(signed[mc.long()] * ma, signed[vc.long()].abs() * va,
+                                    grad, t, betas, eps),
+    }
+
+
+@exercise(points=3, reference=("companion.lowbit.Adam8bit", "companion.lowbit.adam8bit.Adam8bit",
+                               "companion.lowbit.adam8bit.adam_direction",
+                               "companion.checks.ch11.adam8bit_block"))
+def check_adam8bit_block(answer) -> str:
+    """answer(p, grad, m_codes, m_absmax, v_codes, v_absmax, t, lr, betas, eps) -> (p, m_codes,
+    m_absmax, v_codes, v_absmax): one Adam step on one block of 8-bit moments."""
+    signed, unsigned = dynamic_map(True), dynamic_map(False)
+    for seed in fresh_seeds(4):
+        rng = random.Random(seed)
+        g = torch.Generator().manual_seed(seed)
+        n, t = rng.randrange(40, 256), rng.choice([1, 2, 7, 150])
+        lr, betas = rng.choice([1e-3, 3e-4, 1e-2]), rng.choice([(0.9, 0.999), (0.8, 0.95)])
+        p, grad = torch.randn(n, generator=g), 1e-3 * torch.randn(n, generator=g)
+        grad[rng.randrange(n)] *= 50                                   # an outlier
+        m0, v0 = 1e-3 * torch.randn(n, generator=g), 1e-6 * torch.rand(n, generator=g) ** 4
+        if t == 1:                                                     # Adam starts at zero
+            m0, v0 = torch.zeros(n), torch.zeros(n)
+        (mc, ma), (vc, va) = _encode(m0, signed), _encode(v0, unsigned)
+        args = (p, grad, mc, ma, vc, va, t, lr, betas, 1e-8)
+        want = adam8bit_block(*args)
+        label = f"a block of {n} values at step {t}, lr {lr:g}, betas {betas}"
+        got = call(answer, *(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+        require(isinstance(got, (tuple, list)) and len(got) == 5,
+                f"{label}: expected (p, m_codes, m_absmax, v_codes, v_absmax), got "
+                f"{type(got).__name__}{'' if not isinstance(got, (tuple, list)) else f' of {len(got)}'}")
+        compare(got[0], want[0], name=f"{label}: the new weights", rtol=1e-5, atol=1e-7,
+                known_wrong=_adam_wrong(*args),
+                hint="decode m and v (level × absmax), fold the gradient in, step by "
+                     "−lr·m̂/(√v̂ + ε), then encode both again.")
+        for i, (what, levels) in enumerate((("m", signed), ("v", unsigned))):
+            compare(got[2 + 2 * i], want[2 + 2 * i], name=f"{label}: {what}'s new absmax",
+                    rtol=1e-5, atol=1e-30,
+                    hint="quantize the updated moment against its own new absmax: the old one "
+                         "clips values that grew.")
+            exact = _exact_moment(args, what)
+            scale = want[2 + 2 * i].clamp_min(1e-30)
+            _codes_nearest(_as_codes(got[1 + 2 * i], n, f"{label}: {what}'s codes"),
+                           exact / scale, levels, f"{label}: {what}'s codes",
+                           f"encode {what} with the {'signed' if what == 'm' else 'unsigned'} "
+                           "dynamic map: the nearest level of value / new absmax.")
+    return ("one 8-bit Adam step: decoded, updated in fp32, encoded again with fresh absmax "
+            "values, on 4 blocks at steps from 1 to 150")
+
+
+def _encode(x: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes, absmax of shape (1,)) of one block."""
+    absmax = x.abs().max().reshape(1)
+    scaled = x / (absmax if absmax > 0 else torch.ones_like(absmax))
+    return _nearest(scaled, levels).to(torch.uint8), absmax
+
+
+def _exact_moment(args, what: str) -> torch.Tensor:
+    """The reference's fp32 moment after the step, before it is encoded."""
+    p, grad, mc, ma, vc, va, t, lr, betas, eps = args
+    m = dynamic_map(True)[mc.long()] * ma
+    v = dynamic_map(False)[vc.long()] * va
+    adam_direction(m, v, grad.float(), t, betas, eps)
+    return m if what == "m" else v
+
+
+# ---------------------------------------------------------------- exercise 3: stochastic rounding
+
+def _neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values just below (toward zero) and above x's magnitude, as fp32."""
+    low = (x.view(torch.int32) & -65536).view(torch.float32)     # truncated: toward zero
+    high = ((x.view(torch.int32) & -65536) + 65536).view(torch.float32)
+    return low, high
+
+
+@exercise(points=2, timeout=20.0, reference=("companion.lowbit.round_stochastic",
+                                             "companion.lowbit.bf16.round_stochastic"))
+def check_stochastic_rounding(answer) -> str:
+    """answer(x fp32) -> bf16: each value rounded to one of its two bf16 neighbours at random,
+    with E[result] = x."""
+    rng = random.Random(fresh_seeds(1)[0])
+    # values a fraction of the way between two bf16 neighbours, of both signs and many scales
+    base = torch.tensor([1.0, -3.0, 2.0 ** -20, 700.0, -0.0123, 1.5e30])
+    base = base.to(torch.bfloat16).float()
+    fractions = torch.tensor([rng.uniform(0.05, 0.2), rng.uniform(0.4, 0.6), 0.75,
+                              rng.uniform(0.85, 0.97), 0.3, 0.5])
+    gap = _neighbours(base.abs())[1] - base.abs()
+    values = base + torch.sign(base) * fractions * gap
+    draws = 20000
+    x = values.repeat_interleave(draws)
+    got = call(answer, x.clone())
+    require(isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16 and
+            got.shape == x.shape, f"expected a bf16 tensor of shape {tuple(x.shape)}, got "
+            f"{getattr(got, 'dtype', type(got).__name__)} {tuple(getattr(got, 'shape', ()))}")
+    got = got.float().view(len(values), draws)
+    low, high = _neighbours(values.abs())
+    sign = torch.sign(values)[:, None]
+    near = ((got == sign * low[:, None]) | (got == sign * high[:, None])).all(1)
+    if not near.all():
+        raise CheckFailed(f"value {float(values[~near][0]):.8g}: some results are not one of its "
+                          "two bf16 neighbours", hint="round to the bf16 value just below or "
+                          "just above the magnitude, nothing further away.")
+    for i, v in enumerate(values.tolist()):
+        p = fractions[i].item()
+        up = float((got[i].abs() == high[i]).float().mean())
+        sigma = math.sqrt(p * (1 - p) / draws)
+        if abs(up - p) > 5 * sigma:
+            always = up in (0.0, 1.0)
+            raise CheckFailed(
+                f"value {v:.8g} lies {p:.3f} of the way from its lower bf16 neighbour to the "
+                f"upper one; it should round up with probability {p:.3f}, yours rounded up "
+                f"{up:.4f} of {draws} times (5σ = {5 * sigma:.4f})",
+                expected=p, got=up,
+                hint="rounding to nearest (or always the same way) is biased: the result must "
+                     "be random, up with probability equal to the distance from the lower "
+                     "neighbour in units of the spacing." if always else
+                     "the random number must be uniform over all 2^16 low-bit patterns (add it to "
+                     "the low 16 bits of the fp32 pattern, then clear them), and the magnitude "
+                     "rounds, not the signed value.")
+    exact = torch.tensor([1.0, -2.5, 0.0, 2.0 ** -100], dtype=torch.bfloat16).float()
+    again = call(answer, exact.clone())
+    compare(again.float() if isinstance(again, torch.Tensor) else again, exact,
+            name="values bf16 holds exactly", rtol=0, atol=0,
+            hint="a value already in bf16 has nothing to round: it must come back unchanged.")
+    return (f"unbiased on {len(values)} values of both signs from 1e-6 to 1e30, each rounded "
+            f"{draws} times: within 5σ of its expectation")
+
+
+# ---------------------------------------------------------------- exercise 4: NF4 of one block
+
+def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.stack([packed.long() >> 4, packed.long() & 15], 1).reshape(-1)[:n]
+
+
+@exercise(points=2, reference=("companion.lowbit.quantize_nf4",
+                               "companion.lowbit.nf4.quantize_nf4",
+                               "companion.lowbit.quantize_blockwise"))
+def check_nf4_block(answer) -> str:
+    """answer(w) -> (packed uint8 of ceil(n / 2) bytes, high nibble first; absmax fp32): one block
+    of weights in NF4."""
+    rng = random.Random(fresh_seeds(1)[0])
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    for n in (64, rng.randrange(3, 63, 2), rng.randrange(66, 200, 2)):
+        w = torch.randn(n, generator=g) * rng.uniform(0.01, 2.0)
+        label = f"a block of {n} weights"
+        got = call(answer, w.clone())
+        require(isinstance(got, (tuple, list)) and len(got) == 2,
+                f"{label}: expected (packed, absmax), got {type(got).__name__}")
+        packed, absmax = got
+        want_absmax = w.abs().max()
+        compare(torch.as_tensor(absmax).float().reshape(()), want_absmax, name=f"{label}: absmax",
+                rtol=1e-6, atol=0, hint="the block's scale is its largest |weight|.")
+        packed = _as_codes(packed, (n + 1) // 2, f"{label}: packed codes")
+        codes = _unpack(packed.to(torch.uint8), n)
+        scaled = w / want_absmax
+        right = _nearest(scaled, NF4).reshape(-1)
+        pairs = torch.cat([right, right.new_zeros(n % 2)]).view(-1, 2)
+        _codes_nearest(codes, scaled, NF4, label,
+                       "each weight / absmax goes to the nearest of the 16 NF4 levels; two codes "
+                       "per byte (an odd block pads a zero code).",
+                       {"the first code of each pair goes in the high four bits: byte = "
+                        "(first << 4) | second.": pairs.flip(1).reshape(-1)[:n]})
+    return "NF4 codes of blocks of odd, even and full length: nearest levels, packed two per byte"
+
+
+# ---------------------------------------------------------------- exercise 5: which layout fits
+
+CHOICES = ("bf16+master", "fp32+adam8bit", "bf16+kahan", "bf16", "qlora")
+
+
+def layout_bytes(layout: str, n_params: int, n_linear: int, n_adapter: int) -> float:
+    """Model-state bytes of each choice (Adam): 16; 4 + 4 + 2·(1 + 4/256); 10; 8 (stochastic
+    rounding, no extra bytes); QLoRA: NF4 Linear weights (double quantization, blocks of 64),
+    the rest frozen in bf16, the adapters at 16 B each."""
+    if layout == "qlora":
+        nf4 = n_linear * (0.5 + 1 / 64 + 4 / (64 * 256)) + 4
+        return nf4 + 2 * (n_params - n_linear) + 16 * n_adapter
+    per = {"bf16+master": 16, "fp32+adam8bit": 8 + 2 * (1 + 4 / 256), "bf16+kahan": 10,
+           "bf16": 8}[layout]
+    return per * n_params
+
+
+def pick_layout(n_params, n_linear, n_adapter, gpu_bytes, other_bytes):
+    """The reference: the first of CHOICES whose states and `other_bytes` fit, else None."""
+    for layout in CHOICES:
+        if layout_bytes(layout, n_params, n_linear, n_adapter) + other_bytes <= gpu_bytes:
+            return layout
+    return None
+
+
+def _layout_cases(rng: random.Random) -> list[tuple]:
+    """(n_params, n_linear, n_adapter, gpu_bytes, other_bytes), each kept 0.2% or more from a
+    boundary between two answers, except one between 8-bit Adam and Kahan (0.3% apart)."""
+    cases = []
+    shapes = [(1.1e9, 0.88), (3.2e9, 0.9), (13e9, 0.95), (0.35e9, 0.7), (34e9, 0.96),
+              (70e9, 0.97)]
+    gpus = [12, 16, 24, 40, 48, 80, 141]
+    while len(cases) < 10:
+        n, frac = rng.choice(shapes)
+        n = int(n * rng.uniform(0.9, 1.1))
+        n_linear = int(n * frac)
+        n_adapter = int(n * rng.choice([0.002, 0.005, 0.01]))
+        gpu = rng.choice(gpus) * 2**30
+        other = int(gpu * rng.uniform(0.02, 0.3))
+        sizes = [layout_bytes(c, n, n_linear, n_adapter) + other for c in CHOICES]
+        if all(abs(s - gpu) > 0.002 * gpu for s in sizes) and (n, gpu) not in [c[::3] for c in cases]:
+            cases.append((n, n_linear, n_adapter, gpu, other))
+    n, n_linear, n_adapter = 2_000_000_000, 1_800_000_000, 8_000_000
+    other = 2 * 2**30
+    cases.append((n, n_linear, n_adapter, int(other + 10.01 * n), other))   # Kahan, not 8-bit
+    return cases
+
+
+@exercise(points=2, reference="companion.checks.ch11.pick_layout")
+def check_pick_layout(answer) -> str:
+    """answer(n_params, n_linear, n_adapter, gpu_bytes, other_bytes) -> one of CHOICES or None."""
+    rng = random.Random(fresh_seeds(1)[0])
+    cases = _layout_cases(rng) + [(70_000_000_000, 66_000_000_000, 100_000_000, 16 * 2**30,
+                                   2**30)]                                   # nothing fits
+    for n, n_linear, n_adapter, gpu, other in cases:
+        want = pick_layout(n, n_linear, n_adapter, gpu, other)
+        got = call(answer, n, n_linear, n_adapter, gpu, other)
+        if got != want:
+            sizes = {c: layout_bytes(c, n, n_linear, n_adapter) + other for c in CHOICES}
+            shown = ", ".join(f"{c} {s / 2**30:.2f}" for c, s in sizes.items())
+            hint = ("8-bit Adam keeps a 4-byte absmax per block of 256 values for each of its "
+                    "two moments: 10.03 bytes per parameter, not 10."
+                    if (got, want) == ("fp32+adam8bit", "bf16+kahan") else
+                    "QLoRA's frozen base is not free: about 0.52 bytes per Linear weight, 2 "
+                    "per other weight (bf16), and 16 per adapter parameter."
+                    if {got, want} <= {"qlora", None} else
+                    "count each layout's bytes per parameter, add the other bytes, and take the "
+                    "first choice in the order of the exercise that fits; None when none does.")
+            raise CheckFailed(f"{n / 1e9:.2f}B parameters ({n_linear / 1e9:.2f}B in Linear "
+                              f"layers, {n_adapter / 1e6:.0f}M adapter parameters) on "
+                              f"{gpu / 2**30:.0f} GiB with {other / 2**30:.2f} GiB of other "
+                              f"memory: expected {want!r}, got {got!r} (GiB each layout needs: "
+                              f"{shown})", expected=want, got=got, hint=hint)
+    return (f"the right layout for {len(cases)} models and GPUs, from 0.3B to 70B parameters and "
+            "12 to 141 GiB")
