@@ -27,7 +27,7 @@ import torch
 from companion.lowbit.blockwise import (check_blocksize, dequantize_blockwise, dynamic_map,
                                         quantize_blockwise)
 
-__all__ = ["Adam8bit"]
+__all__ = ["Adam8bit", "adam_direction", "direction_error"]
 
 
 def adam_direction(m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, t: int,
@@ -40,6 +40,18 @@ def adam_direction(m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, t: int,
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
     return m / (1 - beta1**t) / denom
+
+
+def direction_error(m: torch.Tensor, v: torch.Tensor, blocksize: int, *, signed: torch.Tensor,
+                    unsigned: torch.Tensor, eps: float = 1e-8) -> dict[str, float]:
+    """How far Adam's direction m / (√v + ε) moves when m and v are stored as block-wise codes of
+    the maps `signed` and `unsigned`: {"error": ‖d_q − d‖ / ‖d‖, "v_zero": the fraction of
+    nonzero v stored as 0 (its update is then m / ε)}."""
+    mq = dequantize_blockwise(*quantize_blockwise(m, signed, blocksize), signed, blocksize)
+    vq = dequantize_blockwise(*quantize_blockwise(v, unsigned, blocksize), unsigned, blocksize)
+    d, dq = m / (v.sqrt() + eps), mq / (vq.sqrt() + eps)
+    return {"error": float((dq - d).norm() / d.norm()),
+            "v_zero": float(((vq == 0) & (v > 0)).float().mean())}
 
 
 class Adam8bit(torch.optim.Optimizer):

@@ -25,7 +25,8 @@ import torch
 
 from companion.scaling import block_absmax
 
-__all__ = ["dynamic_map", "quantize_blockwise", "dequantize_blockwise", "check_blocksize"]
+__all__ = ["dynamic_map", "linear_map", "quantize_blockwise", "dequantize_blockwise",
+           "check_blocksize"]
 
 
 def dynamic_map(signed: bool = True) -> torch.Tensor:
@@ -41,6 +42,12 @@ def dynamic_map(signed: bool = True) -> torch.Tensor:
         middles = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** -e).tolist()
         levels += middles + ([-m for m in middles] if signed else [])
     return torch.tensor(sorted(levels), dtype=torch.float32)
+
+
+def linear_map(signed: bool = True) -> torch.Tensor:
+    """256 evenly spaced levels over [-1, 1] (signed) or [0, 1]: the map the dynamic one beats
+    on values that span several orders of magnitude."""
+    return torch.linspace(-1.0 if signed else 0.0, 1.0, 256)
 
 
 def check_blocksize(blocksize: int) -> None:
