@@ -12,8 +12,7 @@ from companion.lowbit import NF4, dynamic_map
 from companion.lowbit.adam8bit import adam_direction
 
 __all__ = ["check_blockwise", "check_adam8bit_block", "check_stochastic_rounding",
-           "check_nf4_block", "check_pick_layout", "adam8bit_block", "layout_bytes",
-           "pick_layout", "CHOICES"]
+           "check_nf4_block", "check_pick_layout"]
 
 
 # ---------------------------------------------------------------- shared: codes against levels

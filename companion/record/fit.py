@@ -80,9 +80,10 @@ def predicted_peaks(s) -> dict[str, dict[str, int]]:
 
 
 def _fewer_bits(s) -> dict[str, int]:
-    # One GPT of chapter 11 at a time, batch 8, fp32 Adam (the layouts hold less); the layouts'
-    # table measures the same GPT at batch 4.
-    return {"gpt training step": gpt_step_bytes(s, batch=8, depth=s.gpt_depth)}
+    # One GPT of chapter 11 at a time, fp32 Adam (the layouts hold less), at train_curve's batch;
+    # the layouts' table measures the same GPT at batch 4.
+    return {"gpt training step": gpt_step_bytes(s, batch=min(8, s.amp_gpt_batch),
+                                                depth=s.gpt_depth)}
 
 
 def _anatomy(s) -> dict[str, int]:

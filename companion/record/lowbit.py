@@ -33,11 +33,14 @@ def _optimizer(kind: str, params: list, lr: float) -> torch.optim.Optimizer:
     return BF16AdamW(params, lr=lr, weight_decay=0.0, compensation=mode)
 
 
-def train_curve(kind: str, seed: int, S, device: torch.device, *, steps: int, batch: int = 8,
-                lr: float = 1e-3, chain: int = 0) -> tuple[list[float], list[float]]:
+def train_curve(kind: str, seed: int, S, device: torch.device, *, steps: int,
+                batch: int | None = None, lr: float = 1e-3,
+                chain: int = 0) -> tuple[list[float], list[float]]:
     """(loss per step, fraction of weights unchanged by each step) of the course GPT trained with
     `kind` from seed `seed` on the Markov chain `chain` (`models.make_tokens`); the same seed
-    gives every kind the same initial weights (rounded to bf16 for the bf16 kinds) and batches."""
+    gives every kind the same initial weights (rounded to bf16 for the bf16 kinds) and batches.
+    `batch` sequences per step: by default 8, or fewer where the device's sizes say so."""
+    batch = min(8, S.amp_gpt_batch) if batch is None else batch
     if kind not in KINDS:
         raise ValueError(f"kind is one of {KINDS}, got {kind!r}")
     dtype = torch.bfloat16 if kind.startswith("bf16") else torch.float32
@@ -98,7 +101,7 @@ def figures(rows: dict, runs: dict[str, list]) -> tuple[dict, dict]:
 def fewer_bits(S, device: torch.device, *, repeats: int = 3) -> dict:
     """The recorded run: bytes per parameter of each layout, and each kind's loss curve (the
     median over `repeats` seeds) with the fraction of weights each step left unchanged."""
-    steps = 300 if device.type == "cuda" else 100
+    steps = 100
     runs = {kind: [train_curve(kind, seed, S, device, steps=steps) for seed in range(repeats)]
             for kind in KINDS}
     measured, predicted = figures(layout_bytes(S, device), runs)
