@@ -259,3 +259,17 @@ def test_8_bit_states_and_qlora_save_what_they_promise_at_size():
     per = {k: layouts.predict(big, k, rank=16).per_param for k in layouts.LAYOUTS}
     assert 10 < per["fp32+adam8bit"] < 10.05 and 6 < per["bf16+adam8bit"] < 6.05
     assert per["qlora"] < 0.2 * per["bf16"]                 # embeddings fp32, adapters trained
+
+
+@pytest.mark.parametrize("code", [lowbit.dynamic_map(True), lowbit.dynamic_map(False), lowbit.NF4,
+                                  lowbit.linear_map(True),
+                                  torch.tensor([0.0, 0.5, 0.5 + 2**-12, 0.5 + 2**-11, 1.0])])  # 2 in a bin
+def test_the_nearest_level_from_the_bf16_bin_table_is_the_binary_searchs(code):
+    from companion.lowbit import blockwise
+    ranked = code.sort().values
+    middles = (ranked[1:] + ranked[:-1]) / 2
+    x = torch.cat([torch.rand(200_000, generator=torch.Generator().manual_seed(0)) * 2 - 1,
+                   ranked, middles, middles.nextafter(torch.tensor(2.0)),
+                   middles.nextafter(torch.tensor(-2.0)), torch.tensor([0.0, -0.0])])
+    assert torch.equal(blockwise._nearest(x, ranked), torch.bucketize(x, middles))
+    assert (blockwise._bin_table(tuple(ranked.tolist())) is None) == (code.numel() == 5)

@@ -8,8 +8,11 @@ precision; the *dynamic* (tree) map spends its levels on every order of magnitud
 moments span many: a byte reads as a sign bit, then as many zeros as the decimal exponent e, an
 indicator 1, and the remaining bits a linear fraction in [0.1, 1] at 10^-e.
 
-Memory: 1 byte per value + 4 bytes per block (256: 1.016 bytes per value). Cost: a search over 256
-levels per value (searchsorted here; a binary tree in the paper's CUDA kernel).
+Memory: 1 byte per value + 4 bytes per block (256: 1.016 bytes per value). Cost: finding the
+nearest of 256 levels per value. A binary search (`torch.bucketize`, 8 comparisons) is the plain
+way; here a table indexed by the value's top 16 bits (its bf16 bin) gives the answer up to one
+comparison, because no bf16 bin of [-1, 1] holds two midpoints of the dynamic map (checked when the
+table is built; maps that fail it fall back to the search).
 
 Example:
     >>> code = dynamic_map(signed=True)
@@ -20,6 +23,8 @@ Simplified vs bitsandbytes: the same map and nearest-level rounding, in plain to
 CPU kernel, no stochastic rounding, no paged buffers).
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
@@ -71,6 +76,34 @@ def _blocks(flat: torch.Tensor, blocksize: int) -> torch.Tensor:
     return (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).view(-1, blocksize)
 
 
+@lru_cache(maxsize=16)
+def _bin_table(levels: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a sorted map: (how many midpoints lie below each of the 65536 bf16 bins, the midpoints
+    padded with +inf), or None when some bin holds two midpoints."""
+    ranked = torch.tensor(levels, dtype=torch.float32)
+    middles = (ranked[1:] + ranked[:-1]) / 2
+    top = torch.arange(1 << 16, dtype=torch.int32) << 16               # each bin's fp32 pattern
+    low = torch.where(top < 0, top | 0xFFFF, top).view(torch.float32)  # the bin's smallest value
+    high = torch.where(top < 0, top, top | 0xFFFF).view(torch.float32)
+    below = torch.bucketize(low, middles)                              # midpoints < low
+    within = torch.bucketize(high, middles, right=True) - below        # midpoints in [low, high]
+    finite = torch.isfinite(low) & torch.isfinite(high)
+    if bool((within[finite] > 1).any()):
+        return None
+    return below, torch.cat([middles, torch.tensor([float("inf")])])
+
+
+def _nearest(scaled: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
+    """Index into the sorted levels `ranked` of the level nearest each value (ties: the lower)."""
+    table = _bin_table(tuple(ranked.tolist())) if scaled.device.type == "cpu" else None
+    if table is None:
+        return torch.bucketize(scaled, (ranked[1:] + ranked[:-1]) / 2)
+    below, middles = table
+    bins = (scaled.view(torch.int32) >> 16) & 0xFFFF                  # the bf16 bin
+    index = below[bins]
+    return index + (middles[index] < scaled)                         # one comparison left
+
+
 def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int = 256
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes: uint8 of x's shape, the index of the level nearest to x / its block's absmax;
@@ -82,8 +115,7 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int = 256
     scaled = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax)).unsqueeze(1)
     levels = code.to(x.device, torch.float32)
     ranked, order = levels.sort()
-    middles = (ranked[1:] + ranked[:-1]) / 2                             # 255 boundaries
-    index = torch.bucketize(scaled, middles)          # the nearest level (ties: the lower one)
+    index = _nearest(scaled, ranked)                  # the nearest level (ties: the lower one)
     codes = order[index].to(torch.uint8).reshape(-1)[:x.numel()]
     return codes.view(x.shape), absmax
 
