@@ -28,6 +28,11 @@ def _int64_codes(x, code, blocksize):
     return codes.long(), absmax
 
 
+def _flat_codes(x, code, blocksize):
+    codes, absmax = quantize_blockwise(x, code, blocksize)
+    return codes.reshape(-1), absmax
+
+
 def test_blockwise_reference_passes():
     check_blockwise(quantize_blockwise)
 
@@ -36,6 +41,7 @@ def test_blockwise_reference_passes():
     (_per_tensor, "its own block's absmax"),
     (_round_down, "nearest level"),
     (_int64_codes, "uint8"),
+    (_flat_codes, "reshaped back"),
 ])
 def test_blockwise_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):

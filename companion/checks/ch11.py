@@ -79,6 +79,9 @@ def check_blockwise(answer) -> str:
         require(isinstance(got, (tuple, list)) and len(got) == 2,
                 f"{label}: expected (codes, absmax), got {type(got).__name__}")
         codes, absmax = got
+        require(getattr(codes, "shape", None) == x.shape, f"{label}: codes have x's shape "
+                f"{tuple(x.shape)}, got {tuple(getattr(codes, 'shape', ()))}",
+                hint="one code per value of x, reshaped back to x's shape.")
         codes = _as_codes(codes, x.numel(), label)
         want = _blocks_absmax(x, blocksize)
         compare(absmax, want, name=f"{label}: absmax", rtol=1e-6, atol=0.0,
