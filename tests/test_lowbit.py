@@ -191,6 +191,28 @@ def test_qlora_trains_only_the_adapters_on_an_nf4_base_and_merges():
     # at most half the widest gap between NF4 levels (-1 to -0.70) times the block absmax
 
 
+def test_qlora_saves_no_dense_weight_for_backward_and_its_gradients_are_the_dense_ones():
+    torch.manual_seed(0)
+    layer = lowbit.QLoRALinear.from_linear(torch.nn.Linear(256, 128), rank=4)
+    with torch.no_grad():
+        layer.B.normal_()
+    x = torch.randn(3, 256, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
+                                                  lambda t: t):
+        y = layer(x)
+    assert torch.Size([128, 256]) not in saved and torch.Size([256, 128]) not in saved
+    y.square().sum().backward()
+    # the same layer with the dequantized weight as a plain tensor
+    x2, A = x.detach().requires_grad_(), layer.A.detach().requires_grad_()
+    dense = torch.nn.functional.linear(x2, lowbit.dequantize_nf4(layer.base), layer.bias)
+    (dense + (x2 @ A.T @ layer.B.T) * layer.scale).square().sum().backward()
+    assert torch.allclose(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(layer.A.grad, A.grad, rtol=1e-4, atol=1e-4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16                        # autocast's dtype
+
+
 def test_apply_qlora_replaces_linears_and_says_when_there_are_none():
     from companion.models import GPT
     model = lowbit.apply_qlora(GPT(32, 16, 32, 2, 4, seed=0), rank=2, targets=["fc", "out"])

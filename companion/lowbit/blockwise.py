@@ -27,6 +27,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from companion.scaling import block_absmax
 
@@ -41,12 +42,13 @@ def dynamic_map(signed: bool = True) -> torch.Tensor:
     levels at 10^-e, the midpoints of as many equal bins of [0.1, 1]. Unsigned, the sign bit is
     one more fraction bit: 2^(7-e) levels. Both add 0 and 1: 2·127 + 2 or 254 + 2 levels."""
     levels = [0.0, 1.0]
-    for e in range(7):
-        bins = 2 ** (6 - e + (0 if signed else 1))
-        edges = torch.linspace(0.1, 1.0, bins + 1, dtype=torch.float64)
-        middles = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** -e).tolist()
-        levels += middles + ([-m for m in middles] if signed else [])
-    return torch.tensor(sorted(levels), dtype=torch.float32)
+    with unset_fake_temporarily():          # a real constant, also inside a simulation
+        for e in range(7):
+            bins = 2 ** (6 - e + (0 if signed else 1))
+            edges = torch.linspace(0.1, 1.0, bins + 1, dtype=torch.float64)
+            middles = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** -e).tolist()
+            levels += middles + ([-m for m in middles] if signed else [])
+        return torch.tensor(sorted(levels), dtype=torch.float32)
 
 
 def linear_map(signed: bool = True) -> torch.Tensor:
@@ -95,13 +97,23 @@ def _bin_table(levels: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor] |
 
 def _nearest(scaled: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
     """Index into the sorted levels `ranked` of the level nearest each value (ties: the lower)."""
-    table = _bin_table(tuple(ranked.tolist())) if scaled.device.type == "cpu" else None
+    table = (_bin_table(tuple(ranked.tolist())) if scaled.device.type == "cpu"
+             and not is_fake(scaled) else None)          # fake tensors (a simulation) have
+                                                        # no values to build a table from
     if table is None:
         return torch.bucketize(scaled, (ranked[1:] + ranked[:-1]) / 2)
     below, middles = table
     bins = (scaled.view(torch.int32) >> 16) & 0xFFFF                  # the bf16 bin
     index = below[bins]
     return index + (middles[index] < scaled)                         # one comparison left
+
+
+def _levels(code: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The map as fp32 on `like`'s device; a fake copy when `like` is fake (a simulation) and the
+    map a real constant (`NF4`, a map made before the simulation began)."""
+    if is_fake(like) and not is_fake(code):
+        code = like.fake_mode.from_tensor(code)
+    return code.to(like.device, torch.float32)
 
 
 def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int = 256
@@ -113,7 +125,7 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int = 256
     absmax = block_absmax(x, blocksize)                                  # (blocks,) fp32
     blocks = _blocks(x.detach().reshape(-1).float(), blocksize)          # (blocks, size)
     scaled = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax)).unsqueeze(1)
-    levels = code.to(x.device, torch.float32)
+    levels = _levels(code, x)
     ranked, order = levels.sort()
     index = _nearest(scaled, ranked)                  # the nearest level (ties: the lower one)
     codes = order[index].to(torch.uint8).reshape(-1)[:x.numel()]
@@ -130,5 +142,5 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.
     if absmax.numel() != -(-n // blocksize):
         raise ValueError(f"{absmax.numel()} absmax values cover {absmax.numel() * blocksize} "
                          f"values, not {n}: pass the blocksize used to quantize")
-    levels = code.to(codes.device, torch.float32)[_blocks(codes.reshape(-1), blocksize).long()]
+    levels = _levels(code, codes)[_blocks(codes.reshape(-1), blocksize).long()]
     return (levels * absmax.float().unsqueeze(1)).reshape(-1)[:n].view(codes.shape)

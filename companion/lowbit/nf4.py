@@ -58,7 +58,7 @@ class NF4Tensor:
     dtype: torch.dtype
     blocksize: int
     absmax_scale: torch.Tensor | None = None   # double quantization: fp32 per 256 absmax codes
-    absmax_offset: float = 0.0                 # and the mean subtracted before
+    absmax_offset: torch.Tensor | float = 0.0  # and the mean subtracted before (0-d fp32)
 
     @property
     def numel(self) -> int:
@@ -89,7 +89,7 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64, *, double_quant: bool = F
     packed = (flat[0::2] << 4) | flat[1::2]                            # high nibble first
     if not double_quant:
         return NF4Tensor(packed, absmax, tuple(w.shape), w.dtype, blocksize)
-    offset = float(absmax.mean())
+    offset = absmax.mean()                     # a 0-d tensor: no host sync, and fake tensors work
     second, scale = quantize_blockwise(absmax - offset, dynamic_map(signed=True), 256)
     return NF4Tensor(packed, second, tuple(w.shape), w.dtype, blocksize, scale, offset)
 

@@ -6,8 +6,9 @@ adapter; only A and B get gradients. `merge()` returns a dense `nn.Linear` for i
 
 Memory per base weight: about 0.5 byte (4.127 bits with double quantization) instead of 2 (bf16)
 or 4 (fp32); the adapters keep their full fp32 states (16 bytes per adapter parameter with Adam).
-Cost: one dequantization of each base weight per forward (and per backward, for the input's
-gradient).
+Backward keeps only the codes: `nn.functional.linear(x, dequant(W))` would save the dense weight
+for the input's gradient, as many bytes per layer as a 16- or 32-bit base, until backward reaches
+it. Cost: one dequantization of each base weight per forward and one more per backward.
 
 Example:
     >>> layer = QLoRALinear.from_linear(torch.nn.Linear(512, 512), rank=8)
@@ -28,6 +29,19 @@ from companion.lora import adapter_parameters, linear_targets
 from companion.lowbit.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
 
 __all__ = ["QLoRALinear", "apply_qlora"]
+
+
+class _FrozenNF4Linear(torch.autograd.Function):
+    """x·dequant(W)ᵀ whose backward dequantizes W again: nothing dense is saved for backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, base: NF4Tensor) -> torch.Tensor:
+        ctx.base = base                                    # codes and scales only
+        return x @ dequantize_nf4(base).to(x.dtype).T     # (out, in), freed on return
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad @ dequantize_nf4(ctx.base).to(grad.dtype), None
 
 
 class QLoRALinear(nn.Module):
@@ -53,8 +67,13 @@ class QLoRALinear(nn.Module):
         return cls(base, linear.bias, rank, alpha=alpha)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = dequantize_nf4(self.base).to(x.dtype)                   # (out, in), transient
-        return nn.functional.linear(x, weight, self.bias) + (x @ self.A.T @ self.B.T) * self.scale
+        if torch.is_autocast_enabled(x.device.type):        # compute in autocast's dtype
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        with torch.autocast(x.device.type, enabled=False):
+            y = _FrozenNF4Linear.apply(x, self.base)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y + (x @ self.A.T.to(x.dtype) @ self.B.T.to(x.dtype)) * self.scale
 
     def merge(self) -> nn.Linear:
         """A dense nn.Linear with dequant(W) + s·B·A (and the bias)."""
