@@ -106,6 +106,22 @@ def test_adam8bit_stays_as_close_to_fp32_adam_as_bitsandbytes(seed):
     assert 0 < ours <= 1.05 * theirs
 
 
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam8bit_decays_as_adam_or_as_adamw(decoupled):
+    torch.manual_seed(0)
+    w = torch.randn(64, requires_grad=True)            # under min_8bit_size: fp32 moments
+    w_ref = w.detach().clone().requires_grad_()
+    ours = lowbit.Adam8bit([w], lr=0.1, weight_decay=0.5, decoupled_weight_decay=decoupled)
+    ref = (torch.optim.AdamW if decoupled else torch.optim.Adam)([w_ref], lr=0.1,
+                                                                 weight_decay=0.5)
+    for _ in range(3):
+        g = torch.randn(64)
+        w.grad, w_ref.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(w, w_ref)
+
+
 def test_adam8bit_state_is_two_bytes_per_parameter_plus_absmax_and_round_trips():
     model = _mlp(0)
     opt = lowbit.Adam8bit(model.parameters(), lr=1e-3)

@@ -16,7 +16,9 @@ Example:
     >>> model.loss(x, y).backward(); opt.step(); opt.zero_grad()
 
 Simplified vs bitsandbytes: the update is torch.optim.Adam's (weight decay added to the gradient,
-as Adam's L2 does); no paged states, no percentile clipping, no stable-embedding layer.
+as Adam's L2 does; `decoupled_weight_decay=True` decays the weight itself first, as AdamW and
+bitsandbytes' `AdamW8bit` do); no paged states, no percentile clipping, no stable-embedding
+layer.
 """
 from __future__ import annotations
 
@@ -59,14 +61,16 @@ class Adam8bit(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, blocksize: int = 256, min_8bit_size: int = 4096):
+                 weight_decay: float = 0.0, blocksize: int = 256, min_8bit_size: int = 4096,
+                 decoupled_weight_decay: bool = False):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"need lr, eps, weight_decay >= 0 and 0 <= betas < 1; got lr={lr}, "
                              f"betas={betas}, eps={eps}, weight_decay={weight_decay}")
         check_blocksize(blocksize)
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay, "blocksize": blocksize,
-                                  "min_8bit_size": min_8bit_size})
+                                  "min_8bit_size": min_8bit_size,
+                                  "decoupled_weight_decay": bool(decoupled_weight_decay)})
         self._maps = {"signed": dynamic_map(True), "unsigned": dynamic_map(False)}
 
     def _moments(self, p: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +110,9 @@ class Adam8bit(torch.optim.Optimizer):
                 state["step"] = state.get("step", 0) + 1
                 t = state["step"]
                 grad = p.grad.float()
-                if group["weight_decay"]:
+                if group["weight_decay"] and group.get("decoupled_weight_decay"):
+                    p.mul_(1 - group["lr"] * group["weight_decay"])      # AdamW's decay
+                elif group["weight_decay"]:
                     grad = grad.add(p.float(), alpha=group["weight_decay"])
                 m, v = self._moments(p, group)                       # 1. codes -> fp32
                 direction = adam_direction(m, v, grad, t, group["betas"], group["eps"])

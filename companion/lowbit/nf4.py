@@ -72,6 +72,15 @@ class NF4Tensor:
     def bits_per_value(self) -> float:
         return 8 * self.nbytes() / self.numel
 
+    def apply(self, fn) -> "NF4Tensor":
+        """This tensor with `fn` applied to each stored tensor, which keeps its dtype: what
+        `module.to(device)` does to a module's tensors, without `.half()` casting the scales."""
+        def move(t):
+            return t if not isinstance(t, torch.Tensor) else fn(t).to(t.dtype)
+        return dataclasses.replace(self, packed=move(self.packed), absmax=move(self.absmax),
+                                   absmax_scale=move(self.absmax_scale),
+                                   absmax_offset=move(self.absmax_offset))
+
 
 def quantize_nf4(w: torch.Tensor, blocksize: int = 64, *, double_quant: bool = False
                  ) -> NF4Tensor:

@@ -16,7 +16,7 @@ Example:
 
 Simplified vs bitsandbytes + PEFT: dequantize then matmul in plain torch (no fused 4-bit kernel),
 one adapter per layer, no dropout on the adapter's input; the NF4 base is a plain attribute, not a
-buffer: `.to()` does not move it and `state_dict()` does not save it (merge() for inference).
+buffer: `.to(device)` moves it, `state_dict()` does not save it (merge() for inference).
 """
 from __future__ import annotations
 
@@ -66,6 +66,11 @@ class QLoRALinear(nn.Module):
         base = quantize_nf4(linear.weight.detach(), blocksize, double_quant=double_quant)
         return cls(base, linear.bias, rank, alpha=alpha)
 
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.base = self.base.apply(fn)                  # .to(device) moves the codes too
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):        # compute in autocast's dtype
             x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -97,10 +102,11 @@ def apply_qlora(model: nn.Module, rank: int, targets: Iterable[str | type] | Non
     """Freeze `model` and replace the chosen nn.Linear layers (as `lora.apply_lora` chooses them)
     by `QLoRALinear`s; edits `model` in place and returns it."""
     model.requires_grad_(False)
-    for name, linear in linear_targets(model, targets):
-        parent_name, _, child = name.rpartition(".")
+    names = [name for name, _ in linear_targets(model, targets)]   # names only: each dense
+    for name in names:                                              # weight is freed once its
+        parent_name, _, child = name.rpartition(".")               # codes replace it
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QLoRALinear.from_linear(linear, rank=rank, alpha=alpha,
-                                                       blocksize=blocksize,
+        setattr(parent, child, QLoRALinear.from_linear(getattr(parent, child), rank=rank,
+                                                       alpha=alpha, blocksize=blocksize,
                                                        double_quant=double_quant))
     return model

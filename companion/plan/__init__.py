@@ -1,7 +1,8 @@
 """Plan a training run that fits a memory budget: choose the techniques, prove it, run it.
 
 Each chapter of the course pulls one lever: micro-batches with accumulation (03), checkpointing
-(04), mixed precision (05), ZeRO (07), offload (08), training fewer parameters (LoRA, 09). Facing
+(04), mixed precision (05), ZeRO (07), offload (08), training fewer parameters (LoRA, 09), fewer
+bits (8-bit Adam states, QLoRA, 11). Facing
 "out of memory", `plan` pulls them together: it predicts every combination's peak and step time,
 keeps the fastest that fits, proves it by simulating a training step on fake tensors (nothing
 allocated: a 7B model's step is checked on a laptop), and `Plan.run` trains it for real under
@@ -23,17 +24,18 @@ Simplified vs real planners: see `planner`.
 """
 from companion.plan.planner import (NothingFits, Plan, Row, RunReport, plan, run_plan,
                                     token_batches)
-from companion.plan.predict import (BUCKET_BYTES, CostModel, Prediction, predict_memory,
-                                    predict_seconds)
+from companion.plan.predict import (ADAM8BIT_BYTES, BUCKET_BYTES, DEQUANTIZE_BYTES, CostModel,
+                                    Prediction, predict_memory, predict_seconds)
 from companion.plan.ranks import rank_worker, run_ranks, train_command
-from companion.plan.space import (EXACT, LORA_TARGETS, LOW_PRECISION, PRECISIONS, TECHNIQUES,
+from companion.plan.space import (EXACT, FEWER_BITS, LORA_TARGETS, LOW_PRECISION, PRECISIONS, TECHNIQUES,
                                   Candidate, GPTShape, candidates, capstone_model)
 from companion.plan.training import (CheckpointedBlocks, Setup, build, micro_step,
                                      optimizer_step, simulate, train_step)
 
 __all__ = ["plan", "run_plan", "token_batches", "Plan", "Row", "RunReport", "NothingFits",
            "Candidate", "GPTShape", "candidates", "capstone_model", "TECHNIQUES", "EXACT",
-           "LOW_PRECISION", "PRECISIONS", "LORA_TARGETS", "Prediction", "predict_memory",
-           "CostModel", "predict_seconds", "BUCKET_BYTES", "CheckpointedBlocks", "Setup", "build",
+           "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS", "Prediction", "predict_memory",
+           "CostModel", "predict_seconds", "BUCKET_BYTES",
+           "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES", "CheckpointedBlocks", "Setup", "build",
            "micro_step", "optimizer_step", "train_step", "simulate", "run_ranks",
            "rank_worker", "train_command"]

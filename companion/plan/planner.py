@@ -183,14 +183,19 @@ def run_plan(model_fn: Callable[..., nn.Module], cand: Candidate, batch: int, st
 
 def _nothing_fits(rows: list[Row], usable: int, budget: int, allow, world_size: int,
                   host_budget: int | None) -> NothingFits:
-    best = min(rows, key=lambda r: r.predicted.peak)
+    within = [r for r in rows if host_budget is None or r.predicted.host <= host_budget]
+    best = min(within, key=lambda r: r.predicted.peak)   # plans without offload: always within
     over = best.predicted.peak - usable
     searched = ("accumulation", "checkpointing", "autocast") + (     # bf16 weights, offload,
-        ("mixed", "offload", "lora") if world_size == 1 else ("zero",))   # LoRA: one process
+        ("mixed", "offload", "adam8bit", "lora", "qlora") if world_size == 1   # LoRA, 8 bits:
+        else ("zero",))                                                         # one process
     hints = [f"allow {name}" for name in searched if name not in allow]
     if world_size == 1:
         hints.append("train on more devices (world_size > 1, ZeRO)")
     hints.append("shorten the sequences or shrink the model")
+    on_host = [r.predicted.host for r in rows if r.predicted.peak <= usable]
+    if on_host:                                        # they fit the device, not the host
+        hints.insert(0, f"give the host {format_bytes(min(on_host))} (host_budget)")
     host = (f" (host budget {format_bytes(host_budget)} rules out offload plans that need more)"
             if host_budget is not None else "")
     return NothingFits(
@@ -229,9 +234,11 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
         world_size: data-parallel ranks; above 1 the ZeRO stages are searched.
         allow: techniques to use (`space.TECHNIQUES`); default `EXACT`, those that leave fp32
             training as it is up to rounding. 16-bit compute (`LOW_PRECISION`, which moved the
-            capstone's losses by ~5e-5, relative, from fp32's over 6 steps on a CPU) and LoRA
-            (which trains other parameters) must be asked for:
-            allow=EXACT + LOW_PRECISION + ("lora",). A single name may be passed alone.
+            capstone's losses by ~5e-5, relative, from fp32's over 6 steps on a CPU), LoRA
+            (which trains other parameters) and chapter 11's `FEWER_BITS` ("adam8bit": Adam's
+            moments in 8 bits; "qlora": LoRA on a base frozen in NF4) must be asked for:
+            allow=EXACT + LOW_PRECISION + ("lora",) + FEWER_BITS. A single name may be passed
+            alone.
         host_budget: bytes of host memory for offload (None: no limit).
         verify: at most this many candidates are simulated before giving up; 0 simulates
             none and takes the fastest predicted to fit (fast, for exploring: unproved).
@@ -261,7 +268,7 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
                      key=lambda r: (r.seconds["total"], len(r.candidate.techniques())))
     if not fitting:
         raise _nothing_fits(rows, usable, budget_bytes, allow, world_size, host)
-    sim = functools.partial(simulate, model_fn, world_size=world_size)
+    sim = functools.partial(simulate, model_fn, world_size=world_size, device_type=device.type)
     found = functools.partial(Plan, model_fn=model_fn, batch=batch, budget=budget_bytes,
                               usable=usable, device=device, world_size=world_size, shape=shape,
                               rows=fitting, plain=plain, lr=lr, host_budget=host)

@@ -20,7 +20,16 @@ attention's 4·N·T·C per block, backward twice that, or once with LoRA's froze
 recomputed blocks once more) at `flops` (times `half_speedup` in bf16), a fixed cost per layer
 and micro-batch (kernel launches: small micro-batches cost more than their FLOPs), the
 optimizer's bytes at the speed of the memory it runs in (the device's, or the host's when
-offloaded), offload's copies over the host link (PCIe), and ZeRO's traffic.
+offloaded; `ADAM8BIT_BYTES` for 8-bit states), QLoRA's dequantizations (`DEQUANTIZE_BYTES`
+per base value, in forward, backward and recompute), offload's copies over the host link
+(PCIe), and ZeRO's traffic.
+
+8-bit states and QLoRA (chapter 11): the moments are `estimate.model_states(state_bits=8)` less
+the tensors under 4096 values, which keep fp32 moments; QLoRA's adapted Linear weights are
+`estimate.nf4_bytes`, the rest of the base dense and frozen, with two more terms: one base
+weight's dequantization in flight while every activation is alive, and, where host and device
+are one memory (the CPU), the build, which holds the dense model before it is quantized (on a
+GPU the base is quantized on the host and only its codes move; `training.build`).
 
 Simplified vs measurement: the temporaries inside backward are two named terms (the loss's
 gradients, a block's 5·N·C), and ZeRO-2/3's buckets and gathers are rough: on the course's test
@@ -35,9 +44,19 @@ from companion import estimate
 from companion.checkpointing import predicted_activation_bytes
 from companion.plan.space import Candidate, GPTShape
 
-__all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES"]
+__all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES",
+           "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES"]
 
 BUCKET_BYTES = 25 * 2**20      # ShardedOptimizer's and DDP's default bucket (bucket_cap_mb=25)
+# Bytes read and written per value by the course's unfused 8-bit code, counted operator by
+# operator (a GPU is bound by them): `lowbit.Adam8bit`'s step ~290 per parameter (dequantize both
+# moments ~58, Adam's update ~100, quantize both ~120, the weight ~12) where fused AdamW moves 32
+# (bitsandbytes fuses its 8-bit step into one kernel, ~18: 4 + 4 + 2 + 2 + 4 + 2); one NF4
+# dequantization ~40 per value (unpack, index, scale, cast). On this course's 2-core CPU the
+# step ran 125x fused AdamW's, the dequantization at ~400 bytes-equivalent: CPUs are
+# compute-bound there, and the cost model's CPU speeds rank plans, not time them.
+ADAM8BIT_BYTES = 290
+DEQUANTIZE_BYTES = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +100,8 @@ def _activations(s: GPTShape, c: Candidate, device_type: str) -> tuple[int, int,
         outside += 2 * B * T * V                       # the loss's log-softmax is fp32 here
     if c.lora_rank:                                    # x·Aᵀ, (N, r), saved for B's gradient
         per_block += 4 * B * T * c.lora_rank * (2 if c.precision != "fp32" else 4)
+    if c.nf4_base and precision == "autocast":         # the base is dequantized again in
+        per_block -= 24 * C * C                        # backward: no 16-bit weight copies saved
     checkpoint = (2 if c.precision == "mixed" else 4) * B * T * C
     blocks = predicted_activation_bytes(L, c.segments, per_block, checkpoint)
     cached = 0                                         # autocast caches casts of trained weights
@@ -105,9 +126,17 @@ def _states(s: GPTShape, c: Candidate, world_size: int) -> tuple[int, int, int, 
     precision = "mixed" if c.precision == "mixed" else "fp32"
     states = estimate.model_states(trainable, optimizer="adamw", precision=precision,
                                    zero_stage=c.zero_stage, world_size=world_size)
-    weights = states.params + (2 if c.precision == "mixed" else 4) * (
-        s.n_params if c.lora_rank else 0)              # frozen base beside the adapters
+    dense = 2 if c.precision == "mixed" else 4
+    frozen = dense * s.n_params if c.lora_rank else 0  # the base beside the adapters
+    if c.nf4_base:                                     # its adapted weights in NF4
+        linear = s.lora_linear_weights()
+        frozen += s.depth * sum(estimate.nf4_bytes(n) - dense * n for n in linear)
+    weights = states.params + frozen
     grads, optimizer = states.grads, states.optimizer
+    if c.state_bits == 8:                              # small tensors keep fp32 moments
+        optimizer = (estimate.model_states(trainable - s.n_params_small, precision=precision,
+                                           state_bits=8).optimizer
+                     + estimate.model_states(s.n_params_small, precision=precision).optimizer)
     if c.offload:                                      # one gradient at a time on the device
         host = 16 * trainable + (2 * trainable if c.precision == "mixed" else 0)
         return weights, (weights // max(trainable, 1)) * s.largest, 0, 0, host
@@ -117,6 +146,15 @@ def _states(s: GPTShape, c: Candidate, world_size: int) -> tuple[int, int, int, 
     if c.zero_stage == 2:                              # full gradients of the buckets in flight
         grads = before = grads + min(4 * trainable, 2 * BUCKET_BYTES)
     return weights, grads, optimizer, before, 0
+
+
+def _dense_build(s: GPTShape, c: Candidate) -> tuple[int, int]:
+    """QLoRA's build where host and device are one memory (the CPU): (the dense model with its
+    adapters, a layer's quantization temporaries (about 21 bytes per value of the first
+    block's qkv weight in fp32, 29 from bf16: fitted to the simulated build))."""
+    dense = 2 if c.precision == "mixed" else 4
+    return (dense * (s.n_params + s.lora_params(c.lora_rank)),
+            (29 if dense == 2 else 21) * s.lora_linear_weights()[0])
 
 
 def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
@@ -144,9 +182,17 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
               ("backward", G_before + moving, A, 8 * N * V),
               ("first block's backward", max(G_before, early) + moving, early_acts, 20 * N * C),
               ("backward end", G, 0, 0),
+              *([("QLoRA's dequantization", G_before, A, 9 * max(s.lora_linear_weights())
+                  + 4 * N * C)] if c.nf4_base else []),
+
               ("optimizer", G, 0, step_temp)]
     phase, grads, acts, temp = max(phases, key=lambda p: p[1] + p[2] + p[3])
-    return Prediction(P, grads, O, acts, temp, phase, host)
+    step = Prediction(P, grads, O, acts, temp, phase, host)
+    if c.nf4_base and device_type == "cpu":            # QLoRA's build, in the same memory
+        weights, quantizing = _dense_build(s, c)
+        if weights + quantizing > step.peak:
+            return Prediction(weights, 0, 0, 0, quantizing, "build (the dense base)", host)
+    return step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +266,7 @@ class CostModel:
 def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
                     world_size: int = 1) -> dict[str, float]:
     """Predicted seconds of one optimizer step by part: compute, recompute, overhead,
-    optimizer, offload, communication (and their "total")."""
+    optimizer, dequantize (QLoRA), offload, communication (and their "total")."""
     s, c = shape, cand
     tokens = c.micro_batch * c.accumulation * s.seq_len            # this rank's, per step
     C, L, V, T = s.width, s.depth, s.vocab, s.seq_len
@@ -237,14 +283,20 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
             2: (c.accumulation + 1) * ring * 4 * trainable,
             3: c.accumulation * ring * trainable * (4 + 2 * (2 if c.precision == "autocast"
                                                              else 4))}[c.zero_stage]
+    optimizer_bytes = ADAM8BIT_BYTES if c.state_bits == 8 else 32
+    dequantized = 0                                    # QLoRA: base values dequantized
+    if c.nf4_base:                                     # forward, backward, and recompute
+        per_pass = sum(s.lora_linear_weights())
+        dequantized = c.accumulation * per_pass * (2 * L + (L // c.segments) * (c.segments - 1))
     parts = {
         "compute": (forward + backward) / speed,
         "recompute": recompute / speed,
         "overhead": c.accumulation * (L + 2) * cost.layer_seconds,
         # AdamW reads and writes ~32 B per parameter (weight, gradient, two moments) through
         # the memory it runs in: the host's when offloaded, the device's otherwise
-        "optimizer": 32 * shard / (cost.host_memory_bandwidth if c.offload
-                                   else cost.memory_bandwidth),
+        "optimizer": optimizer_bytes * shard / (cost.host_memory_bandwidth if c.offload
+                                                else cost.memory_bandwidth),
+        "dequantize": DEQUANTIZE_BYTES * dequantized / cost.memory_bandwidth,
         "offload": (c.accumulation * weight_bytes * trainable + weight_bytes * trainable)
         / cost.host_bandwidth if c.offload else 0.0,
         "communication": sent / cost.network_bandwidth if world_size > 1 else 0.0,

@@ -57,6 +57,7 @@ def train_command(plan: "Plan", *, steps: int = 20) -> str:
     sentence saying which lever that launcher lacks."""
     c, s = plan.chosen, plan.shape
     missing = [name for name, used in (("offload", c.offload), ("LoRA", c.lora_rank),
+                                       ("8-bit Adam states", c.state_bits == 8),
                                        ("bf16 weights with fp32 masters", c.precision == "mixed"),
                                        ("fused attention", s.fused_attention),
                                        ("checkpointing in segments of several blocks",

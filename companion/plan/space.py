@@ -2,13 +2,14 @@
 
 A plan (`Candidate`) sets one value per lever of the course:
   micro-batch x accumulation (chapter 03), checkpoint segments (04), precision (05),
-  ZeRO stage (07, several ranks), optimizer offload (08), LoRA adapters (this chapter).
+  ZeRO stage (07, several ranks), optimizer offload (08), LoRA adapters (09),
+  8-bit Adam states and QLoRA's NF4 base (11).
 `candidates` lists every combination that can run together; `GPTShape.of` reads the sizes the
 predictions need off the model, built under FakeTensorMode (no memory allocated).
 
 Simplified vs real planners: one model family (`companion.models.GPT`), AdamW only, LoRA on the
 blocks' four Linear layers at one rank, checkpointing by `checkpoint_sequential` segments (no
-selective policies), and ZeRO, offload and LoRA not combined with each other.
+selective policies), and ZeRO, offload, LoRA and 8-bit states not combined with each other.
 """
 from __future__ import annotations
 
@@ -22,13 +23,16 @@ from torch._subclasses import FakeTensorMode
 
 from companion.models import GPT
 
-__all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "PRECISIONS", "LORA_TARGETS", "GPTShape",
+__all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS", "GPTShape",
            "Candidate", "candidates", "capstone_model"]
 
-TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "zero", "offload", "lora")
+TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "zero", "offload", "lora",
+              "adam8bit", "qlora")
 EXACT = ("accumulation", "checkpointing", "zero", "offload")   # fp32 training, to rounding
 LOW_PRECISION = ("autocast", "mixed")          # bf16 compute: the capstone's losses moved by
                                                # 5e-5 (relative) from fp32's over 6 steps (CPU)
+FEWER_BITS = ("adam8bit", "qlora")             # chapter 11: Adam's moments in 8 bits (AdamW's
+                                               # decay); LoRA over a base frozen in NF4
 PRECISIONS = ("fp32", "autocast", "mixed")     # names of `companion.estimate.model_states`
 LORA_TARGETS = ("qkv", "proj", "fc", "out")    # the Linear layers of each block
 
@@ -54,6 +58,7 @@ class GPTShape:
     n_params: int        # every parameter
     n_params_1d: int     # in 1-D tensors (biases, LayerNorms): ZeRO-3 here keeps those whole
     largest: int         # elements of the largest parameter tensor
+    n_params_small: int = 0   # in tensors under 4096 values (Adam8bit keeps their fp32 moments)
 
     @classmethod
     def of(cls, model_fn: Callable[..., torch.nn.Module]) -> "GPTShape":
@@ -81,12 +86,19 @@ class GPTShape:
                    fused_attention=block.fused_attention,
                    n_params=sum(p.numel() for p in params),
                    n_params_1d=sum(p.numel() for p in params if p.dim() == 1),
-                   largest=max(p.numel() for p in params))
+                   largest=max(p.numel() for p in params),
+                   n_params_small=sum(p.numel() for p in params if p.numel() < 4096))
 
     def lora_params(self, rank: int) -> int:
         """Trainable parameters of rank-`rank` adapters on every block's four Linear layers:
         r·(in + out) each, so r·(C + 3C + C + C + C + 4C + 4C + C) = 16·r·C per block."""
         return self.depth * 16 * rank * self.width
+
+    def lora_linear_weights(self) -> list[int]:
+        """Elements of each Linear weight the adapters sit on, per block: qkv (3C, C), proj
+        (C, C), fc (4C, C), out (C, 4C); QLoRA stores these in NF4."""
+        C = self.width
+        return [3 * C * C, C * C, 4 * C * C, 4 * C * C]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +112,8 @@ class Candidate:
     zero_stage: int = 0          # 0 = plain data parallelism when world_size > 1
     offload: bool = False        # AdamW state and fp32 master weights on the host
     lora_rank: int = 0           # 0 = train every parameter
+    state_bits: int = 32         # 8: Adam's moments as block-wise 8-bit codes (`lowbit.Adam8bit`)
+    nf4_base: bool = False       # QLoRA: the adapted Linear weights frozen in NF4 (lora_rank > 0)
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accumulation", "segments"):
@@ -115,6 +129,13 @@ class Candidate:
                 or self.lora_rank < 0:
             raise ValueError(f"Candidate.lora_rank must be an int >= 0 (0: no LoRA), got "
                              f"{self.lora_rank!r}")
+        if self.state_bits not in (8, 32):
+            raise ValueError(f"Candidate.state_bits must be 32 or 8, got {self.state_bits!r}")
+        if self.nf4_base and not self.lora_rank:
+            raise ValueError("Candidate.nf4_base (QLoRA) freezes the base under adapters: give "
+                             "it a lora_rank >= 1")
+        if self.state_bits == 8 and (self.offload or self.zero_stage):
+            raise ValueError("8-bit states are planned on one device, without offload or ZeRO")
 
     def check_depth(self, depth: int) -> None:
         """Raise ValueError when the plan asks for more checkpoint segments than blocks."""
@@ -137,7 +158,10 @@ class Candidate:
         if self.offload:
             out.append("optimizer offload")
         if self.lora_rank:
-            out.append(f"LoRA r={self.lora_rank} (base frozen)")
+            out.append(f"QLoRA r={self.lora_rank} (NF4 base frozen)" if self.nf4_base
+                       else f"LoRA r={self.lora_rank} (base frozen)")
+        if self.state_bits == 8:
+            out.append("8-bit Adam states")
         return out
 
     def describe(self) -> str:
@@ -161,7 +185,7 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
     """Every plan that trains `batch` sequences per optimizer step (over all ranks) with the
     techniques in `allow`. Several ranks: each takes batch / world_size, with a ZeRO stage (or
     plain data parallelism); the course's offload and LoRA run on one process, so they are
-    searched for world_size = 1 only."""
+    searched for world_size = 1 only, as are 8-bit states and QLoRA."""
     allow = _check_allow(allow)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int (sequences per step), got {batch!r}")
@@ -169,7 +193,7 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if batch % world_size:
         raise ValueError(f"batch {batch} must split evenly over world_size={world_size} ranks")
-    if "lora" in allow and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int)
+    if allow & {"lora", "qlora"} and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int)
                             or not 1 <= lora_rank <= shape.width):
         raise ValueError(f"lora_rank must be an int from 1 to the width {shape.width}, "
                          f"got {lora_rank!r}")
@@ -182,13 +206,18 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
     several = world_size > 1
     stages = ([0, 1, 2, 3] if "zero" in allow else [0]) if several else [0]
     offloads = [False, True] if "offload" in allow and not several else [False]
-    ranks = [0, lora_rank] if "lora" in allow and not several else [0]
+    adapters = not several and ("lora" in allow or "qlora" in allow)
+    ranks = [0, lora_rank] if adapters else [0]
+    bits = [32, 8] if "adam8bit" in allow and not several else [32]
+    bases = [False, True] if "qlora" in allow and not several else [False]
     out = []
-    for m, s, p, z, off, r in itertools.product(micro, segments, precisions, stages, offloads,
-                                                 ranks):
+    for m, s, p, z, off, r, b, nf4 in itertools.product(micro, segments, precisions, stages,
+                                                         offloads, ranks, bits, bases):
         if several and p == "mixed":
             continue                       # ZeRO here: fp32 shards, bf16 compute via autocast
-        if off and r:
+        if (off or b == 8) and r or off and b == 8:
             continue                       # adapters' states are already tiny
-        out.append(Candidate(m, per_rank // m, s, p, z, off, r))
+        if nf4 and not r or r and not nf4 and "lora" not in allow:
+            continue                       # QLoRA is LoRA on an NF4 base
+        out.append(Candidate(m, per_rank // m, s, p, z, off, r, b, nf4))
     return out

@@ -3,7 +3,7 @@
 `build` makes the model and optimizer a `Candidate` asks for, with the course's own code for each
 lever: `checkpoint_sequential` (hooks design, which restores autocast) over the blocks,
 `MasterWeights` for bf16 weights, `CPUOffloadOptimizer`, `ShardedOptimizer` and `FSDP` for ZeRO,
-`ddp.DDP`, `lora.apply_lora`. `train_step` runs one optimizer step over the micro-batches. The
+`ddp.DDP`, `lora.apply_lora`, `lowbit.apply_qlora` and `lowbit.Adam8bit`. `train_step` runs one optimizer step over the micro-batches. The
 same code runs in `simulate`, under `FakeTensorMode` (every tensor is shape and dtype only: a 7B
 model's step costs no memory and a few seconds), measured by `companion.memory.track`; several
 ranks are simulated as rank 0 of a "fake" process group, whose collectives do nothing.
@@ -31,7 +31,7 @@ from torch import nn
 from torch._subclasses import FakeTensorMode
 from torch._subclasses.fake_tensor import FakeTensor
 
-from companion import amp, ddp, lora
+from companion import amp, ddp, lora, lowbit
 from companion.checkpointing import checkpoint_sequential
 from companion.memory import MemoryTracker, track
 from companion.offload import CPUOffloadOptimizer
@@ -82,19 +82,57 @@ def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float):
         return net, CPUOffloadOptimizer(trainable, torch.optim.AdamW, **adamw), None
     master = amp.MasterWeights(trainable) if cand.precision == "mixed" else None
     params = master.master_params if master is not None else trainable
+    if cand.state_bits == 8:                   # AdamW's update and decay, moments in 8 bits
+        return net, lowbit.Adam8bit(params, weight_decay=0.01, decoupled_weight_decay=True,
+                                    **adamw), master
     return net, torch.optim.AdamW(params, fused=True, **adamw), master
 
 
+def _quantized_on_host(model_fn: Callable[..., nn.Module], cand: Candidate) -> nn.Module:
+    """QLoRA's model as a quantizing loader leaves it: made on the host, each adapted Linear
+    weight replaced by its NF4 codes (one layer at a time), ready to move to the device."""
+    dtype = torch.bfloat16 if cand.precision == "mixed" else torch.float32
+    model = model_fn(dtype=dtype, device="cpu")
+    return lowbit.apply_qlora(model, cand.lora_rank, targets=LORA_TARGETS)
+
+
+def _copy_in(model: nn.Module) -> None:
+    """Replace every tensor of `model` by a copy, in place (Module._apply would swap fake
+    tensors, which their weak references forbid): what moving it to a GPU allocates there."""
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    p.data = p.data.clone()
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.clone()
+            if isinstance(module, lowbit.QLoRALinear):
+                module.base = module.base.apply(torch.clone)
+
+
 def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: int = 1,
-          device: torch.device | str = "cpu", lr: float = 1e-3) -> Setup:
+          device: torch.device | str = "cpu", lr: float = 1e-3,
+          host_model: nn.Module | None = None) -> Setup:
     """The model `model_fn(dtype=..., device=...)` and its optimizer, as `cand` says.
 
     Memory is the plan's: bf16 weights are made in bf16 (never an fp32 copy first), adapters are
-    added before the optimizer exists, so frozen weights get no gradient and no state."""
+    added before the optimizer exists, so frozen weights get no gradient and no state. QLoRA's
+    dense base never reaches a GPU: it is made and quantized on the host, then moved (on the
+    CPU, host and device are one memory: the dense model is its build's peak). `host_model`:
+    that host-side model, already made (`simulate` copies it in, as the move to a GPU would)."""
     dtype = torch.bfloat16 if cand.precision == "mixed" else torch.float32
-    model = model_fn(dtype=dtype, device=device)
+    device = torch.device(device)
+    if cand.nf4_base:                                                  # base frozen, in NF4
+        model = host_model if host_model is not None else _quantized_on_host(model_fn, cand)
+        if host_model is not None:                    # the copy a move to the GPU makes
+            _copy_in(model)
+        elif device.type != "cpu":
+            model = model.to(device)
+    else:
+        model = model_fn(dtype=dtype, device=device)
     cand.check_depth(len(model.blocks))
-    if cand.lora_rank:
+    if cand.lora_rank and not cand.nf4_base:
         lora.apply_lora(model, cand.lora_rank, targets=LORA_TARGETS)   # base frozen
     if cand.segments > 1:
         model.blocks = CheckpointedBlocks(model.blocks, cand.segments)
@@ -203,8 +241,8 @@ def _trainable(setup: Setup) -> list[torch.Tensor]:
     return [p for p in setup.model.parameters() if p.requires_grad]
 
 
-def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *,
-             world_size: int = 1) -> MemoryTracker:
+def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: int = 1,
+             device_type: str = "cpu") -> MemoryTracker:
     """Simulate the plan's training step on fake tensors, measured with `track`.
 
     Nothing is allocated (shapes and dtypes only), so the peak of a model far larger than this
@@ -213,13 +251,17 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *,
     micro-batches are there (zeros, when accumulating), then the last micro-batch's forward and
     backward, then the optimizer step, whose peak every later step repeats. Several ranks (rank
     0's memory): two real steps, of one micro-batch, then of min(k, 2) (the second micro-batch
-    holds what every later one does)."""
+    holds what every later one does). QLoRA for a GPU (`device_type="cuda"`): the dense base is
+    made and quantized on the host before the measurement, which counts its copy to the device."""
     shape, k = GPTShape.of(model_fn), cand.accumulation
     batch = (cand.micro_batch, shape.seq_len)
     with _fake_ranks(world_size), FakeTensorMode(), _fake_addresses():
         x, y = (torch.randint(shape.vocab, (k * batch[0], batch[1])) for _ in range(2))  # the
-        with track("cpu") as tracker:                 # step's data, like a loader's: not counted
-            setup = build(model_fn, cand, world_size=world_size)
+        host = (_quantized_on_host(model_fn, cand)    # step's data, like a loader's: not counted
+                if cand.nf4_base and device_type != "cpu" else None)
+        with track("cpu") as tracker:
+            setup = build(model_fn, cand, world_size=world_size, host_model=host)
+            del host
             if world_size == 1:
                 # 1. The optimizer's state, as after the first step (offload: on the host).
                 if not cand.offload:
