@@ -8,8 +8,8 @@ keeps the fastest that fits, proves it by simulating a training step on fake ten
 allocated: a 7B model's step is checked on a laptop), and `Plan.run` trains it for real under
 `memory_budget`.
 
-Modules: `space` (the levers, the model's shape, the candidates), `predict` (peak by phase, the
-cost model), `training` (the course's parts put together; a step run for real or simulated),
+Modules: `space` (the levers, the model's shape, the candidates), `predict` (peak by phase, step
+time by part), `costmodel` (a device's speeds), `training` (the course's parts put together; a step run for real or simulated),
 `planner` (`plan`, `Plan`), `ranks` (several processes; a torchrun line).
 
 Example:

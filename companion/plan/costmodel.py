@@ -1,0 +1,76 @@
+"""The speeds the planner ranks plans by: one device's matmul, memory, host-link and network
+bandwidths (`CostModel`), from a GPU's datasheet, a device type, or a calibrated profile. How a
+plan's step time adds up from them is `predict.predict_seconds`."""
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["CostModel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Speeds of one device, for ranking plans; only their ratios matter to the ranking.
+
+    `for_gpu(name)`: a GPU of `companion.cost.gpus` (each number cited there): fp32 matmuls on the
+    CUDA cores (PyTorch leaves TF32 off for matmuls by default since 1.12,
+    `torch.backends.cuda.matmul.allow_tf32 = False`, pytorch/pytorch#67384) and bf16 on the
+    tensor cores, each at its peak times `gpus.efficiency` (the fraction training reaches, cited
+    there); HBM bandwidth for the optimizer; PCIe (one direction) to the host; NVLink (one
+    direction, half the total NVIDIA quotes) between GPUs, or PCIe where there is none; 10 µs
+    per layer and micro-batch of kernel launches (assumed: a CUDA launch costs a few µs and a
+    block launches a few). An offloaded AdamW runs on the host at 25 GB/s (assumed: a server's
+    DRAM streams 100-200 GB/s at peak; time yours with `companion.cost.calibrate`).
+    `for_device("cuda")` is `for_gpu("A100 40GB")`.
+    `for_device("cpu")`: 50 GFLOP/s; 16 bits as fast as fp32, because CPUs differ most there
+    (without bf16 units a bf16 matmul is 10-60x slower, with AMX several times faster: time
+    yours as chapter 05 does and pass half_speedup); 1 ms per layer and micro-batch (eager
+    PyTorch's ~30 small operators per block, forward and backward, at 10-30 µs each; assumed,
+    and more with `track` on, whose ledger sees every operator); 10 GB/s memory and copies
+    (host and device are the same RAM), 1 GB/s between processes (gloo). `from_profile` uses
+    what `companion.cost.calibrate` measured instead.
+    """
+
+    flops: float                  # matmul FLOP/s in fp32
+    half_speedup: float           # bf16 matmul speed over fp32
+    layer_seconds: float          # fixed cost per layer and micro-batch (forward + backward)
+    memory_bandwidth: float       # bytes/s the optimizer streams through on the device
+    host_bandwidth: float         # bytes/s between device and host (offload's copies)
+    network_bandwidth: float      # bytes/s a rank sends to the others
+    host_memory_bandwidth: float = 10e9   # bytes/s an offloaded optimizer streams on the host
+
+    @classmethod
+    def for_gpu(cls, name: str) -> "CostModel":
+        """The speeds of a GPU in `companion.cost.gpus` (see the class docstring)."""
+        from companion.cost import gpus
+
+        g = gpus.gpu(name)
+        fp32 = g.fp32_flops * gpus.efficiency(g, "fp32")[0]
+        half = g.flops("bf16" if g.bf16_flops else "fp16")
+        half *= gpus.efficiency(g, "bf16" if g.bf16_flops else "fp16")[0]
+        link = g.nvlink_bandwidth / 2 if g.nvlink_bandwidth else g.pcie_bandwidth
+        return cls(fp32, half / fp32, 10e-6, g.hbm_bandwidth, g.pcie_bandwidth, link, 25e9)
+
+    @classmethod
+    def for_device(cls, device_type: str) -> "CostModel":
+        """The speeds of the class docstring for "cuda" (an A100 40GB) or "cpu"."""
+        if device_type == "cuda":
+            return cls.for_gpu("A100 40GB")
+        if device_type == "cpu":
+            return cls(50e9, 1.0, 1e-3, 10e9, 10e9, 1e9, 10e9)
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+
+    @classmethod
+    def from_profile(cls, profile, *, layer_seconds: float | None = None) -> "CostModel":
+        """The speeds `companion.cost.calibrate` measured: peak fp32 matmul FLOP/s, bf16 over
+        fp32 where bf16 was timed, copy bandwidth, host copies (pinned), gloo's bandwidth (1/β)
+        and the host AdamW rate (28 bytes a parameter); `layer_seconds` defaults to 10x the
+        measured tiny layer (a transformer block launches about ten times as many operators)."""
+        fp32 = profile.peak_flops("float32")
+        half = profile.peak_flops("bfloat16") / fp32 if "bfloat16" in profile.matmul else 1.0
+        host = (profile.host_to_device or {}).get("pinned")
+        rate = max(m.median for m in profile.adamw.values())
+        return cls(fp32, half, 10 * profile.layer_seconds.median if layer_seconds is None
+                   else layer_seconds, profile.copy_bandwidth.median,
+                   host.median if host else profile.copy_bandwidth.median,
+                   1 / profile.beta.median if profile.beta else 1e9, 28 * rate)
