@@ -12,7 +12,7 @@ from companion.models import GPT
 from companion.plan import (EXACT, FEWER_BITS, LOW_PRECISION, Candidate, GPTShape, NothingFits,
                             build, candidates, plan, predict_memory, predict_seconds, simulate,
                             train_command, train_step, CostModel)
-from companion.plan.planner import run_plan, token_batches
+from companion.plan.run import run_plan, token_batches
 
 SMALL = functools.partial(GPT, 96, 32, 48, 4, 4)     # vocab, seq_len, width, depth, heads
 

@@ -9,8 +9,9 @@ allocated: a 7B model's step is checked on a laptop), and `Plan.run` trains it f
 `memory_budget`.
 
 Modules: `space` (the levers, the model's shape, the candidates), `predict` (peak by phase, step
-time by part), `costmodel` (a device's speeds), `training` (the course's parts put together; a step run for real or simulated),
-`planner` (`plan`, `Plan`), `ranks` (several processes; a torchrun line).
+time by part), `costmodel` (a device's speeds), `training` (the course's parts put together; a
+step run for real or simulated), `planner` (`plan`, `Plan`), `run` (a plan trained for real,
+`run_plan`), `ranks` (several processes; a torchrun line). Imports run one way: planner -> ranks -> run -> training -> space.
 
 Example:
     >>> from functools import partial
@@ -22,8 +23,8 @@ Memory saved and its cost, per lever: see `predict`'s docstring (what each phase
 `CostModel` (what each costs in time).
 Simplified vs real planners: see `planner`.
 """
-from companion.plan.planner import (NothingFits, Plan, Row, RunReport, plan, run_plan,
-                                    token_batches)
+from companion.plan.planner import NothingFits, Plan, Row, plan
+from companion.plan.run import RunReport, run_plan, token_batches
 from companion.plan.predict import (ADAM8BIT_BYTES, BUCKET_BYTES, DEQUANTIZE_BYTES, CostModel,
                                     Prediction, predict_memory, predict_seconds)
 from companion.plan.ranks import rank_worker, run_ranks, train_command

@@ -19,21 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 import textwrap
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
-from companion.memory import format_bytes, memory_budget, parse_bytes, track
-from companion.models import make_tokens
+from companion.memory import format_bytes, parse_bytes
 from companion.plan.predict import CostModel, Prediction, predict_memory, predict_seconds
+from companion.plan.ranks import run_ranks
+from companion.plan.run import RunReport, run_plan
 from companion.plan.space import EXACT, Candidate, GPTShape, candidates
-from companion.plan.training import build, simulate, train_step
-from companion.cost.clock import now
+from companion.plan.training import simulate
 
-__all__ = ["NothingFits", "Row", "Plan", "RunReport", "plan", "run_plan", "token_batches"]
+__all__ = ["NothingFits", "Row", "Plan", "plan"]
 
 
 class NothingFits(ValueError):
@@ -49,27 +48,6 @@ class Row:
     seconds: dict[str, float]
     simulated: int | None = None         # peak bytes of the simulated step, when simulated
     simulated_host: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class RunReport:
-    """What `Plan.run` measured."""
-
-    losses: list[float]      # the mean loss of each step
-    peak: int                # device bytes at the peak (the budget caps these)
-    host_peak: int           # host bytes at their peak (offload)
-    seconds: float           # median step time
-    budget: int
-
-
-def token_batches(batch: int, seq_len: int, *, vocab: int, steps: int, seed: int = 0) -> list:
-    """`steps` batches (x, y) of `batch` token sequences (the course's Markov chain, on the CPU):
-    the data every run of a plan trains on, the same for every plan given the same seed."""
-    return [_token_batch(batch, seq_len, vocab, step, seed) for step in range(steps)]
-
-
-def _token_batch(batch: int, seq_len: int, vocab: int, step: int, seed: int):
-    return make_tokens(batch, seq_len, vocab=vocab, seed=seed * 1009 + step)
 
 
 class Plan:
@@ -144,7 +122,6 @@ class Plan:
         process (the device's own cap on CUDA); measured with `track`. Several ranks: see
         `companion.plan.run_ranks`."""
         if self.world_size != 1:
-            from companion.plan.ranks import run_ranks
             return run_ranks(self, steps, seed=seed)
         return run_plan(self.model_fn, self.chosen, self.batch, steps, budget=self.usable,
                         device=self.device, lr=self.lr, seed=seed, world_size=1, rank=0)
@@ -152,33 +129,6 @@ class Plan:
 
 def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
-
-
-def run_plan(model_fn: Callable[..., nn.Module], cand: Candidate, batch: int, steps: int, *,
-             budget: int | str | None = None, device: torch.device | str = "cpu",
-             lr: float = 1e-3, seed: int = 0, world_size: int = 1, rank: int = 0) -> RunReport:
-    """Train `cand` for `steps` steps of `batch` sequences (this rank's share of them) under
-    `memory_budget(budget)` (None: no budget), measured with `track`; the report. Batches are
-    the course's token sequences, the same for every plan given the same seed."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    device = torch.device(device)
-    limit = 2**62 if budget is None else parse_bytes(budget)
-    shape = GPTShape.of(model_fn)
-    mine = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
-    batches = [_token_batch(batch, shape.seq_len, shape.vocab, step, seed)
-               for step in range(steps)]               # the data, like a loader's: not counted
-    losses, seconds = [], []
-    with memory_budget(limit, device), track(device) as tracker:
-        setup = build(model_fn, cand, world_size=world_size, device=device, lr=lr)
-        for x, y in batches:
-            start = now(device)                                         # host-device sync
-            loss = train_step(setup, x[mine].to(device), y[mine].to(device))
-            losses.append(float(loss))                                  # host-device sync
-            seconds.append(now(device) - start)
-        del setup
-    return RunReport(losses, tracker.peak, tracker.host_peak,
-                     statistics.median(seconds[1:] or seconds), limit)
 
 
 def _nothing_fits(rows: list[Row], usable: int, budget: int, allow, world_size: int,

@@ -19,9 +19,10 @@ import statistics
 from typing import TYPE_CHECKING, Callable
 
 from companion import launch
+from companion.plan.run import RunReport, run_plan
 
 if TYPE_CHECKING:
-    from companion.plan.planner import Plan, RunReport
+    from companion.plan.planner import Plan
     from companion.plan.space import Candidate
 
 __all__ = ["run_ranks", "rank_worker", "train_command"]
@@ -32,7 +33,6 @@ def rank_worker(rank: int, world_size: int, model_fn: Callable, cand: "Candidate
     """One rank of `run_ranks` (importable, as `launch.run` needs)."""
     import torch
 
-    from companion.plan.planner import run_plan
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         and torch.distributed.get_backend() == "nccl" else torch.device("cpu")
     return run_plan(model_fn, cand, batch, steps, budget=budget, device=device, lr=lr,
@@ -44,7 +44,6 @@ def run_ranks(plan: "Plan", steps: int, *, seed: int = 0,
     """Train `plan.chosen` on `plan.world_size` processes; one RunReport for all of them: the
     mean of the ranks' losses per step (each rank's is the mean over its equal slice, so this
     is the batch's), the largest peaks, the slowest median step."""
-    from companion.plan.planner import RunReport
     reports = launch.run(rank_worker, plan.world_size, plan.model_fn, plan.chosen, plan.batch,
                          steps, plan.usable, plan.lr, seed, timeout=timeout)
     losses = [statistics.fmean(r.losses[i] for r in reports) for i in range(steps)]
