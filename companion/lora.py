@@ -8,6 +8,8 @@ the frozen one is, and s = alpha / r keeps the update's size steady when r chang
 Memory: the frozen weight needs no gradient and no optimizer state. With Adam in fp32, a layer
 costs 4·in·out bytes (the weight alone) + 16·r·(in + out) bytes (the adapter's weight, gradient,
 m and v) instead of 16·in·out: for in = out = 4096 and r = 8, 64 MiB + 1 MiB against 256 MiB.
+A frozen weight kept in bf16 is 2 bytes per value (32 MiB here), and in NF4 about 0.52
+(QLoRA, `companion.lowbit`: 8.3 MiB).
 Activations are not reduced: backward still needs each layer's input (for A's gradient), and one
 extra (N, r) tensor per layer.
 

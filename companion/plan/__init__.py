@@ -1,10 +1,10 @@
-"""Plan a training run that fits a memory budget: choose the techniques, prove it, run it.
+"""Plan a training run that fits a memory budget: choose the techniques, check it, run it.
 
 Each chapter of the course pulls one lever: micro-batches with accumulation (03), checkpointing
 (04), mixed precision (05), ZeRO (07), offload (08), training fewer parameters (LoRA, 09), fewer
 bits (8-bit Adam states, QLoRA, 11). Facing
 "out of memory", `plan` pulls them together: it predicts every combination's peak and step time,
-keeps the fastest that fits, proves it by simulating a training step on fake tensors (nothing
+keeps the fastest that fits, checks it by simulating a training step on fake tensors (nothing
 allocated: a 7B model's step is checked on a laptop), and `Plan.run` trains it for real under
 `memory_budget`.
 

@@ -1,4 +1,4 @@
-"""Choose a plan that fits a memory budget, prove it by a simulated step, then run it.
+"""Choose a plan that fits a memory budget, check it by a simulated step, then run it.
 
 `plan` lists every candidate (`space.candidates`), predicts each one's peak and step time
 (`predict`), keeps those predicted to fit, and walks them fastest first, simulating each
@@ -168,7 +168,7 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
          allow: Iterable[str] = EXACT, lora_rank: int = 8, host_budget: int | str | None = None,
          margin: float | None = None, cost: CostModel | None = None, lr: float = 1e-3,
          verify: int = 4, simulate_plain: bool = True) -> Plan:
-    """The fastest plan (by `cost`) whose step fits `budget` bytes per device, proved by a
+    """The fastest plan (by `cost`) whose step fits `budget` bytes per device, checked by a
     simulated step.
 
     Args:
@@ -191,7 +191,7 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
             alone.
         host_budget: bytes of host memory for offload (None: no limit).
         verify: at most this many candidates are simulated before giving up; 0 simulates
-            none and takes the fastest predicted to fit (fast, for exploring: unproved).
+            none and takes the fastest predicted to fit (fast, for exploring: unchecked).
         simulate_plain: also simulate the plain run, for the table.
     Raises NothingFits (a ValueError) when no candidate fits, saying by how much.
     """
