@@ -221,6 +221,17 @@ def test_reports_are_written_with_their_digest(tmp_path):
     assert "a.ipynb: 2/3" in format_table(rows)
 
 
+def test_the_console_table_shows_each_message_whole_and_wrapped():
+    message = ("check_sgd_step failed (Exercise: replace the placeholder) " * 4).strip() \
+        + "\nsecond line of the hint"
+    table = format_table([Row("a.ipynb", "check_sgd_step", False, 0, 2, message, "failed")],
+                         columns=80)
+    assert " ".join(table.split()[5:]).replace(" ", "") == message.replace("\n", "").replace(
+        " ", "")                                             # every word, none cut
+    assert all(len(line) <= 80 for line in table.splitlines())
+    assert "second line of the hint" in table
+
+
 # ---------------------------------------------------------------- the grader's own files
 
 def test_a_changed_package_is_found_and_restored_and_the_sources_copied(tmp_path):

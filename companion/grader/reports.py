@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import tempfile
+import textwrap
 
 __all__ = ["Row", "escape_csv", "write_reports", "digest", "format_table"]
 
@@ -69,8 +70,9 @@ def digest(as_json: bytes, as_csv: bytes) -> str:
                    for name, data in (("grades.json", as_json), ("grades.csv", as_csv)))
 
 
-def format_table(rows: list[Row]) -> str:
-    """A short plain-text table: one line per exercise, a total per notebook."""
+def format_table(rows: list[Row], *, columns: int = 100) -> str:
+    """A plain-text table: one entry per exercise with its whole message, wrapped to `columns`
+    under the message's column (as in the CSV, nothing is cut), and a total per notebook."""
     lines, width = [], max([len(r.exercise) for r in rows] + [8])
     for notebook in dict.fromkeys(r.notebook for r in rows):
         mine = [r for r in rows if r.notebook == notebook]
@@ -79,8 +81,11 @@ def format_table(rows: list[Row]) -> str:
                      f"{sum(r.max_points for r in mine)}")
         for r in mine:
             mark = "pass" if r.passed else (r.status or "FAIL").upper()[:8]
-            first = r.message.splitlines()[0][:70] if r.message else ""
-            lines.append(f"  {mark:<8}  {r.exercise:<{width}}  {r.points}/{r.max_points}  {first}")
+            head = f"  {mark:<8}  {r.exercise:<{width}}  {r.points}/{r.max_points}  "
+            text = [piece for line in (r.message or "").splitlines()
+                    for piece in textwrap.wrap(line, max(columns - len(head), 30)) or [""]]
+            lines.append(head + (text[0] if text else ""))
+            lines += [" " * len(head) + piece for piece in text[1:]]
         if mine[0].flags:
             lines.append(f"  flags: {mine[0].flags}")
     return "\n".join(lines) if lines else "no exercises found"
