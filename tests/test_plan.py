@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from companion import estimate
-from companion.memory import track
 from companion.models import GPT
-from companion.plan import (EXACT, LOW_PRECISION, Candidate, CostModel, GPTShape, NothingFits, build,
+from companion.plan import (EXACT, LOW_PRECISION, Candidate, CostModel, GPTShape, NothingFits,
                             candidates, plan, predict_memory, predict_seconds, simulate,
-                            train_command, train_step)
-from companion.plan.run import run_plan, token_batches
+                            train_command)
+from companion.plan.run import run_plan
 
 SMALL = functools.partial(GPT, 96, 32, 48, 4, 4)     # vocab, seq_len, width, depth, heads
 
@@ -34,17 +33,9 @@ def plain_losses():
 
 
 def _real_peak(model_fn, cand: Candidate, steps: int = 2) -> int:
-    """Peak of `steps` real steps built inside the tracked block, as `simulate` builds them; the
-    data made before it, like a loader's (simulate does the same)."""
-    shape = GPTShape.of(model_fn)
-    batches = token_batches(cand.micro_batch * cand.accumulation, shape.seq_len,
-                            vocab=shape.vocab, steps=steps)
-    with track("cpu") as t:
-        setup = build(model_fn, cand)
-        for x, y in batches:
-            train_step(setup, x, y)
-        del setup
-    return t.peak
+    """Peak of `steps` real steps, built inside the tracked block as `simulate` builds them, the
+    data made before it (`run_plan` measures so)."""
+    return run_plan(model_fn, cand, cand.micro_batch * cand.accumulation, steps).peak
 
 
 @pytest.mark.parametrize("cand", [

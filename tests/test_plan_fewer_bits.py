@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from companion import estimate, lowbit
-from companion.memory import track
 from companion.models import GPT
-from companion.plan import (EXACT, FEWER_BITS, LOW_PRECISION, Candidate, GPTShape, NothingFits,
-                            build, candidates, plan, predict_memory, predict_seconds, simulate,
-                            train_command, train_step, CostModel)
-from companion.plan.run import run_plan, token_batches
+from companion.plan import (EXACT, FEWER_BITS, LOW_PRECISION, Candidate, CostModel, GPTShape,
+                            NothingFits, candidates, plan, predict_memory, predict_seconds,
+                            simulate, train_command)
+from companion.plan.run import run_plan
 
 SMALL = functools.partial(GPT, 96, 32, 48, 4, 4)     # vocab, seq_len, width, depth, heads
 
@@ -34,15 +33,9 @@ def tables_built():
 
 
 def _real_peak(model_fn, cand: Candidate, steps: int = 2) -> int:
-    shape = GPTShape.of(model_fn)
-    batches = token_batches(cand.micro_batch * cand.accumulation, shape.seq_len,
-                            vocab=shape.vocab, steps=steps)
-    with track("cpu") as t:
-        setup = build(model_fn, cand)
-        for x, y in batches:
-            train_step(setup, x, y)
-        del setup
-    return t.peak
+    """Peak of `steps` real steps, built inside the tracked block as `simulate` builds them, the
+    data made before it (`run_plan` measures so)."""
+    return run_plan(model_fn, cand, cand.micro_batch * cand.accumulation, steps).peak
 
 
 @pytest.mark.parametrize("cand", [

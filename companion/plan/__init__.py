@@ -11,7 +11,8 @@ allocated: a 7B model's step is checked on a laptop), and `Plan.run` trains it f
 Modules: `space` (the levers, the model's shape, the candidates), `predict` (peak by phase, step
 time by part), `costmodel` (a device's speeds), `training` (the course's parts put together; a
 step run for real or simulated), `planner` (`plan`, `Plan`), `run` (a plan trained for real,
-`run_plan`), `ranks` (several processes; a torchrun line). Imports run one way: planner -> ranks -> run -> training -> space.
+`run_plan`), `ranks` (several processes; a torchrun line). Imports run one way:
+planner -> ranks -> run -> training -> space.
 
 Example:
     >>> from functools import partial
@@ -28,15 +29,15 @@ from companion.plan.run import RunReport, run_plan, token_batches
 from companion.plan.predict import (ADAM8BIT_BYTES, BUCKET_BYTES, DEQUANTIZE_BYTES, CostModel,
                                     Prediction, predict_memory, predict_seconds)
 from companion.plan.ranks import rank_worker, run_ranks, train_command
-from companion.plan.space import (EXACT, FEWER_BITS, LORA_TARGETS, LOW_PRECISION, PRECISIONS, TECHNIQUES,
-                                  Candidate, GPTShape, candidates, capstone_model)
+from companion.plan.space import (EXACT, FEWER_BITS, LORA_TARGETS, LOW_PRECISION, PRECISIONS,
+                                  TECHNIQUES, Candidate, GPTShape, candidates, capstone_model)
 from companion.plan.training import (CheckpointedBlocks, Setup, build, micro_step,
                                      optimizer_step, simulate, train_step)
 
 __all__ = ["plan", "run_plan", "token_batches", "Plan", "Row", "RunReport", "NothingFits",
-           "Candidate", "GPTShape", "candidates", "capstone_model", "TECHNIQUES", "EXACT",
-           "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS", "Prediction", "predict_memory",
-           "CostModel", "predict_seconds", "BUCKET_BYTES",
-           "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES", "CheckpointedBlocks", "Setup", "build",
-           "micro_step", "optimizer_step", "train_step", "simulate", "run_ranks",
-           "rank_worker", "train_command"]
+           "Candidate", "GPTShape", "candidates", "capstone_model", "TECHNIQUES",
+           "EXACT", "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS",
+           "Prediction", "predict_memory", "CostModel", "predict_seconds",
+           "BUCKET_BYTES", "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES", "CheckpointedBlocks",
+           "Setup", "build", "micro_step", "optimizer_step", "train_step", "simulate",
+           "run_ranks", "rank_worker", "train_command"]

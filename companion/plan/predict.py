@@ -183,6 +183,8 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
               ("backward", G_before + moving, A, 8 * N * V),
               ("first block's backward", max(G_before, early) + moving, early_acts, 20 * N * C),
               ("backward end", G, 0, 0),
+              # one base weight dequantized (about 9 bytes per value of the largest in flight,
+              # and a block's (N, C) fp32 gradient: fitted to the simulated step)
               *([("QLoRA's dequantization", G_before, A, 9 * max(s.lora_linear_weights())
                   + 4 * N * C)] if c.nf4_base else []),
 

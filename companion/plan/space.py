@@ -23,8 +23,8 @@ from torch._subclasses import FakeTensorMode
 
 from companion.models import GPT
 
-__all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS", "GPTShape",
-           "Candidate", "candidates", "capstone_model"]
+__all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS",
+           "GPTShape", "Candidate", "candidates", "capstone_model"]
 
 TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "zero", "offload", "lora",
               "adam8bit", "qlora")

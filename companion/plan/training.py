@@ -3,10 +3,11 @@
 `build` makes the model and optimizer a `Candidate` asks for, with the course's own code for each
 lever: `checkpoint_sequential` (hooks design, which restores autocast) over the blocks,
 `MasterWeights` for bf16 weights, `CPUOffloadOptimizer`, `ShardedOptimizer` and `FSDP` for ZeRO,
-`ddp.DDP`, `lora.apply_lora`, `lowbit.apply_qlora` and `lowbit.Adam8bit`. `train_step` runs one optimizer step over the micro-batches. The
-same code runs in `simulate`, under `FakeTensorMode` (every tensor is shape and dtype only: a 7B
-model's step costs no memory and a few seconds), measured by `companion.memory.track`; several
-ranks are simulated as rank 0 of a "fake" process group, whose collectives do nothing.
+`ddp.DDP`, `lora.apply_lora`, `lowbit.apply_qlora` and `lowbit.Adam8bit`. `train_step` runs one
+optimizer step over the micro-batches. The same code runs in `simulate`, under
+`FakeTensorMode` (every tensor is shape and dtype only: a 7B model's step costs no memory and a
+few seconds), measured by `companion.memory.track`; several ranks are simulated as rank 0 of a
+"fake" process group, whose collectives do nothing.
 
 Example:
     >>> setup = build(partial(GPT, 128, 64, 64, 4, 4), Candidate(4, 4, segments=2), lr=1e-3)
@@ -88,11 +89,14 @@ def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float):
     return net, torch.optim.AdamW(params, fused=True, **adamw), master
 
 
+def _dtype(cand: Candidate) -> torch.dtype:
+    return torch.bfloat16 if cand.precision == "mixed" else torch.float32
+
+
 def _quantized_on_host(model_fn: Callable[..., nn.Module], cand: Candidate) -> nn.Module:
     """QLoRA's model as a quantizing loader leaves it: made on the host, each adapted Linear
     weight replaced by its NF4 codes (one layer at a time), ready to move to the device."""
-    dtype = torch.bfloat16 if cand.precision == "mixed" else torch.float32
-    model = model_fn(dtype=dtype, device="cpu")
+    model = model_fn(dtype=_dtype(cand), device="cpu")
     return lowbit.apply_qlora(model, cand.lora_rank, targets=LORA_TARGETS)
 
 
@@ -121,16 +125,16 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
     dense base never reaches a GPU: it is made and quantized on the host, then moved (on the
     CPU, host and device are one memory: the dense model is its build's peak). `host_model`:
     that host-side model, already made (`simulate` copies it in, as the move to a GPU would)."""
-    dtype = torch.bfloat16 if cand.precision == "mixed" else torch.float32
     device = torch.device(device)
-    if cand.nf4_base:                                                  # base frozen, in NF4
-        model = host_model if host_model is not None else _quantized_on_host(model_fn, cand)
-        if host_model is not None:                    # the copy a move to the GPU makes
-            _copy_in(model)
-        elif device.type != "cpu":
+    if host_model is not None:                         # the copy a move to the GPU makes
+        model = host_model
+        _copy_in(model)
+    elif cand.nf4_base:                                # base frozen, in NF4: only codes move
+        model = _quantized_on_host(model_fn, cand)
+        if device.type != "cpu":
             model = model.to(device)
     else:
-        model = model_fn(dtype=dtype, device=device)
+        model = model_fn(dtype=_dtype(cand), device=device)
     cand.check_depth(len(model.blocks))
     if cand.lora_rank and not cand.nf4_base:
         lora.apply_lora(model, cand.lora_rank, targets=LORA_TARGETS)   # base frozen
@@ -257,7 +261,8 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size:
     batch = (cand.micro_batch, shape.seq_len)
     with _fake_ranks(world_size), FakeTensorMode(), _fake_addresses():
         x, y = (torch.randint(shape.vocab, (k * batch[0], batch[1])) for _ in range(2))  # the
-        host = (_quantized_on_host(model_fn, cand)    # step's data, like a loader's: not counted
+        # step's data, like a loader's, and QLoRA's host-side model for a GPU: not counted
+        host = (_quantized_on_host(model_fn, cand)
                 if cand.nf4_base and device_type != "cpu" else None)
         with track("cpu") as tracker:
             setup = build(model_fn, cand, world_size=world_size, host_model=host)
