@@ -27,12 +27,13 @@ memory; a real loop would load them one by one.
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from companion.memory import MemoryTracker, track
+from companion.memory import MemoryTracker, budget_active, track
 
 __all__ = [
     "accumulation_step",
@@ -171,13 +172,24 @@ def find_max_batch_size(step: Callable[[int], object], *, start: int = 1,
     After a try that runs out of memory, memory is freed (garbage collection; on CUDA the
     allocator's cache too) before the next.
     Works on CUDA and under `companion.memory.memory_budget` on CPU. Assumes that if b fits,
-    every smaller batch fits.
+    every smaller batch fits. On a CPU outside a budget nothing runs out of memory until the
+    machine's RAM does (the search would try batches up to `limit` for real): it warns then, and
+    warns again when it stops at `limit` without a single failure (the answer is then `limit`, a
+    bound, not the largest batch).
 
     Example:
         >>> with memory_budget("64 MiB"):
         ...     b = find_max_batch_size(lambda b: train_step(model, b), device="cpu")
     """
     device = None if device is None else torch.device(device)
+    on_cpu = (device.type if device is not None else
+              "cuda" if torch.cuda.is_available() else "cpu") == "cpu"
+    if on_cpu and not budget_active():
+        warnings.warn("find_max_batch_size on the CPU outside memory_budget: no step runs out of "
+                      "memory before the machine's RAM does, so batches up to limit="
+                      f"{limit} may really be tried. Wrap the call in "
+                      "companion.memory.memory_budget('512 MiB') (your device's size), unless step "
+                      "raises torch.OutOfMemoryError itself.", stacklevel=2)
     if not _fits(step, start, device):
         raise torch.OutOfMemoryError(f"even a batch of start={start} does not fit; "
                                      "lower start, or shrink the model or its states")
@@ -188,6 +200,10 @@ def find_max_batch_size(step: Callable[[int], object], *, start: int = 1,
     while bad is not None and bad - good > 1:                  # 2. bisect between good and bad
         middle = (good + bad) // 2
         good, bad = (middle, bad) if _fits(step, middle, device) else (good, middle)
+    if bad is None:
+        warnings.warn(f"find_max_batch_size stopped at limit={limit} without running out of "
+                      "memory: the largest batch may be larger (raise limit), or nothing is "
+                      "capping memory (on the CPU: memory_budget)", stacklevel=2)
     return good
 
 

@@ -46,11 +46,11 @@ from companion.memory_plot import plot_timeline
 from companion.placement import DEVICE as _DEVICE, HOST as _HOST, on_disk, on_host, storage_place
 
 __all__ = ["KINDS", "PHASES", "MemoryTracker", "track", "measure", "memory_budget", "parse_bytes",
-           "format_bytes", "plot_timeline", "on_host", "on_disk"]
+           "format_bytes", "plot_timeline", "on_host", "on_disk", "budget_active"]
 
-KINDS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+KINDS = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
 PHASES = ("forward", "backward", "optimizer")
-_PARAM, _GRAD, _OPT, _ACT, _TEMP = range(5)          # label priority: a lower number wins
+_PARAM, _BUF, _GRAD, _OPT, _ACT, _TEMP = range(6)    # label priority: a lower number wins
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -102,6 +102,8 @@ class _Ledger(TorchDispatchMode):
         self.ev_id, self.ev_delta = array.array("q"), array.array("q")   # one entry per event:
         self.ev_phase = bytearray()              # which storage, +-bytes, in which phase
         self.where = bytearray()                 # storage id -> _DEVICE or _HOST
+        self.owner = array.array("i")            # storage id -> module running its forward
+        self.module = 0                          # that module's number (0: none; `track(modules=)`)
         self.bytes = self.peak = self.peak_event = 0
         self.host_bytes = self.host_peak = self.host_peak_event = 0
         self.in_optimizer = False
@@ -154,6 +156,7 @@ class _Ledger(TorchDispatchMode):
         self.size.append(nbytes)
         self.kind.append(_TEMP)
         self.where.append(where)
+        self.owner.append(self.module)
         self.ids[key] = sid
         self.refs[weakref.ref(storage, self._freed)] = key
         self._record(sid, nbytes)
@@ -182,6 +185,12 @@ class _Ledger(TorchDispatchMode):
             sid = self.ids.get(t.untyped_storage()._cdata)
             if sid is not None and kind < self.kind[sid]:
                 self.kind[sid] = kind
+
+    def add_existing(self, t: Any, kind: int) -> None:
+        """Count a tensor made before the block (`track(external=...)`) and label it."""
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            self._add(t)
+            self.label(t, kind)
 
     def replay(self, stop: int | None = None, where: int = _DEVICE
                ) -> Iterator[tuple[int, int, int]]:
@@ -213,7 +222,7 @@ def _labels(ledger: _Ledger) -> Iterator[None]:
                 ledger.label(p, _PARAM)
                 ledger.label(p.grad, _GRAD)
         for b in module._buffers.values():
-            ledger.label(b, _PARAM)
+            ledger.label(b, _BUF)
 
     def before_step(opt, args=None, kwargs=None):
         optimizers.add(opt)
@@ -252,6 +261,77 @@ def _labels(ledger: _Ledger) -> Iterator[None]:
             after_step(opt)
 
 
+def _external(ledger: _Ledger, external: Any) -> None:
+    """Count the model states that exist before the block: parameters, buffers and gradients of
+    each module, and each optimizer's parameters, gradients and state."""
+    items = external if isinstance(external, (tuple, list)) else (external,)
+    for item in items:
+        if isinstance(item, torch.nn.Module):
+            params, buffers, states = list(item.parameters()), list(item.buffers()), []
+        elif isinstance(item, torch.optim.Optimizer):
+            params = [p for group in item.param_groups for p in group["params"]]
+            buffers, states = [], [v for state in item.state.values() for v in state.values()]
+        else:
+            raise TypeError("external= takes a model (nn.Module), an optimizer, or a tuple of "
+                            f"them, e.g. external=(model, optimizer); got {type(item).__name__}")
+        for p in params:
+            ledger.add_existing(p, _PARAM)
+            ledger.add_existing(p.grad, _GRAD)
+        for b in buffers:
+            ledger.add_existing(b, _BUF)
+        for v in states:
+            ledger.add_existing(v, _OPT)
+
+
+@contextlib.contextmanager
+def _module_view(ledger: _Ledger, root: torch.nn.Module, rows: dict[str, dict]) -> Iterator[None]:
+    """Fill `rows`: for each submodule of `root`, the live bytes before and after its first
+    forward and its first backward; and number the modules, so that each new storage records
+    the innermost module whose forward made it."""
+    if not isinstance(root, torch.nn.Module):
+        raise TypeError(f"modules= takes the model (an nn.Module), got {type(root).__name__}")
+    stack: list[int] = []
+    handles = []
+
+    def note(row: dict, key: str) -> None:
+        if row[key] is None:
+            row[key] = ledger.bytes
+
+    def tensors(value) -> list[torch.Tensor]:
+        value = value if isinstance(value, (tuple, list)) else (value,)
+        return [t for t in value if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    for number, (name, module) in enumerate(root.named_modules(), start=1):
+        row = rows[name or "(model)"] = {"number": number, "forward_before": None,
+                                         "forward_after": None, "backward_before": None,
+                                         "backward_after": None}
+
+        def pre(module, args, row=row, number=number):
+            note(row, "forward_before")
+            stack.append(ledger.module)
+            ledger.module = number
+            inputs = tensors(args)
+            if inputs and row["backward_after"] is None:      # grads of the inputs: its backward ends
+                torch.autograd.graph.register_multi_grad_hook(
+                    inputs, lambda grads, row=row: note(row, "backward_after"), mode="any")
+
+        def post(module, args, output, row=row):
+            note(row, "forward_after")
+            ledger.module = stack.pop() if stack else 0
+            outputs = tensors(output)
+            if outputs and row["backward_before"] is None:    # grads of the outputs: it begins
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, lambda grads, row=row: note(row, "backward_before"), mode="any")
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        ledger.module = 0
+
+
 class MemoryTracker:
     """What one block used: `current` and `peak` bytes above what was live on entry, plus
     `breakdown()` by kind and `timeline()` by phase. Made by `track`; read it during or after."""
@@ -262,6 +342,7 @@ class MemoryTracker:
         self._cuda_base: int | None = None
         self._cuda_peak_seen = 0          # the allocator's peak before a nested tracker reset it
         self._final: tuple[int, int, int, int] | None = None
+        self._modules: dict[str, dict] = {}     # filled by track(modules=model)
         self.result: Any = None        # what the measured function returned (set by `measure`)
 
     @property
@@ -326,6 +407,25 @@ class MemoryTracker:
             totals[kind] += delta
         return dict(zip(KINDS, totals))
 
+    def modules(self) -> dict[str, dict[str, int | None]]:
+        """With `track(modules=model)`: for each submodule (by name; the model itself is
+        "(model)"), `at_peak`, the device bytes live at the peak that were made while the module
+        was the innermost one running forward (its outputs and saved tensors), and the live bytes
+        before and after its first forward and first backward (None where it had none: a module
+        whose inputs need no gradient records no end of backward). CPU ledger bytes on the CPU;
+        on CUDA the same ledger's count of storages."""
+        if not self._modules:
+            raise ValueError("no per-module view: track with modules=model, e.g. "
+                             "with track(modules=model) as t: ...")
+        ledger = self._ledger
+        live = [0] * (len(self._modules) + 1)
+        for sid, delta in zip(ledger.ev_id[:ledger.peak_event], ledger.ev_delta[:ledger.peak_event]):
+            if ledger.where[sid] == _DEVICE:
+                live[ledger.owner[sid]] += delta
+        return {name: {"at_peak": live[row["number"]],
+                       **{k: v for k, v in row.items() if k != "number"}}
+                for name, row in self._modules.items()}
+
     def timeline(self) -> dict[str, list]:
         """Live bytes after each allocation or free, by kind, with the phase it happened in.
 
@@ -357,7 +457,8 @@ class MemoryTracker:
 
 
 @contextlib.contextmanager
-def track(device: torch.device | str | None = None) -> Iterator[MemoryTracker]:
+def track(device: torch.device | str | None = None, *, external: Any = None,
+          modules: torch.nn.Module | None = None) -> Iterator[MemoryTracker]:
     """Measure the memory a block allocates on `device` (CUDA when present, else the CPU).
 
         >>> with track("cpu") as t:
@@ -366,7 +467,12 @@ def track(device: torch.device | str | None = None) -> Iterator[MemoryTracker]:
         >>> t.current, t.peak                  # (4000, 4000)
 
     On CUDA, `current` and `peak` come from the caching allocator (peaks reset on entry) and
-    `reserved` says what it holds; on the CPU they come from the ledger of live storages."""
+    `reserved` says what it holds; on the CPU they come from the ledger of live storages.
+
+    A model built before the block is invisible to it: pass `external=(model, optimizer)` (a
+    module, an optimizer, or a tuple of them) and its parameters, buffers, gradients and optimizer
+    state are counted from the start, by kind, as torch's `MemTracker.track_external` does.
+    `modules=model` adds a per-module view (`MemoryTracker.modules`)."""
     device = _device(device)
     tracker = MemoryTracker(device)
     ledger = tracker._ledger
@@ -379,7 +485,12 @@ def track(device: torch.device | str | None = None) -> Iterator[MemoryTracker]:
         tracker._cuda_base = torch.cuda.memory_allocated(device)
         _CUDA_TRACKERS.append(tracker)
     try:
-        with ledger, _labels(ledger):
+        with ledger, _labels(ledger), (_module_view(ledger, modules, tracker._modules)
+                                       if modules is not None else contextlib.nullcontext()):
+            if external is not None:
+                _external(ledger, external)
+                if tracker._cuda_base is not None:     # the allocator counted them already
+                    tracker._cuda_base -= ledger.bytes
             yield tracker
     finally:
         if device.type == "cuda":
@@ -434,6 +545,13 @@ def memory_budget(limit: int | str, device: torch.device | str | None = None) ->
         yield
     finally:
         torch.cuda.set_per_process_memory_fraction(before, device)
+
+
+def budget_active() -> bool:
+    """True inside `memory_budget` on the CPU (its ledger is among the active dispatch modes)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return any(isinstance(m, _Ledger) and m.limit is not None
+               for m in _get_current_dispatch_mode_stack())
 
 
 def _device(device: torch.device | str | None) -> torch.device:

@@ -130,7 +130,8 @@ def test_breakdown_finds_adam_state_and_phases():
     report = measure(step)
     n = (50 * 40 + 40) * 4
     end = report.breakdown("current")
-    assert end == {"parameters": n, "gradients": n, "optimizer_state": 2 * n + 8,  # + 2 step counters
+    assert end == {"parameters": n, "buffers": 0, "gradients": n,
+                   "optimizer_state": 2 * n + 8,                     # + 2 step counters
                    "activations": 0, "temporaries": 0}
     timeline = report.timeline()
     assert set(timeline["phase"]) == {"forward", "backward", "optimizer"}
