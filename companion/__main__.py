@@ -1,4 +1,4 @@
-"""The command line: ``python -m companion {workbook,reset,grade,execute,record,train} ...``."""
+"""The command line: ``python -m companion {workbook,reset,grade,execute,record,train,plan,explain} ...``."""
 from __future__ import annotations
 
 import argparse
@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-seconds", type=float, default=540.0,
                    help="the session's wall-clock budget (default 540)")
     p.set_defaults(run=_record)
+
+    from companion.plan.cli import add_parser as add_plan
+    add_plan(sub)
 
     p = sub.add_parser("train", add_help=False,
                        help="train the course GPT with chosen techniques (under torchrun: "

@@ -24,8 +24,11 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch._subclasses import FakeTensorMode
 
 from companion.memory import format_bytes, parse_bytes
+from companion.models import GPT
+from companion.plan.anymodel import GENERIC, ModelPlan, plan_model
 from companion.plan.predict import CostModel, Prediction, predict_memory, predict_seconds
 from companion.plan.ranks import run_ranks
 from companion.plan.run import RunReport, run_plan
@@ -127,6 +130,17 @@ class Plan:
                         device=self.device, lr=self.lr, seed=seed, world_size=1, rank=0)
 
 
+def _course_gpt(model_fn) -> bool:
+    """Whether model_fn(dtype=, device=) builds a companion.models.GPT (on fake tensors)."""
+    if isinstance(model_fn, nn.Module) or not callable(model_fn):
+        return True                          # GPTShape.of says what is wrong
+    try:
+        with FakeTensorMode():
+            return isinstance(model_fn(dtype=torch.float32, device="cpu"), GPT)
+    except Exception:
+        return False
+
+
 def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
@@ -167,7 +181,8 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
          device: torch.device | str | None = None, world_size: int = 1,
          allow: Iterable[str] = EXACT, lora_rank: int = 8, host_budget: int | str | None = None,
          margin: float | None = None, cost: CostModel | None = None, lr: float = 1e-3,
-         verify: int = 4, simulate_plain: bool = True) -> Plan:
+         verify: int = 4, simulate_plain: bool = True, step: Callable | None = None,
+         seq_len: int | None = None) -> Plan | ModelPlan:
     """The fastest plan (by `cost`) whose step fits `budget` bytes per device, checked by a
     simulated step.
 
@@ -193,8 +208,21 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
         verify: at most this many candidates are simulated before giving up; 0 simulates
             none and takes the fastest predicted to fit (fast, for exploring: unchecked).
         simulate_plain: also simulate the plain run, for the table.
+        step, seq_len: for a model that is not the course GPT, `model_fn()` builds it and
+            `anymodel.plan_model` plans it, with `step(model, batch) -> loss` (default: the
+            next-token loss at `seq_len`), levers `anymodel.GENERIC` of `allow`; see there.
     Raises NothingFits (a ValueError) when no candidate fits, saying by how much.
     """
+    if step is not None or not _course_gpt(model_fn):
+        if world_size != 1:
+            raise ValueError("for a model other than the course GPT the planner plans one device "
+                             "(world_size=1)")
+        return plan_model(model_fn, batch, budget=budget, step=step, seq_len=seq_len,
+                          device=device if device is not None else (
+                              "cuda" if torch.cuda.is_available() else "cpu"),
+                          allow=[a for a in ((allow,) if isinstance(allow, str) else allow)
+                                 if a in GENERIC], lora_rank=lora_rank, margin=margin,
+                          cost=cost)
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     allow = (allow,) if isinstance(allow, str) else tuple(allow)   # "offload" alone is fine

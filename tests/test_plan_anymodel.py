@@ -1,0 +1,114 @@
+"""The planner on models the course does not ship (examples/models.py): every candidate scored by
+a fake-tensor step, the choice fits, the simulated step is the real one (to the byte without
+checkpointing, within 5% with it), errors name their cause, and `python -m companion plan` runs."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from companion.memory import parse_bytes
+from companion.plan import Candidate, plan
+from companion.plan.anymodel import next_token_step, plan_model, simulate_model
+from examples import models as M
+
+pytestmark = pytest.mark.filterwarnings("ignore:apply_lora froze")
+LM_STEP = next_token_step(64, 512)
+
+
+@pytest.mark.parametrize("make,step,optimizer,cand", [
+    (M.mha_lm, LM_STEP, torch.optim.AdamW, Candidate(8)),
+    (M.llama, LM_STEP, torch.optim.AdamW, Candidate(4, 2, precision="autocast")),
+    (M.cnn, M.cnn_step, M.cnn_optimizer, Candidate(8, 2)),
+    (M.mha_lm, LM_STEP, torch.optim.AdamW, Candidate(4, 2, lora_rank=4)),
+    (M.llama, LM_STEP, torch.optim.AdamW, Candidate(4, 1, state_bits=8)),
+])
+def test_the_simulated_step_is_the_real_one(make, step, optimizer, cand):
+    torch.manual_seed(0)
+    fake, flops, _ = simulate_model(make, cand, step, optimizer=optimizer)
+    simulate_model(make, cand, step, optimizer=optimizer, fake=False)   # one-time caches made
+    real, real_flops, _ = simulate_model(make, cand, step, optimizer=optimizer, fake=False)
+    assert fake.peak == real.peak and flops == real_flops > 0
+    assert fake.breakdown() == real.breakdown()
+
+
+@pytest.mark.parametrize("make", [M.mha_lm, M.llama])
+def test_checkpointed_simulation_is_within_five_percent_and_saves_memory(make):
+    cand, plain = Candidate(4, 2, segments=4), Candidate(4, 2)
+    fake = simulate_model(make, cand, LM_STEP)[0].peak
+    real = simulate_model(make, cand, LM_STEP, fake=False)[0].peak
+    assert abs(fake - real) <= 0.05 * real
+    assert real < simulate_model(make, plain, LM_STEP, fake=False)[0].peak
+
+
+@pytest.mark.parametrize("make,step,optimizer,budget", [
+    (M.mha_lm, None, torch.optim.AdamW, "24 MiB"),
+    (M.llama, None, torch.optim.AdamW, "20 MiB"),
+    (M.cnn, M.cnn_step, M.cnn_optimizer, "4 MiB"),
+])
+def test_plan_model_chooses_a_step_that_fits_when_run(make, step, optimizer, budget):
+    p = plan_model(make, 8, budget=budget, step=step, seq_len=64, optimizer=optimizer)
+    assert p.chosen_row.simulated and p.chosen_row.peak <= parse_bytes(budget)
+    assert p.plain.peak > parse_bytes(budget)                 # it had something to do
+    real = simulate_model(make, p.chosen, p.step, optimizer=optimizer, fake=False)[0]
+    assert real.peak <= parse_bytes(budget) * 1.05
+    faster = [r for r in p.rows if r.peak <= p.usable and r.simulated
+              and r.seconds["total"] < p.chosen_row.seconds["total"]]
+    assert not faster                                         # the fastest that was checked
+    assert "chosen:" in str(p) and p.to_dict()["chosen"]["peak"] == p.chosen_row.peak
+
+
+def test_interpolated_rows_are_close_to_their_simulation():
+    p = plan_model(M.llama, 8, budget="1 GiB", seq_len=64)
+    for row in p.rows:
+        if not row.simulated:
+            sim = simulate_model(M.llama, row.candidate, p.step)[0].peak
+            assert abs(row.peak - sim) <= 0.1 * sim, row.candidate.describe()
+
+
+def test_plan_sends_other_models_to_plan_model():
+    p = plan(M.mha_lm, 8, budget="24 MiB", device="cpu", seq_len=64)
+    assert type(p).__name__ == "ModelPlan" and p.chosen_row.peak <= parse_bytes("24 MiB")
+
+
+def test_errors_name_their_cause():
+    with pytest.raises(TypeError, match="not a function that builds"):
+        plan_model(M.mha_lm(), 8, budget="1 GiB")
+    with pytest.raises(TypeError, match=r"model_fn\(\) raised TypeError.*functools.partial"):
+        plan_model(lambda vocab: M.mha_lm(), 8, budget="1 GiB")
+    with pytest.raises(RuntimeError, match="FakeTensorMode"):
+        plan_model(lambda: M.mha_lm().to(torch.tensor(1.0).numpy().dtype.name), 8,
+                   budget="1 GiB")
+    with pytest.raises(ValueError, match="give seq_len"):
+        plan_model(M.cnn, 8, budget="1 GiB")
+    with pytest.raises(TypeError, match="must return the loss"):
+        plan_model(M.cnn, 8, budget="1 GiB", step=lambda model, b: model(torch.randn(b, 3, 8, 8)))
+    with pytest.raises(ValueError, match="unknown lever"):
+        plan_model(M.cnn, 8, budget="1 GiB", step=M.cnn_step, allow=["zero"])
+    with pytest.raises(ValueError, match="no plan fits"):
+        plan_model(M.cnn, 8, budget="64 KiB", step=M.cnn_step)
+    with pytest.raises(TypeError, match="not an nn.Module"):
+        plan_model(lambda: 3, 8, budget="1 GiB", step=M.cnn_step)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "companion", "plan", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_command_line_plans_a_model_of_ones_own():
+    out = _cli("--model", "examples.models:cnn", "--step", "examples.models:cnn_step",
+               "--optimizer", "examples.models:cnn_optimizer", "--batch", "8",
+               "--budget", "4MiB", "--device", "cpu", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["chosen"]["peak"] <= 4 * 2**20 < got["plain"]["peak"]
+    assert set(got["plain"]["kinds"]) >= {"parameters", "buffers", "activations"}
+    out = _cli("--model", "examples.models:mha_lm", "--batch", "4", "--seq-len", "64",
+               "--budget", "24MiB", "--check")
+    assert out.returncode == 0, out.stderr
+    assert "by kind at the peak" in out.stdout and "checked for real" in out.stdout
+    bad = _cli("--model", "examples.models:nothing", "--batch", "4", "--budget", "1GiB")
+    assert bad.returncode == 2 and "has no 'nothing'" in bad.stderr
