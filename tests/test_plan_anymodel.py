@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from torch import nn
 
 from companion.memory import parse_bytes
 from companion.plan import Candidate, plan
