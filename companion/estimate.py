@@ -5,7 +5,10 @@ parameter count and not with the batch. *Activations* (tensors the forward pass 
 scale with batch × sequence length and not with the optimizer. `model_states` gives the first,
 `mlp_activations` and `gpt_activations` the second for `companion.models.MLP` and `GPT`
 (`transformer_activations`: the same in Korthikanti et al.'s general per-layer form), and
-`training_memory` adds them up by kind, which is what the chapter 00 calculator draws.
+`training_memory` gives them by kind, which is what the chapter 00 calculator draws, and
+`training_peak` what of them is alive at once at the step's peak. These formulas are for the
+course's models; for any other `nn.Module` the step is simulated on fake tensors instead
+(`companion.plan.anymodel.simulate_model`, `python -m companion plan --model module:factory`).
 `offload_placement` (from `companion.estimate_offload`) splits model states between device, host
 and disk under offload, in DeepSpeed's estimator conventions or the course's measured layout.
 
@@ -31,7 +34,7 @@ from companion.estimate_offload import (OFFLOAD_LADDER, Placement, choose_offloa
 
 __all__ = ["ModelStates", "model_states", "bytes_per_element", "mlp_params", "gpt_params",
            "mlp_activations", "gpt_activations", "transformer_layer_activations",
-           "transformer_activations", "gpt_shape", "training_memory", "OPTIMIZERS",
+           "transformer_activations", "gpt_shape", "training_memory", "training_peak", "OPTIMIZERS",
            "PRECISIONS", "Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload",
            "nf4_bytes"]
 
@@ -229,11 +232,11 @@ def _gpt_autocast_activations(batch: int, seq_len: int, width: int, depth: int, 
 
 
 def transformer_layer_activations(batch: int, seq_len: int, width: int, heads: int, *,
-                                  dropout: bool = True) -> int:
-    """Bytes one transformer layer saves for backward with 16-bit activations, as counted by
-    Korthikanti et al., 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-    section 4.1), with s = seq_len, b = batch, h = width, a = heads, 2 bytes per value and 1 byte
-    per dropout-mask entry:
+                                  dropout: bool = True, precision: str = "bf16") -> int:
+    """Bytes one transformer layer saves for backward, as counted by Korthikanti et al., 2022
+    ("Reducing Activation Recomputation in Large Transformer Models", section 4.1), with
+    s = seq_len, b = batch, h = width, a = heads, e bytes per value (2 for 16-bit activations, the
+    paper's case; `precision="fp32"`: 4) and 1 byte per dropout-mask entry. In 16 bits:
 
       attention  11·sbh + 5·as²b: the input of the QKV Linear (2sbh), Q and K for QKᵀ (4sbh),
                  softmax's output (2as²b), its dropout mask (as²b) and dropout's output with V for
@@ -243,24 +246,25 @@ def transformer_layer_activations(batch: int, seq_len: int, width: int, heads: i
                  input (8sbh), the dropout mask (sbh);
       LayerNorms 4·sbh: the input of each (2sbh).
     Total sbh·(34 + 5·as/h). Without dropout (the course's GPT) the three masks go, and the product
-    with V saves softmax's output itself: sbh·(32 + 2·as/h).
+    with V saves softmax's output itself: sbh·(32 + 2·as/h). In general
+    sbh·(16e + 2m) + as²b·(e·(1 + m) + m), with m = 1 with dropout, 0 without.
 
     Simplified vs measurement: LayerNorm's mean and rstd (one value per token each, two per
     LayerNorm) and the causal mask are left out, as in the paper; `companion.models.GPT` in bf16 saves 8·sb + s² bytes more
     per layer (`gpt_activations(..., precision="bf16")` counts them).
     """
     s, b, h, a = seq_len, batch, width, heads
-    if dropout:
-        return 34 * s * b * h + 5 * a * s * s * b
-    return 32 * s * b * h + 2 * a * s * s * b
+    e, m = _value_bytes(precision), int(bool(dropout))
+    return s * b * h * (16 * e + 2 * m) + a * s * s * b * (e * (1 + m) + m)
 
 
 def transformer_activations(batch: int, seq_len: int, width: int, depth: int, heads: int,
-                            vocab: int, *, dropout: bool = True) -> int:
-    """Bytes a GPT with 16-bit activations saves for backward: `depth` layers of
-    `transformer_layer_activations`, plus the embedding dropout's mask (sbh bytes, with dropout),
-    the final LayerNorm's input and the head's input (2sbh each), and the log-softmax of the
-    logits in fp32 (4·sbV: the loss runs in fp32, as autocast and Megatron-LM run it).
+                            vocab: int, *, dropout: bool = True, precision: str = "bf16") -> int:
+    """Bytes a GPT saves for backward: `depth` layers of `transformer_layer_activations`, plus
+    the embedding dropout's mask (sbh bytes, with dropout), the final LayerNorm's input and the
+    head's input (e·sbh each: 2sbh in 16 bits), and the log-softmax of the logits in fp32 (4·sbV:
+    the loss runs in fp32, as autocast and Megatron-LM run it). `precision`: "bf16" (or "fp16":
+    16-bit activations, the paper's case) or "fp32".
 
     The last term grows with the vocabulary, not the depth: it dominates small models with large
     vocabularies (GPT-2 small: 4V = 201,028 bytes per token against 34h + 5as = 87,552 per layer),
@@ -269,9 +273,15 @@ def transformer_activations(batch: int, seq_len: int, width: int, depth: int, he
     Example (GPT-2 XL's shape, batch 8 of 1024 tokens):
         >>> transformer_activations(8, 1024, 1600, 48, 25, 50257) / 1e9      # 73.4 GB
     """
-    s, b, h = seq_len, batch, width
-    layers = depth * transformer_layer_activations(batch, seq_len, width, heads, dropout=dropout)
-    return layers + s * b * h * dropout + 4 * s * b * h + 4 * s * b * vocab
+    s, b, h, e = seq_len, batch, width, _value_bytes(precision)
+    layers = depth * transformer_layer_activations(batch, seq_len, width, heads, dropout=dropout,
+                                                   precision=precision)
+    return layers + s * b * h * bool(dropout) + 2 * e * s * b * h + 4 * s * b * vocab
+
+
+def _value_bytes(precision: str) -> int:
+    _check_choice("precision", precision, ("bf16", "fp16", "fp32"))
+    return 4 if precision == "fp32" else 2
 
 
 def gpt_shape(n_params: int, *, vocab: int = 50257, seq_len: int = 1024) -> dict[str, int]:
@@ -283,20 +293,83 @@ def gpt_shape(n_params: int, *, vocab: int = 50257, seq_len: int = 1024) -> dict
 
 def training_memory(n_params: int, *, batch: int, seq_len: int, precision: str = "fp32",
                     optimizer: str = "adam", zero_stage: int = 0, world_size: int = 1,
-                    fp32_grads: bool = False, shape: dict[str, int] | None = None,
-                    device_type: str = "cpu") -> dict[str, int]:
-    """Predicted bytes per device by kind for training a GPT of about `n_params` parameters.
+                    fp32_grads: bool = False, shape=None, device_type: str = "cpu",
+                    dropout: bool = False) -> dict[str, int]:
+    """Predicted bytes per device by kind for training a GPT of `n_params` parameters.
 
-    Model states come from `model_states`; activations from `gpt_activations` with the per-device
-    batch, for `shape` (width, depth, heads, vocab) or, when None, `gpt_shape(n_params)`.
-    `device_type` ("cpu" or "cuda") matters only for precision="autocast" (CUDA's fp32 softmax)."""
-    shape = shape or gpt_shape(n_params, seq_len=seq_len)
+    Model states come from `model_states`; activations from `gpt_activations` (the course's GPT,
+    no dropout) with the per-device batch, or with `dropout=True` from `transformer_activations`
+    (Korthikanti et al.'s GPT with dropout; 16-bit activations unless precision is "fp32").
+    `shape` is required: a dict of width, depth, heads and vocab (`gpt_shape(n)` makes a
+    GPT-2-like one), or a `companion.models.GPT` to read them from. For any other model the
+    formulas do not apply: simulate its step (`companion.plan.anymodel.simulate_model`, or
+    `python -m companion plan --model module:factory`).
+    `device_type` ("cpu" or "cuda") matters only for precision="autocast" (CUDA's fp32 softmax).
+
+    These are the sizes of each kind, not what is alive at once: `training_peak` says that."""
+    shape = _read_shape(shape)
     states = model_states(n_params, optimizer=optimizer, precision=precision,
                           fp32_grads=fp32_grads, zero_stage=zero_stage, world_size=world_size)
-    acts = gpt_activations(batch, seq_len, shape["width"], shape["depth"], shape["heads"],
-                           shape["vocab"], precision=precision, device_type=device_type)
+    if dropout:
+        acts = transformer_activations(batch, seq_len, shape["width"], shape["depth"],
+                                       shape["heads"], shape["vocab"], dropout=True,
+                                       precision="fp32" if precision == "fp32" else "bf16")
+    else:
+        acts = gpt_activations(batch, seq_len, shape["width"], shape["depth"], shape["heads"],
+                               shape["vocab"], precision=precision, device_type=device_type)
     return {"parameters": states.params, "gradients": states.grads,
             "optimizer_state": states.optimizer, "activations": acts}
+
+
+def training_peak(n_params: int, *, batch: int, seq_len: int, accumulation: int = 1,
+                  **options) -> dict[str, int | str]:
+    """What is alive at a training step's peak, by kind, with the phase it falls in.
+
+    Weights (P) and optimizer state (O) live through the whole step. With gradients set to None
+    between steps (`zero_grad()`'s default), backward begins with every activation (A) saved and
+    no gradient; as it runs, each layer's saved tensors are freed while its gradients (G) appear,
+    so the live bytes move from P + O + A towards P + O + G and the peak is the larger end:
+    "backward" (its start) when A >= G, else "optimizer" (the step, with every gradient). With
+    `accumulation` > 1 the gradients of earlier micro-batches are alive while the last one's
+    activations are: P + O + G + A, in backward. In backward's first operator the loss's gradient
+    is alive too: two fp32 (tokens, vocab) tensors through the log-softmax, 8·N·V bytes
+    ("temporaries"). Summing every kind, as `training_memory`'s parts would, puts gradients
+    in that are not yet alive. Temporaries of the optimizer and of attention's softmax backward
+    are left out.
+    `options` are `training_memory`'s; `batch` is the micro-batch."""
+    parts = training_memory(n_params, batch=batch, seq_len=seq_len, **options)
+    G, A = parts["gradients"], parts["activations"]
+    loss_grad = 8 * batch * seq_len * _read_shape(options.get("shape"))["vocab"]
+    if accumulation > 1:
+        alive, phase = {**parts, "temporaries": loss_grad}, "backward"
+    elif A + loss_grad >= G:
+        alive, phase = {**parts, "gradients": 0, "temporaries": loss_grad}, "backward"
+    else:
+        alive, phase = {**parts, "activations": 0, "temporaries": 0}, "optimizer"
+    return {**alive, "peak": sum(alive.values()), "phase": phase}
+
+
+def _read_shape(shape) -> dict[str, int]:
+    """width, depth, heads and vocab from a dict, or from a `companion.models.GPT`."""
+    if shape is None:
+        raise ValueError("shape is required: a dict of width, depth, heads and vocab (for a "
+                         "GPT-2-like model, estimate.gpt_shape(n_params, seq_len=...)), or the "
+                         "companion.models.GPT itself. For other models, simulate the step: "
+                         "companion.plan.anymodel.simulate_model")
+    if isinstance(shape, dict):
+        missing = {"width", "depth", "heads", "vocab"} - set(shape)
+        if missing:
+            raise ValueError(f"shape needs width, depth, heads and vocab; missing "
+                             f"{', '.join(sorted(missing))}")
+        return shape
+    blocks = getattr(shape, "blocks", None)
+    tok = getattr(shape, "tok", None)
+    if blocks is None or tok is None:
+        raise TypeError(f"shape is a dict or a companion.models.GPT, got {type(shape).__name__}: "
+                        "for other models, simulate the step (companion.plan.anymodel."
+                        "simulate_model)")
+    return {"width": tok.embedding_dim, "depth": len(blocks), "heads": blocks[0].heads,
+            "vocab": tok.num_embeddings}
 
 
 def _whole_count(n: int | float) -> int:

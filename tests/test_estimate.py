@@ -355,12 +355,13 @@ def test_memory_calculator_shows_the_estimate(monkeypatch):
     box = memory_calculator(1e9, batch=4, seq_len=512, precision="fp32", gpu_bytes=80e9)
     summary = box.children[2]
     n = int(box.children[0].children[0].value)
-    parts = E.training_memory(n, batch=4, seq_len=512, precision="fp32")
+    shape = E.gpt_shape(n, seq_len=512)
+    parts = E.training_memory(n, batch=4, seq_len=512, precision="fp32", shape=shape)
     assert f"{sum(parts.values()) / 1e9:.1f} GB" in summary.value
     box.children[1].children[2].value = 3                     # ZeRO stage 3
     box.children[1].children[3].value = 64                    # over 64 GPUs
     sharded = E.training_memory(n, batch=4, seq_len=512, precision="fp32", zero_stage=3,
-                                world_size=64)
+                                world_size=64, shape=shape)
     assert f"{sum(sharded.values()) / 1e9:.1f} GB" in summary.value
     assert sum(sharded.values()) < sum(parts.values())
 
@@ -487,3 +488,55 @@ def test_choose_offload_moves_down_the_ladder_as_the_gpu_shrinks():
     settings = [p and (p["zero_stage"], p["offload_optimizer"], p["offload_params"]) for p in picks]
     assert settings == [(2, None, None), (2, "cpu", None), (3, None, None), (3, "cpu", None),
                         (3, "cpu", "cpu"), None]
+
+
+def test_fp32_course_gpt_is_the_formula_at_four_bytes_a_value():
+    B, T, C, L, H, V = 4, 24, 32, 2, 4, 40
+    course = E.gpt_activations(B, T, C, L, H, V, precision="fp32")
+    N = B * T
+    # left out by the paper: LayerNorm statistics (2 per LayerNorm per token) and the mask
+    assert course == (E.transformer_activations(B, T, C, L, H, V, dropout=False, precision="fp32")
+                      + L * (T * T + 4 * 4 * N) + 2 * 4 * N + 8 * T + 4)
+    assert E.transformer_layer_activations(B, T, C, H, precision="fp32") == (
+        N * C * (64 + 2) + H * T * T * B * (8 + 1))           # masks stay one byte
+    with pytest.raises(ValueError, match="precision"):
+        E.transformer_activations(B, T, C, L, H, V, precision="int8")
+
+
+def test_training_memory_needs_a_shape_or_reads_it_off_the_model():
+    from companion.models import GPT
+    with pytest.raises(ValueError, match="shape is required"):
+        E.training_memory(932608, batch=8, seq_len=64)
+    with pytest.raises(ValueError, match="missing heads"):
+        E.training_memory(932608, batch=8, seq_len=64, shape={"width": 8, "depth": 1, "vocab": 9})
+    with pytest.raises(TypeError, match="simulate the step"):
+        E.training_memory(932608, batch=8, seq_len=64, shape=torch.nn.Linear(2, 2))
+    model = GPT(64, 32, 48, 2, 4)
+    shape = {"width": 48, "depth": 2, "heads": 4, "vocab": 64}
+    n = sum(p.numel() for p in model.parameters())
+    assert E.training_memory(n, batch=2, seq_len=32, shape=model) == E.training_memory(
+        n, batch=2, seq_len=32, shape=shape)
+    with_dropout = E.training_memory(n, batch=2, seq_len=32, shape=shape, dropout=True,
+                                     precision="mixed")
+    assert with_dropout["activations"] == E.transformer_activations(2, 32, 48, 2, 4, 64)
+
+
+@pytest.mark.parametrize("V,T,C,L,H,B", [(512, 64, 128, 4, 4, 8), (50257, 1024, 768, 12, 12, 4),
+                                         (50257, 1024, 1280, 24, 20, 2)])
+def test_training_peak_is_what_is_alive_at_the_simulated_peak(V, T, C, L, H, B):
+    """Against the step itself (fake tensors: GPT-2 small and large need no memory here), where
+    adding every kind up misses by 5-11% either way."""
+    from functools import partial
+    from companion.models import GPT
+    from companion.plan import Candidate, simulate
+    shape = {"width": C, "depth": L, "heads": H, "vocab": V}
+    n = E.gpt_params(V, T, C, L)
+    measured = simulate(partial(GPT, V, T, C, L, H), Candidate(B))
+    got = E.training_peak(n, batch=B, seq_len=T, optimizer="adamw", shape=shape)
+    assert got["phase"] == measured.peak_phase == "backward"
+    assert abs(got["peak"] - measured.peak) <= 1e-4 * measured.peak
+    summed = sum(E.training_memory(n, batch=B, seq_len=T, optimizer="adamw", shape=shape).values())
+    assert abs(summed - measured.peak) >= 0.04 * measured.peak
+    accumulating = E.training_peak(n, batch=B, seq_len=T, optimizer="adamw", shape=shape,
+                                   accumulation=2)
+    assert accumulating["gradients"] == 4 * n and accumulating["peak"] > got["peak"]
