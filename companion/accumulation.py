@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from companion.memory import MemoryTracker, budget_active, track
+from companion.memory import MemoryTracker, budget_active, budget_bytes, track
 
 __all__ = [
     "accumulation_step",
@@ -153,13 +153,23 @@ def _free(device: torch.device | None) -> None:
         torch.cuda.empty_cache()                               # return cached blocks to the driver
 
 
+def _live(device: torch.device | None) -> int:
+    """Bytes allocated now where a failed step could leave some: on CUDA the allocator's count,
+    on the CPU the innermost active `memory_budget`'s (0 when none is active)."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return budget_bytes()
+
+
 def _fits(step: Callable[[int], object], batch: int, device: torch.device | None) -> bool:
+    before = _live(device)
     try:
         step(batch)
         return True
     except torch.OutOfMemoryError:
         pass                                                   # the error and its frames die here
-    _free(device)                    # what the failed step allocated may sit in reference cycles
+    if _live(device) > before or (device is not None and device.type == "cuda"):
+        _free(device)              # what the failed step allocated may sit in reference cycles
     return False
 
 

@@ -40,13 +40,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from companion.memory_plot import plot_timeline
 from companion.placement import DEVICE as _DEVICE, HOST as _HOST, on_disk, on_host, storage_place
 
 __all__ = ["KINDS", "PHASES", "MemoryTracker", "track", "measure", "memory_budget", "parse_bytes",
-           "format_bytes", "plot_timeline", "on_host", "on_disk", "budget_active"]
+           "format_bytes", "plot_timeline", "on_host", "on_disk", "budget_active", "budget_bytes"]
 
 KINDS = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
 PHASES = ("forward", "backward", "optimizer")
@@ -547,11 +547,20 @@ def memory_budget(limit: int | str, device: torch.device | str | None = None) ->
         torch.cuda.set_per_process_memory_fraction(before, device)
 
 
+def _budgets() -> list[_Ledger]:
+    return [m for m in _get_current_dispatch_mode_stack()
+            if isinstance(m, _Ledger) and m.limit is not None]
+
+
 def budget_active() -> bool:
     """True inside `memory_budget` on the CPU (its ledger is among the active dispatch modes)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-    return any(isinstance(m, _Ledger) and m.limit is not None
-               for m in _get_current_dispatch_mode_stack())
+    return bool(_budgets())
+
+
+def budget_bytes() -> int:
+    """Bytes the innermost active CPU `memory_budget` counts now (0 outside one)."""
+    budgets = _budgets()
+    return budgets[-1].bytes if budgets else 0
 
 
 def _device(device: torch.device | str | None) -> torch.device:
