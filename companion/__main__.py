@@ -125,6 +125,22 @@ def _record(args) -> int:
     return 1 if failed else 0
 
 
+def _explain(args) -> int:
+    import json
+
+    import pickle
+
+    from companion.explain import explain_file, format_explanation
+
+    try:
+        found = explain_file(args.snapshot, device=args.device)
+    except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
+        print(f"companion explain: {args.snapshot}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(found, indent=1) if args.json else format_explanation(found))
+    return 0
+
+
 def _train(args) -> int:
     from companion.train import main as train_main
 
@@ -190,6 +206,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from companion.plan.cli import add_parser as add_plan
     add_plan(sub)
+
+    p = sub.add_parser("explain", help="what a CUDA memory snapshot held at its peak, by kind, "
+                                       "and the cheapest levers")
+    p.add_argument("snapshot", type=pathlib.Path,
+                   help="a pickle from torch.cuda.memory._dump_snapshot (unpickling runs code: "
+                        "only files you trust)")
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_explain)
 
     p = sub.add_parser("train", add_help=False,
                        help="train the course GPT with chosen techniques (under torchrun: "
