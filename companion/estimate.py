@@ -149,7 +149,8 @@ def gpt_params(vocab: int, seq_len: int, width: int, depth: int) -> int:
 
 def mlp_activations(batch: int, width: int, depth: int, d_out: int, *,
                     precision: str = "fp32", d_in: int | None = None) -> int:
-    """Bytes `MLP.loss` saves for backward, beyond its input batch and labels.
+    """Bytes `MLP.loss` saves for backward, beyond its input batch and labels (the course's
+    `companion.models.MLP` only).
 
     Each hidden layer keeps its ReLU output (B·width values; the next Linear saves the same
     tensor), the loss keeps the log-softmax of the logits (B·d_out) and a one-value total weight.
@@ -170,7 +171,8 @@ def mlp_activations(batch: int, width: int, depth: int, d_out: int, *,
 def gpt_activations(batch: int, seq_len: int, width: int, depth: int, heads: int, vocab: int, *,
                     precision: str = "fp32", device_type: str = "cpu",
                     attention: str = "written") -> int:
-    """Bytes `GPT.loss` saves for backward, beyond its input tokens and targets.
+    """Bytes `GPT.loss` saves for backward, beyond its input tokens and targets. For the course's
+    `companion.models.GPT` only (other models: `companion.plan.anymodel.simulate_model`).
 
     Per block, with N = batch·seq_len tokens and C = width (values of e bytes):
       16·N·C: block input and ln1 output (2), q, k, v copies for the batched matmuls (3), the
