@@ -506,10 +506,11 @@ def track(device: torch.device | str | None = None, *, external: Any = None,
 _CUDA_TRACKERS: list[MemoryTracker] = []
 
 
-def measure(fn: Callable, *args, **kwargs) -> MemoryTracker:
-    """Run `fn(*args, **kwargs)` once under `track()` and return the tracker (its report);
-    the function's return value is kept as `tracker.result`."""
-    with track() as tracker:
+def measure(fn: Callable, *args, device: torch.device | str | None = None, external: Any = None,
+            **kwargs) -> MemoryTracker:
+    """Run `fn(*args, **kwargs)` once under `track(device, external=external)` and return the
+    tracker (its report); the function's return value is kept as `tracker.result`."""
+    with track(device, external=external) as tracker:
         tracker.result = fn(*args, **kwargs)
     return tracker
 

@@ -64,6 +64,16 @@ def test_track_external_counts_a_model_built_before_it_as_memtracker_does(name):
     assert t.peak == tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
+def test_measure_takes_a_device_and_external_states():
+    from companion.memory import measure
+    model = M.cnn()
+    report = measure(lambda: model(torch.randn(2, 3, 32, 32)).sum().backward(), device="cpu",
+                     external=model)
+    assert report.device.type == "cpu"
+    assert report.breakdown("current")["parameters"] == sum(p.numel() * 4
+                                                             for p in model.parameters())
+
+
 def test_track_external_rejects_what_is_not_a_model_or_optimizer():
     with pytest.raises(TypeError, match="external= takes a model"):
         with track("cpu", external=[torch.zeros(3)]):
