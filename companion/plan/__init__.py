@@ -11,8 +11,9 @@ allocated: a 7B model's step is checked on a laptop), and `Plan.run` trains it f
 Modules: `space` (the levers, the model's shape, the candidates), `predict` (peak by phase, step
 time by part), `costmodel` (a device's speeds), `training` (the course's parts put together; a
 step run for real or simulated), `planner` (`plan`, `Plan`), `run` (a plan trained for real,
-`run_plan`), `ranks` (several processes; a torchrun line). Imports run one way:
-planner -> ranks -> run -> training -> space.
+`run_plan`), `ranks` (several processes; a torchrun line), `anymodel` (`plan_model`: any
+`nn.Module`, each candidate scored by a simulated step), `cli` (`python -m companion plan`).
+Imports run one way: cli -> planner -> anymodel, ranks -> run -> training -> space.
 
 Example:
     >>> from functools import partial
@@ -24,6 +25,7 @@ Memory saved and its cost, per lever: see `predict`'s docstring (what each phase
 `CostModel` (what each costs in time).
 Simplified vs real planners: see `planner`.
 """
+from companion.plan.anymodel import GENERIC, ModelPlan, plan_model, simulate_model
 from companion.plan.planner import NothingFits, Plan, Row, plan
 from companion.plan.run import RunReport, run_plan, token_batches
 from companion.plan.predict import (ADAM8BIT_BYTES, BUCKET_BYTES, DEQUANTIZE_BYTES, CostModel,
@@ -34,7 +36,7 @@ from companion.plan.space import (EXACT, FEWER_BITS, LORA_TARGETS, LOW_PRECISION
 from companion.plan.training import (CheckpointedBlocks, Setup, build, micro_step,
                                      optimizer_step, simulate, train_step)
 
-__all__ = ["plan", "run_plan", "token_batches", "Plan", "Row", "RunReport", "NothingFits",
+__all__ = ["plan", "plan_model", "simulate_model", "ModelPlan", "GENERIC", "run_plan", "token_batches", "Plan", "Row", "RunReport", "NothingFits",
            "Candidate", "GPTShape", "candidates", "capstone_model", "TECHNIQUES",
            "EXACT", "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS",
            "Prediction", "predict_memory", "CostModel", "predict_seconds",
