@@ -19,7 +19,9 @@ alive then under a kind, from the stack that allocated it and the phase it was m
 
 Simplified vs memory_viz (https://pytorch.org/memory_viz): a kind is read from the stack by the
 rules above, which a custom training loop can defeat (record with `stacks="python"`, the
-default, so Python frames are there); memory_viz draws every block, this names the largest kinds.
+default, so Python frames are there); a block made before the recording and freed during it is
+not seen at all (the trace has only its free); memory_viz draws every block, this names the
+largest kinds.
 """
 from __future__ import annotations
 

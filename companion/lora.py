@@ -214,9 +214,13 @@ def linear_targets(model: nn.Module, targets: Iterable[str | type] | None = None
         if isinstance(target, str) and not any(_wanted(n, m, [target]) for n, m in chosen) \
                 and not any(_wanted(n, None, [target]) for n in also):
             linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                              if isinstance(m, nn.Linear)})
+                              if isinstance(m, nn.Linear) and n not in inside})
+            attention = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                                if isinstance(m, nn.MultiheadAttention)})
             raise ValueError(f"no nn.Linear named {target!r} in the model; its Linear layers are "
-                             f"called {', '.join(linears) or 'nothing'}")
+                             f"called {', '.join(linears) or 'nothing'}"
+                             + (f", its nn.MultiheadAttention {', '.join(attention)}"
+                                if attention else ""))
     if not chosen and not allow_empty:
         raise ValueError("no nn.Linear layer to adapt: pass targets that name Linear layers")
     return chosen

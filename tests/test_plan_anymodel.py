@@ -1,6 +1,6 @@
 """The planner on models the course does not ship (examples/models.py): every candidate scored by
-a fake-tensor step, the choice fits, the simulated step is the real one (to the byte without
-checkpointing, within 5% with it), errors name their cause, and `python -m companion plan` runs."""
+a fake-tensor step, the choice fits, the simulated step is the real one (to the byte), errors
+name their cause, and `python -m companion plan` runs."""
 import json
 import subprocess
 import sys
@@ -34,11 +34,15 @@ def test_the_simulated_step_is_the_real_one(make, step, optimizer, cand):
 
 
 @pytest.mark.parametrize("make", [M.mha_lm, M.llama])
-def test_checkpointed_simulation_is_within_five_percent_and_saves_memory(make):
+def test_checkpointed_simulation_is_the_real_step_whatever_ran_before(make):
+    """torch.utils.checkpoint's holders are freed by the garbage collector, whose timing depends
+    on the process's history; with the collector paused the step is the same each time."""
     cand, plain = Candidate(4, 2, segments=4), Candidate(4, 2)
-    fake = simulate_model(make, cand, LM_STEP)[0].peak
+    first = simulate_model(make, cand, LM_STEP)[0].peak
+    simulate_model(make, plain, LM_STEP, fake=False)            # some history in between
     real = simulate_model(make, cand, LM_STEP, fake=False)[0].peak
-    assert abs(fake - real) <= 0.05 * real
+    simulate_model(make, plain, LM_STEP)
+    assert first == real == simulate_model(make, cand, LM_STEP)[0].peak
     assert real < simulate_model(make, plain, LM_STEP, fake=False)[0].peak
 
 
@@ -51,7 +55,7 @@ def test_plan_model_chooses_a_step_that_fits_when_run(make, step, optimizer, bud
     p = plan_model(make, 8, budget=budget, step=step, seq_len=64, optimizer=optimizer)
     assert p.chosen_row.simulated and p.chosen_row.peak <= parse_bytes(budget)
     assert p.plain.peak > parse_bytes(budget)                 # it had something to do
-    real = simulate_model(make, p.chosen, p.step, optimizer=optimizer, fake=False)[0]
+    real = p.check()
     assert real.peak <= parse_bytes(budget) * 1.05
     faster = [r for r in p.rows if r.peak <= p.usable and r.simulated
               and r.seconds["total"] < p.chosen_row.seconds["total"]]

@@ -158,7 +158,7 @@ def test_lora_warns_naming_the_layers_it_froze_without_an_adapter():
 def test_lora_targets_name_attention_too():
     model = lora.apply_lora(M.mha_lm(), 2, targets=["self_attn"])
     assert lora.trainable_params(model) == 4 * 2 * (2 * 128 + (128 + 3 * 128))
-    with pytest.raises(ValueError, match="no nn.Linear named 'attn'"):
+    with pytest.raises(ValueError, match="no nn.Linear named 'attn'.*MultiheadAttention self_attn"):
         lora.apply_lora(M.mha_lm(), 2, targets=["attn"])
 
 
@@ -173,3 +173,21 @@ def test_find_max_batch_size_warns_on_a_cpu_outside_a_budget():
             largest = find_max_batch_size(lambda b: M.cnn_step(model, b).backward(),
                                           device="cpu", limit=4096)
     assert 1 <= largest < 4096
+
+
+def test_find_max_batch_size_frees_what_a_failed_try_left_in_a_reference_cycle():
+    """A failed try whose tensors sit in a cycle (as frames held by a traceback do) would make
+    every later try fail if they stayed counted: the search collects them when the budget still
+    counts the try's bytes."""
+    import gc
+    gc.disable()                                  # only find_max_batch_size may collect here
+    try:
+        with memory_budget("1 MiB"):
+            def step(b):
+                held = [torch.empty(b * 256)]     # b KiB in a cycle, as a traceback's frames
+                held.append(held)
+                torch.empty(b * 512)              # 2b KiB more: 3b KiB fit up to b = 341
+                held.clear()                      # a try that ran leaves no cycle
+            assert find_max_batch_size(step, device="cpu", limit=4096) == 341
+    finally:
+        gc.enable()

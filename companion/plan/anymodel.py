@@ -9,9 +9,15 @@ combination of levers is simulated at the smallest and the largest micro-batch a
 between are interpolated; the fastest candidate that fits is then simulated itself before it is
 chosen.
 
-Levers for any model (`GENERIC`): micro-batches with accumulation, checkpointing every block of
-the model's largest `nn.ModuleList` (or √n segments of its largest `nn.Sequential`), bf16
-autocast, LoRA (`companion.lora.apply_lora`) and 8-bit Adam states (`companion.lowbit.Adam8bit`).
+Levers for any model (`GENERIC`): micro-batches with accumulation, checkpointing every block but
+the last of the model's largest `nn.ModuleList` (or √n segments of its largest `nn.Sequential`),
+bf16 autocast, LoRA (`companion.lora.apply_lora`) and 8-bit Adam states
+(`companion.lowbit.Adam8bit`, with AdamW's update: it replaces the optimizer you pass).
+
+Time per step: the counted FLOPs at the cost model's rate (bf16's with autocast), a fixed cost
+per block and micro-batch, and the optimizer streaming 32 bytes per trainable parameter (fused
+AdamW's count; `predict.ADAM8BIT_BYTES` for 8-bit states) whatever the optimizer is. Only the
+ranking uses these seconds.
 
 Example:
     >>> from examples.models import cnn, cnn_step
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import math
 import warnings
@@ -94,14 +101,16 @@ def _blocks(model: nn.Module) -> nn.Module | None:
 
 
 def _checkpoint(container: nn.Module) -> None:
-    """Recompute in backward: each block of a ModuleList keeps only its input (non-reentrant
-    `torch.utils.checkpoint`); a Sequential runs as round(√n) segments (`checkpoint_sequential`)."""
+    """Recompute in backward: each block of a ModuleList but the last keeps only its input
+    (non-reentrant `torch.utils.checkpoint`; the last block's tensors are used at once by
+    backward, as `checkpoint_sequential` runs its last segment); a Sequential runs as round(√n)
+    segments (`checkpoint_sequential`)."""
     if isinstance(container, nn.Sequential):
         children, segments = list(container), max(2, round(math.sqrt(len(container))))
         container.forward = lambda x: checkpoint_sequential(children, segments, x,
                                                             use_reentrant=False)
         return
-    for block in container:
+    for block in list(container)[:-1]:
         inner = block.forward
         block.forward = (lambda inner: lambda *a, **k: torch.utils.checkpoint.checkpoint(
             inner, *a, use_reentrant=False, **k))(inner)
@@ -131,6 +140,18 @@ def _build(model_fn, cand: Candidate, optimizer) -> _Setup:
     return _Setup(model, opt, len(container) if container is not None else 1)
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """No garbage collection inside the block (garbage from before it is not in its ledger)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def simulate_model(model_fn: Callable[[], nn.Module], cand: Candidate,
                    step: Callable[[nn.Module, int], torch.Tensor], *,
                    optimizer: Callable = torch.optim.AdamW, fake: bool = True
@@ -138,9 +159,16 @@ def simulate_model(model_fn: Callable[[], nn.Module], cand: Candidate,
     """(tracker, FLOPs of one micro-batch's forward and backward, blocks) of a step of the plan,
     simulated as every step after the first: optimizer state made, gradients of the earlier
     micro-batches there (zeros, when accumulating), the last micro-batch, the optimizer step.
-    `fake=False` runs the same step for real on the CPU (what the simulation is tested against)."""
+    `fake=False` runs the same step for real on the CPU (what the simulation is tested against).
+
+    Python's garbage collector is paused during the step. Some bytes sit in reference cycles
+    that only the collector frees (`torch.utils.checkpoint`'s non-reentrant holders), and when it
+    runs depends on everything the process did before: the same checkpointed step of
+    `examples.models.mha_lm` peaked at 20.34, 20.60 or 21.13 MiB by its history, real or fake
+    alike. Paused, the step is the same every time, at the upper end (21.13 MiB)."""
     k = cand.accumulation
-    with (FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()), \
+    with _collector_paused(), \
+            (FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()), \
             (_fake_addresses() if fake else contextlib.nullcontext()):
         with track("cpu") as tracker:
             setup = _build(model_fn, cand, optimizer)
@@ -192,8 +220,10 @@ class ModelPlan:
     """`plan_model`'s answer: `chosen` (a `Candidate`), the `rows` it weighed, `plain` (the
     batch in one step, no lever), and what the model holds (`n_params`)."""
 
-    def __init__(self, rows, chosen, plain, *, batch, budget, usable, device, n_params, step):
-        self.rows, self.chosen_row, self.plain, self.step = rows, chosen, plain, step
+    def __init__(self, rows, chosen, plain, *, batch, budget, usable, device, n_params, model_fn,
+                 step, optimizer):
+        self.rows, self.chosen_row, self.plain = rows, chosen, plain
+        self.model_fn, self.step, self.optimizer = model_fn, step, optimizer
         self.chosen: Candidate = chosen.candidate
         self.batch, self.budget, self.usable = batch, budget, usable
         self.device, self.n_params = device, n_params
@@ -208,6 +238,12 @@ class ModelPlan:
                          f"{r.seconds['total'] * 1e3:>8.1f}ms  "
                          f"{'simulated' if r.simulated else 'interpolated'} {mark}".rstrip())
         return "\n".join(lines)
+
+    def check(self) -> MemoryTracker:
+        """The chosen step run for real on this CPU (real tensors, measured by `track`): its
+        `peak` against `chosen_row.peak`, the simulated one."""
+        return simulate_model(self.model_fn, self.chosen, self.step, optimizer=self.optimizer,
+                              fake=False)[0]
 
     def to_dict(self) -> dict:
         def row(r: ModelRow) -> dict:
@@ -309,7 +345,8 @@ def plan_model(model_fn: Callable[[], nn.Module], batch: int, *, budget: int | s
             row.simulated = True
         if row.peak <= usable:
             return ModelPlan(rows, row, plain, batch=batch, budget=budget_bytes, usable=usable,
-                             device=device, n_params=n_params, step=step)
+                             device=device, n_params=n_params, model_fn=model_fn, step=step,
+                             optimizer=optimizer)
     best = min(rows, key=lambda r: r.peak)
     raise ValueError(f"no plan fits {format_bytes(usable)} usable: the smallest, "
                      f"{best.candidate.describe()}, peaks at {format_bytes(best.peak)}; allow "

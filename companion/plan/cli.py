@@ -90,9 +90,7 @@ def _run(args) -> int:
     print()
     print(result)
     if args.check:
-        from companion.plan.anymodel import simulate_model
-        real = simulate_model(model_fn, result.chosen, result.step, optimizer=optimizer,
-                              fake=False)[0]
+        real = result.check()
         print(f"checked for real on this CPU: the chosen step peaked at {format_bytes(real.peak)} "
               f"({real.peak_phase}) against {format_bytes(result.chosen_row.peak)} simulated "
               f"({(real.peak - result.chosen_row.peak) / result.chosen_row.peak:+.1%})")
