@@ -47,7 +47,7 @@ def _size(text: str) -> int:
 
 def _grade(args) -> int:
     from companion.grader.sandbox import harden_self
-    from companion.grading import format_table, grade, write_reports
+    from companion.grading import SetupError, format_table, grade, write_reports
 
     harden_self()         # a subreaper for what notebooks leave; not ptrace-able by them
 
@@ -60,10 +60,15 @@ def _grade(args) -> int:
         got, top = sum(r.points for r in rows), sum(r.max_points for r in rows)
         print(f"graded {path}: {got}/{top} ({seconds:.0f} s)", flush=True)
 
-    rows = grade(args.paths, cell_timeout=args.cell_timeout, exercise_timeout=args.exercise_timeout,
-                 notebook_timeout=args.notebook_timeout, memory=args.memory, output=args.output_cap,
-                 jobs=args.jobs, source=args.source, run_as=args.run_as, out=args.out,
-                 progress=progress)
+    try:
+        rows = grade(args.paths, cell_timeout=args.cell_timeout,
+                     exercise_timeout=args.exercise_timeout,
+                     notebook_timeout=args.notebook_timeout, memory=args.memory,
+                     output=args.output_cap, jobs=args.jobs, source=args.source,
+                     run_as=args.run_as, out=args.out, progress=progress, resume=args.resume)
+    except SetupError as e:
+        print(f"cannot grade: {e}", file=sys.stderr)
+        return 2
     json_path, csv_path = write_reports(rows, args.out)
     print(format_table(rows))
     print(f"wrote {json_path} and {csv_path}; their SHA-256 (also in {args.out / 'grades.sha256'}, "
@@ -181,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="printed output kept per notebook (default 1MiB)")
     p.add_argument("--run-as", default="auto",
                    help="user the notebooks run as: auto (nobody when root), self, or a name")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows of notebooks a stopped run in --out finished (files "
+                        "unchanged) and grade the rest")
     p.set_defaults(run=_grade)
 
     p = sub.add_parser("execute", help="run source notebooks and save them with outputs")

@@ -34,9 +34,9 @@ from companion.grader.batch import Batch, child_env, sandbox_user
 from companion.grader.expected import read_chapter
 from companion.grader.integrity import Snapshot
 from companion.grader.reports import Row, escape_csv, format_table, write_reports
-from companion.grader.sandbox import Limits, end_descendants
+from companion.grader.sandbox import Limits, end_descendants, unreachable
 
-__all__ = ["Row", "grade", "grade_notebook", "write_reports", "format_table", "escape_csv"]
+__all__ = ["Row", "SetupError", "grade", "grade_notebook", "write_reports", "format_table", "escape_csv"]
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -54,33 +54,42 @@ def _notebooks(paths) -> list[pathlib.Path]:
 def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
           notebook_timeout: float = 1800.0, memory: int | None = None, output: int = 2**20,
           jobs: int = 1, source: str | pathlib.Path | None = None, run_as: str = "auto",
-          out: str | pathlib.Path | None = None, progress=None) -> list[Row]:
+          out: str | pathlib.Path | None = None, progress=None, resume: bool = False) -> list[Row]:
     """Grade notebooks (files, or folders of them) against the source notebooks in `source`.
 
     Returns one Row per expected exercise of each notebook (or one row saying why a file could
     not be graded). With `out`, the reports are rewritten there after every notebook. `run_as`:
     "auto" (nobody when root, else yourself), "self", or a user name (needs root). `memory`:
     bytes of address space per notebook, 0 for no cap; None: 8 GiB, or no cap where CUDA is
-    available (CUDA reserves far more address space than it uses)."""
+    available (CUDA reserves far more address space than it uses). `resume`: keep the rows of
+    notebooks an earlier run in `out` finished (when their files are unchanged) and grade the
+    rest; a notebook that was running when that run was killed is "not graded" with the reason.
+    Raises SetupError (before grading anything) when the sandbox's user cannot run this Python."""
     sources = sorted(pathlib.Path(source or REPO / "course").glob("[0-9][0-9]_*.ipynb"))
     import companion
     package = pathlib.Path(companion.__file__).resolve().parent
     user = sandbox_user(run_as)
+    if user is not None:
+        _check_reachable(user)
     snapshot = Snapshot(package, sources)
     private = snapshot.private_copy()
+    import torch
+    cuda = torch.cuda.is_available()
     if memory is None:
-        import torch
-        memory = 0 if torch.cuda.is_available() else 8 * 2**30
+        memory = 0 if cuda else 8 * 2**30
     limits = Limits(cell=cell_timeout, exercise=exercise_timeout, notebook=notebook_timeout,
-                    memory=memory, output=output)
+                    memory=memory, output=output, grader_memory=0 if cuda else 6 * 2**30)
+    from companion.results import RESULTS_DIR
     spec = {"chapters": [str(private / "sources" / p.name) for p in sources],
             "limits": dataclasses.asdict(limits), "user": user, "child_env": child_env(),
-            "spread": run_as == "auto"}
+            "spread": run_as == "auto", "private": str(private), "digests": snapshot.digests(),
+            "results": str(RESULTS_DIR)}
     chapters = [read_chapter(private / "sources" / p.name) for p in sources]
     subreaper = _subreaper(True)
     watch = not user or snapshot.open_to_all()      # can the notebooks write the grader's files?
     batch = Batch(_notebooks(paths), chapters=chapters, private=private, spec=spec, jobs=jobs,
-                  snapshot=snapshot if watch else None, out=out, progress=progress)
+                  snapshot=snapshot, watch=bool(watch), out=out, progress=progress,
+                  resume=resume)
     try:
         return batch.run()
     finally:
@@ -90,6 +99,30 @@ def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
         end_descendants(keep=batch.before)
         _subreaper(subreaper)
         Snapshot.remove(private)
+
+
+class SetupError(RuntimeError):
+    """The grader cannot grade anything as set up; the message says what to do."""
+
+
+def _check_reachable(user: tuple[int, int]) -> None:
+    why = unreachable(user, child_env())
+    if not why:
+        return
+    import pwd
+    import sys
+    try:
+        name = pwd.getpwuid(user[0]).pw_name
+    except KeyError:
+        name = f"uid {user[0]}"
+    raise SetupError(
+        f"the grader runs notebooks as {name} (uid {user[0]}), because it runs as root, and "
+        f"{name} cannot start this Python ({sys.executable}): {why}. Make the virtual "
+        "environment from an interpreter every user can run, in a folder every user can enter, "
+        "with the course installed from such a folder (e.g. /usr/bin/python3 -m venv "
+        "/opt/oom-venv; /opt/oom-venv/bin/pip install -e /srv/out-of-memory), or grade with "
+        "--run-as self (the notebooks then run with your permissions; see docs/GRADING.md, "
+        "\"Running it as root\").")
 
 
 def _subreaper(on: bool) -> bool:

@@ -79,6 +79,10 @@ class SandboxAnswer(Remote):
                                   timeout=left + self.session.limits.grace)
         except ChildLost as lost:
             self.session.lose(lost)
+            if lost.refused:
+                raise CheckFailed(f"the grader refused what your function returned: {lost.reason}",
+                                  hint="return the values the docstring asks for, not more.") \
+                    from None
             if lost.timed_out:
                 raise _TimeUp(where=["  (the grader ended the notebook's process: the code did "
                                      "not stop at its time limit)"]) from None

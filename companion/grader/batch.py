@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -21,12 +22,14 @@ import sys
 import tempfile
 import time
 
-from companion.grader.expected import Chapter
+import nbformat
+
+from companion.grader.expected import Chapter, match_chapter
 from companion.grader.integrity import Snapshot
-from companion.grader.reports import Row, write_reports
+from companion.grader.reports import Row, _atomic_write, write_reports
 from companion.grader.sandbox import children_of, end_descendants
 
-__all__ = ["Batch", "sandbox_user", "slot_user", "child_env"]
+__all__ = ["Batch", "BOOT", "sandbox_user", "slot_user", "clean_user", "child_env"]
 
 
 @dataclasses.dataclass
@@ -53,6 +56,7 @@ def sandbox_user(run_as: str) -> tuple[int, int] | None:
 
 
 _SLOT_UIDS = 2_000_000_000      # unused uids: one per --jobs slot beyond the first (nobody)
+_CLEAN_UIDS = 2_000_500_000     # and one per slot for its clean rooms (see grader.cleanroom)
 
 
 def slot_user(user: tuple[int, int] | None, slot: int, *, spread: bool):
@@ -61,6 +65,52 @@ def slot_user(user: tuple[int, int] | None, slot: int, *, spread: bool):
     if user is None or not spread or slot == 0:
         return user
     return _SLOT_UIDS + slot, _SLOT_UIDS + slot
+
+
+def clean_user(user: tuple[int, int] | None, slot: int):
+    """The user a slot's clean rooms run as: not the one its first sandbox runs as, so that
+    nothing that sandbox left can write the clean room's files or signal it."""
+    return None if user is None else (_CLEAN_UIDS + slot, _CLEAN_UIDS + slot)
+
+
+# A grading process imports the package from the grader's private copy, each module checked
+# against the digest taken before any notebook ran, compiled from the bytes it checked (never
+# from bytecode): a notebook that ran with the grader's permissions and edited that copy stops
+# its own grading process ("changed in the grader's copy"), never changes the next notebook's
+# checks. This text is held by the batch process, which read it before any notebook ran.
+BOOT = r"""
+import hashlib, importlib.abc, importlib.util, json, os, sys
+spec = json.loads(sys.stdin.read())
+root, digests = spec["private"], spec["digests"]
+
+class Verified(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name != "companion" and not name.startswith("companion."):
+            return None
+        rel = name.replace(".", "/")
+        for file, package in ((rel + "/__init__.py", True), (rel + ".py", False)):
+            if file in digests:
+                return importlib.util.spec_from_file_location(
+                    name, os.path.join(root, file), loader=self,
+                    submodule_search_locations=[os.path.join(root, rel)] if package else None)
+        raise ModuleNotFoundError(f"no module named {name!r} in the grader's copy", name=name)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        path = module.__spec__.origin
+        with open(path, "rb") as f:
+            data = f.read()
+        if hashlib.sha256(data).hexdigest() != digests[os.path.relpath(path, root)]:
+            raise ImportError(f"{os.path.relpath(path, root)} was changed in the grader's copy "
+                              "since grading began")
+        exec(compile(data, path, "exec"), module.__dict__)
+
+sys.meta_path.insert(0, Verified())
+import companion.grader.job
+sys.exit(companion.grader.job.main(spec))
+"""
 
 
 def child_env() -> dict[str, str]:
@@ -72,9 +122,14 @@ class Batch:
     """Runs up to `jobs` grading processes at a time and turns their events into rows."""
 
     def __init__(self, paths, *, chapters: list[Chapter], private: pathlib.Path, spec: dict,
-                 jobs: int, snapshot: Snapshot | None, out, progress):
+                 jobs: int, snapshot: Snapshot | None, out, progress, resume: bool = False,
+                 watch: bool = True):
         self.paths, self.chapters, self.private, self.spec = paths, chapters, private, spec
-        self.jobs, self.snapshot, self.out, self.progress = max(1, jobs), snapshot, out, progress
+        self.out = pathlib.Path(out) if out is not None else None
+        self.state: dict[str, dict] = {}          # notebook -> {"sha256", "state"}: --resume
+        self.earlier = self._earlier() if resume and self.out is not None else ({}, {})
+        self.jobs, self.snapshot, self.progress = max(1, jobs), snapshot, progress
+        self.watch = watch            # can the notebooks write the installed package?
         self.rows: dict[int, list[Row]] = {}
         self.selector = selectors.DefaultSelector()
         self.running: dict[int, _Job] = {}
@@ -83,7 +138,7 @@ class Batch:
         self.before = frozenset(children_of(os.getpid()))    # not ours to end
 
     def run(self) -> list[Row]:
-        pending = list(enumerate(self.paths))
+        pending = [(i, p) for i, p in enumerate(self.paths) if not self._resumed(i, p)]
         while pending or self.running:
             while pending and len(self.running) < self.jobs and not self.halted:
                 self._start(*pending.pop(0))
@@ -94,21 +149,73 @@ class Batch:
             self._poll()
         return [row for index in sorted(self.rows) for row in self.rows[index]]
 
+    # ------------------------------------------------------------ --resume
+
+    def _earlier(self) -> tuple[dict, dict]:
+        """The rows and the state an earlier run left in `out` (empty where it left none)."""
+        try:
+            state = json.loads((self.out / STATE).read_text()).get("notebooks", {})
+            rows = json.loads((self.out / "grades.json").read_text())
+        except (OSError, ValueError, AttributeError):
+            return {}, {}
+        by_notebook: dict[str, list[Row]] = {}
+        for r in rows if isinstance(rows, list) else []:
+            try:
+                by_notebook.setdefault(r["notebook"], []).append(Row(**r))
+            except (TypeError, KeyError):
+                continue
+        return by_notebook, state if isinstance(state, dict) else {}
+
+    def _resumed(self, index: int, path: pathlib.Path) -> bool:
+        """Fill the rows of a notebook the earlier run finished, or was killed while grading;
+        False when it is to be graded now."""
+        rows, state = self.earlier
+        then, label = state.get(str(path)), str(path)
+        now = _digest(path)
+        if not isinstance(then, dict) or now is None or then.get("sha256") != now:
+            return False
+        if then.get("state") == "done" and label in rows:
+            self.rows[index] = rows[label]
+        elif then.get("state") == "running":
+            together = then.get("together", 1)
+            why = "not graded: the grader was killed while it ran" + (
+                f" (or while one of the {together - 1} notebooks graded at the same time ran: "
+                "grade it alone to tell)" if isinstance(together, int) and together > 1 else "")
+            self.rows[index] = self._fallback(path, [], why, _chapter_of(path, self.chapters))
+        else:
+            return False
+        self.state[label] = {"sha256": now, "state": "done"}
+        if self.progress:
+            self.progress(path, self.rows[index], 0.0)
+        return True
+
+    def _save_state(self) -> None:
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            _atomic_write(self.out / STATE, json.dumps({"notebooks": self.state}, indent=1).encode())
+
     def _start(self, index: int, path: pathlib.Path) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(self.private)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                    if p]))
         slot = min(set(range(self.jobs)) - {j.slot for j in self.running.values()})
         user = slot_user(self.spec["user"], slot, spread=self.spec.get("spread", False))
-        spec = dict(self.spec, notebook=str(path.resolve()), label=str(path), user=user)
+        spec = dict(self.spec, notebook=str(path.resolve()), label=str(path), user=user,
+                    clean_user=clean_user(self.spec["user"], slot))
         stderr = tempfile.TemporaryFile()
-        proc = subprocess.Popen([sys.executable, "-s", "-m", "companion.grader.job"],
+        proc = subprocess.Popen([sys.executable, "-I", "-c", BOOT],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                 env=env, cwd=self.private, start_new_session=True)
         proc.stdin.write(json.dumps(spec).encode())
         proc.stdin.close()
         job = _Job(index, path, proc, time.monotonic(), stderr, slot, user)
         self.running[proc.pid] = job
+        self.state[str(path)] = {"sha256": _digest(path), "state": "running",
+                                 "together": len(self.running)}
+        for other in self.running.values():
+            if self.state.get(str(other.path), {}).get("state") == "running":
+                self.state[str(other.path)]["together"] = len(self.running)
+        self._save_state()
         self.suspects.add(index)
         self.selector.register(proc.stdout, selectors.EVENT_READ, job)
 
@@ -145,8 +252,10 @@ class Batch:
         rows = self._rows(job, events, reason)
         self._integrity(job, rows)
         self.rows[job.index] = rows
+        self.state[str(job.path)] = {"sha256": _digest(job.path), "state": "done"}
         if self.out is not None:
             write_reports([r for i in sorted(self.rows) for r in self.rows[i]], self.out)
+        self._save_state()
         if self.progress:
             self.progress(job.path, rows, time.monotonic() - job.started)
 
@@ -197,11 +306,15 @@ class Batch:
                 f"and change your files; see docs/GRADING.md{cap}")
 
     def _integrity(self, job: _Job, rows: list[Row]) -> None:
-        """Same-user grading: put the grader's files back if a notebook changed them."""
+        """Put the grader's files back if a notebook changed them: its private copy (which a
+        notebook run with the grader's permissions could reach) always, the installed package
+        when the notebooks could write it (`watch`)."""
         if self.snapshot is None:
             return
-        changed = self.snapshot.changes()
-        self.snapshot.clean_caches()
+        private = self.snapshot.private_changes(self.private)
+        changed = private + (self.snapshot.changes() if self.watch else [])
+        if self.watch:
+            self.snapshot.clean_caches()
         if not changed:
             self.suspects = {j.index for j in self.running.values()}
             return
@@ -212,11 +325,32 @@ class Batch:
         for r in rows:
             r.flags = "; ".join(filter(None, [r.flags, note]))
             r.status, r.points, r.passed = "tampered", 0, False
-        if self.snapshot.environment_changes():
+        if self.watch and self.snapshot.environment_changes():
             self.halted = f"an earlier notebook changed site-packages ({changed[-1]}); reinstall " \
                           "the environment and grade again, as root or in a container"
-        self.snapshot.restore()
+        if private:
+            self.snapshot.restore_private(self.private)
+        if self.watch:
+            self.snapshot.restore()
         self.suspects = {j.index for j in self.running.values()}
+
+
+STATE = "grades.state.json"     # which notebooks a run finished, and which it was grading
+
+
+def _digest(path: pathlib.Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _chapter_of(path: pathlib.Path, chapters: list[Chapter]) -> Chapter | None:
+    try:
+        nb = nbformat.reads(path.read_text(encoding="utf-8"), as_version=4)
+    except Exception:
+        nb = nbformat.v4.new_notebook()
+    return match_chapter(nb, str(path), chapters)
 
 
 def _death(code: int, stderr) -> str:

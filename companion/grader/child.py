@@ -36,6 +36,8 @@ def _apply_limits(limits: dict) -> None:
     for key, which in pairs.items():
         if limits.get(key):
             resource.setrlimit(which, (int(limits[key]), int(limits[key])))
+        elif key == "memory":                 # no cap: lift the grading process's soft one
+            resource.setrlimit(which, (resource.getrlimit(which)[1],) * 2)
 
 
 def _error_text(error: BaseException | None) -> str:
@@ -120,6 +122,23 @@ def _capture(modules: list[str]) -> None:
         for attr, value in vars(module).items():
             if callable(value) and getattr(value, "__module__", None) == name:
                 _TARGETS[name, attr] = _unwrapped(value)
+
+
+def _withhold(preload: list[str], outside: list[str]) -> None:
+    """In a clean room: import the modules whose withheld definitions were emptied (before any
+    learner code, so that the copy on disk no longer matters), and replace references outside
+    the package with functions that raise."""
+    from companion.grader.withhold import MARK
+    for name in preload:
+        importlib.import_module(name)
+    for dotted in outside:
+        module_name, attr = dotted.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+
+        def withheld(*args, _name=dotted, **kwargs):
+            raise RuntimeError(f"{MARK} {_name} is withheld while this exercise is graded on "
+                               "its own: the answer must not use it")
+        setattr(module, attr, withheld)
 
 
 def _unwrapped(obj):
@@ -259,6 +278,7 @@ def main(argv: list[str]) -> int:
     fd_in, fd_out, limits = int(argv[0]), int(argv[1]), json.loads(argv[2])
     _apply_limits(limits)
     _capture(limits.get("modules", []))
+    _withhold(limits.get("preload", []), limits.get("outside", []))
     signal.signal(signal.SIGINT, signal.SIG_IGN)             # only a running cell is interrupted
     os.set_inheritable(fd_in, False)
     os.set_inheritable(fd_out, False)

@@ -108,6 +108,39 @@ class Snapshot:
             (root / "sources" / path.name).write_bytes(data)
         return root
 
+    def digests(self) -> dict[str, str]:
+        """SHA-256 of each file of `private_copy`, by its path there."""
+        out = {f"companion/{rel}": hashlib.sha256(data).hexdigest()
+               for rel, data in self.files.items()}
+        out.update({f"sources/{path.name}": hashlib.sha256(data).hexdigest()
+                    for path, data in self.notebooks.items()})
+        return out
+
+    def private_changes(self, root: pathlib.Path) -> list[str]:
+        """What differs in a `private_copy` at root from the snapshot (paths there)."""
+        want = {f"companion/{rel}": data for rel, data in self.files.items()}
+        want.update({f"sources/{p.name}": data for p, data in self.notebooks.items()})
+        have = {str(p.relative_to(root)): p for p in root.rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts}
+        changed = [rel for rel, data in want.items()
+                   if rel not in have or have[rel].read_bytes() != data]
+        return changed + sorted(set(have) - set(want))
+
+    def restore_private(self, root: pathlib.Path) -> None:
+        """Rewrite a `private_copy` as snapshotted (files that appeared in it are deleted)."""
+        fresh = self.private_copy()
+        try:
+            for path in [p for p in root.rglob("*") if p.is_file() or p.is_symlink()]:
+                path.unlink()
+            for path in sorted(fresh.rglob("*")):
+                target = root / path.relative_to(fresh)
+                if path.is_dir():
+                    target.mkdir(exist_ok=True)
+                else:
+                    target.write_bytes(path.read_bytes())
+        finally:
+            self.remove(fresh)
+
     @staticmethod
     def remove(root: pathlib.Path) -> None:
         shutil.rmtree(root, ignore_errors=True)

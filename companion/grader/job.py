@@ -13,16 +13,19 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import sys
 import time
 
 import nbformat
 
 from companion.checks.core import REGISTRY, CheckFailed, GraderError, NotDone, evaluate
+from companion.grader import cleanroom
 from companion.grader.answer import SandboxAnswer
 from companion.grader.expected import Chapter, Exercise, match_chapter, make_plan, read_chapter
-from companion.grader.sandbox import Child, ChildLost, Limits, harden_self
-from companion.grader.scan import reference_uses, review_flags
+from companion.grader.sandbox import Child, ChildLost, Limits, harden_self, paused, subtree
+from companion.grader.scan import learner_cells, reference_uses, review_flags
+from companion.grader.withhold import verified_files
 
 __all__ = ["Session", "grade_notebook", "main"]
 
@@ -32,8 +35,13 @@ _MAX_RESTARTS = 3
 class Session:
     """The notebook's sandbox, restarted (with the cells so far replayed) when it is lost."""
 
-    def __init__(self, spec: dict, limits: Limits, modules: tuple[str, ...] = ()):
+    def __init__(self, spec: dict, limits: Limits, modules: tuple[str, ...] = (), *,
+                 env: dict | None = None, user: tuple[int, int] | None = None,
+                 withheld: dict | None = None):
         self.spec, self.limits, self.modules = spec, limits, modules
+        self.env = spec["child_env"] if env is None else env
+        self.user = _user(spec) if user is None else user
+        self.withheld = withheld
         self.deadline = time.monotonic() + limits.notebook
         self.child: Child | None = None
         self.history: list[str] = []          # code run so far, replayed after a restart
@@ -57,8 +65,8 @@ class Session:
             if self.starts > _MAX_RESTARTS or self.left() <= 0:
                 return False
             self.starts += 1
-            child = Child(limits=self.limits, user=_user(self.spec), env=self.spec["child_env"],
-                          modules=self.modules)
+            child = Child(limits=self.limits, user=self.user, env=self.env,
+                          modules=self.modules, withheld=self.withheld)
             try:
                 self.ran_as = child.start(timeout=min(120.0, self.left())).get("uid")
                 self.child = child
@@ -123,16 +131,29 @@ def _grade_exercise(session: Session, spec: dict, nb, ex: Exercise) -> dict:
     if uses:
         return _row(spec, ex, "reference", f"uses the reference for this exercise: {uses[0]}; "
                                            "write it yourself")
+    status, message, hits = _evaluate(session, ex)
+    if hits:
+        name, n = next(iter(hits.items()))
+        return _row(spec, ex, "reference", f"calls {name} ({n} time{'s' if n > 1 else ''}), the "
+                                           "reference for this exercise: write it yourself")
+    if status == "passed" and ex.references and spec.get("digests"):
+        status, message = _alone(session, spec, ex, message)
+    return _row(spec, ex, status, message, points=ex.points if status == "passed" else 0)
+
+
+def _evaluate(session: Session, ex: Exercise) -> tuple[str, str, dict]:
+    """Run the exercise's check on the answer in `session`: (status, message, reference calls
+    the sandbox counted)."""
     if not session.ensure():
-        return _row(spec, ex, "not graded", session.why_stopped())
+        return "not graded", session.why_stopped(), {}
     try:
         reply = session.child.request({"op": "resolve", "name": ex.answer}, timeout=30.0)
     except ChildLost as lost:
         session.lose(lost)
-        return _row(spec, ex, "not graded", f"the notebook's process was lost: {lost.reason}")
+        return "not graded", f"the notebook's process was lost: {lost.reason}", {}
     if reply.get("kind") == "missing":
-        return _row(spec, ex, "failed", f"the notebook defines no `{ex.answer}`: keep the name the "
-                                        "workbook gives the answer")
+        return "failed", f"the notebook defines no `{ex.answer}`: keep the name the workbook " \
+                         "gives the answer", {}
     answer = (SandboxAnswer(ex.answer, session, ex.references) if reply.get("kind") == "callable"
               else reply.get("value"))
     timeout = min(max(ex.timeout, session.limits.exercise), max(session.left(), 1.0))
@@ -144,12 +165,54 @@ def _grade_exercise(session: Session, spec: dict, nb, ex: Exercise) -> dict:
         message, status = str(e).removeprefix(f"{ex.check}: "), "failed"
     except GraderError as e:
         message, status = f"the grader cannot run this check in its sandbox: {e}", "ungradable"
-    hits = getattr(answer, "hits", {})
-    if hits:
-        name, n = next(iter(hits.items()))
-        return _row(spec, ex, "reference", f"calls {name} ({n} time{'s' if n > 1 else ''}), the "
-                                           "reference for this exercise: write it yourself")
-    return _row(spec, ex, status, message, points=ex.points if status == "passed" else 0)
+    return status, message, getattr(answer, "hits", {})
+
+
+def _alone(session: Session, spec: dict, ex: Exercise, passed: str) -> tuple[str, str]:
+    """The verdict of the clean room (see `cleanroom`) on an answer that passed in the notebook."""
+    needed = cleanroom.needed_sources(list(session.history), ex.answer)
+    files = _package_files(spec)
+    results = pathlib.Path(spec["results"]) if spec.get("results") else None
+    root, modules, outside = cleanroom.build_package(files, ex.references, results)
+    path = [str(root)] + [p for p in session.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    room = Session(spec, session.limits, session.modules,
+                   env=dict(session.env, PYTHONPATH=os.pathsep.join(path)),
+                   user=tuple(spec["clean_user"]) if spec.get("clean_user") else None,
+                   withheld={"preload": modules, "outside": outside})
+    room.deadline = session.deadline
+    try:
+        with paused(subtree(os.getpid())):           # nothing left from the first run can act
+            errors = [room.run_cell(source) for source in needed]
+            status, message, _ = _evaluate(room, ex)
+    finally:
+        room.close()
+        shutil.rmtree(root, ignore_errors=True)
+    if status == "passed":
+        return status, passed
+    name = next(filter(None, map(cleanroom.withheld_name, [message, *errors])), "")
+    if name:
+        return "reference", f"uses {name}, which this exercise withholds: graded on its own " \
+                            "(a fresh interpreter without it), the answer could not run; write " \
+                            "it yourself"
+    if room.ran_as is None:                # the grader's fault, not the learner's
+        return "ungradable", f"the grader could not start the fresh interpreter it grades this " \
+                             f"answer in a second time: {message}"
+    if status == "not graded":
+        return status, f"graded on its own, in a fresh interpreter: {message}"
+    return "failed", f"passes in the notebook but not on its own (a fresh interpreter that runs " \
+                     f"the notebook's imports and the definitions `{ex.answer}` uses): {message}"
+
+
+_FILES: dict[str, bytes] = {}
+
+
+def _package_files(spec: dict) -> dict[str, bytes]:
+    """The grader's copy of the package, each file checked against the digest the batch took
+    before any notebook ran (ValueError if one differs)."""
+    if not _FILES:
+        digests = {k: v for k, v in spec["digests"].items() if k.startswith("companion/")}
+        _FILES.update(verified_files(pathlib.Path(spec["private"]), digests))
+    return _FILES
 
 
 # ---------------------------------------------------------------- one notebook
@@ -229,11 +292,12 @@ def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
     for ex in chapter.exercises:
         if ex.check not in done:
             emit("row", row=_row(spec, ex, "not graded", session.why_stopped()))
-    emit("done", flags=_flags(nb, session), ran_as=session.ran_as)
+    emit("done", flags=_flags(nb, chapter, session), ran_as=session.ran_as)
 
 
-def _flags(nb, session: Session) -> list[str]:
-    flags = [f"review: {why}" for why in review_flags(nb.cells)]
+def _flags(nb, chapter: Chapter, session: Session) -> list[str]:
+    source = nbformat.read(chapter.path, as_version=4)
+    flags = [f"review: {why}" for why in review_flags(learner_cells(nb, source))]
     if session.output_total > session.limits.output:
         flags.append(f"printed {session.output_total / 2**20:.1f} MiB; the grader kept "
                      f"{session.limits.output / 2**20:.1f} MiB")
@@ -243,9 +307,17 @@ def _flags(nb, session: Session) -> list[str]:
     return flags
 
 
-def main() -> int:
-    spec = json.loads(sys.stdin.read())
+def _cap_memory(limit: int) -> None:
+    """A soft address-space cap on this process (its sandboxes lift it for themselves)."""
+    if limit:
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def main(spec: dict | None = None) -> int:
+    spec = json.loads(sys.stdin.read()) if spec is None else spec
     harden_self()
+    _cap_memory(spec["limits"].get("grader_memory", 0))
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)                      # anything else printed goes to stderr, not to the events
 

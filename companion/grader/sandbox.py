@@ -29,7 +29,9 @@ import time
 
 from companion.grader import wire
 
-__all__ = ["Limits", "Child", "ChildLost", "harden_self", "children_of", "end_descendants"]
+__all__ = ["Limits", "Child", "ChildLost", "harden_self", "children_of", "subtree", "paused",
+           "unreachable",
+           "end_descendants"]
 
 _PR_SET_DUMPABLE, _PR_SET_CHILD_SUBREAPER = 4, 36
 
@@ -44,14 +46,16 @@ class Limits:
     output: int = 2**20          # output kept; the rest is read and dropped
     file_size: int = 2**30       # largest file the learner's code may write (RLIMIT_FSIZE)
     grace: float = 5.0           # after an interrupt or a deadline, before SIGKILL
+    reply: int = 64 * 2**20      # largest reply read from the sandbox; a larger one is refused
+    grader_memory: int = 6 * 2**30   # address space of the grading process itself (0: none)
 
 
 class ChildLost(Exception):
     """The sandbox died, stopped answering, or answered with something that is not plain data."""
 
-    def __init__(self, reason: str, *, timed_out: bool = False):
+    def __init__(self, reason: str, *, timed_out: bool = False, refused: bool = False):
         super().__init__(reason)
-        self.reason, self.timed_out = reason, timed_out
+        self.reason, self.timed_out, self.refused = reason, timed_out, refused
 
 
 def harden_self() -> None:
@@ -81,6 +85,30 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def subtree(pid: int) -> list[int]:
+    """Every process below pid (by parent id, from /proc), pid itself not included."""
+    found, frontier = [], children_of(pid)
+    while frontier:
+        child = frontier.pop()
+        found.append(child)
+        frontier += children_of(child)
+    return found
+
+
+@contextlib.contextmanager
+def paused(pids: list[int]):
+    """SIGSTOP the processes for the block (a stopped process runs no thread), then SIGCONT."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+
+
 def end_descendants(*, keep: frozenset[int] = frozenset(), rounds: int = 50) -> int:
     """Kill every child of this process except `keep`, again and again as their own children are
     re-parented here (we are their subreaper), and reap them. Returns how many were killed."""
@@ -108,12 +136,31 @@ def _reap(keep: frozenset[int]) -> None:
                 os.waitpid(pid, os.WNOHANG)
 
 
+def unreachable(user: tuple[int, int], env: dict[str, str], *, timeout: float = 300.0) -> str:
+    """'' when `user` can start this interpreter and import what a sandbox needs; else why not
+    (a virtual environment made from a Python under /root, a checkout in a folder of mode 700)."""
+    try:
+        result = subprocess.run(
+            [sys.executable, "-P", "-c", "import torch, IPython, companion.grader.child"],
+            user=user[0], group=user[1], extra_groups=[], env=dict(env, HOME="/"), cwd="/",
+            stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"starting it took more than {timeout:g} s"
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    if result.returncode:
+        lines = [ln for ln in result.stderr.decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1][:300] if lines else f"exit code {result.returncode}"
+    return ""
+
+
 class Child:
     """One sandboxed interpreter (companion.grader.child) and the pipes to it."""
 
     def __init__(self, *, limits: Limits, user: tuple[int, int] | None, env: dict[str, str],
-                 modules: tuple[str, ...] = ()):
+                 modules: tuple[str, ...] = (), withheld: dict | None = None):
         self.limits, self.user, self.base_env, self.modules = limits, user, env, modules
+        self.withheld = withheld or {}       # a clean room's preload and outside references
         self.proc: subprocess.Popen | None = None
         self.output, self.output_total = bytearray(), 0
 
@@ -125,7 +172,8 @@ class Child:
         req_r, self.req_w = os.pipe()
         self.rep_r, rep_w = os.pipe()
         limits = {"memory": self.limits.memory, "file_size": self.limits.file_size,
-                  "processes": 4096 if self.user else 0, "modules": list(self.modules)}
+                  "processes": 4096 if self.user else 0, "modules": list(self.modules),
+                  **self.withheld}
         env = dict(self.base_env, HOME=self.workdir, TMPDIR=self.workdir, USER="sandbox",
                    LOGNAME="sandbox",
                    MPLCONFIGDIR=os.path.join(self.workdir, ".matplotlib"), MPLBACKEND="Agg",
@@ -135,7 +183,7 @@ class Child:
             os.chown(self.workdir, *self.user)
             user = {"user": self.user[0], "group": self.user[1], "extra_groups": []}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "companion.grader.child", str(req_r), str(rep_w),
+            [sys.executable, "-P", "-m", "companion.grader.child", str(req_r), str(rep_w),
              json.dumps(limits)], pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.workdir, env=env,
             start_new_session=True, **user)
@@ -197,8 +245,9 @@ class Child:
     def _receive(self, deadline: float, *, interrupt: bool) -> dict:
         header = self._read(4, deadline, interrupt)
         n = int.from_bytes(header, "big")
-        if n > wire.MAX_BYTES:
-            raise self._lost(f"the notebook's process sent {n} bytes at once")
+        if n > min(wire.MAX_BYTES, self.limits.reply):          # refused before it is read
+            raise self._lost(f"it sent a reply of {n / 2**20:.1f} MiB, over the grader's limit "
+                             f"of {self.limits.reply / 2**20:g} MiB: return less", refused=True)
         try:
             return wire.decode(self._read(n, deadline, interrupt))
         except wire.WireError as e:
@@ -230,6 +279,6 @@ class Child:
             return "it closed its channel"
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
-    def _lost(self, reason: str, *, timed_out: bool = False) -> ChildLost:
+    def _lost(self, reason: str, *, timed_out: bool = False, refused: bool = False) -> ChildLost:
         self.kill()
-        return ChildLost(reason, timed_out=timed_out)
+        return ChildLost(reason, timed_out=timed_out, refused=refused)
