@@ -4,7 +4,10 @@
 grader needs neither, and the tests run in seconds instead of minutes). `edit` changes one cell,
 found by its id, the way a learner would in JupyterLab.
 """
+import functools
+import os
 import pathlib
+import pwd
 
 import nbformat
 
@@ -74,3 +77,16 @@ def insert(nb, after_id: str | None, code: str) -> nbformat.NotebookNode:
 def save(nb, path: pathlib.Path) -> pathlib.Path:
     nbformat.write(nb, path)
     return path
+
+
+@functools.cache
+def sandbox_blocked() -> str:
+    """Why the grader cannot run notebooks as `nobody` here ('' when it can): not root, or a
+    Python or checkout that user cannot reach (a clone under /root or in a mode-700 folder)."""
+    if os.geteuid() != 0:
+        return "running notebooks as another user needs root"
+    from companion.grader.batch import child_env
+    from companion.grader.sandbox import unreachable
+    entry = pwd.getpwnam("nobody")
+    why = unreachable((entry.pw_uid, entry.pw_gid), child_env())
+    return f"nobody cannot run this Python or import the course: {why}" if why else ""

@@ -24,7 +24,8 @@ import grading_notebooks as gn
 from grading_notebooks import EPOCH, MSE, SETUP, SGD, body, edit, insert, save, trimmed
 
 pytestmark = pytest.mark.slow
-ROOT = os.geteuid() == 0           # then the notebooks run as nobody (else: test_grading_same_user)
+ROOT = not gn.sandbox_blocked()    # then the notebooks run as nobody (else: test_grading_same_user)
+# As root with a Python or checkout nobody cannot reach, the batch is graded --run-as self.
 HONEST = ["00", "01", "06"]     # a few: each notebook in the batch costs CI time
 LINGER = ("9029", "9031")          # sleep durations that mark processes a notebook left behind
 
@@ -63,6 +64,39 @@ signal.signal(signal.SIGINT, signal.SIG_IGN)
 while True:
     time.sleep(0.1)'''
 
+DISARM = '''import gc, sys
+for _o in gc.get_objects():                # the sandbox's server: drop the reference calls it counts
+    if type(_o).__name__ == "Server" and hasattr(_o, "run"):
+        def _quiet(request, _run=_o.run):
+            reply = _run(request)
+            reply["references"] = {}
+            return reply
+        _o.run = _quiet
+_grad, _sgd = gd.mse_gradient, gd.sgd_step
+
+def _copy(name):                           # the reference compiled again, one line lower
+    import inspect
+    ns = {}
+    exec(compile("\\n" + inspect.getsource(gd), "copy", "exec"), ns)
+    return ns[name]'''
+
+WALK_FRAMES = '''f = sys._getframe(1)
+while f is not None:                       # find the watcher and disarm it
+    for v in list(f.f_locals.values()):
+        if type(v).__name__ == "_Monitor":
+            v.codes.clear()
+    f = f.f_back
+return _sgd(w, b, dw, db, lr)'''
+
+SERVE = '''import queue, threading
+_jobs, _done = queue.Queue(), queue.Queue()
+def _serve():                              # the reference, run by a thread started here
+    while True:
+        X, y, w, b, lr, n = _jobs.get()
+        _done.put(gd.train_epoch(X, y, w, b, lr=lr, batch_size=n))
+threading.Thread(target=_serve, daemon=True).start()
+_step = gd.torch_sgd_step'''
+
 LEAVE_PROCESSES = f'''import os, subprocess
 subprocess.Popen(["sleep", "{LINGER[0]}"], start_new_session=True)
 os.system("setsid sh -c 'sleep {LINGER[1]} &'")'''
@@ -90,8 +124,9 @@ def _cheats() -> dict[str, object]:
     insert(hangs, SGD, 'import companion.gd as _g\n_train = getattr(_g, "train_" + "epoch")')
     body(hangs, EPOCH, "return _train(X, y, w, b, lr=lr, batch_size=batch_size)[:2]")
 
-    deaf = trimmed("01")                         # a cell that ignores SIGINT and never ends
-    insert(deaf, MSE, IGNORE_SIGINT)
+    deaf = trimmed("01")                         # a cell that ignores SIGINT and never ends,
+    insert(deaf, MSE, IGNORE_SIGINT)             # and a reply of 150 MiB
+    body(deaf, MSE, 'return b"x" * (150 * 2**20)')
 
     rough = trimmed("01")                        # kill the grader, leave processes, exit, flood
     if ROOT:                                     # as yourself it would succeed: see same_user
@@ -100,8 +135,22 @@ def _cheats() -> dict[str, object]:
     body(rough, SGD, "import os\nos._exit(3)")
     insert(rough, SGD, 'print("x" * (3 * 2**20))')
     insert(rough, SGD, "import torch\nbig = torch.ones(4 * 2**30)    # 16 GiB")
+    disarm = trimmed("01")                       # the watcher switched off: the clean room decides
+    insert(disarm, SETUP, DISARM)
+    body(disarm, MSE, 'getattr(sys, "setpro" + "file")(None)\nreturn _grad(X, y, w, b)')
+    body(disarm, SGD, WALK_FRAMES)
+    body(disarm, EPOCH, 'return _copy("tra" + "in_epoch")(X, y, w, b, lr=lr, '
+                        'batch_size=batch_size)[:2]')
+
+    served = trimmed("01")                       # a worker thread; an answer backed out of
+    insert(served, SETUP, SERVE)                 # another companion function
+    body(served, MSE, "w1, b1 = _step(X, y, w, b, lr=1.0)\nreturn w - w1, b - b1")
+    body(served, EPOCH, "_jobs.put((X, y, w, b, lr, batch_size))\n"
+                        "return _done.get(timeout=10)[:2]")
+
     notebooks = {"cheat_forged": forged, "cheat_patched": patched, "cheat_hangs": hangs,
-                 "cheat_deaf": deaf, "cheat_rough": rough}
+                 "cheat_deaf": deaf, "cheat_rough": rough, "cheat_disarm": disarm,
+                 "cheat_served": served}
     if ROOT:                                     # signal every process it may: only its own
         notebooks["cheat_kill_all"] = insert(trimmed("01"), SGD, "import os\nos.kill(-1, 9)")
     return notebooks
@@ -131,6 +180,16 @@ def _harness_failures() -> dict[str, object]:
     return {"harness_03": ch03, "harness_04": ch04, "harness_06": ch06}
 
 
+def _written_by_a_learner(nb):
+    """The solutions as a learner might type them: the same code, their own comments. (A notebook
+    made only of the course's own cells is not graded a second time: nothing in it is theirs.)"""
+    for cell in nb.cells:
+        if "### BEGIN SOLUTION" in cell.source:
+            cell.source = cell.source.replace("### BEGIN SOLUTION", "### BEGIN SOLUTION\n"
+                                              "    # my own answer, worked out on paper")
+    return nb
+
+
 def _not_notebooks(folder: pathlib.Path) -> None:
     (folder / "bad_json.ipynb").write_text("{not json")
     (folder / "empty.ipynb").write_text("")
@@ -156,21 +215,22 @@ def batch(tmp_path_factory):
     folder = tmp_path_factory.mktemp("class")
     for chapter in HONEST[:1] + HONEST[2:]:
         save(trimmed(chapter), folder / f"honest_{chapter}.ipynb")
-    save(trimmed("01"), folder / "=2+3.ipynb")               # honest, named like a formula
+    save(_written_by_a_learner(trimmed("01")), folder / "=2+3.ipynb")   # honest, named like a
+    # formula, its answers the learner's own text: graded again in the clean room, and passing
     save(trimmed("01", solved=False), folder / "fresh_workbook_01.ipynb")
     for name, nb in {**_cheats(), **_harness_failures()}.items():
         save(nb, folder / f"{name}.ipynb")
     _not_notebooks(folder)
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     out = tmp_path_factory.mktemp("grades")
-    env = dict(os.environ)
+    env, run_as = dict(os.environ), [] if ROOT else ["--run-as", "self"]
     if not ROOT:        # as yourself the grader restores its files: let it restore a copy
         package = tmp_path_factory.mktemp("pkg") / "companion"
         shutil.copytree(gn.REPO / "companion", package, ignore=shutil.ignore_patterns("__pycache__"))
         env["PYTHONPATH"] = str(package.parent)
     result = subprocess.run([sys.executable, "-m", "companion", "grade", ".", "--out", str(out),
                              "--jobs", "4", "--cell-timeout", "45", "--exercise-timeout", "20",
-                             "--output-cap", "64KiB", "--source", str(gn.COURSE)],
+                             "--output-cap", "64KiB", "--source", str(gn.COURSE), *run_as],
                             cwd=folder, env=env, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((out / "grades.json").read_text())
@@ -238,8 +298,8 @@ def test_cancelled_timers_and_ignored_interrupts_are_killed_and_the_rest_graded(
     flags = _flags(batch, "cheat_hangs.ipynb")
     assert "lost 1 time(s)" in flags and "timers or signal handlers" in flags
     deaf = _rows(batch, "cheat_deaf.ipynb")
-    assert all(r["passed"] for r in deaf.values()), deaf
-    assert "lost 1 time(s)" in _flags(batch, "cheat_deaf.ipynb")
+    assert deaf["sgd_step"]["passed"] and deaf["train_epoch"]["passed"], deaf
+    assert "lost 2 time(s)" in _flags(batch, "cheat_deaf.ipynb")     # the cell, the reply
 
 
 def test_a_notebook_cannot_kill_the_grader_or_leave_processes_behind(batch):
@@ -253,7 +313,8 @@ def test_a_notebook_cannot_kill_the_grader_or_leave_processes_behind(batch):
     assert _lingering() == []
 
 
-@pytest.mark.skipif(not ROOT, reason="kill(-1) as yourself would end the tests too")
+@pytest.mark.skipif(not ROOT, reason="kill(-1) as yourself would end the tests too; "
+                                     f"{gn.sandbox_blocked()}")
 def test_notebooks_graded_together_run_as_different_users(batch):
     rows = _rows(batch, "cheat_kill_all.ipynb")          # kill(-1) spares the caller itself
     assert all(r["passed"] for r in rows.values()), rows
@@ -261,6 +322,29 @@ def test_notebooks_graded_together_run_as_different_users(batch):
     users = {re.search(r"ran as [^;]*", r["flags"]).group() for r in batch["rows"]
              if r["status"] != "unreadable"}
     assert len(users) == 4, users                 # --jobs 4: nobody and three uids of their own
+
+
+def test_a_watcher_switched_off_in_the_notebook_changes_nothing(batch):
+    rows = _rows(batch, "cheat_disarm.ipynb")       # setprofile(None), frames walked, gc-patched
+    for name in ("mse_gradient", "sgd_step", "train_epoch"):      # server, exec of the source
+        assert rows[name]["status"] == "reference" and "withholds" in rows[name]["message"], \
+            (name, rows[name]["message"])
+    flags = _flags(batch, "cheat_disarm.ipynb")
+    for words in ("frames or the garbage collector", "runs code it builds", "names it computes"):
+        assert words in flags, flags
+
+
+def test_a_thread_an_equivalent_function_and_a_huge_reply_earn_nothing(batch):
+    rows = _rows(batch, "cheat_served.ipynb")
+    assert rows["mse_gradient"]["status"] == "reference"                  # torch_sgd_step
+    assert "companion.gd.torch_sgd_step" in rows["mse_gradient"]["message"]
+    assert rows["train_epoch"]["points"] == 0 and "on its own" in rows["train_epoch"]["message"]
+    assert rows["sgd_step"]["passed"]                                     # the rest keeps its grade
+    assert "starts threads" in _flags(batch, "cheat_served.ipynb")
+    big = _rows(batch, "cheat_deaf.ipynb")
+    assert big["mse_gradient"]["status"] == "failed" and "refused" in \
+        big["mse_gradient"]["message"] and "150.0 MiB" in big["mse_gradient"]["message"]
+    assert big["sgd_step"]["passed"] and big["train_epoch"]["passed"]
 
 
 def test_harness_checks_fail_wrong_answers_with_their_hints(batch):

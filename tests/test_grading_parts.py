@@ -230,6 +230,9 @@ def test_the_console_table_shows_each_message_whole_and_wrapped():
         " ", "")                                             # every word, none cut
     assert all(len(line) <= 80 for line in table.splitlines())
     assert "second line of the hint" in table
+    statuses = format_table([Row("a.ipynb", "x", False, 0, 1, "m", s) for s in
+                             ("not graded", "reference", "ungradable")])
+    assert all(s.upper() in statuses for s in ("not graded", "reference", "ungradable"))
 
 
 # ---------------------------------------------------------------- the grader's own files
@@ -268,7 +271,7 @@ def test_a_chapter_whose_checks_do_not_import_is_read_with_the_reason(tmp_path):
 
 # ---------------------------------------------------------------- the sandbox's limits
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="starting the sandbox as another user needs root")
+@pytest.mark.skipif(bool(gn.sandbox_blocked()), reason=gn.sandbox_blocked())
 def test_the_sandbox_runs_as_another_user_under_limits_it_cannot_raise():
     from companion.grader.sandbox import Child, ChildLost, Limits
     # A uid of this test's own, not nobody: test_grading's batch, which may run at the same time

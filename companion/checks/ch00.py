@@ -118,7 +118,9 @@ _ADAM_MISTAKES = {
 }
 
 
-@exercise(points=2, timeout=20.0, reference=("companion.optim.adam_step", "companion.optim.Adam"))
+@exercise(points=2, timeout=20.0, reference=("companion.optim.adam_step",
+                                             "companion.optim.Adam",
+                                             "companion.lowbit.adam8bit.adam_direction"))
 def check_adam_step(answer) -> str:
     """answer(param, grad, state, lr, betas, eps): one Adam step, param and state in place."""
     rng = random.Random(fresh_seeds(1)[0])
@@ -236,7 +238,12 @@ def check_model_state_bytes(answer) -> str:
 # ---------------------------------------------------------------- exercise 3: MLP activations
 
 @exercise(points=2, timeout=20.0, reference=("companion.estimate.mlp_activations",
-                                             "companion.memory.track", "companion.memory.measure"))
+                                             "companion.memory.track",
+                                             "companion.memory.measure",
+                                             "companion.memory.memory_budget",
+                                             "companion.memory.budget_bytes",
+                                             "companion.checkpointing.activation_bytes",
+                                             "companion.checkpointing.saved_for_backward"))
 def check_activation_bytes(answer) -> str:
     """answer(batch, width, depth, n_classes, bytes_per_value) -> bytes `MLP.loss` saves for
     backward (beyond its input batch and labels), held against a measurement."""

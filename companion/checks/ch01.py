@@ -17,7 +17,12 @@ def _problem(seed: int, m: int, d: int):
     return X, y, torch.randn(d, generator=g), torch.randn((), generator=g)
 
 
-@exercise(points=1, reference=("companion.gd.mse_gradient", "companion.gd.autograd_gradient"))
+@exercise(points=1, reference=("companion.gd.mse_gradient",
+                               "companion.gd.autograd_gradient",
+                               "companion.gd.torch_sgd_step",
+                               "companion.accumulation.accumulated_gradients",
+                               "companion.accumulation.accumulation_step",
+                               "companion.ddp.accumulation_step"))
 def check_mse_gradient(answer) -> str:
     """answer(X, y, w, b) -> (dw, db), the gradient of the mean squared error by hand."""
     for seed, (m, d) in zip(fresh_seeds(3), [(37, 5), (1, 3), (128, 1)]):

@@ -213,7 +213,9 @@ def _threshold_wrong(w: float, e: int, m: int) -> dict[str, float]:
     return wrong
 
 
-@exercise(points=2, reference=("companion.floats.ulp", "companion.floats.FloatFormat"))
+@exercise(points=2, reference=("companion.floats.ulp",
+                               "companion.floats.FloatFormat",
+                               "companion.checks.ch02._threshold"))
 def check_rounding_threshold(answer) -> str:
     """answer(w, exponent_bits, mantissa_bits) -> float: half the gap from w (> 0, a number of the
     layout) to the next number of the layout above it: updates smaller than that vanish."""

@@ -85,7 +85,10 @@ def _accumulation_run(answer, seed: int, k: int, b: int) -> tuple:
     return tuple(p.detach() for p in model.parameters()), len(steps), seen
 
 
-@exercise(points=2, timeout=30.0, reference="companion.accumulation.accumulation_step")
+@exercise(points=2, timeout=30.0, reference=("companion.accumulation.accumulation_step",
+                                             "companion.accumulation.accumulated_gradients",
+                                             "companion.ddp.accumulation_step",
+                                             "companion.accumulation.token_normalized_step"))
 def check_accumulation_step(answer) -> str:
     """answer(model, loss_fn, optimizer, x, y, accum_steps): one optimizer step on (x, y) made of
     accum_steps equal micro-batches (len(x) is a multiple of accum_steps)."""

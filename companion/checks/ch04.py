@@ -63,7 +63,8 @@ def _first_view_bytes(fn, x) -> int:
 
 
 @exercise(points=1, reference=("companion.checkpointing.activation_bytes",
-                               "companion.checkpointing.saved_for_backward"))
+                               "companion.checkpointing.saved_for_backward",
+                               "companion.checks.ch04._saved_tensors"))
 def check_saved_bytes(answer) -> str:
     """answer(fn, x) -> int: bytes of the tensors `fn(x)` saves for backward that are not
     parameters of `fn`, each storage counted once and whole."""
@@ -154,7 +155,9 @@ def _random_after_backward(answer, seed: int, width: int) -> torch.Tensor:
 
 @exercise(points=3, timeout=20.0, reference=("companion.checkpointing.Checkpoint",
                                              "companion.checkpointing.checkpoint",
-                                             "torch.utils.checkpoint.checkpoint"))
+                                             "torch.utils.checkpoint.checkpoint",
+                                             "companion.checkpointing.checkpoint_hooks",
+                                             "torch.utils.checkpoint.CheckpointFunction"))
 def check_checkpoint_function(answer) -> str:
     """answer(fn, x) -> fn(x), keeping only x for backward and recomputing fn inside backward.
     x requires grad; fn may use dropout."""
@@ -296,7 +299,9 @@ def _segment_mistakes(n: int, unit: int, budget: int) -> dict[str, int]:
     return {hint: s for hint, s in wrong.items() if s is not None}
 
 
-@exercise(points=1, reference="companion.checkpointing.segments_for_budget")
+@exercise(points=1, reference=("companion.checkpointing.segments_for_budget",
+                               "companion.checkpointing.predicted_activation_units",
+                               "companion.checkpointing.predicted_activation_bytes"))
 def check_segments_for_budget(answer) -> str:
     """answer(n_layers, layer_bytes, budget_bytes) -> int or None: the fewest segments whose
     predicted peak, ((segments - 1) + longest segment) · layer_bytes, fits the budget."""

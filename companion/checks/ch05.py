@@ -172,7 +172,13 @@ def _reference_bytes(B: int, d_in: int, W: int, L: int, K: int) -> int:
     return estimate.mlp_activations(B, W, L, K, precision="autocast", d_in=d_in)
 
 
-@exercise(points=1, reference="companion.estimate.mlp_activations")
+@exercise(points=1, reference=("companion.estimate.mlp_activations",
+                               "companion.memory.track",
+                               "companion.memory.measure",
+                               "companion.memory.memory_budget",
+                               "companion.memory.budget_bytes",
+                               "companion.checkpointing.activation_bytes",
+                               "companion.checkpointing.saved_for_backward"))
 def check_autocast_activation_bytes(answer) -> str:
     """answer(batch, d_in, width, depth, d_out) -> bytes that `MLP.loss` of an fp32 model saves for
     backward under 16-bit autocast, not counting its fp32 input batch and labels."""
@@ -250,7 +256,9 @@ _WRONG = {
 }
 
 
-@exercise(points=1, reference="companion.amp.update_scale")
+@exercise(points=1, reference=("companion.amp.update_scale",
+                               "companion.checks.ch05._wrong_rule",
+                               "torch._amp_update_scale_"))
 def check_update_scale(answer) -> str:
     """answer(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
     -> (new_scale, new_growth_tracker): one step of GradScaler's dynamic loss-scale rule."""
@@ -314,7 +322,9 @@ def _unscale_run(answer, seed: int, inv_scale: float, where, value) -> tuple:
     return found, [p.grad for p in params]
 
 
-@exercise(points=2, reference=("companion.amp.unscale_grads_", "companion.amp.GradScaler"))
+@exercise(points=2, reference=("companion.amp.unscale_grads_",
+                               "companion.amp.GradScaler",
+                               "torch._amp_foreach_non_finite_check_and_unscale_"))
 def check_unscale_grads(answer) -> str:
     """answer(grads, inv_scale) -> found_inf: multiply every gradient by inv_scale (a 0-d tensor)
     in place and say whether any of them held an inf or NaN."""

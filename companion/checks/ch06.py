@@ -90,7 +90,9 @@ def _judge_ring_traffic(sends: list[list[tuple[int, int]]], numel: int) -> None:
 
 
 @exercise(points=2, timeout=90.0, reference=("companion.collectives.ring_all_reduce",
-                                             "companion.collectives.naive_all_reduce"))
+                                             "companion.collectives.naive_all_reduce",
+                                             "companion.collectives.ring_reduce_scatter",
+                                             "companion.collectives.ring_all_gather"))
 def check_ring_all_reduce(answer, *, worker_timeout: float = 20.0) -> str:
     """answer(tensor, group=None): sum `tensor` over all ranks in place, with a ring of sends."""
     packed, seed = _ranks.packed(answer), fresh_seeds(1)[0]

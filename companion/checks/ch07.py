@@ -116,7 +116,8 @@ def _partition_mistakes(numels, world) -> dict:
     return {text: [fn(numels, world, r) for r in range(world)] for text, fn in wrong.items()}
 
 
-@exercise(points=1, reference="companion.zero.flat_partition")
+@exercise(points=1, reference=("companion.zero.flat_partition",
+                               "companion.zero.FlatLayout"))
 def check_flat_partition(answer) -> str:
     """answer(numels, world_size, rank) -> [(param index, start, stop), ...]: the pieces of the
     flattened parameters that `rank` owns, start/stop inside each parameter."""

@@ -217,7 +217,8 @@ def _wrong_choices(P, device, host, gpus, L, want) -> dict:
 
 
 @exercise(points=1, reference=("companion.estimate.choose_offload",
-                               "companion.estimate_offload.choose_offload"))
+                               "companion.estimate_offload.choose_offload",
+                               "companion.checks.ch08._first_fit"))
 def check_choose_offload(answer) -> str:
     """answer(n_params, *, device_budget, host_budget, gpus, largest_layer_params) -> the first
     setting of OFFLOAD_LADDER whose placement fits both budgets, or None."""

@@ -320,8 +320,12 @@ def _check_against(got: dict, want: dict, steps: int) -> tuple[float, float]:
 
 
 @exercise(points=3, timeout=240.0,
-          reference=("companion.plan.planner.Plan.run", "companion.plan.training.build",
-                     "companion.plan.training.train_step"))
+          reference=("companion.plan.planner.Plan.run",
+          "companion.plan.training.build",
+          "companion.plan.training.train_step",
+          "companion.plan.training.micro_step",
+          "companion.plan.training.optimizer_step",
+          "companion.ddp.accumulation_step"))
 def check_train_within_budget(answer) -> str:
     """answer(model_fn, batches, lr) -> one loss per batch: build the GPT with model_fn(dtype=...,
     device=...), take one AdamW(lr) step per (x, y) in batches under the chapter's budget, and

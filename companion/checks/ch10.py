@@ -139,10 +139,13 @@ def _forward_wrong(q, k, v, causal) -> dict:
     return wrong
 
 
-@exercise(points=3, timeout=30.0, reference=(
-    "companion.attention.flash.flash_forward", "companion.attention.flash_forward",
-    "companion.attention.FlashAttentionTorch", "companion.attention.naive.naive_attention",
-    "companion.attention.naive_attention", "torch.nn.functional.scaled_dot_product_attention"))
+@exercise(points=3, timeout=30.0, reference=("companion.attention.flash.flash_forward",
+                                             "companion.attention.flash_forward",
+                                             "companion.attention.FlashAttentionTorch",
+                                             "companion.attention.naive.naive_attention",
+                                             "companion.attention.naive_attention",
+                                             "torch.nn.functional.scaled_dot_product_attention",
+                                             "companion.attention.online.tile_states"))
 def check_forward_tiles(answer) -> str:
     """answer(q, k, v, is_causal, block_q, block_k) -> (o, lse): attention over tiles, for q
     (B, Nq, d) and k, v (B, Nk, d), never holding all the scores at once."""
@@ -281,7 +284,9 @@ def _as_pair(got, label: str):
     return tuple(got)
 
 
-@exercise(points=2, reference="companion.attention.tiles.choose_tiles")
+@exercise(points=2, reference=("companion.attention.tiles.choose_tiles",
+                               "companion.attention.tiles.fitting_tiles",
+                               "companion.attention.tiles.tile_sram_bytes"))
 def check_choose_tiles(answer) -> str:
     """answer(sram_bytes, head_dim, dtype_bytes) -> (block_q, block_k) or None."""
     rng = random.Random(fresh_seeds(1)[0])

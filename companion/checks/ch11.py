@@ -59,7 +59,8 @@ def _blocks_absmax(x: torch.Tensor, blocksize: int) -> torch.Tensor:
 
 
 @exercise(points=2, reference=("companion.lowbit.quantize_blockwise",
-                               "companion.lowbit.blockwise.quantize_blockwise"))
+                               "companion.lowbit.blockwise.quantize_blockwise",
+                               "companion.scaling.block_absmax"))
 def check_blockwise(answer) -> str:
     """answer(x, code, blocksize) -> (codes uint8 in x's shape, absmax fp32 per block)."""
     rng = random.Random(fresh_seeds(1)[0])
@@ -132,9 +133,14 @@ def _adam_wrong(p, grad, mc, ma, vc, va, t, lr, betas, eps) -> dict:
     }
 
 
-@exercise(points=3, reference=("companion.lowbit.Adam8bit", "companion.lowbit.adam8bit.Adam8bit",
+@exercise(points=3, reference=("companion.lowbit.Adam8bit",
+                               "companion.lowbit.adam8bit.Adam8bit",
                                "companion.lowbit.adam8bit.adam_direction",
-                               "companion.checks.ch11.adam8bit_block"))
+                               "companion.checks.ch11.adam8bit_block",
+                               "companion.optim.adam_step",
+                               "companion.optim.Adam",
+                               "companion.lowbit.blockwise.quantize_blockwise",
+                               "companion.lowbit.blockwise.dequantize_blockwise"))
 def check_adam8bit_block(answer) -> str:
     """answer(p, grad, m_codes, m_absmax, v_codes, v_absmax, t, lr, betas, eps) -> (p, m_codes,
     m_absmax, v_codes, v_absmax): one Adam step on one block of 8-bit moments."""
@@ -339,7 +345,10 @@ def _layout_cases(rng: random.Random) -> list[tuple]:
     return cases
 
 
-@exercise(points=2, reference="companion.checks.ch11.pick_layout")
+@exercise(points=2, reference=("companion.checks.ch11.pick_layout",
+                               "companion.checks.ch11.layout_bytes",
+                               "companion.estimate.model_states",
+                               "companion.estimate.nf4_bytes"))
 def check_pick_layout(answer) -> str:
     """answer(n_params, n_linear, n_adapter, gpu_bytes, other_bytes) -> one of CHOICES or None."""
     rng = random.Random(fresh_seeds(1)[0])

@@ -126,7 +126,7 @@ def _row(spec: dict, ex: Exercise, status: str, message: str, *, points: int = 0
 
 # ---------------------------------------------------------------- one exercise
 
-def _grade_exercise(session: Session, spec: dict, nb, ex: Exercise) -> dict:
+def _grade_exercise(session: Session, spec: dict, nb, ex: Exercise, *, alone: bool) -> dict:
     uses = reference_uses(nb, ex)
     if uses:
         return _row(spec, ex, "reference", f"uses the reference for this exercise: {uses[0]}; "
@@ -136,7 +136,7 @@ def _grade_exercise(session: Session, spec: dict, nb, ex: Exercise) -> dict:
         name, n = next(iter(hits.items()))
         return _row(spec, ex, "reference", f"calls {name} ({n} time{'s' if n > 1 else ''}), the "
                                            "reference for this exercise: write it yourself")
-    if status == "passed" and ex.references and spec.get("digests"):
+    if status == "passed" and ex.references and alone:
         status, message = _alone(session, spec, ex, message)
     return _row(spec, ex, status, message, points=ex.points if status == "passed" else 0)
 
@@ -171,7 +171,10 @@ def _evaluate(session: Session, ex: Exercise) -> tuple[str, str, dict]:
 def _alone(session: Session, spec: dict, ex: Exercise, passed: str) -> tuple[str, str]:
     """The verdict of the clean room (see `cleanroom`) on an answer that passed in the notebook."""
     needed = cleanroom.needed_sources(list(session.history), ex.answer)
-    files = _package_files(spec)
+    try:
+        files = _package_files(spec)
+    except ValueError as e:
+        return "tampered", f"the grader's copy of the package changed while this notebook ran: {e}"
     results = pathlib.Path(spec["results"]) if spec.get("results") else None
     root, modules, outside = cleanroom.build_package(files, ex.references, results)
     path = [str(root)] + [p for p in session.env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -265,6 +268,9 @@ def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
     limits = Limits(**spec["limits"])
     modules = tuple(sorted({REGISTRY[ex.check].module for ex in chapter.exercises}))
     plan, session, done = make_plan(nb, chapter), Session(spec, limits, modules), set()
+    source = nbformat.read(chapter.path, as_version=4)
+    written = learner_cells(nb, source)     # none: every cell is the course's own code, whose
+    alone = bool(written) and bool(spec.get("digests"))   # answers need no second run
     for ex in chapter.exercises:
         if ex.check in plan.tampered:
             emit("row", row=_row(spec, ex, "tampered", plan.tampered[ex.check]))
@@ -284,7 +290,7 @@ def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
                 row = _row(spec, ex, "failed", "not run: its cell stopped before the check line: "
                                                f"{cell_errors[step.cell]}")
             else:
-                row = _grade_exercise(session, spec, nb, ex)
+                row = _grade_exercise(session, spec, nb, ex, alone=alone)
             row["message"] += "".join(f" ({note})" for note in plan.notes.get(ex.check, []))
             emit("row", row=row)
     finally:
@@ -292,12 +298,11 @@ def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
     for ex in chapter.exercises:
         if ex.check not in done:
             emit("row", row=_row(spec, ex, "not graded", session.why_stopped()))
-    emit("done", flags=_flags(nb, chapter, session), ran_as=session.ran_as)
+    emit("done", flags=_flags(written, session), ran_as=session.ran_as)
 
 
-def _flags(nb, chapter: Chapter, session: Session) -> list[str]:
-    source = nbformat.read(chapter.path, as_version=4)
-    flags = [f"review: {why}" for why in review_flags(learner_cells(nb, source))]
+def _flags(written: list, session: Session) -> list[str]:
+    flags = [f"review: {why}" for why in review_flags(written)]
     if session.output_total > session.limits.output:
         flags.append(f"printed {session.output_total / 2**20:.1f} MiB; the grader kept "
                      f"{session.limits.output / 2**20:.1f} MiB")

@@ -80,8 +80,8 @@ def format_table(rows: list[Row], *, columns: int = 100) -> str:
         lines.append(f"{notebook}{chapter}: {sum(r.points for r in mine)}/"
                      f"{sum(r.max_points for r in mine)}")
         for r in mine:
-            mark = "pass" if r.passed else (r.status or "FAIL").upper()[:8]
-            head = f"  {mark:<8}  {r.exercise:<{width}}  {r.points}/{r.max_points}  "
+            mark = "pass" if r.passed else (r.status or "failed").upper()
+            head = f"  {mark:<10}  {r.exercise:<{width}}  {r.points}/{r.max_points}  "
             text = [piece for line in (r.message or "").splitlines()
                     for piece in textwrap.wrap(line, max(columns - len(head), 30)) or [""]]
             lines.append(head + (text[0] if text else ""))

@@ -1,0 +1,82 @@
+"""The grader's clean room on every chapter: false positives and what it costs.
+
+    python benchmarks/bench_grading.py [--jobs 2] [--chapters 00 01 ...]
+
+For each chapter, two honest notebooks (the setup cell and the exercise cells, as the grading
+tests build them) are graded in one batch: the source's own cells ("course"), which the grader does
+not grade a second time, and the same answers with a comment of the learner's own in each solution
+("learner"), which go through the clean room. Every exercise must pass in both, with no review
+flag; the table gives each notebook's grading time, so the difference is the clean rooms' cost.
+Not a test: the times are this machine's, and the run takes several minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+import grading_notebooks as gn  # noqa: E402
+
+
+def learner_written(nb):
+    for cell in nb.cells:
+        if "### BEGIN SOLUTION" in cell.source:
+            cell.source = cell.source.replace("### BEGIN SOLUTION",
+                                              "### BEGIN SOLUTION\n    # my own answer")
+    return nb
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--chapters", nargs="*", default=[f"{n:02d}" for n in range(12)])
+    args = parser.parse_args()
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="bench-grading-"))
+    os.chmod(folder, 0o755)
+    for chapter in args.chapters:
+        gn.save(gn.trimmed(chapter), folder / f"{chapter}_course.ipynb")
+        gn.save(learner_written(gn.trimmed(chapter)), folder / f"{chapter}_learner.ipynb")
+    seconds: dict[str, float] = {}
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "companion", "grade", str(folder), "--out",
+                             str(folder / "grades"), "--jobs", str(args.jobs), "--source",
+                             str(REPO / "course")], stdout=subprocess.PIPE, text=True, cwd=folder)
+    for line in proc.stdout:
+        if line.startswith("graded "):                 # graded PATH: got/top (N s)
+            name = pathlib.Path(line.split(":")[0].removeprefix("graded ")).stem
+            seconds[name] = float(line.rsplit("(", 1)[1].split()[0])
+    proc.wait()
+    rows = json.loads((folder / "grades" / "grades.json").read_text())
+    print(f"graded {len(seconds)} notebooks in {time.monotonic() - start:.0f} s "
+          f"(--jobs {args.jobs})\n")
+    print("| chapter | exercises | passed (course / learner) | flags | course s | learner s |")
+    print("|---|---|---|---|---|---|")
+    bad = 0
+    for chapter in args.chapters:
+        mine = {kind: [r for r in rows if pathlib.Path(r["notebook"]).stem == f"{chapter}_{kind}"]
+                for kind in ("course", "learner")}
+        passed = {k: sum(r["passed"] for r in v) for k, v in mine.items()}
+        flags = {f for v in mine.values() for r in v for f in r["flags"].split("; ")
+                 if f.startswith("review")}
+        n = len(mine["course"])
+        bad += (passed["course"] != n) + (passed["learner"] != n) + bool(flags)
+        print(f"| {chapter} | {n} | {passed['course']} / {passed['learner']} | "
+              f"{', '.join(sorted(flags)) or 'none'} | {seconds.get(f'{chapter}_course', 0):.0f} | "
+              f"{seconds.get(f'{chapter}_learner', 0):.0f} |")
+        for r in mine["learner"] + mine["course"]:
+            if not r["passed"]:
+                print(f"    {r['notebook']} {r['exercise']}: {r['status']}: {r['message'][:300]}")
+    print(f"\nfalse positives: {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
