@@ -11,14 +11,16 @@
   when other notebooks are graded at the same time) and the checks run in a grading process that
   runs no learner code. Only return values come back, read as plain data
   (`torch.load(weights_only=True)`, plain tensors only) and compared there with a reference
-  computed there. Displayed output is never read. An answer that calls the exercise's reference
-  implementation scores 0.
+  computed there. Displayed output is never read. An answer that uses the exercise's reference
+  implementation scores 0: each answer that passes is graded again in a clean room, a fresh
+  interpreter that imports a copy of the package without that reference (`grader.cleanroom`).
 - Hard limits: a deadline per cell, per exercise and per notebook, after which the sandbox's
   process group is killed; a memory cap (RLIMIT_AS); an output cap; every process a notebook
   started is killed when it is done (the grading process is a child subreaper).
 - One bad notebook never costs the others: each is graded in its own processes; unreadable files
   become a row with the reason; reports are rewritten atomically after every notebook, so a killed
-  grader leaves those finished; their SHA-256 is printed and stored in grades.sha256.
+  grader leaves those finished (`--resume` carries on from there); their SHA-256 is printed and
+  stored in grades.sha256.
 
 See docs/GRADING.md for what this guarantees, what it does not, and how to grade in containers.
 """

@@ -6,7 +6,10 @@
 - `child`: the sandbox's side: runs cells, calls answers, replies with plain data.
 - `wire`: the messages between them, and reading replies without running code.
 - `answer`: `SandboxAnswer`, the learner's answer as a check sees it.
-- `job`: one notebook, in a grading process of its own.
+- `session`: the notebook's sandbox, restarted and replayed when lost.
+- `withhold`, `cleanroom`: a package copy without an exercise's references; the second, clean run
+  of an answer that decides whether it used them.
+- `job`: one notebook, in a grading process of its own (started by `boot.BOOT`).
 - `batch`: many notebooks, `--jobs` at a time; `integrity`: the grader's own files.
 - `reports`: rows, grades.json / grades.csv / grades.sha256, the table.
 """

@@ -1,10 +1,12 @@
 """Grade a batch: up to `jobs` notebooks at a time, each in a grading process of its own
-(`python -m companion.grader.job`), whose events become rows.
+(`companion.grader.job`, started through `boot.BOOT`), whose events become rows.
 
 A grading process that dies (a notebook that kills it, a crash) costs only its own notebook: the
 exercises it had not reported are "not graded", with the reason. After each notebook, processes
-it left behind are ended (this process is their subreaper), the grader's files are checked when
-the notebook ran with the grader's own permissions, and the reports are rewritten.
+it left behind are ended (this process is their subreaper), the grader's private copy (and the
+installed package, when the notebook ran with the grader's own permissions) is checked and put
+back, and the reports and `grades.state.json` are rewritten, so that `--resume` can carry on
+after a grader that was killed.
 """
 from __future__ import annotations
 
@@ -24,12 +26,13 @@ import time
 
 import nbformat
 
+from companion.grader.boot import BOOT
 from companion.grader.expected import Chapter, match_chapter
 from companion.grader.integrity import Snapshot
 from companion.grader.reports import Row, _atomic_write, write_reports
 from companion.grader.sandbox import children_of, end_descendants
 
-__all__ = ["Batch", "BOOT", "sandbox_user", "slot_user", "clean_user", "child_env"]
+__all__ = ["Batch", "sandbox_user", "slot_user", "clean_user", "child_env"]
 
 
 @dataclasses.dataclass
@@ -71,47 +74,6 @@ def clean_user(user: tuple[int, int] | None, slot: int):
     """The user a slot's clean rooms run as: not the one its first sandbox runs as, so that
     nothing that sandbox left can write the clean room's files or signal it."""
     return None if user is None else (_CLEAN_UIDS + slot, _CLEAN_UIDS + slot)
-
-
-# A grading process imports the package from the grader's private copy, each module checked
-# against the digest taken before any notebook ran, compiled from the bytes it checked (never
-# from bytecode): a notebook that ran with the grader's permissions and edited that copy stops
-# its own grading process ("changed in the grader's copy"), never changes the next notebook's
-# checks. This text is held by the batch process, which read it before any notebook ran.
-BOOT = r"""
-import hashlib, importlib.abc, importlib.util, json, os, sys
-spec = json.loads(sys.stdin.read())
-root, digests = spec["private"], spec["digests"]
-
-class Verified(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path=None, target=None):
-        if name != "companion" and not name.startswith("companion."):
-            return None
-        rel = name.replace(".", "/")
-        for file, package in ((rel + "/__init__.py", True), (rel + ".py", False)):
-            if file in digests:
-                return importlib.util.spec_from_file_location(
-                    name, os.path.join(root, file), loader=self,
-                    submodule_search_locations=[os.path.join(root, rel)] if package else None)
-        raise ModuleNotFoundError(f"no module named {name!r} in the grader's copy", name=name)
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        path = module.__spec__.origin
-        with open(path, "rb") as f:
-            data = f.read()
-        if hashlib.sha256(data).hexdigest() != digests[os.path.relpath(path, root)]:
-            raise ImportError(f"{os.path.relpath(path, root)} was changed in the grader's copy "
-                              "since grading began")
-        exec(compile(data, path, "exec"), module.__dict__)
-
-sys.meta_path.insert(0, Verified())
-sys.modules.setdefault("rfc3987_syntax", None)   # jsonschema's optional IRI grammar: 3 s to build
-import companion.grader.job
-sys.exit(companion.grader.job.main(spec))
-"""
 
 
 def child_env() -> dict[str, str]:

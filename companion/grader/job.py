@@ -1,11 +1,13 @@
-"""Grade one notebook in a process of its own (started by `companion.grading`, one per notebook).
+"""Grade one notebook in a process of its own (started by `batch`, one per notebook).
 
-    python -m companion.grader.job < spec.json          (one JSON event per line on stdout)
+    python -I -c "$BOOT" < spec.json          (see `boot`; one JSON event per line on stdout)
 
 It reads the submission and its source chapter, plans the steps, runs the cells in a sandbox
-(`sandbox.Child`), and runs every expected check here, in a process that runs no learner code,
-on a `SandboxAnswer`. If the sandbox dies or hangs, it is started again and the cells run so far
-are replayed (the one that killed it is skipped), so one exercise cannot cost the others. Events:
+(`session.Session`), and runs every expected check here, in a process that runs no learner code,
+on a `SandboxAnswer`; an answer that passes is graded again in a clean room (`cleanroom`), which
+decides whether it used a reference. If the sandbox dies or hangs, it is started again and the
+cells run so far are replayed (the one that killed it is skipped), so one exercise cannot cost the
+others. Events:
 "expected" (the rows it will fill), "row" (one exercise done), "done" (notebook-level flags).
 """
 from __future__ import annotations
@@ -15,7 +17,6 @@ import os
 import pathlib
 import shutil
 import sys
-import time
 
 import nbformat
 
@@ -23,101 +24,12 @@ from companion.checks.core import REGISTRY, CheckFailed, GraderError, NotDone, e
 from companion.grader import cleanroom
 from companion.grader.answer import SandboxAnswer
 from companion.grader.expected import Chapter, Exercise, match_chapter, make_plan, read_chapter
-from companion.grader.sandbox import Child, ChildLost, Limits, harden_self, paused, subtree
+from companion.grader.sandbox import ChildLost, Limits, harden_self, paused, subtree
+from companion.grader.session import Session
 from companion.grader.scan import learner_cells, reference_uses, review_flags
 from companion.grader.withhold import verified_files
 
-__all__ = ["Session", "grade_notebook", "main"]
-
-_MAX_RESTARTS = 3
-
-
-class Session:
-    """The notebook's sandbox, restarted (with the cells so far replayed) when it is lost."""
-
-    def __init__(self, spec: dict, limits: Limits, modules: tuple[str, ...] = (), *,
-                 env: dict | None = None, user: tuple[int, int] | None = None,
-                 withheld: dict | None = None):
-        self.spec, self.limits, self.modules = spec, limits, modules
-        self.env = spec["child_env"] if env is None else env
-        self.user = _user(spec) if user is None else user
-        self.withheld = withheld
-        self.deadline = time.monotonic() + limits.notebook
-        self.child: Child | None = None
-        self.history: list[str] = []          # code run so far, replayed after a restart
-        self.starts, self.losses, self.output_total, self.ran_as = 0, [], 0, None
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def lose(self, lost: ChildLost) -> None:
-        self._collect()
-        self.child = None
-        self.losses.append(lost.reason)
-
-    def _collect(self) -> None:
-        if self.child is not None:
-            self.output_total += self.child.output_total
-
-    def ensure(self) -> bool:
-        """A running sandbox with the history replayed, or False when none can be had."""
-        while self.child is None:
-            if self.starts > _MAX_RESTARTS or self.left() <= 0:
-                return False
-            self.starts += 1
-            child = Child(limits=self.limits, user=self.user, env=self.env,
-                          modules=self.modules, withheld=self.withheld)
-            try:
-                self.ran_as = child.start(timeout=min(120.0, self.left())).get("uid")
-                self.child = child
-                self._replay()
-            except ChildLost as lost:
-                self.lose(lost)
-        return True
-
-    def _replay(self) -> None:
-        for source in list(self.history):
-            try:
-                self.child.request({"op": "exec", "source": source}, interrupt=True,
-                                   timeout=min(self.limits.cell, self.left()))
-            except ChildLost:
-                self.history.remove(source)    # it ended the sandbox again: leave it out
-                raise
-
-    def run_cell(self, source: str) -> str:
-        """Run code; return '' or what went wrong."""
-        if not self.ensure():
-            return "not run: " + self.why_stopped()
-        try:
-            reply = self.child.request({"op": "exec", "source": source}, interrupt=True,
-                                       timeout=min(self.limits.cell, self.left()))
-        except ChildLost as lost:
-            self.lose(lost)
-            return f"its cell was stopped: {lost.reason}"
-        error = reply.get("error") if type(reply.get("error")) is str else ""
-        if reply.get("status") == "raised":             # an interrupt that came just too late
-            error = f"{reply.get('type')}: {reply.get('message')}"
-        if not error.startswith("KeyboardInterrupt"):       # interrupted at its limit: not again
-            self.history.append(source)
-        return error and (f"its cell ran past {self.limits.cell:g} s and was interrupted"
-                          if error.startswith("KeyboardInterrupt") else error)
-
-    def why_stopped(self) -> str:
-        if self.left() <= 0:
-            return f"the notebook's time limit ({self.limits.notebook:g} s) ran out"
-        return f"the notebook's process was lost {len(self.losses)} times (last: " \
-               f"{self.losses[-1] if self.losses else '?'})"
-
-    def close(self) -> None:
-        self._collect()
-        if self.child is not None:
-            self.child.kill()
-            self.child = None
-
-
-def _user(spec: dict) -> tuple[int, int] | None:
-    return tuple(spec["user"]) if spec.get("user") else None
-
+__all__ = ["grade_notebook", "main"]
 
 def _row(spec: dict, ex: Exercise, status: str, message: str, *, points: int = 0) -> dict:
     return {"notebook": spec["label"], "exercise": ex.name, "passed": status == "passed",
