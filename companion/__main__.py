@@ -60,7 +60,10 @@ def _grade(args) -> int:
 
     def progress(path, rows, seconds):
         got, top = sum(r.points for r in rows), sum(r.max_points for r in rows)
-        print(f"graded {path}: {got}/{top} ({seconds:.0f} s)", flush=True)
+        if seconds is None:
+            print(f"kept {path} from the earlier run: {got}/{top}", flush=True)
+        else:
+            print(f"graded {path}: {got}/{top} ({seconds:.0f} s)", flush=True)
 
     try:
         rows = grade(args.paths, cell_timeout=args.cell_timeout,

@@ -139,6 +139,7 @@ CHEATS = {
     "calls C directly": "import ctypes",
     "reads the package's or the course's files": "open(gd.__file__).read()",
     "reaches names it computes": "getattr(sys, 'setpro' + 'file')(None)",
+    "changes the companion's check or grading code": "floats.__withheld_live__ = False",
 }
 
 

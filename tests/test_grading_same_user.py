@@ -119,6 +119,8 @@ def test_a_killed_grader_resumes_where_it_stopped(graded):
     honest = graded["rows"]["f_honest"]
     assert all(r["passed"] for r in honest.values()), honest
     assert "ran with your permissions" in honest["mse_gradient"]["flags"]
+    assert "kept " in graded["stdout"] and "d_fresh_workbook.ipynb from the earlier run" in \
+        graded["stdout"]
     before = {(r["notebook"], r["exercise"]): r for r in graded["after_first"]}
     for stem in ("a_edits_installed_files", "d_fresh_workbook"):     # kept, not graded again
         for name, r in graded["rows"][stem].items():

@@ -149,7 +149,7 @@ class Batch:
             return False
         self.state[label] = {"sha256": now, "state": "done"}
         if self.progress:
-            self.progress(path, self.rows[index], 0.0)
+            self.progress(path, self.rows[index], None)        # None: kept, not graded now
         return True
 
     def _save_state(self) -> None:

@@ -20,7 +20,7 @@ _REVIEW = {
     "displays a check-result record (the grader does not read displayed output)":
         r"vnd\.companion|RESULT_MIME|_show_pass|_show\(",
     "changes the companion's check or grading code inside the notebook":
-        r"companion\.(checks|grader|grading)\b[^\n]*(=|setattr|__code__)|"
+        r"companion\.(checks|grader|grading)\b[^\n]*(=|setattr|__code__)|__withheld|"
         r"setattr\(\s*(core|ch\d\d)\b|\b(core|ch\d\d)\.\w+\s*=[^=]",
     "writes files of the installed companion or of the grader":
         r"__file__[^\n]*(open|write)|(open|write_text|write_bytes)[^\n]*__file__|site-packages",
