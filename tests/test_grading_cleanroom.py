@@ -74,19 +74,10 @@ def test_every_reference_of_the_course_is_withheld_and_the_copy_still_imports(tm
     probe = f'''
 import importlib, inspect, json, pkgutil, sys, types
 import companion
+from companion.grader.withhold import resolve
 for m in pkgutil.walk_packages(companion.__path__, "companion."):
     if ".grader" not in m.name:
         importlib.import_module(m.name)
-def resolve(dotted):
-    parts = dotted.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for a in parts[i:]:
-            obj = getattr(obj, a)
-        return obj
 def marked(fn):
     fn = inspect.unwrap(getattr(fn, "__func__", None) or getattr(fn, "fget", None) or fn)
     return any({MARK!r} in str(c) for c in fn.__code__.co_consts)

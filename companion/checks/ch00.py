@@ -11,7 +11,8 @@ import random
 import torch
 
 from companion import estimate, optim
-from companion.checks.core import CheckFailed, call, compare, exercise, fresh_seeds, harness, require
+from companion.checks.core import (MEASURES_ACTIVATIONS, CheckFailed, call, compare, exercise,
+                                   fresh_seeds, harness, require)
 from companion.memory import format_bytes, track
 from companion.models import MLP, make_classification
 
@@ -237,13 +238,8 @@ def check_model_state_bytes(answer) -> str:
 
 # ---------------------------------------------------------------- exercise 3: MLP activations
 
-@exercise(points=2, timeout=20.0, reference=("companion.estimate.mlp_activations",
-                                             "companion.memory.track",
-                                             "companion.memory.measure",
-                                             "companion.memory.memory_budget",
-                                             "companion.memory.budget_bytes",
-                                             "companion.checkpointing.activation_bytes",
-                                             "companion.checkpointing.saved_for_backward"))
+@exercise(points=2, timeout=20.0,
+          reference=("companion.estimate.mlp_activations", *MEASURES_ACTIVATIONS))
 def check_activation_bytes(answer) -> str:
     """answer(batch, width, depth, n_classes, bytes_per_value) -> bytes `MLP.loss` saves for
     backward (beyond its input batch and labels), held against a measurement."""

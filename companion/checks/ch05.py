@@ -11,8 +11,8 @@ import torch
 
 from companion import amp, estimate
 from companion.amp.scaler import _float32
-from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
-                                   require)
+from companion.checks.core import (MEASURES_ACTIVATIONS, CheckFailed, call, compare, exercise,
+                                   fresh_seeds, harness, require)
 from companion.memory import format_bytes, track
 from companion.models import MLP, make_classification
 
@@ -172,13 +172,7 @@ def _reference_bytes(B: int, d_in: int, W: int, L: int, K: int) -> int:
     return estimate.mlp_activations(B, W, L, K, precision="autocast", d_in=d_in)
 
 
-@exercise(points=1, reference=("companion.estimate.mlp_activations",
-                               "companion.memory.track",
-                               "companion.memory.measure",
-                               "companion.memory.memory_budget",
-                               "companion.memory.budget_bytes",
-                               "companion.checkpointing.activation_bytes",
-                               "companion.checkpointing.saved_for_backward"))
+@exercise(points=1, reference=("companion.estimate.mlp_activations", *MEASURES_ACTIVATIONS))
 def check_autocast_activation_bytes(answer) -> str:
     """answer(batch, d_in, width, depth, d_out) -> bytes that `MLP.loss` of an fp32 model saves for
     backward under 16-bit autocast, not counting its fp32 input batch and labels."""

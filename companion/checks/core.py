@@ -54,10 +54,17 @@ __all__ = [
     "time_limit",
     "REGISTRY",
     "RESULT_MIME",
+    "MEASURES_ACTIVATIONS",
 ]
 
 RESULT_MIME = "application/vnd.companion.check+json"
 REGISTRY: dict[str, "CheckInfo"] = {}
+
+# What measures the bytes saved for backward (an exercise asking for that count withholds them)
+MEASURES_ACTIVATIONS = ("companion.memory.track", "companion.memory.measure",
+                        "companion.memory.memory_budget", "companion.memory.budget_bytes",
+                        "companion.checkpointing.activation_bytes",
+                        "companion.checkpointing.saved_for_backward")
 
 
 class CheckFailed(AssertionError):

@@ -247,18 +247,11 @@ class _Monitor:
 
 
 def _codes_of(dotted: str) -> list:
-    parts, obj = dotted.split("."), None
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        try:
-            for attr in parts[i:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            return []
-        break
+    from companion.grader.withhold import resolve
+    try:
+        obj = resolve(dotted)
+    except (ImportError, AttributeError):
+        return []
     functions = []
     members = vars(obj).values() if isinstance(obj, type) else [obj]
     for member in members:

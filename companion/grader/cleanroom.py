@@ -9,7 +9,7 @@ the notebook's imports, `%load_ext` lines and `%%worker_module` cells, and the d
 answer needs (the statements that bind its name and, transitively, the names they use), then the
 check again. An answer that reaches a withheld reference, however it got hold of it, meets a
 `raise` (`withhold.MARK`) and scores 0 as "reference"; an answer that fails in the clean room for
-another reason fails, with both runs' messages.
+another reason fails, with the clean room's message.
 """
 from __future__ import annotations
 
@@ -75,10 +75,8 @@ def _lines(source: str, node: ast.stmt) -> tuple[int, int]:
 def needed_sources(sources: list[str], answer: str) -> list[str]:
     """From the code run before the check (one string per step), what the clean room runs."""
     statements = []                          # (step, node, always)
-    trees = []
     for i, source in enumerate(sources):
         tree = None if source.lstrip().startswith("%%") else python_of(source)
-        trees.append(tree)
         for node in tree.body if tree is not None else []:
             if isinstance(node, (ast.Import, ast.ImportFrom)) or _loader(node):
                 statements.append((i, node, True))
@@ -88,7 +86,7 @@ def needed_sources(sources: list[str], answer: str) -> list[str]:
     changed = True
     while changed:
         changed = False
-        for _, node, _always in statements:
+        for _, node, _ in statements:
             if id(node) not in chosen and _binds(node) & needed:
                 chosen.add(id(node))
                 needed |= _uses(node)

@@ -96,30 +96,26 @@ class Snapshot:
             if self.caches.get(cache) != identity:
                 pathlib.Path(cache).unlink(missing_ok=True)
 
+    def _private_files(self) -> dict[str, bytes]:
+        """What `private_copy` holds: {path there: bytes}."""
+        out = {f"companion/{rel}": data for rel, data in self.files.items()}
+        out.update({f"sources/{path.name}": data for path, data in self.notebooks.items()})
+        return out
+
     def private_copy(self) -> pathlib.Path:
         """A folder (mode 700) holding companion/ and sources/ as snapshotted."""
         root = pathlib.Path(tempfile.mkdtemp(prefix="companion-grader-"))
-        for rel, data in self.files.items():
-            path = root / "companion" / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-        (root / "sources").mkdir()
-        for path, data in self.notebooks.items():
-            (root / "sources" / path.name).write_bytes(data)
+        self.restore_private(root)
         return root
 
     def digests(self) -> dict[str, str]:
         """SHA-256 of each file of `private_copy`, by its path there."""
-        out = {f"companion/{rel}": hashlib.sha256(data).hexdigest()
-               for rel, data in self.files.items()}
-        out.update({f"sources/{path.name}": hashlib.sha256(data).hexdigest()
-                    for path, data in self.notebooks.items()})
-        return out
+        return {rel: hashlib.sha256(data).hexdigest()
+                for rel, data in self._private_files().items()}
 
     def private_changes(self, root: pathlib.Path) -> list[str]:
         """What differs in a `private_copy` at root from the snapshot (paths there)."""
-        want = {f"companion/{rel}": data for rel, data in self.files.items()}
-        want.update({f"sources/{p.name}": data for p, data in self.notebooks.items()})
+        want = self._private_files()
         have = {str(p.relative_to(root)): p for p in root.rglob("*")
                 if p.is_file() and "__pycache__" not in p.parts}
         changed = [rel for rel, data in want.items()
@@ -127,19 +123,17 @@ class Snapshot:
         return changed + sorted(set(have) - set(want))
 
     def restore_private(self, root: pathlib.Path) -> None:
-        """Rewrite a `private_copy` as snapshotted (files that appeared in it are deleted)."""
-        fresh = self.private_copy()
-        try:
-            for path in [p for p in root.rglob("*") if p.is_file() or p.is_symlink()]:
+        """Write a `private_copy` at root as snapshotted (files that appeared in it are deleted)."""
+        want = self._private_files()
+        for path in [p for p in root.rglob("*") if p.is_file() or p.is_symlink()]:
+            if str(path.relative_to(root)) not in want:
                 path.unlink()
-            for path in sorted(fresh.rglob("*")):
-                target = root / path.relative_to(fresh)
-                if path.is_dir():
-                    target.mkdir(exist_ok=True)
-                else:
-                    target.write_bytes(path.read_bytes())
-        finally:
-            self.remove(fresh)
+        for rel, data in want.items():
+            path = root / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.is_file() or path.is_symlink() or path.read_bytes() != data:
+                path.unlink(missing_ok=True)
+                path.write_bytes(data)
 
     @staticmethod
     def remove(root: pathlib.Path) -> None:

@@ -31,6 +31,7 @@ from companion.grader.withhold import verified_files
 
 __all__ = ["grade_notebook", "main"]
 
+
 def _row(spec: dict, ex: Exercise, status: str, message: str, *, points: int = 0) -> dict:
     return {"notebook": spec["label"], "exercise": ex.name, "passed": status == "passed",
             "points": points, "max_points": ex.points, "message": message, "status": status}

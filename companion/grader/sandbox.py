@@ -30,8 +30,7 @@ import time
 from companion.grader import wire
 
 __all__ = ["Limits", "Child", "ChildLost", "harden_self", "children_of", "subtree", "paused",
-           "unreachable",
-           "end_descendants"]
+           "unreachable", "end_descendants"]
 
 _PR_SET_DUMPABLE, _PR_SET_CHILD_SUBREAPER = 4, 36
 

@@ -17,7 +17,7 @@ import importlib
 import os
 import pathlib
 
-__all__ = ["MARK", "Withheld", "locate", "withheld_sources", "write_tree", "verified_files"]
+__all__ = ["MARK", "Withheld", "resolve", "locate", "withheld_sources", "write_tree", "verified_files"]
 
 MARK = "[withheld]"          # in every message a withheld function raises
 
@@ -39,7 +39,8 @@ class Withheld:
                 self.inside[rel].append((qualname, dotted))
 
 
-def _resolve(dotted: str):
+def resolve(dotted: str):
+    """The object a dotted name names: the longest importable module, then attributes."""
     parts = dotted.split(".")
     for i in range(len(parts), 0, -1):
         try:
@@ -58,7 +59,7 @@ def locate(dotted: str) -> tuple[str, str] | None:
     if not dotted.startswith("companion."):
         return None
     import companion
-    obj = _resolve(dotted)
+    obj = resolve(dotted)
     module = importlib.import_module(obj.__module__)
     root = pathlib.Path(companion.__file__).resolve().parent.parent
     path = pathlib.Path(module.__file__).resolve()
