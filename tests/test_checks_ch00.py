@@ -262,10 +262,12 @@ def test_the_adam_check_judges_an_answer_that_lives_elsewhere():
 def test_the_pass_message_counts_gpt2_xl_as_the_estimator_does():
     n = estimate.gpt_params(50257, 1024, 1600, 48)
     states = estimate.model_states(n, precision="mixed").total
-    acts = estimate.transformer_activations(8, 1024, 1600, 48, 25, 50257)
+    plain, dropped = (estimate.transformer_activations(8, 1024, 1600, 48, 25, 50257, dropout=d)
+                      for d in (False, True))
     message = evaluate("check_transformer_activations", transformer_reference)
-    assert f"{states / 1e9:.1f} GB of model states of its {n / 1e9:.2f}B parameters" in message
-    assert f"{(acts + states) / 1e9:.0f} GB" in message and n > 1.6e9
+    assert f"{n / 1e9:.2f}B parameters: {states / 1e9:.1f} GB of model states" in message
+    assert f"convention, {plain / 1e9:.1f} GB of activations, {(plain + states) / 1e9:.0f} GB" in message
+    assert f"{(dropped + states) / 1e9:.0f} GB: more than" in message and n > 1.6e9
 
 
 def test_a_wrong_byte_count_prints_as_the_int_it_is():

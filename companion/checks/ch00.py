@@ -329,10 +329,14 @@ def check_transformer_activations(answer) -> str:
                     f"heads {a}, vocab {V}, dropout={dropout}", rtol=0.0, atol=0.5,
                     known_wrong=wrong)
     width, depth, heads = _GPT2["GPT-2 XL"]
-    xl = estimate.transformer_activations(8, 1024, width, depth, heads, 50257)
+    plain, dropped = (estimate.transformer_activations(8, 1024, width, depth, heads, 50257,
+                                                       dropout=d) for d in (False, True))
     n = estimate.gpt_params(50257, 1024, width, depth)            # the head not tied: 1.64B
     states = estimate.model_states(n, precision="mixed").total
-    return (f"GPT-2 XL, batch 8 × 1024 tokens, 16-bit with dropout: {xl / 1e9:.1f} GB of "
-            f"activations; with the {states / 1e9:.1f} GB of model states of its {n / 1e9:.2f}B "
-            f"parameters (16-bit + fp32 master, Adam), {(xl + states) / 1e9:.0f} GB: more than an "
-            "80 GB GPU holds")
+    return (f"GPT-2 XL, batch 8 × 1024 tokens, 16-bit, {n / 1e9:.2f}B parameters: "
+            f"{states / 1e9:.1f} GB of model states (16-bit + fp32 master, Adam); without "
+            f"dropout, this chapter's convention, {plain / 1e9:.1f} GB of activations, "
+            f"{(plain + states) / 1e9:.0f} GB in all, under 80 GB with "
+            f"{80 - (plain + states) / 1e9:.0f} GB for temporaries; with dropout, "
+            f"{dropped / 1e9:.1f} GB of activations, {(dropped + states) / 1e9:.0f} GB: more than "
+            "an 80 GB GPU holds")
