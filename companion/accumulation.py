@@ -43,6 +43,7 @@ __all__ = [
     "step_memory",
     "find_max_batch_size",
     "choose_micro_batch",
+    "fit_accumulation",
 ]
 
 
@@ -214,10 +215,63 @@ def find_max_batch_size(step: Callable[[int], object], *, start: int = 1,
 def choose_micro_batch(target: int, max_batch: int) -> tuple[int, int]:
     """(b, k) with b·k == target and b the largest that fits (b <= max_batch): fewest micro-steps.
 
-    b must divide the target so that every micro-batch has the same size (then scaling each loss
-    by 1/k is exact).
+    b divides the target, so every micro-batch has the same size and scaling each loss by 1/k is
+    exact. (Weighting each micro-batch by its share, as `accumulation_step` does, is exact for
+    uneven ones too: `fit_accumulation` splits that way, and never falls to b = 1 for a prime
+    target.) `max_batch` must be the largest *micro*-batch that fits, measured with accumulation
+    (`fit_accumulation`): a batch that fits alone is larger.
     """
     if target < 1 or max_batch < 1:
         raise ValueError(f"target and max_batch must be positive, got {target} and {max_batch}")
     b = max(d for d in range(1, min(target, max_batch) + 1) if target % d == 0)
     return b, target // b
+
+
+def fit_accumulation(step: Callable[[int, int], object], target: int, *, start: int = 1,
+                     steps: int = 2, device: torch.device | str | None = None) -> tuple[int, int]:
+    """(b, k): the fewest micro-batches k, of at most b examples, in which an effective batch of
+    `target` examples trains without `torch.OutOfMemoryError`.
+
+    `step(batch, accum_steps)` takes one optimizer step on the first `batch` examples as
+    `accum_steps` micro-batches (`accumulation_step`). Every trial runs `steps` (at least two)
+    optimizer steps of the configuration it vouches for: the first step creates the optimizer's
+    state, which every later step carries through forward and backward, and from the second
+    micro-batch on the earlier micro-batches' gradients are alive while the next one's activations
+    are. So the largest micro-batch is smaller than the largest batch that fits alone
+    (`find_max_batch_size` of one plain step).
+
+    Example:
+        >>> with memory_budget("64 MiB"):
+        ...     b, k = fit_accumulation(lambda n, k: accumulation_step(
+        ...         model, F.cross_entropy, opt, X[:n], Y[:n], accum_steps=k), target=1024)
+    """
+    if steps < 2:
+        raise ValueError(f"steps must be at least 2 (the first optimizer step creates the "
+                         f"optimizer's state, the second carries it), got {steps}")
+    if target < 2:
+        raise ValueError(f"target must be at least 2 examples, got {target}")
+    device = torch.device(device if device is not None else
+                          "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not budget_active():
+        warnings.warn("fit_accumulation on the CPU outside memory_budget: nothing runs out of "
+                      "memory before the machine's RAM does. Wrap the call in "
+                      "companion.memory.memory_budget(...), unless step raises "
+                      "torch.OutOfMemoryError itself.", stacklevel=2)
+
+    def trial(batch: int, accum_steps: int) -> None:
+        for _ in range(steps):
+            step(batch, accum_steps)
+
+    if _fits(lambda n: trial(n, 1), target, device):           # 1. the whole batch at once
+        return target, 1
+    # 2. The largest micro-batch b, two micro-batches of b per step: with k >= 2 the peak holds
+    #    one set of gradients and one micro-batch's activations, whatever k is.
+    with warnings.catch_warnings():                            # said above; limit is k = 2
+        warnings.simplefilter("ignore")
+        largest = find_max_batch_size(lambda b: trial(2 * b, 2), start=min(start, target // 2),
+                                      device=device, limit=target // 2)
+    # 3. The fewest micro-batches of at most `largest`; run it, and split finer if it fails.
+    for k in range(-(-target // largest), target + 1):
+        if _fits(lambda n: trial(n, k), target, device):
+            return -(-target // k), k
+    raise torch.OutOfMemoryError(f"no split of {target} examples into micro-batches fits")

@@ -12,11 +12,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import platform
+import subprocess
 
 import torch
 
-__all__ = ["pick_device", "describe", "Sizes", "sizes", "sizes_for_memory", "gpu_class",
+__all__ = ["pick_device", "describe", "cpu_model", "Sizes", "sizes", "sizes_for_memory", "gpu_class",
            "GPU_CLASSES_GB"]
 
 
@@ -41,9 +43,27 @@ def describe(device: torch.device | str | None = None) -> dict:
         info["name"] = props.name
         info["memory_bytes"] = props.total_memory
     else:
-        info["name"] = platform.processor() or platform.machine()
+        info["name"] = cpu_model()
         info["threads"] = torch.get_num_threads()
     return info
+
+
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC 7B13"), from /proc/cpuinfo on Linux, sysctl on macOS, or
+    the registry's string on Windows; the architecture ("x86_64") where none of them answers."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                  text=True, timeout=5, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine()
 
 
 @dataclasses.dataclass(frozen=True)

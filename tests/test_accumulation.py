@@ -187,6 +187,81 @@ def test_find_max_batch_size_under_a_cpu_memory_budget():
     assert 16 < best < 4096
 
 
+
+class _Ledger:
+    """A step whose memory follows the accumulation ledger: weights P; the optimizer's state O
+    from the end of the first step on; one set of gradients G while a second micro-batch runs;
+    a micro-batch's activations A per example. Raises OutOfMemoryError above `limit`."""
+
+    def __init__(self, limit, P=100, O=200, G=200, A=1):
+        self.limit, self.P, self.O, self.G, self.A = limit, P, O, G, A
+        self.stepped, self.calls = False, []
+
+    def __call__(self, batch, accum_steps):
+        self.calls.append((batch, accum_steps))
+        micro = -(-batch // accum_steps)
+        peak = (self.P + self.O * self.stepped + self.G * (accum_steps > 1) + self.A * micro)
+        if peak > self.limit:
+            raise torch.OutOfMemoryError(f"{peak} > {self.limit}")
+        self.stepped = True
+
+
+def test_fit_accumulation_vouches_for_the_configuration_it_ran():
+    ledger = _Ledger(limit=700)                      # plain: 300 + 400 fits; micro: 500 + 200
+    with pytest.warns(UserWarning, match="outside memory_budget"):
+        plain = acc.find_max_batch_size(lambda b: ledger(b, 1), limit=2000)
+    assert plain == 400
+    b, k = acc.choose_micro_batch(1000, plain)       # the plain batch's search, reused: 4 × 250
+    ledger.stepped = True                            # as at any step after the first
+    with pytest.raises(torch.OutOfMemoryError):
+        ledger(1000, k)
+    ledger = _Ledger(limit=700)
+    with pytest.warns(UserWarning, match="outside memory_budget"):
+        b, k = acc.fit_accumulation(ledger, 1000, start=8)
+    assert (b, k) == (200, 5)
+    assert all(k > 1 for n, k in ledger.calls[2:])    # after the whole batch's try: accumulation
+    assert ledger.calls[-2:] == [(1000, 5), (1000, 5)]   # the answer itself, run for two steps
+
+
+@pytest.mark.filterwarnings("ignore:fit_accumulation on the CPU outside memory_budget")
+def test_fit_accumulation_needs_no_divisor_and_takes_the_whole_batch_when_it_fits():
+    b, k = acc.fit_accumulation(_Ledger(limit=700), 1009, start=8)   # 1009 is prime
+    assert (b, k) == (169, 6)                         # ceil(1009 / 200) micro-batches of <= 169
+    assert acc.fit_accumulation(_Ledger(limit=5000), 1009) == (1009, 1)
+    with pytest.raises(ValueError, match="at least 2"):
+        acc.fit_accumulation(_Ledger(limit=700), 1000, steps=1)
+    with pytest.raises(torch.OutOfMemoryError):
+        acc.fit_accumulation(_Ledger(limit=350), 1000)            # states alone: 400
+
+
+def test_fit_accumulation_survives_more_steps_where_the_plain_search_does_not():
+    from companion import models
+    from companion.memory import memory_budget
+    x, y = models.make_classification(4096, 8, 5, seed=0)
+    make = lambda: models.MLP(8, 64, 4, 5, seed=0)
+    with memory_budget("1 MiB"):
+        model = make()
+        opt = torch.optim.Adam(model.parameters())
+        step = lambda n, k: acc.accumulation_step(model, F.cross_entropy, opt, x[:n], y[:n],
+                                                  accum_steps=k)
+        plain = acc.find_max_batch_size(lambda b: step(b, 1), start=4, limit=1024)
+        target = 4 * plain
+        b, k = acc.fit_accumulation(step, target, start=4)
+        assert b < plain < 1024
+    for micro, steps_ok in [(acc.choose_micro_batch(target, plain), False), ((b, k), True)]:
+        with memory_budget("1 MiB"):
+            model = make()
+            opt = torch.optim.Adam(model.parameters())
+            run = lambda: acc.accumulation_step(model, F.cross_entropy, opt, x[:target], y[:target],
+                                                accum_steps=micro[1])
+            run()                                     # the first step: no Adam state yet
+            if steps_ok:
+                run(), run()
+            else:
+                with pytest.raises(torch.OutOfMemoryError):
+                    run()
+
+
 # ---------------------------------------------------------------- token-count normalization
 
 def _padded_micro_batches(seed, rows=(3, 2, 4), T=9, V=23):

@@ -122,3 +122,18 @@ def test_the_fit_check_catches_sizes_that_do_not_fit():
     assert predicted_peaks(old_00)["00"]["gpt training step"] > 130e9
     old_04 = dataclasses.replace(_SIZES["cuda"], ckpt_gpt_batch=16)
     assert max(predicted_peaks(old_04)["04"].values()) > 0.6 * 80e9
+
+
+def test_cpu_model_reads_the_model_name_not_the_architecture(monkeypatch, tmp_path):
+    from companion import device as dev
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) "
+                    "Platinum 8480+\nflags\t\t: fpu avx512_bf16\n")
+    real = dev.pathlib.Path
+    monkeypatch.setattr(dev.pathlib, "Path", lambda p: real(info) if p == "/proc/cpuinfo" else real(p))
+    assert dev.cpu_model() == "Intel(R) Xeon(R) Platinum 8480+"
+    assert dev.describe("cpu")["name"] == "Intel(R) Xeon(R) Platinum 8480+"
+    monkeypatch.setattr(dev.pathlib, "Path", lambda p: real(tmp_path / "absent"))
+    monkeypatch.setattr(dev.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(dev.platform, "processor", lambda: "")
+    assert dev.cpu_model() == dev.platform.machine()

@@ -166,8 +166,9 @@ def _largest_batch(make, X: torch.Tensor, Y: torch.Tensor, budget: int, *, start
         model = make()
         opt = torch.optim.Adam(model.parameters(), foreach=foreach)
 
-        def step(b: int) -> None:
-            accumulation_step(model, F.cross_entropy, opt, X[:b], Y[:b], accum_steps=1)
+        def step(b: int) -> None:            # two: the first creates Adam's state, the second carries it
+            for _ in range(2):
+                accumulation_step(model, F.cross_entropy, opt, X[:b], Y[:b], accum_steps=1)
 
         return find_max_batch_size(step, start=start, device=device, limit=len(X))
 
