@@ -48,11 +48,14 @@ def describe(device: torch.device | str | None = None) -> dict:
     return info
 
 
+CPUINFO = "/proc/cpuinfo"         # Linux's description of its CPUs, read by cpu_model
+
+
 def cpu_model() -> str:
     """The CPU's model name ("AMD EPYC 7B13"), from /proc/cpuinfo on Linux, sysctl on macOS, or
     the registry's string on Windows; the architecture ("x86_64") where none of them answers."""
     try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+        for line in pathlib.Path(CPUINFO).read_text().splitlines():
             if line.lower().startswith(("model name", "hardware", "cpu model")):
                 return line.split(":", 1)[1].strip()
     except OSError:

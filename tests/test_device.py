@@ -129,11 +129,10 @@ def test_cpu_model_reads_the_model_name_not_the_architecture(monkeypatch, tmp_pa
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) "
                     "Platinum 8480+\nflags\t\t: fpu avx512_bf16\n")
-    real = dev.pathlib.Path
-    monkeypatch.setattr(dev.pathlib, "Path", lambda p: real(info) if p == "/proc/cpuinfo" else real(p))
+    monkeypatch.setattr(dev, "CPUINFO", str(info))
     assert dev.cpu_model() == "Intel(R) Xeon(R) Platinum 8480+"
     assert dev.describe("cpu")["name"] == "Intel(R) Xeon(R) Platinum 8480+"
-    monkeypatch.setattr(dev.pathlib, "Path", lambda p: real(tmp_path / "absent"))
+    monkeypatch.setattr(dev, "CPUINFO", str(tmp_path / "absent"))
     monkeypatch.setattr(dev.platform, "system", lambda: "Linux")
     monkeypatch.setattr(dev.platform, "processor", lambda: "")
     assert dev.cpu_model() == dev.platform.machine()
