@@ -1,5 +1,7 @@
 """companion.checkpointing against plain autograd and torch.utils.checkpoint."""
+import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -8,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from companion import checkpointing as ck
-from companion import memory
+from companion import memory, models
+from companion.memory import track
 
 
 def _block(width=12, p=0.0, seed=0):
@@ -429,3 +432,82 @@ def test_checkpoint_sequential_with_dropout_equals_torch_for_both_designs(use_re
         got[name] = [y.detach(), x.grad] + [p.grad for m in layers for p in m.parameters()]
     for a, b in zip(got["ours"], got["torch"]):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- Korthikanti's selective recompute
+
+def _kept_between(fn, x):
+    """Bytes live between forward and backward, the input x included (it exists before)."""
+    with track(x.device) as tracker:
+        y = fn(x)
+        kept = tracker.current - y.untyped_storage().nbytes()
+    return kept + x.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("batch, seq, width, heads", [(3, 13, 24, 3), (2, 32, 40, 5), (1, 9, 16, 4)])
+def test_selective_block_matches_the_block_bit_for_bit(batch, seq, width, heads):
+    torch.manual_seed(seq)
+    block = models.Block(width, heads)
+    x = torch.randn(batch, seq, width)
+
+    def grads(run):
+        block.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        y = run(xx)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        return [y.detach()] + [p.grad for p in block.parameters()] + [xx.grad]
+
+    plain = grads(block)
+    for run in (lambda t: ck.selective_block(block, t),
+                lambda t: ck.checkpoint_hooks(block, t, policy=ck.attention_core_policy)):
+        assert all(torch.equal(a, b) for a, b in zip(grads(run), plain))
+
+
+@pytest.mark.parametrize("batch, seq, width, heads", [(3, 13, 24, 3), (2, 32, 40, 5), (4, 17, 12, 2)])
+def test_selective_block_drops_exactly_the_attention_core_of_the_formula(batch, seq, width, heads):
+    torch.manual_seed(0)
+    block = models.Block(width, heads)
+    x = torch.randn(batch, seq, width, requires_grad=True)
+    plain = ck.activation_bytes(block, x)
+    selective = _kept_between(lambda t: ck.selective_block(block, t), x)
+    assert plain == ck.block_activation_bytes(batch, seq, width, heads)
+    assert selective == ck.block_activation_bytes(batch, seq, width, heads, recompute_core=True)
+    # the core's term: the fp32 softmax output (a·s²·b·4) and the bool causal mask (s²)
+    assert plain - selective == 4 * heads * seq * seq * batch + seq * seq
+
+
+def test_block_formula_is_megatrons_without_its_dropouts_in_16_bits():
+    b, s, h, a = 2, 64, 48, 4
+    ours16 = ck.block_activation_bytes(b, s, h, a, dtype=torch.bfloat16)
+    # Megatron: 34·sbh + 5·a·s²·b; less two sbh-byte dropout masks, the attention dropout's mask
+    # (a·s²·b) and output (2·a·s²·b); plus LayerNorm statistics (4·s·b·2) and the mask (s²)
+    assert ours16 == (ck.megatron_activation_bytes(b, s, h, a) - 2 * s * b * h - 3 * a * s * s * b
+                      + 8 * s * b + s * s)
+    assert ck.megatron_activation_bytes(b, s, h, a, recompute_core=True) == 34 * s * b * h
+
+
+def test_attention_core_policy_keeps_no_sequence_squared_tensor():
+    torch.manual_seed(1)
+    block = models.Block(24, 3)
+    kept = [_kept_between(lambda t: ck.checkpoint_hooks(block, t, policy=ck.attention_core_policy),
+                          torch.randn(2, T, 24, requires_grad=True)) for T in (10, 20)]
+    assert kept[1] == 2 * kept[0]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_checkpoint_plan_is_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(1, 9)
+    saved = [rng.randrange(1, 50) for _ in range(n)]
+    inputs = [rng.randrange(1, 10) for _ in range(n)]
+    cost = [rng.randrange(1, 9) for _ in range(n)]
+    budget = rng.randrange(1, sum(saved) + 10)
+    plan = ck.checkpoint_plan(saved, inputs, cost, budget)
+    plans = [[0, *c] for k in range(n) for c in itertools.combinations(range(1, n), k)]
+    fits = [ck.plan_cost(p, saved, inputs, cost) for p in plans
+            if ck.plan_cost(p, saved, inputs, cost)[0] <= budget]
+    if not fits:
+        assert plan is None
+    else:
+        peak, recompute = ck.plan_cost(plan, saved, inputs, cost)
+        assert peak <= budget and recompute == min(r for _, r in fits)

@@ -1,13 +1,12 @@
 """Chapter 04's checks pass on the reference and fail on known-wrong answers."""
-import math
 
 import pytest
 import torch
 
 from companion import checkpointing as ck
 from companion.checks import ch04
-from companion.checks.ch04 import (check_checkpoint_function, check_saved_bytes,
-                                   check_segments_for_budget)
+from companion.checks.ch04 import (check_checkpoint_function, check_checkpoint_plan,
+                                   check_saved_bytes)
 from companion.checks.core import CheckFailed
 
 
@@ -145,36 +144,39 @@ def test_checkpoint_function_wrong_answers_fail(wrong, hint):
         check_checkpoint_function(wrong)
 
 
-def test_segments_for_budget_reference_passes():
-    check_segments_for_budget(ck.segments_for_budget)
+def test_checkpoint_plan_reference_passes():
+    check_checkpoint_plan(ck.checkpoint_plan)
 
 
-def _forgot_boundaries(n, unit, budget):
-    return next((s for s in range(1, n + 1) if math.ceil(n / s) * unit <= budget), None)
-
-
-def _ceil_longest(n, unit, budget):
-    """Known wrong: the longest segment taken as ceil(n / s) (checkpoint_sequential's last
-    segment takes the remainder, n - (n // s)(s - 1), which can be longer)."""
-    return next((s for s in range(1, n + 1) if (s - 1 + math.ceil(n / s)) * unit <= budget), None)
-
-
-def test_ceil_rule_differs_from_the_reference_on_the_fixed_cases():
-    assert (ck.segments_for_budget(26, 1000, 10000), _ceil_longest(26, 1000, 10000)) == (5, 4)
-    assert (ck.segments_for_budget(11, 1000, 6000), _ceil_longest(11, 1000, 6000)) == (None, 3)
+@pytest.mark.parametrize("wrong, hint", ch04._PLAN_HINTS)
+def test_checkpoint_plan_wrong_rules_fail_with_their_own_hint(wrong, hint):
+    with pytest.raises(CheckFailed) as failure:
+        check_checkpoint_plan(wrong)
+    assert failure.value.hint == hint
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (_forgot_boundaries, "stay in memory too"),
-    (_ceil_longest, "remainder"),
-    (lambda n, unit, budget: ck.sqrt_segments(n), "fewest"),
-    (lambda n, unit, budget: ck.segments_for_budget(n, unit, budget) or 1, "None"),
-    (lambda n, unit, budget: n, None),
-    (lambda n, unit, budget: str(ck.segments_for_budget(n, unit, budget)), None),
+    (lambda *a: [0], "no plan fits this budget"),                     # never checkpoints
+    (lambda saved, *a: list(range(len(saved))), "expected None"),     # a checkpoint per layer
+    (lambda *a: None, "None only when no plan fits"),
+    (lambda saved, *a: (0,), "expected None"),
 ])
-def test_segments_for_budget_wrong_answers_fail(wrong, hint):
+def test_checkpoint_plan_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
-        check_segments_for_budget(wrong)
+        check_checkpoint_plan(wrong)
+
+
+def test_checkpoint_plan_rejects_a_plan_that_is_not_starts():
+    with pytest.raises(CheckFailed, match="list of increasing"):
+        check_checkpoint_plan(lambda saved, inputs, cost, budget:
+                              [3, 0] if ck.checkpoint_plan(saved, inputs, cost, budget) else None)
+
+
+def test_plan_cost_counts_the_checkpoints_and_the_largest_segment():
+    saved, inputs, cost = [4, 1, 1, 6], [9, 2, 3, 5], [1.0, 2.0, 3.0, 4.0]
+    assert ck.plan_cost([0], saved, inputs, cost) == (12, 0.0)
+    assert ck.plan_cost([0, 2], saved, inputs, cost) == (9 + 7, 3.0)        # max(5, 7)
+    assert ck.plan_cost([0, 1, 3], saved, inputs, cost) == (9 + 2 + 6, 6.0)
 
 
 def _hangs(*args):
@@ -182,7 +184,7 @@ def _hangs(*args):
         pass
 
 
-CHECKS = [check_saved_bytes, check_checkpoint_function, check_segments_for_budget]
+CHECKS = [check_saved_bytes, check_checkpoint_function, check_checkpoint_plan]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -201,19 +203,25 @@ def test_a_hang_fails_within_the_time_limit(check):
 
 
 def test_selective_policy_reference_passes(capsys):
-    ch04.check_selective_policy(ck.save_linear_outputs)
-    assert "your policy" in capsys.readouterr().out
+    ch04.check_selective_policy(ck.attention_core_policy)
+    assert "only the attention core" in capsys.readouterr().out
 
 
 _aten = torch.ops.aten
+_core = ck.attention_core_policy
 
 
 @pytest.mark.parametrize("wrong, hint", [
     (lambda op: True, "keeping everything saves nothing"),
-    (lambda op: False, "keep what nn.Linear computes"),
-    (ck.save_matmul_outputs, "attention's q·kᵀ"),
-    (lambda op: op.overloadpacket in (_aten.mm, _aten.addmm, _aten._softmax), "softmax"),
-    (lambda op: op.overloadpacket == _aten.addmm, "aten.mm and aten.addmm"),
+    (lambda op: False, "runs outside the attention core"),
+    (ck.save_linear_outputs, "LayerNorm runs outside"),
+    (lambda op: op.overloadpacket in (_aten.addmm, _aten.native_layer_norm, _aten.add),
+     "GELU belongs to the MLP"),
+    (lambda op: op.overloadpacket not in (_aten.bmm, _aten._softmax), "grows faster than T"),
+    (lambda op: op.overloadpacket is not _aten._softmax, "grows faster than T"),
+    (lambda op: _core(op) or op.overloadpacket in (_aten.view, _aten.expand, _aten._unsafe_view),
+     "a kept view"),
+    (lambda op: _core(op) or op.overloadpacket is _aten.clone, "aten.clone"),
     (lambda op: 1, "return a bool"),
     (lambda op: op.name(), "return a bool"),
 ])

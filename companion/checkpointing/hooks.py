@@ -8,11 +8,11 @@ inside backward: the graph is the one built in forward, so `torch.autograd.grad`
 arguments and outputs that are not tensors all work, which the reentrant design cannot offer.
 PyTorch's own `torch.utils.checkpoint` has recommended this design (use_reentrant=False) since 2.1.
 
-Selective recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models"; PyTorch's selective activation checkpointing) keeps the outputs of some
-operators and recomputes the rest: a `policy(op) -> bool` says which to keep. Keeping the outputs
-of the expensive matrix multiplies and recomputing the cheap element-wise ones, softmax and the
-attention products costs little time and keeps most of the saving.
+Selective recomputation (PyTorch's selective activation checkpointing) keeps the outputs of some
+operators and recomputes the rest: a `policy(op) -> bool` says which to keep. `save_linear_outputs`
+keeps only the Linear layers' matrix multiplies and recomputes everything else; Korthikanti et al.
+(2022, arXiv:2205.05198) recompute far less, only the attention core
+(`companion.checkpointing.selective`).
 
 Memory: the block's inputs, plus whatever the policy keeps; during backward, one block's saved
 tensors at a time. Cost: one more forward of the block (minus the operators the policy keeps).

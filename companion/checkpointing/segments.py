@@ -3,6 +3,7 @@ predicted, and measured per segment count."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 from typing import Callable, Sequence
 
@@ -12,7 +13,8 @@ from companion.memory import track
 from companion.cost.clock import now
 
 __all__ = ["predicted_activation_units", "predicted_activation_bytes", "segments_for_budget",
-           "sqrt_segments", "predicted_time_ratio", "SegmentRun", "profile_segments"]
+           "sqrt_segments", "predicted_time_ratio", "SegmentRun", "profile_segments", "plan_cost",
+           "checkpoint_plan"]
 
 
 def predicted_activation_units(n_layers: int, segments: int) -> int:
@@ -72,8 +74,9 @@ class SegmentRun:
     peak_bytes: int          # everything the step allocated: activations, temporaries, gradients
     activation_bytes: int    # the most bytes saved for backward at any one time
     seconds: float           # median of the timed steps
-    fastest: float = 0.0     # the fastest and slowest timed step: where two counts' ranges
-    slowest: float = 0.0     # overlap, their difference is noise
+    fastest: float = 0.0     # the fastest and slowest timed step
+    slowest: float = 0.0
+    times: tuple[float, ...] = ()   # every timed step, for companion.cost.stats.compare
 
 
 def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
@@ -84,7 +87,7 @@ def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
     not gradients) and one run under `companion.memory.track`. Then `repeats` rounds of timed runs
     without the tracker (it slows operators down), each round running every count once, so that a
     moment when other work takes the machine slows all counts alike rather than one; the median
-    of each count's runs is kept, with the fastest and slowest.
+    of each count's runs is kept, with the fastest, the slowest and every run (`times`).
     """
     device = torch.device(device) if device is not None else None
     trackers = {}
@@ -99,7 +102,8 @@ def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
             step(segments)
             times[segments].append(now(device) - start)         # host-device sync
     return [SegmentRun(s, trackers[s].peak, _saved_peak(trackers[s].timeline()),
-                       statistics.median(times[s]), min(times[s]), max(times[s])) for s in counts]
+                       statistics.median(times[s]), min(times[s]), max(times[s]), tuple(times[s]))
+            for s in counts]
 
 
 def _saved_peak(timeline: dict[str, list]) -> int:
@@ -107,3 +111,34 @@ def _saved_peak(timeline: dict[str, list]) -> int:
     grad a parameter; inside a step those are the inputs `Checkpoint.backward` rebuilds as leaves
     (the model's parameters exist before the step and are not counted), so both kinds add up."""
     return max((a + p for a, p in zip(timeline["activations"], timeline["parameters"])), default=0)
+
+
+def plan_cost(starts: Sequence[int], saved: Sequence[int], inputs: Sequence[int],
+              cost: Sequence[float]) -> tuple[int, float]:
+    """(peak bytes, recompute cost) of cutting layers 0..n-1 into segments that begin at `starts`.
+
+    Every segment but the last is checkpointed: its input (`inputs[start]` bytes) is kept, and its
+    layers' saved tensors (`saved[i]` bytes each) are dropped and recomputed in backward, costing
+    the sum of their `cost[i]`. The last segment runs plainly. The peak is the kept inputs plus the
+    largest segment's saved bytes: the last segment's are held from forward, each other's while it
+    is recomputed (the bound Chen et al. 2016, arXiv:1604.06174, §4 use)."""
+    ends = list(starts[1:]) + [len(saved)]
+    kept = sum(inputs[start] for start in starts[:-1])
+    largest = max(sum(saved[a:b]) for a, b in zip(starts, ends))
+    return kept + largest, sum(sum(cost[a:b]) for a, b in zip(starts[:-1], ends[:-1]))
+
+
+def checkpoint_plan(saved: Sequence[int], inputs: Sequence[int], cost: Sequence[float],
+                    budget: int) -> list[int] | None:
+    """The segment starts (0 first) whose `plan_cost` peak fits `budget` with the least recompute
+    (fewest segments among equals), or None if no plan fits. Tries every plan: 2^(n-1) of them,
+    fine for the few dozen layers of a notebook; a dynamic program over (start, largest segment)
+    does it in polynomial time."""
+    n, best = len(saved), None
+    for k in range(n):
+        for cuts in itertools.combinations(range(1, n), k):
+            starts = [0, *cuts]
+            peak, recompute = plan_cost(starts, saved, inputs, cost)
+            if peak <= budget and (best is None or recompute < best[0]):
+                best = (recompute, starts)
+    return None if best is None else best[1]

@@ -1,10 +1,12 @@
 """Checks for chapter 04, gradient checkpointing."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from companion import checkpointing, models
 from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
@@ -12,7 +14,7 @@ from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_s
 from companion.memory import format_bytes, track
 
 __all__ = ["check_saved_bytes", "check_checkpoint_function", "check_selective_policy",
-           "check_segments_for_budget"]
+           "check_checkpoint_plan"]
 
 
 def _block(seed: int, width: int, p: float) -> torch.nn.Module:
@@ -215,14 +217,14 @@ class _Operators(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_POLICY_HINTS = {
-    "keep": "keep what nn.Linear computes, aten.mm and aten.addmm: the expensive matrix "
-            "multiplies, costly to run again.",
-    "bmm": "aten.bmm here is attention's q·kᵀ and weights·v: it reads and writes (T, T) "
-           "tensors that grow with the square of the sequence, and costs little to redo; "
-           "recompute it.",
-    "other": "element-wise operators, softmax and LayerNorm are cheap: recompute them, keep "
-             "only the Linear layers' outputs.",
+aten = torch.ops.aten
+_OUTSIDE_HINTS = {
+    aten.addmm: "aten.addmm is a Linear layer, the expensive part of a block: Korthikanti et al. "
+                "keep its output, and redo only what attention computes from q, k and v.",
+    aten.native_layer_norm: "LayerNorm runs outside the attention core: keep its output (the "
+                            "paper keeps both LayerNorms' inputs and outputs).",
+    aten.gelu: "GELU belongs to the MLP, outside the attention core: keep its output.",
+    aten.add: "the residual adds run outside the attention core: keep their outputs.",
 }
 
 
@@ -242,87 +244,208 @@ def _kept_bytes(block, x, policy) -> int:
     return kept
 
 
-@exercise(points=2, timeout=30.0, reference="companion.checkpointing.save_linear_outputs")
+def _recompute_flops(block, x, policy) -> int:
+    """FLOPs of forward and backward through the checkpointed (or plain, policy False) block,
+    counted by PyTorch."""
+    x = x.detach().clone().requires_grad_()
+    with FlopCounterMode(display=False) as flops:
+        y = block(x) if policy is False else checkpointing.checkpoint_hooks(block, x, policy=policy)
+        y.sum().backward()
+    return flops.get_total_flops()
+
+
+def _policy_table(answer, block, x) -> dict:
+    """policy(op) for every operator the block runs, asked outside autograd's hooks."""
+    with _Operators() as seen:
+        block(x)
+    table = {}
+    for op in seen.ops:
+        keep = call(answer, op)
+        require(isinstance(keep, bool), f"policy({op}) returned {keep!r}, not True or False",
+                hint="return a bool: True keeps the operator's output, False recomputes it.")
+        table[op] = keep
+    return table
+
+
+@exercise(points=2, timeout=60.0, reference=("companion.checkpointing.attention_core_policy",
+                                             "companion.checkpointing.selective.attention_core_policy"))
 def check_selective_policy(answer) -> str:
     """answer(op) -> bool: True to keep the output of the aten operator `op` in forward, False to
-    recompute it in backward. Keep what nn.Linear computes; recompute the rest."""
-    kept = {"plain": 0, "full": 0, "yours": 0}
-    for seed, (width, heads, T) in zip(fresh_seeds(2), [(24, 3, 13), (40, 5, 9)]):
+    recompute it in backward, so that a block recomputes what Korthikanti et al. recompute."""
+    for seed, (width, heads, T) in zip(fresh_seeds(2), [(20, 4, 11), (42, 3, 7)]):
         torch.manual_seed(seed)
-        block = torch.nn.Sequential(models.Block(width, heads),       # every Linear with a bias,
-                                    torch.nn.Linear(width, width, bias=False))   # and one without
-        x = torch.randn(3, T, width, generator=torch.Generator().manual_seed(seed),
-                        requires_grad=True)
-        # 1. Ask the policy about every operator the block runs, outside autograd's hooks.
-        with _Operators() as seen:
-            block(x)
-        table = {}
-        for op in seen.ops:
-            keep = call(answer, op)
-            require(isinstance(keep, bool), f"policy({op}) returned {keep!r}, not True or False",
-                    hint="return a bool: True keeps the operator's output, False recomputes it.")
-            table[op] = keep
+        block = models.Block(width, heads)
+        xs = [torch.randn(2, t, width, generator=torch.Generator().manual_seed(seed),
+                          requires_grad=True) for t in (T, 2 * T)]
+        # 1. Every operator the block runs, at both lengths (views included: they are asked too).
+        table = _policy_table(answer, block, xs[0]) | _policy_table(answer, block, xs[1])
         require(not all(table.values()), "your policy keeps every operator's output",
-                hint="keeping everything saves nothing, it is plain autograd with extra steps: "
-                     "keep only aten.mm and aten.addmm, what nn.Linear computes.")
+                hint="keeping everything saves nothing: it is plain autograd with extra steps.")
         for op, keep in table.items():
-            want = checkpointing.save_linear_outputs(op)
-            if keep != want:
-                key = "keep" if want else "bmm" if op.overloadpacket == torch.ops.aten.bmm else "other"
-                raise CheckFailed(f"your policy {'keeps' if keep else 'recomputes'} {op}",
-                                  expected=want, got=keep, hint=_POLICY_HINTS[key])
-        # 2. Same gradients as no checkpointing, with the policy's table in charge (views: False).
-        yours = lambda op: table.get(op, False)
-        compare(_block_gradients(block, x, yours), _block_gradients(block, x, False),
+            if op.overloadpacket in _OUTSIDE_HINTS and not keep:
+                raise CheckFailed(f"your policy recomputes {op}", expected=True, got=False,
+                                  hint=_OUTSIDE_HINTS[op.overloadpacket])
+        policy = lambda op: table.get(op, False)
+        # 2. Same gradients as without checkpointing.
+        compare(_block_gradients(block, xs[0], policy), _block_gradients(block, xs[0], False),
                 name="(parameter and input gradients)")
-        for name, policy in (("plain", False), ("full", None), ("yours", yours)):
-            kept[name] += _kept_bytes(block, x, policy)
-    return (f"kept between forward and backward: plain {format_bytes(kept['plain'])}, full "
-            f"recompute {format_bytes(kept['full'])}, your policy {format_bytes(kept['yours'])} "
-            "(the Linear outputs: no matrix multiply of a Linear runs twice)")
+        # 3. Nothing that grows with T² kept: twice the sequence, twice the bytes.
+        short, long = (_kept_bytes(block, x, policy) for x in xs)
+        require(long == 2 * short,
+                f"kept {short} bytes at T = {T} and {long} at T = {2 * T}: something kept grows "
+                "faster than T", hint="a (T, T) tensor is still kept: the scores, their scaled or "
+                "masked versions, the softmax, the mask, or a view of one of them (a kept view "
+                "keeps its whole base alive).")
+        # 4. No more than the reference keeps.
+        want = _kept_bytes(block, xs[0], checkpointing.attention_core_policy)
+        compare(short, want, name=f"bytes kept by one block (width {width}, T = {T})",
+                hint="you keep more than the core's recomputation needs: matmul's contiguous "
+                     "copies of q, k and v (aten.clone) duplicate the qkv output it already "
+                     "keeps." if short > want else "")
+    x = torch.randn(2, 96, width, requires_grad=True)                     # a longer sequence
+    plain, mine = _kept_bytes(block, x, False), _kept_bytes(block, x, policy)
+    flops = _recompute_flops(block, x, policy) / _recompute_flops(block, x, False)
+    return (f"at T = 96: kept {format_bytes(plain)} -> {format_bytes(mine)}, for {flops:.3f}x "
+            "the FLOPs of plain autograd (only the attention core runs twice)")
 
 
-_CEIL_HINT = ("the longest segment is the last one, n - (n // s)·(s - 1) layers "
-              "(checkpoint_sequential gives it the remainder), not ceil(n / s).")
+def _equal_segments(saved, inputs, cost, budget):
+    """Known wrong: checkpoint_sequential's equal layer counts, the fewest that fit."""
+    n = len(saved)
+    for s in range(1, n + 1):
+        starts = [i * (n // s) for i in range(s)]
+        if checkpointing.plan_cost(starts, saved, inputs, cost)[0] <= budget:
+            return starts
+    return None
 
 
-def _segment_mistakes(n: int, unit: int, budget: int) -> dict[str, int]:
-    """What the likely wrong rules answer, by hint (rules with no answer left out)."""
-    first = lambda fits: next((s for s in range(1, n + 1) if fits(s)), None)
-    wrong = {
-        "the inputs of the checkpointed segments stay in memory too: add "
-        "(segments - 1) · layer_bytes.": first(lambda s: -(-n // s) * unit <= budget),
-        _CEIL_HINT: first(lambda s: (s - 1 + -(-n // s)) * unit <= budget),
-        "√n gives the smallest peak, but fewer segments recompute less: return "
-        "the fewest that fit.": checkpointing.sqrt_segments(n),
-    }
-    return {hint: s for hint, s in wrong.items() if s is not None}
+def _search(saved, inputs, cost, budget, peak):
+    """The least-recompute plan under a given (possibly wrong) peak rule."""
+    n, best = len(saved), None
+    for k in range(n):
+        for cuts in itertools.combinations(range(1, n), k):
+            starts = [0, *cuts]
+            recompute = checkpointing.plan_cost(starts, saved, inputs, cost)[1]
+            if peak(starts) <= budget and (best is None or recompute < best[0]):
+                best = (recompute, starts)
+    return None if best is None else best[1]
 
 
-@exercise(points=1, reference=("companion.checkpointing.segments_for_budget",
-                               "companion.checkpointing.predicted_activation_units",
-                               "companion.checkpointing.predicted_activation_bytes"))
-def check_segments_for_budget(answer) -> str:
-    """answer(n_layers, layer_bytes, budget_bytes) -> int or None: the fewest segments whose
-    predicted peak, ((segments - 1) + longest segment) · layer_bytes, fits the budget."""
-    rng = random.Random(fresh_seeds(1)[0])
-    cases = [(16, 1000, 16000), (16, 1000, 7000), (16, 1000, 6999), (1, 10, 10), (1, 10, 9),
-             (26, 1000, 10000), (11, 1000, 6000)]   # the last segment takes the remainder
-    for _ in range(8):
-        n, unit = rng.randrange(2, 120), rng.randrange(1, 5000)
-        cases.append((n, unit, rng.randrange(unit, n * unit + 1)))
-    for n, unit, budget in cases:
-        got = call(answer, n, unit, budget)
-        want = checkpointing.segments_for_budget(n, unit, budget)
-        label = f"segments for n={n}, layer_bytes={unit}, budget={budget}"
-        mistakes = _segment_mistakes(n, unit, budget)
+def _segments(starts, n):
+    return list(zip(starts, list(starts[1:]) + [n]))
+
+
+def _no_inputs(saved, inputs, cost, budget):
+    """Known wrong: the kept segment inputs left out of the peak."""
+    return _search(saved, inputs, cost, budget,
+                   lambda st: max(sum(saved[a:b]) for a, b in _segments(st, len(saved))))
+
+
+def _last_only(saved, inputs, cost, budget):
+    """Known wrong: only the last segment's saved bytes counted, not the largest recomputed one."""
+    return _search(saved, inputs, cost, budget,
+                   lambda st: sum(inputs[a] for a in st[:-1]) + sum(saved[st[-1]:]))
+
+
+def _all_inputs(saved, inputs, cost, budget):
+    """Known wrong (off by one): the last segment's input counted as a kept checkpoint too."""
+    return _search(saved, inputs, cost, budget,
+                   lambda st: sum(inputs[a] for a in st)
+                   + max(sum(saved[a:b]) for a, b in _segments(st, len(saved))))
+
+
+def _fewest_segments(saved, inputs, cost, budget):
+    """Known wrong: the fewest segments that fit, whatever they recompute."""
+    n = len(saved)
+    for k in range(n):
+        for cuts in itertools.combinations(range(1, n), k):
+            if checkpointing.plan_cost([0, *cuts], saved, inputs, cost)[0] <= budget:
+                return [0, *cuts]
+    return None
+
+
+def _greedy(saved, inputs, cost, budget):
+    """Known wrong: grow a segment until it would not fit beside the checkpoints kept so far."""
+    starts, kept, run = [0], 0, 0
+    for i, b in enumerate(saved):
+        if i and kept + inputs[starts[-1]] + run + b > budget:
+            kept, run = kept + inputs[starts[-1]], 0
+            starts.append(i)
+        run += b
+    return starts
+
+
+_PLAN_HINTS = [
+    (_equal_segments, "layers differ: equal numbers of layers are not equal bytes or equal "
+                      "recompute; cut where the bytes and the costs say."),
+    (_no_inputs, "each checkpointed segment keeps its input (inputs[start]) until its backward: "
+                 "add those to the peak."),
+    (_last_only, "a checkpointed segment's saved tensors all come back while it is recomputed: "
+                 "the peak holds the largest segment, not only the last one."),
+    (_all_inputs, "the last segment is not checkpointed: its input is not a kept checkpoint "
+                  "(count inputs[start] for every segment but the last)."),
+    (_fewest_segments, "fewer segments is not less recompute: minimise the cost of the layers in "
+                       "checkpointed segments."),
+    (_greedy, "cutting greedily does not look ahead: a later checkpoint adds its input to the "
+              "peak of every segment before it, and a greedy cut can recompute more than needed; "
+              "compare whole plans."),
+]
+
+
+def _plan_cases(seed: int) -> list[tuple[list, list, list, int]]:
+    """Fixed cases that catch each wrong rule, then random uneven layers and budgets."""
+    cases = [([8, 7, 3, 1, 1, 8], [2, 1, 1, 3, 3, 1], [4, 1, 2, 4, 3, 2], 4),   # each of these
+             ([4, 5, 5, 5], [3, 1, 1, 1], [4, 2, 2, 1], 16),                 # five fails one
+             ([7, 2, 5, 6, 7], [1, 2, 2, 1, 2], [1, 5, 5, 2, 5], 17),        # wrong rule only
+             ([2, 5, 2, 5, 6, 7], [2, 1, 1, 2, 1, 1], [1, 1, 5, 4, 1, 4], 16),
+             ([2, 5, 7, 6], [1, 1, 1, 1], [1, 5, 1, 5], 11),
+             ([6, 7, 7, 2, 5, 2, 8], [1, 2, 1, 3, 1, 3, 2], [2, 2, 2, 2, 4, 2, 5], 19),
+             ([3, 3, 3], [1, 1, 1], [1, 1, 1], 2), ([7], [2], [1], 7)]
+    rng = random.Random(seed)
+    for _ in range(10):
+        n = rng.randrange(3, 11)
+        saved = [rng.choice([rng.randrange(10, 100), rng.randrange(100, 900)]) for _ in range(n)]
+        inputs = [max(1, b // rng.randrange(2, 9)) for b in saved]
+        cost = [round(rng.uniform(0.5, 5.0), 2) for _ in range(n)]
+        low = min(checkpointing.plan_cost([0, *c], saved, inputs, cost)[0]
+                  for k in range(n) for c in itertools.combinations(range(1, n), k))
+        cases.append((saved, inputs, cost, rng.randrange(low, sum(saved) + 1)))
+    return cases
+
+
+def _starts_ok(got, n) -> bool:
+    return (isinstance(got, list) and bool(got) and all(type(i) is int for i in got)
+            and got[0] == 0 and all(a < b for a, b in zip(got, got[1:])) and got[-1] < n)
+
+
+@exercise(points=2, timeout=60.0, reference=("companion.checkpointing.checkpoint_plan",
+                                             "companion.checkpointing.segments.checkpoint_plan"))
+def check_checkpoint_plan(answer) -> str:
+    """answer(saved, inputs, cost, budget) -> the starts of the segments (0 first) that fit the
+    budget with the least recompute, or None when no plan fits."""
+    saved_recompute = 0.0
+    for saved, inputs, cost, budget in _plan_cases(fresh_seeds(1)[0]):
+        label = f"saved={saved}, inputs={inputs}, cost={cost}, budget={budget}"
+        want = checkpointing.checkpoint_plan(saved, inputs, cost, budget)
+        got = call(answer, list(saved), list(inputs), list(cost), budget)
+        hint = next((text for wrong, text in _PLAN_HINTS
+                     if wrong(saved, inputs, cost, budget) == got), "")
         if want is None or got is None:
-            hint = ("return None only when no segment count fits, not even the best near √n."
-                    if want is not None else _CEIL_HINT if got == mistakes.get(_CEIL_HINT)
-                    else "near √n segments the peak is smallest; if even that does not fit, "
-                         "return None.")
-            require(got is want, f"{label}: expected {want}, got {got!r}", hint=hint)
+            require(got is None and want is None, f"{label}: expected {want}, got {got!r}",
+                    hint=hint or ("None only when no plan fits, not even one checkpoint per "
+                                  "layer." if want is not None else "no plan fits this budget: "
+                                  "return None."))
             continue
-        compare(got, want, name=label, known_wrong=mistakes,
-                hint="try 1, 2, 3, ... segments and return the first whose peak fits.")
-    return "the fewest segments that fit, so the least recompute for the memory you have"
+        require(_starts_ok(got, len(saved)), f"{label}: {got!r} is not a list of increasing "
+                "int segment starts beginning with 0", hint="return e.g. [0, 3, 5]: segments "
+                "are layers 0-2, 3-4 and 5 to the end.")
+        peak, recompute = checkpointing.plan_cost(got, saved, inputs, cost)
+        best = checkpointing.plan_cost(want, saved, inputs, cost)[1]
+        require(peak <= budget, f"{label}: your plan {got} peaks at {peak} bytes, over the "
+                "budget", hint=hint or "count the kept inputs and the largest segment.")
+        if abs(recompute - best) > 1e-9:
+            raise CheckFailed(f"{label}: your plan {got} recomputes {recompute:g}; {want} fits "
+                              f"with {best:g}", expected=want, got=got, hint=hint)
+        saved_recompute += sum(cost[:-1]) - best
+    return ("the least recompute that fits, on uneven layers; a checkpoint after every layer would "
+            f"have recomputed {saved_recompute:g} more cost units over these cases")
