@@ -167,9 +167,9 @@ def _harness_failures() -> dict[str, object]:
                            "            with torch.enable_grad():\n"
                            "                y = ctx.fn(x)",
          "        with torch.enable_grad():\n            y = ctx.fn(x)")
-    edit(ch04, "1bc69285", "    for s in range(1, n_layers + 1):",
-         "    return checkpointing.segments_for_budget(n_layers, layer_bytes, budget_bytes)\n"
-         "    for s in range(1, n_layers + 1):")
+    edit(ch04, "1bc69285", "    n, best = len(saved), None",
+         "    return checkpointing.checkpoint_plan(saved, inputs, cost, budget)\n"
+         "    n, best = len(saved), None")
     ch06 = trimmed("06")
     edit(ch06, "b6185215", "    rank, world = dist.get_rank(), dist.get_world_size()",
          "    dist.all_reduce(tensor)\n    return\n"
@@ -352,7 +352,7 @@ def test_harness_checks_fail_wrong_answers_with_their_hints(batch):
     assert "optimizer.step() ran" in ch03["accumulation_step"]["message"]
     assert ch03["batch_size_search"]["passed"] and ch03["token_normalized_step"]["passed"]
     assert "same masks" in ch04["checkpoint_function"]["message"]
-    assert ch04["segments_for_budget"]["status"] == "reference"
+    assert ch04["checkpoint_plan"]["status"] == "reference"
     assert ch04["saved_bytes"]["passed"] and ch04["selective_policy"]["passed"]
     assert ch06["ring_all_reduce"]["status"] == "failed" and "collective" in \
         ch06["ring_all_reduce"]["message"]

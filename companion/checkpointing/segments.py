@@ -11,6 +11,7 @@ import torch
 
 from companion.memory import track
 from companion.cost.clock import now
+from companion.cost.stats import interleave
 
 __all__ = ["predicted_activation_units", "predicted_activation_bytes", "segments_for_budget",
            "sqrt_segments", "predicted_time_ratio", "SegmentRun", "profile_segments", "plan_cost",
@@ -85,9 +86,10 @@ def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
 
     Per count: one warm-up run (it also allocates the gradients, so later runs measure activations,
     not gradients) and one run under `companion.memory.track`. Then `repeats` rounds of timed runs
-    without the tracker (it slows operators down), each round running every count once, so that a
-    moment when other work takes the machine slows all counts alike rather than one; the median
-    of each count's runs is kept, with the fastest, the slowest and every run (`times`).
+    without the tracker (it slows operators down), `companion.cost.stats.interleave`d: each round
+    runs every count once, from a rotated start, so that a moment when other work takes the
+    machine slows all counts alike rather than one; the median of each count's runs is kept, with
+    the fastest, the slowest and every run (`times`, for `companion.cost.stats.compare`).
     """
     device = torch.device(device) if device is not None else None
     trackers = {}
@@ -95,12 +97,8 @@ def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
         step(segments)                                          # warm-up
         with track(device) as trackers[segments]:
             step(segments)
-    times: dict[int, list[float]] = {segments: [] for segments in counts}
-    for _ in range(repeats):
-        for segments in counts:                                 # interleaved: one of each
-            start = now(device)                                 # host-device sync
-            step(segments)
-            times[segments].append(now(device) - start)         # host-device sync
+    times = interleave({segments: (lambda s=segments: step(s)) for segments in counts},
+                       rounds=repeats, warmup=0, clock=lambda: now(device))  # host-device sync
     return [SegmentRun(s, trackers[s].peak, _saved_peak(trackers[s].timeline()),
                        statistics.median(times[s]), min(times[s]), max(times[s]), tuple(times[s]))
             for s in counts]

@@ -306,7 +306,7 @@ def check_selective_policy(answer) -> str:
     plain, mine = _kept_bytes(block, x, False), _kept_bytes(block, x, policy)
     flops = _recompute_flops(block, x, policy) / _recompute_flops(block, x, False)
     return (f"at T = 96: kept {format_bytes(plain)} -> {format_bytes(mine)}, for {flops:.3f}x "
-            "the FLOPs of plain autograd (only the attention core runs twice)")
+            "the matmul FLOPs of plain autograd (only the attention core runs twice)")
 
 
 def _equal_segments(saved, inputs, cost, budget):
