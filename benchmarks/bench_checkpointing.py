@@ -5,8 +5,11 @@ with `companion.checkpointing.checkpoint_sequential` at s = 1 (nothing checkpoin
 s near √n that `sqrt_segments` picks, in both designs: the reentrant Function and the
 saved-tensor hooks (`use_reentrant=False`). Memory: the most bytes saved for backward at once, and
 the step's whole peak, measured by `companion.memory.track` (reentrant design). Time: the three
-settings interleaved so that all see the same machine load, median of `--steps` each. One run, no
-assertions. Goals: saved activations at most 2/√n of the baseline's, step time at most 1.4x in
+settings interleaved (`companion.cost.stats.interleave`) so that all see the same machine load,
+`--steps` rounds, each ratio of medians with its 95% bootstrap interval and verdict
+(`companion.cost.stats.compare`). Then Korthikanti et al.'s selective recomputation (only the
+attention core) on the GPT stack: kept bytes per block against their formula adapted to the
+block, and time against none and full recomputation. One run, no assertions. Goals: saved activations at most 2/√n of the baseline's, step time at most 1.4x in
 both designs.
 
     python benchmarks/bench_checkpointing.py [--steps 10]
@@ -15,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from companion import checkpointing
+from companion.cost.stats import compare, interleave
 from companion.device import describe, pick_device, sizes
-from companion.memory import format_bytes
+from companion.memory import format_bytes, track
 from companion.models import GPT, MLP, make_tokens
 
 
@@ -53,19 +55,45 @@ def _gpt_step(s, device):
     return step, s.ckpt_gpt_depth
 
 
-def _interleaved_medians(step, settings, steps, device):
+def _timings(step, settings, steps, device):
+    """Seconds of each setting's steps, interleaved (`companion.cost.stats.interleave`)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = {k: [] for k in settings}
-    for k in settings:
-        step(*k)                                                   # warm-up
-    for _ in range(steps):
-        for k in settings:
-            sync()
-            start = time.perf_counter()
-            step(*k)
-            sync()
-            times[k].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+
+    def timed(k):
+        sync()                                                     # host-device sync
+        step(*k)
+        sync()                                                     # host-device sync
+    return interleave({k: (lambda k=k: timed(k)) for k in settings}, rounds=steps)
+
+
+def _verdict(a, b) -> str:
+    c = compare(a, b)
+    return f"{c.ratio:.2f}x [{c.low:.2f}, {c.high:.2f}] {c.verdict}"
+
+
+def _korthikanti(s, device, steps) -> str:
+    """One table row: the GPT stack with only the attention core recomputed (Korthikanti et al.
+    2022) against none and full recomputation; its kept bytes per block against the formula."""
+    gpt = GPT(s.vocab, s.seq_len, s.gpt_width, s.ckpt_gpt_depth, s.gpt_heads, seed=0, device=device)
+    tokens, targets = (t.to(device) for t in make_tokens(s.ckpt_gpt_batch, s.seq_len, vocab=s.vocab))
+    positions = torch.arange(s.seq_len, device=device)
+    modes = {"none": lambda b, h: b(h), "core": checkpointing.selective_block,
+             "full": lambda b, h: checkpointing.checkpoint(b, h, use_reentrant=False)}
+
+    def step(mode):
+        hidden = gpt.tok(tokens) + gpt.pos(positions)
+        for block in gpt.blocks:
+            hidden = modes[mode](block, hidden)
+        F.cross_entropy(gpt.head(gpt.ln(hidden)).flatten(0, 1), targets.flatten()).backward()
+    times = _timings(step, [("none",), ("core",), ("full",)], steps, device)
+    B, T, C, a = s.ckpt_gpt_batch, s.seq_len, s.gpt_width, s.gpt_heads
+    x = torch.randn(B, T, C, device=device, requires_grad=True)
+    with track(device) as t:
+        out = checkpointing.selective_block(gpt.blocks[0], x)
+        kept = t.current - out.untyped_storage().nbytes() + x.nbytes
+    formula = checkpointing.block_activation_bytes(B, T, C, a, recompute_core=True)
+    return (f"| GPT stack, attention core recomputed | {kept:,} B | {formula:,} B | "
+            f"{_verdict(times['core',], times['none',])} | {_verdict(times['core',], times['full',])} |")
 
 
 def main() -> None:
@@ -75,7 +103,7 @@ def main() -> None:
     device = pick_device()
     s = sizes(device)
     info = describe(device)
-    print(f"{info['name']} ({device}), torch {info['torch']}, median of {args.steps} interleaved steps")
+    print(f"{info['name']} ({device}), torch {info['torch']}, {args.steps} interleaved rounds")
     print("| model | n | √n segments | saved peak, none | saved peak, √n | ratio | goal 2/√n "
           "| step peak ratio | time ratio, Function | time ratio, hooks |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -83,12 +111,15 @@ def main() -> None:
         step, n = build(s, device)
         k = checkpointing.sqrt_segments(n)
         plain, ckpt = checkpointing.profile_segments(step, [1, k], device=device, repeats=1)
-        times = _interleaved_medians(step, [(1, True), (k, True), (k, False)], args.steps, device)
+        times = _timings(step, [(1, True), (k, True), (k, False)], args.steps, device)
         print(f"| {name} | {n} | {k} | {format_bytes(plain.activation_bytes)} | "
               f"{format_bytes(ckpt.activation_bytes)} | "
               f"{ckpt.activation_bytes / plain.activation_bytes:.3f} | {2 / math.sqrt(n):.3f} | "
-              f"{ckpt.peak_bytes / plain.peak_bytes:.3f} | {times[k, True] / times[1, True]:.2f}x | "
-              f"{times[k, False] / times[1, True]:.2f}x |")
+              f"{ckpt.peak_bytes / plain.peak_bytes:.3f} | {_verdict(times[k, True], times[1, True])} | "
+              f"{_verdict(times[k, False], times[1, True])} |")
+    print("\n| selective | kept per block, measured | formula | time vs none | time vs full |")
+    print("|---|---|---|---|---|")
+    print(_korthikanti(s, device, args.steps))
 
 
 if __name__ == "__main__":
