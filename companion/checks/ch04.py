@@ -432,8 +432,8 @@ def check_checkpoint_plan(answer) -> str:
                      if wrong(saved, inputs, cost, budget) == got), "")
         if want is None or got is None:
             require(got is None and want is None, f"{label}: expected {want}, got {got!r}",
-                    hint=hint or ("None only when no plan fits, not even one checkpoint per "
-                                  "layer." if want is not None else "no plan fits this budget: "
+                    hint=hint or ("None only when no plan fits: some plan fits this budget, "
+                                  "search them all." if want is not None else "no plan fits this budget: "
                                   "return None."))
             continue
         require(_starts_ok(got, len(saved)), f"{label}: {got!r} is not a list of increasing "
