@@ -8,8 +8,9 @@ with L the mean squared error over a batch of m examples. One update per batch; 
 from the parameters the previous batch left. Memory: the parameters and their gradients are d + 1
 numbers each; what grows with the batch size is the batch itself and what the forward pass keeps
 for backward (m numbers of residuals here, b·width per layer in an MLP; chapter 01 measures those
-with `companion.memory.track`). `steps_to_loss` and `noise_scale` measure and predict the critical
-batch size, beyond which a larger batch saves no updates.
+with `companion.memory.track`). `steps_to_loss` measures the updates a batch size needs,
+`fit_pareto_front` turns those counts into the critical batch size, `noise_scale` predicts it, and
+`max_stable_lr` is the learning rate above which full-batch descent diverges.
 
 Example:
     >>> X, y, w_true, b_true = make_regression(256, 4)
@@ -32,6 +33,8 @@ __all__ = [
     "train",
     "steps_to_loss",
     "noise_scale",
+    "fit_pareto_front",
+    "max_stable_lr",
     "explore",
 ]
 
@@ -151,6 +154,36 @@ def noise_scale(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tens
     per_example = torch.cat([2 * X * r[:, None], 2 * r[:, None]], dim=1)   # (m, d + 1)
     G = per_example.mean(dim=0)
     return float(per_example.var(dim=0).sum() / (G @ G))
+
+
+def fit_pareto_front(batch_sizes, steps) -> tuple[float, float]:
+    """(S_min, E_min) of the trade-off between updates S and examples E = B·S (McCandlish et al.,
+    2018, "An Empirical Model of Large-Batch Training", eq. 2.11): (S/S_min − 1)(E/E_min − 1) = 1.
+
+    With E = B·S the front is S = S_min + E_min / B: linear in (S_min, E_min), fitted here by least
+    squares on the relative error of S (counts range from hundreds to a few). S_min is the fewest
+    updates (a huge batch), E_min the fewest examples (batch 1); B_crit = E_min / S_min is the batch
+    at which a run takes twice the minimum of both. Example:
+        >>> [round(v, 6) for v in fit_pareto_front([1, 10, 100], [110, 20, 11])]  # S = 10 + 100/B
+        [10.0, 100.0]
+    """
+    B = torch.as_tensor(batch_sizes, dtype=torch.float64)
+    S = torch.as_tensor(steps, dtype=torch.float64)
+    A = torch.stack([torch.ones_like(B), 1 / B], dim=1) / S[:, None]     # (n, 2), rows / S
+    s_min, e_min = torch.linalg.lstsq(A, torch.ones_like(S)[:, None]).solution.flatten().tolist()
+    return s_min, e_min
+
+
+def max_stable_lr(X: torch.Tensor) -> float:
+    """The largest learning rate at which full-batch gradient descent on the MSE of ŷ = Xw + b
+    does not diverge: 2 / λ_max of the Hessian (2/m)·X̃ᵀX̃, X̃ = [X, 1] (the bias is a parameter
+    too). Along the eigenvector of λ_max each step multiplies the error by (1 − η·λ_max), which
+    stays within ±1 only for η < 2/λ_max (LeCun, Bottou, Orr and Müller, 1998, "Efficient
+    BackProp", section 5: twice the optimal 1/λ_max)."""
+    m = X.shape[0]
+    Xt = torch.cat([X, torch.ones(m, 1, dtype=X.dtype)], dim=1).double()   # (m, d + 1)
+    hessian = 2.0 / m * Xt.T @ Xt                                           # (d + 1, d + 1)
+    return 2.0 / float(torch.linalg.eigvalsh(hessian)[-1])
 
 
 def explore(X: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: int, epochs: int,

@@ -125,3 +125,35 @@ def test_noise_scale_is_trace_of_per_example_covariance_over_squared_gradient(pr
     G = per_example.mean(0)
     expected = per_example.var(0).sum() / (G @ G)
     assert gd.noise_scale(X, y, w, b) == pytest.approx(float(expected), rel=1e-4)
+
+
+@pytest.mark.parametrize("s_min, e_min", [(2.0, 80.0), (7.5, 3000.0), (1.0, 1.0)])
+def test_fit_pareto_front_recovers_known_minima(s_min, e_min):
+    B = [1, 3, 8, 20, 64, 200, 1024]
+    S = [s_min + e_min / b for b in B]                           # on the front exactly
+    assert gd.fit_pareto_front(B, S) == pytest.approx((s_min, e_min), rel=1e-9)
+    E = [b * s for b, s in zip(B, S)]                            # McCandlish et al.'s eq. 2.11
+    assert all(abs((s / s_min - 1) * (e / e_min - 1) - 1) < 1e-9 for s, e in zip(S, E))
+    g = torch.Generator().manual_seed(0)                         # 3 % noise: still close
+    noisy = [s * (1 + 0.03 * float(torch.randn((), generator=g))) for s in S]
+    fitted = gd.fit_pareto_front(B, noisy)
+    assert fitted[0] == pytest.approx(s_min, rel=0.1) and fitted[1] == pytest.approx(e_min, rel=0.1)
+
+
+@pytest.mark.parametrize("m, d, shift", [(67, 5, 0.0), (31, 3, 2.0), (200, 1, -1.5)])
+def test_max_stable_lr_is_the_edge_of_divergence(m, d, shift):
+    X, y, _, _ = make_regression(m, d, seed=m)
+    X = X + shift                                                 # off-centre: the bias matters
+    lr = gd.max_stable_lr(X)
+    Xt = torch.cat([X, torch.ones(m, 1)], 1).double()
+    H = torch.func.hessian(lambda p: ((Xt @ p - y.double()) ** 2).mean())(torch.zeros(d + 1,
+                                                                                    dtype=torch.float64))
+    assert lr == pytest.approx(2 / float(torch.linalg.eigvalsh(H)[-1]), rel=1e-9)
+
+    def final_loss(rate):
+        w, b = torch.zeros(d, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        for _ in range(400):
+            w, b = gd.sgd_step(w, b, *gd.mse_gradient(X.double(), y.double(), w, b), rate)
+        return float(gd.mse_loss(X.double(), y.double(), w, b))
+    assert final_loss(0.97 * lr) < float(gd.mse_loss(X, y, torch.zeros(d), torch.zeros(())))
+    assert not final_loss(1.03 * lr) < 1e6
