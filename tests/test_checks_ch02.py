@@ -22,13 +22,15 @@ def decode_bf16(bits):
     return sign * (1 + mantissa / 2**7) * 2.0 ** (exponent - 127)
 
 
-def max_normal(e, m):
+def max_finite(e, m, finite_only):
     bias = 2 ** (e - 1) - 1
+    if finite_only:                       # top exponent holds numbers; S.1..1.1..1 is NaN
+        return (2 - 2.0 ** (1 - m)) * 2.0 ** (2**e - 1 - bias)
     return (2 - 2.0**-m) * 2.0 ** (2**e - 2 - bias)
 
 
-def min_subnormal(e, m):
-    return 2.0 ** (1 - (2 ** (e - 1) - 1) - m)
+def largest_exact_integer(e, m):
+    return min(2 ** (m + 1), math.floor(max_finite(e, m, False)))
 
 
 def low_precision_sum(values, dtype):
@@ -46,8 +48,8 @@ def rounding_threshold(w, e, m):
 
 REFERENCES = [
     (ch02.check_decode_bf16, decode_bf16),
-    (ch02.check_max_normal, max_normal),
-    (ch02.check_min_subnormal, min_subnormal),
+    (ch02.check_max_finite, max_finite),
+    (ch02.check_largest_exact_integer, largest_exact_integer),
     (ch02.check_low_precision_sum, low_precision_sum),
     (ch02.check_rounding_threshold, rounding_threshold),
 ]
@@ -164,12 +166,20 @@ WRONG = [
      "inf (mantissa 0) or NaN"),
     (ch02.check_decode_bf16, lambda b: abs(decode_bf16(b)) if b == 0x8000 else decode_bf16(b),
      "-0.0"),
-    (ch02.check_max_normal, lambda e, m: (2 - 2.0**-m) * 2.0 ** (2**e - 1 - (2 ** (e - 1) - 1))
+    (ch02.check_max_finite, lambda e, m, fn: max_finite(e, m, False), "only its all-ones mantissa"),
+    (ch02.check_max_finite, lambda e, m, fn: (2 - 2.0**-m) * 2.0 ** (2**e - 1 - (2 ** (e - 1) - 1))
+     if fn else max_finite(e, m, fn), "NaN pattern"),
+    (ch02.check_max_finite, lambda e, m, fn: (2 - 2.0**-m) * 2.0 ** (2**e - 1 - (2 ** (e - 1) - 1))
      if e < 11 else math.inf, "reserved for inf and NaN"),
-    (ch02.check_max_normal, lambda e, m: 2.0 ** (2**e - 2 - (2 ** (e - 1) - 1)), "include it"),
-    (ch02.check_max_normal, lambda e, m: max_normal(e, m) / 2, "bias is 2^(e−1) − 1"),
-    (ch02.check_min_subnormal, lambda e, m: min_subnormal(e, m) / 2, "not 0 − bias"),
-    (ch02.check_min_subnormal, lambda e, m: 2.0 ** (2 - 2 ** (e - 1)), "smallest normal"),
+    (ch02.check_max_finite, lambda e, m, fn: 2.0 ** (2**e - 2 - (2 ** (e - 1) - 1)), "include it"),
+    (ch02.check_max_finite, lambda e, m, fn: max_finite(e, m, fn) / 2, "bias is 2^(e−1) − 1"),
+    (ch02.check_largest_exact_integer, lambda e, m: 2 ** (m + 1), "run out before the precision"),
+    (ch02.check_largest_exact_integer, lambda e, m: min(2**m, largest_exact_integer(e, m)),
+     "implicit leading 1"),
+    (ch02.check_largest_exact_integer, lambda e, m: largest_exact_integer(e, m) - 1
+     if largest_exact_integer(e, m) == 2 ** (m + 1) else largest_exact_integer(e, m), "itself is exact"),
+    (ch02.check_largest_exact_integer, lambda e, m: math.floor(min(max_finite(e, m, False), 2.0**1000)),
+     "gap between neighbours is 2"),
     (ch02.check_low_precision_sum, lambda v, d: v.to(d).sum(), ".sum() adds in a wider"),
     (ch02.check_low_precision_sum, lambda v, d: floats.running_sum(v, d, accumulate=torch.float32),
      "wider accumulator"),
@@ -227,8 +237,28 @@ def test_checks_draw_fresh_inputs(monkeypatch):
     assert first != seen
 
 
-def test_tiny_values_are_compared_relatively():
-    """Subnormals are ~1e-40: an absolute tolerance would let any tiny wrong answer pass."""
+def test_exact_integer_reference_agrees_with_torch_and_with_every_pattern():
+    import companion.checks.ch02 as c
+    for dtype, (e, m) in [(torch.float16, (5, 10)), (torch.bfloat16, (8, 7)), (torch.float32, (8, 23))]:
+        n = c._exact_integers(e, m)
+        ints = torch.arange(n + 2, dtype=torch.float64)
+        exact = ints.to(dtype).double() == ints
+        assert bool(exact[: n + 1].all()) and not bool(exact[n + 1])
+    for e, m in [(2, 1), (3, 2), (3, 4), (2, 3), (4, 3), (5, 2)]:   # every value of the layout
+        f = floats.FloatFormat("layout", e, m)
+        values = {floats.decode(bits, f) for bits in range(1 << f.bits)}
+        n = next(k for k in range(10**6) if float(k) not in values) - 1
+        assert c._exact_integers(e, m) == n, (e, m)
+
+
+def test_max_finite_reference_agrees_with_torch():
+    for dtype, (e, m, fn) in [(torch.float16, (5, 10, False)), (torch.bfloat16, (8, 7, False)),
+                              (torch.float8_e4m3fn, (4, 3, True)), (torch.float8_e5m2, (5, 2, False)),
+                              (torch.float64, (11, 52, False))]:
+        assert max_finite(e, m, fn) == torch.finfo(dtype).max
+
+
+def test_a_layout_answer_off_by_a_little_fails():
+    """Exact comparison: an answer off in the last place for one layout does not pass."""
     with pytest.raises(CheckFailed):
-        ch02.check_min_subnormal(
-            lambda e, m: min_subnormal(e, m) * (1.5 if e > 5 else 1.0))
+        ch02.check_max_finite(lambda e, m, fn: max_finite(e, m, fn) * (1 + 2.0**-40 if e == 3 else 1))

@@ -10,7 +10,7 @@ import torch
 from companion import floats
 from companion.checks.core import CheckFailed, call, compare, exercise, fresh_seeds, require
 
-__all__ = ["check_decode_bf16", "check_max_normal", "check_min_subnormal",
+__all__ = ["check_decode_bf16", "check_max_finite", "check_largest_exact_integer",
            "check_low_precision_sum", "check_rounding_threshold"]
 
 # Layouts (exponent_bits, mantissa_bits): the course's formats, fp64, and made-up ones.
@@ -100,49 +100,89 @@ def check_decode_bf16(answer) -> str:
     return f"decodes normals, subnormals, ±0, ±inf and NaN: {len(fixed + drawn)} patterns right"
 
 
-# ---------------------------------------------------------------- range from the layout
+# ---------------------------------------------------------------- range and integers from the layout
 
 def _pow2(k: int) -> float:
     """2^k as a float, inf where a double overflows (fp64's wrong answers go past 2^1023)."""
     return math.inf if k > 1023 else 2.0**k
 
 
-@exercise(points=1, reference="companion.floats.FloatFormat")
-def check_max_normal(answer) -> str:
-    """answer(exponent_bits, mantissa_bits) -> float: the largest finite value of an IEEE layout."""
-    for e, m in _LAYOUTS:
-        if (e, m) == (4, 3):
-            continue                    # e4m3fn breaks the IEEE rule; the chapter says how
-        f = floats.FloatFormat("layout", e, m)
-        emax = 2**e - 2 - f.bias
-        got = _number(call(answer, e, m), f"max_normal({e}, {m})")
-        name = f"max_normal({e}, {m}) ({_layout_name(e, m)})"
-        compare(got, f.max, name=name, atol=0.0, known_wrong={
-            "an exponent field of all ones is reserved for inf and NaN: the largest finite "
-            "number uses all ones but the last bit.": (2 - 2.0**-m) * _pow2(emax + 1),
-            "the largest mantissa is 1.11…1 = 2 − 2^−m: include it.": 2.0**emax,
-            "the largest mantissa 1.11…1 is 2 − 2^−m, just below 2.": _pow2(emax + 1),
-            "the bias is 2^(e−1) − 1.": (2 - 2.0**-m) * 2.0 ** (emax - 1),
-        })
-    return "fp16's 65504, bf16's 3.39e38 and fp64's 1.80e308 all follow from the layout"
+# (exponent_bits, mantissa_bits, finite_only): IEEE layouts, and ones whose top exponent holds
+# numbers (e4m3fn, and made-up "fn" versions of others)
+_MAX_CASES = [(5, 10, False), (8, 7, False), (8, 23, False), (11, 52, False), (5, 2, False),
+              (4, 3, True), (4, 3, False), (3, 2, False), (2, 1, False), (5, 2, True),
+              (3, 4, True), (6, 9, True), (8, 7, True)]
 
 
-@exercise(points=1, reference="companion.floats.FloatFormat")
-def check_min_subnormal(answer) -> str:
-    """answer(exponent_bits, mantissa_bits) -> float: the smallest positive (subnormal) value."""
-    for e, m in _LAYOUTS:
-        f = floats.FloatFormat("layout", e, m)
-        got = _number(call(answer, e, m), f"min_subnormal({e}, {m})")
-        compare(got, f.min_subnormal, name=f"min_subnormal({e}, {m}) ({_layout_name(e, m)})",
-                atol=0.0, known_wrong={
-                    "subnormals use the exponent 1 − bias (like the smallest normals), "
-                    "not 0 − bias.": f.min_subnormal / 2,
-                    "that is the smallest normal number; subnormals go below it by "
-                    "2^mantissa_bits.": f.min_normal,
-                    "the smallest subnormal is 0.00…01 × 2^(1 − bias): one unit in the last "
-                    "mantissa place, 2^−m.": f.min_normal / 2,
+def _convention(finite_only: bool) -> str:
+    return "top exponent holds numbers, S.1…1.1…1 is NaN" if finite_only else "IEEE: top exponent is inf/NaN"
+
+
+@exercise(points=1, reference=("companion.floats.FloatFormat", "companion.floats.decode"))
+def check_max_finite(answer) -> str:
+    """answer(exponent_bits, mantissa_bits, finite_only) -> float: the largest finite value."""
+    cases = list(_MAX_CASES)
+    random.Random(fresh_seeds(1)[0]).shuffle(cases)
+    for e, m, fn in sorted(cases, key=lambda c: c[2]):           # IEEE ones first
+        f = floats.FloatFormat("layout", e, m, finite_only=fn)
+        top = 2**e - 1 - f.bias                                    # the all-ones exponent field
+        got = _number(call(answer, e, m, fn), f"max_finite({e}, {m}, {fn})")
+        name = f"max_finite({e}, {m}, finite_only={fn}) ({_layout_name(e, m)}, {_convention(fn)})"
+        wrong = {"the largest mantissa 1.11…1 is 2 − 2^−m, just below 2: include it.":
+                 _pow2(top - 1) if not fn else 2.0**top}
+        if fn:
+            wrong["with finite_only the top exponent field holds ordinary numbers: only its "
+                  "all-ones mantissa is NaN, so use the top exponent with the mantissa one below "
+                  "all ones."] = (2 - 2.0**-m) * 2.0 ** (top - 1)
+            wrong["S.1…1.1…1 is the NaN pattern: the largest number has the top exponent and the "
+                  "mantissa 1.11…10, one step below."] = (2 - 2.0**-m) * 2.0**top
+        else:
+            wrong["an exponent field of all ones is reserved for inf and NaN: the largest finite "
+                  "number uses all ones but the last bit."] = (2 - 2.0**-m) * _pow2(top)
+            wrong["the bias is 2^(e−1) − 1."] = (2 - 2.0**-m) * _pow2(top - 2)
+        compare(got, f.max, name=name, atol=0.0, rtol=0.0, known_wrong=wrong)
+    ieee, fn = (floats.FloatFormat("e4m3", 4, 3, finite_only=c).max for c in (False, True))
+    return (f"e4m3 tops out at {fn:g} when its top exponent holds numbers (torch.finfo of "
+            f"float8_e4m3fn: {torch.finfo(torch.float8_e4m3fn).max:g}) and at {ieee:g} under the "
+            "IEEE rules: the convention decides")
+
+
+# (exponent_bits, mantissa_bits) under the IEEE convention, where the range can run out first
+_INTEGER_LAYOUTS = [(5, 10), (8, 7), (8, 23), (11, 52), (5, 2), (4, 3), (2, 1), (3, 2), (3, 4),
+                    (2, 3), (6, 9)]
+
+
+def _exact_integers(e: int, m: int) -> int:
+    """The largest N with every integer 0..N exact in the IEEE layout (e, m)."""
+    return int(min(2.0 ** (m + 1), math.floor(floats.FloatFormat("layout", e, m).max)))
+
+
+@exercise(points=1, reference=("companion.floats.FloatFormat", "companion.floats.encode",
+                               "companion.floats.decode", "companion.floats.ulp",
+                               "companion.checks.ch02._exact_integers"))
+def check_largest_exact_integer(answer) -> str:
+    """answer(exponent_bits, mantissa_bits) -> int: the largest N such that every integer 0..N is
+    exactly representable in that IEEE layout."""
+    layouts = list(_INTEGER_LAYOUTS)
+    random.Random(fresh_seeds(1)[0]).shuffle(layouts)
+    for e, m in layouts:
+        want = _exact_integers(e, m)
+        top = floats.FloatFormat("layout", e, m).max
+        got = _number(call(answer, e, m), f"largest_exact_integer({e}, {m})")
+        compare(got, float(want), atol=0.0, rtol=0.0,
+                name=f"largest_exact_integer({e}, {m}) ({_layout_name(e, m)})", known_wrong={
+                    "the significand has m + 1 bits (the implicit leading 1 counts): integers "
+                    "stay exact up to 2^(m+1), not 2^m.": min(2.0**m, math.floor(top)),
+                    "2^(m+1) itself is exact (1.0 × 2^(m+1)); the first integer lost is "
+                    "2^(m+1) + 1.": min(2.0 ** (m + 1) - 1, math.floor(top)),
+                    "a narrow exponent can run out before the precision does: no integer above "
+                    "the largest finite number is representable.": 2.0 ** (m + 1),
+                    "above 2^(m+1) the gap between neighbours is 2: not every integer up to the "
+                    "largest finite number is exact.": float(math.floor(min(top, 2.0**1000))),
                 })
-    return "fp16 reaches 2^-24 ≈ 5.96e-08 and bf16 2^-133 ≈ 9.18e-41 thanks to subnormals"
+    return (f"fp16 counts exactly to {_exact_integers(5, 10)}, bf16 to {_exact_integers(8, 7)}, "
+            f"fp32 to {_exact_integers(8, 23):,}; IEEE e2m1 runs out of range at "
+            f"{_exact_integers(2, 1)}")
 
 
 # ---------------------------------------------------------------- summing in low precision
