@@ -15,6 +15,7 @@ def test_mse_gradient_reference_passes():
     (lambda X, y, w, b: tuple(g * X.shape[0] for g in gd.mse_gradient(X, y, w, b)), "divide"),
     (lambda X, y, w, b: tuple(g / 2 for g in gd.mse_gradient(X, y, w, b)), "factor 2"),
     (lambda X, y, w, b: tuple(-g for g in gd.mse_gradient(X, y, w, b)), "sign"),
+    (lambda X, y, w, b: (gd.mse_gradient(X, y, w, b)[0], torch.zeros(())), "∂rᵢ/∂b = 1"),
     (lambda X, y, w, b: gd.mse_gradient(X, y, w, b)[0], ""),
     (lambda X, y, w, b: (X.T @ (X @ w - y) * 2 / len(y), 2 * (X @ w - y).mean()), ""),
 ])

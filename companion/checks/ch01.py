@@ -33,6 +33,8 @@ def check_mse_gradient(answer) -> str:
             "the loss is a mean over the m examples: divide the sums by m.": (dw * m, db * m),
             "d/dr of r² is 2r: keep the factor 2.": (dw / 2, db / 2),
             "r = Xw + b − y, so the gradient points along +Xᵀr; check the sign.": (-dw, -db),
+            "b shifts every prediction by the same amount (∂rᵢ/∂b = 1): its gradient is the "
+            "mean of 2rᵢ, not zero.": (dw, torch.zeros_like(db)),
         })
     return "matches the hand-derived gradient (2/m)·Xᵀr, (2/m)·Σr on 3 random batches"
 
