@@ -158,7 +158,7 @@ def noise_scale(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tens
 
 def fit_pareto_front(batch_sizes, steps) -> tuple[float, float]:
     """(S_min, E_min) of the trade-off between updates S and examples E = B·S (McCandlish et al.,
-    2018, "An Empirical Model of Large-Batch Training", eq. 2.11): (S/S_min − 1)(E/E_min − 1) = 1.
+    2018, "An Empirical Model of Large-Batch Training", section 2): (S/S_min − 1)(E/E_min − 1) = 1.
 
     With E = B·S the front is S = S_min + E_min / B: linear in (S_min, E_min), fitted here by least
     squares on the relative error of S (counts range from hundreds to a few). S_min is the fewest

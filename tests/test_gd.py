@@ -132,7 +132,7 @@ def test_fit_pareto_front_recovers_known_minima(s_min, e_min):
     B = [1, 3, 8, 20, 64, 200, 1024]
     S = [s_min + e_min / b for b in B]                           # on the front exactly
     assert gd.fit_pareto_front(B, S) == pytest.approx((s_min, e_min), rel=1e-9)
-    E = [b * s for b, s in zip(B, S)]                            # McCandlish et al.'s eq. 2.11
+    E = [b * s for b, s in zip(B, S)]                            # McCandlish et al.'s front
     assert all(abs((s / s_min - 1) * (e / e_min - 1) - 1) < 1e-9 for s, e in zip(S, E))
     g = torch.Generator().manual_seed(0)                         # 3 % noise: still close
     noisy = [s * (1 + 0.03 * float(torch.randn((), generator=g))) for s in S]
