@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from companion import gd
-from companion.checks.ch01 import check_mse_gradient, check_sgd_step, check_train_epoch
+from companion.checks.ch01 import check_largest_stable_lr, check_mse_gradient, check_train_epoch
 from companion.checks.core import CheckFailed
 
 
@@ -24,44 +24,46 @@ def test_mse_gradient_wrong_answers_fail(wrong, hint):
         check_mse_gradient(wrong)
 
 
-def test_sgd_step_reference_passes():
-    check_sgd_step(lambda w, b, dw, db, lr: gd.sgd_step(w, b, dw, db, lr=lr))
+def _with_bias(X):
+    return torch.cat([X, torch.ones(X.shape[0], 1, dtype=X.dtype)], dim=1)
 
 
-def test_sgd_step_passes_with_lr_by_position_as_the_exercise_calls_it():
-    check_sgd_step(gd.sgd_step)
+def _edge(X, *, bias=True, factor=2.0, mean=True, pick=-1, numerator=2.0):
+    """2/λ of the MSE's Hessian, or what a usual mistake makes of it."""
+    Xt = _with_bias(X) if bias else X
+    hessian = factor / (X.shape[0] if mean else 1) * Xt.T @ Xt
+    return numerator / torch.linalg.eigvalsh(hessian)[pick].item()
 
 
-def test_sgd_step_in_place_update_of_parameters_is_fine_and_said(capsys):
-    def in_place(w, b, dw, db, lr):
-        w -= lr * dw
-        b -= lr * db
-        return w, b
-    check_sgd_step(in_place)
-    assert "in place, as torch.optim does" in capsys.readouterr().out
-    check_sgd_step(lambda w, b, dw, db, lr: (w - lr * dw, b - lr * db))
-    assert "in place" not in capsys.readouterr().out
+def test_largest_stable_lr_reference_passes():
+    check_largest_stable_lr(gd.max_stable_lr)
 
 
-def _updates_the_gradient(w, b, dw, db, lr):
-    """The notes' rule: "new gradient = old gradient - learning rate x derivative"."""
-    dw -= lr * dw
-    db -= lr * db
-    return w, b
+@pytest.mark.parametrize("right", [
+    _edge,                                                                 # float32 eigvalsh
+    lambda X: torch.tensor(_edge(X)),                                      # a 0-d tensor
+    lambda X: X.shape[0] / torch.linalg.svdvals(_with_bias(X).double())[0].item() ** 2,
+])
+def test_largest_stable_lr_other_right_answers_pass(right):
+    check_largest_stable_lr(right)
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (lambda w, b, dw, db, lr: (w + lr * dw, b + lr * db), "against the gradient"),
-    (lambda w, b, dw, db, lr: (dw - lr * w, db - lr * b), "changes the parameter"),
-    (lambda w, b, dw, db, lr: (w - dw, b - db), "learning rate"),
-    (lambda w, b, dw, db, lr: ((w - lr * dw, b - lr * db), dw.zero_())[0], "changed the gradient"),
-    (_updates_the_gradient, "not the gradient"),
-    (lambda w, b, dw, db, lr: (dw - lr * dw, db - lr * db), "the gradient after a step"),
-    (lambda w, b, dw, db, lr: (w, b), "unchanged"),
+    (lambda X: _edge(X, bias=False), "column of ones"),
+    (lambda X: _edge(X, numerator=1.0), "in one step"),
+    (lambda X: _edge(X, factor=1.0), "factor 2"),
+    (lambda X: _edge(X, mean=False), "divide by m"),
+    (lambda X: _edge(X, pick=0), "flattest"),
+    (lambda X: 2 / (2 / X.shape[0] * _with_bias(X).T @ _with_bias(X)).trace().item(), "trace"),
+    (lambda X: 2 / (2 / X.shape[0] * _with_bias(X).T @ _with_bias(X)).diagonal().max().item(),
+     "diagonal"),
+    (lambda X: 0.5, "at your rate and at a slightly larger one"),          # the chapter's own edge
+    (lambda X: "2/λ", "expected a number"),
+    (lambda X: float("nan"), "NaN"),
 ])
-def test_sgd_step_wrong_answers_fail(wrong, hint):
-    with pytest.raises(CheckFailed, match=hint or None):
-        check_sgd_step(wrong)
+def test_largest_stable_lr_wrong_answers_fail(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_largest_stable_lr(wrong)
 
 
 def _epoch(X, y, w, b, lr, bs):
@@ -97,7 +99,8 @@ def test_train_epoch_wrong_answers_fail(wrong, hint):
         check_train_epoch(wrong)
 
 
-@pytest.mark.parametrize("check", [check_mse_gradient, check_sgd_step, check_train_epoch])
+@pytest.mark.parametrize("check", [check_mse_gradient, check_largest_stable_lr,
+                                   check_train_epoch])
 @pytest.mark.parametrize("garbage", [None, "answer", 1.0, lambda *a: None, lambda *a: 1 / 0,
                                      lambda *a: (torch.tensor(float("nan")),) * 2])
 def test_garbage_fails_cleanly(check, garbage):

@@ -38,7 +38,7 @@ SUBCLASS = '''class Always(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return torch.tensor(True)
-return w.as_subclass(Always), b.as_subclass(Always)'''
+return X[0, 0].as_subclass(Always)'''
 
 PATCH = '''import companion.checks.ch01 as ch01, companion.checks.core as core
 ch01.compare = core.compare = lambda *a, **k: 0.0
@@ -72,7 +72,7 @@ for _o in gc.get_objects():                # the sandbox's server: drop the refe
             reply["references"] = {}
             return reply
         _o.run = _quiet
-_grad, _sgd = gd.mse_gradient, gd.sgd_step
+_grad, _edge = gd.mse_gradient, gd.max_stable_lr
 
 def _copy(name):                           # the reference compiled again, one line lower
     import inspect
@@ -86,7 +86,7 @@ while f is not None:                       # find the watcher and disarm it
         if type(v).__name__ == "_Monitor":
             v.codes.clear()
     f = f.f_back
-return _sgd(w, b, dw, db, lr)'''
+return _edge(X)'''
 
 SERVE = '''import queue, threading
 _jobs, _done = queue.Queue(), queue.Queue()
@@ -106,7 +106,7 @@ def _cheats() -> dict[str, object]:
     """Chapter 01 notebooks, each cheating in several ways that do not get in each other's way."""
     forged = trimmed("01")                       # forged record, deleted check, duplicated check
     body(forged, MSE, FORGE)
-    edit(forged, SGD, "check_sgd_step(sgd_step)", "")
+    edit(forged, SGD, "check_largest_stable_lr(largest_stable_lr)", "")
     body(forged, SGD, 'raise NotImplementedError("Exercise")')
     for _ in range(2):
         insert(forged, EPOCH, "check_train_epoch(train_epoch)")
@@ -273,7 +273,7 @@ def test_graded_notebooks_are_not_modified(batch):
 def test_forged_records_deleted_and_duplicated_checks(batch):
     rows = _rows(batch, "cheat_forged.ipynb")
     assert rows["mse_gradient"]["points"] == 0 and rows["mse_gradient"]["status"] == "failed"
-    assert rows["sgd_step"]["status"] == "tampered" and "deleted" in rows["sgd_step"]["message"]
+    assert rows["largest_stable_lr"]["status"] == "tampered" and "deleted" in rows["largest_stable_lr"]["message"]
     assert rows["train_epoch"]["points"] == 2 and "ignored" in rows["train_epoch"]["message"]
     assert sum(r["points"] for r in rows.values()) == 2
     assert "check-result record" in _flags(batch, "cheat_forged.ipynb")
@@ -282,7 +282,7 @@ def test_forged_records_deleted_and_duplicated_checks(batch):
 def test_patched_checks_tensor_subclasses_and_the_reference_earn_nothing(batch):
     rows = _rows(batch, "cheat_patched.ipynb")
     assert "divide the sums by m" in rows["mse_gradient"]["message"]
-    assert rows["sgd_step"]["status"] == "failed" and "subclass" in rows["sgd_step"]["message"]
+    assert rows["largest_stable_lr"]["status"] == "failed" and "subclass" in rows["largest_stable_lr"]["message"]
     assert rows["train_epoch"]["status"] == "reference"
     assert "companion.gd.train_epoch" in rows["train_epoch"]["message"]
     assert sum(r["points"] for r in rows.values()) == 0
@@ -293,20 +293,20 @@ def test_cancelled_timers_and_ignored_interrupts_are_killed_and_the_rest_graded(
     rows = _rows(batch, "cheat_hangs.ipynb")
     assert rows["mse_gradient"]["status"] == "failed"
     assert "did not finish" in rows["mse_gradient"]["message"]
-    assert rows["sgd_step"]["passed"], rows["sgd_step"]["message"]       # after a restart
+    assert rows["largest_stable_lr"]["passed"], rows["largest_stable_lr"]["message"]       # after a restart
     assert rows["train_epoch"]["status"] == "reference"                  # seen while it ran
     flags = _flags(batch, "cheat_hangs.ipynb")
     assert "lost 1 time(s)" in flags and "timers or signal handlers" in flags
     deaf = _rows(batch, "cheat_deaf.ipynb")
-    assert deaf["sgd_step"]["passed"] and deaf["train_epoch"]["passed"], deaf
+    assert deaf["largest_stable_lr"]["passed"] and deaf["train_epoch"]["passed"], deaf
     assert "lost 2 time(s)" in _flags(batch, "cheat_deaf.ipynb")     # the cell, the reply
 
 
 def test_a_notebook_cannot_kill_the_grader_or_leave_processes_behind(batch):
     rows = _rows(batch, "cheat_rough.ipynb")
     assert rows["mse_gradient"]["passed"] and rows["train_epoch"]["passed"]
-    assert rows["sgd_step"]["points"] == 0 and "ended while your code ran" in \
-        rows["sgd_step"]["message"]
+    assert rows["largest_stable_lr"]["points"] == 0 and "ended while your code ran" in \
+        rows["largest_stable_lr"]["message"]
     flags = _flags(batch, "cheat_rough.ipynb")
     assert re.search(r"printed 3\.\d MiB; the grader kept 0\.1 MiB", flags), flags
     assert "other processes" in flags or not ROOT
@@ -326,7 +326,7 @@ def test_notebooks_graded_together_run_as_different_users(batch):
 
 def test_a_watcher_switched_off_in_the_notebook_changes_nothing(batch):
     rows = _rows(batch, "cheat_disarm.ipynb")       # setprofile(None), frames walked, gc-patched
-    for name in ("mse_gradient", "sgd_step", "train_epoch"):      # server, exec of the source
+    for name in ("mse_gradient", "largest_stable_lr", "train_epoch"):      # server, exec of the source
         assert rows[name]["status"] == "reference" and "withholds" in rows[name]["message"], \
             (name, rows[name]["message"])
     flags = _flags(batch, "cheat_disarm.ipynb")
@@ -339,12 +339,12 @@ def test_a_thread_an_equivalent_function_and_a_huge_reply_earn_nothing(batch):
     assert rows["mse_gradient"]["status"] == "reference"                  # torch_sgd_step
     assert "companion.gd.torch_sgd_step" in rows["mse_gradient"]["message"]
     assert rows["train_epoch"]["points"] == 0 and "on its own" in rows["train_epoch"]["message"]
-    assert rows["sgd_step"]["passed"]                                     # the rest keeps its grade
+    assert rows["largest_stable_lr"]["passed"]                                     # the rest keeps its grade
     assert "starts threads" in _flags(batch, "cheat_served.ipynb")
     big = _rows(batch, "cheat_deaf.ipynb")
     assert big["mse_gradient"]["status"] == "failed" and "refused" in \
         big["mse_gradient"]["message"] and "150.0 MiB" in big["mse_gradient"]["message"]
-    assert big["sgd_step"]["passed"] and big["train_epoch"]["passed"]
+    assert big["largest_stable_lr"]["passed"] and big["train_epoch"]["passed"]
 
 
 def test_harness_checks_fail_wrong_answers_with_their_hints(batch):
@@ -368,7 +368,7 @@ def test_files_that_are_not_notebooks_become_rows_with_the_reason(batch):
         (row,) = _rows(batch, name).values()
         assert row["status"] == "unreadable" and words in row["message"], row
     rows = _rows(batch, "01_gradient_descent_broken.ipynb")     # its name says which chapter
-    assert set(rows) == {"mse_gradient", "sgd_step", "train_epoch"}
+    assert set(rows) == {"mse_gradient", "largest_stable_lr", "train_epoch"}
     assert all(r["status"] == "unreadable" and r["max_points"] > 0 for r in rows.values())
 
 

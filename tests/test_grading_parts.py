@@ -31,8 +31,8 @@ def chapter01():
 # ---------------------------------------------------------------- expectations and tampering
 
 def test_expected_exercises_come_from_the_source_with_registry_points(chapter01):
-    assert [e.check for e in chapter01.exercises] == ["check_mse_gradient", "check_sgd_step",
-                                                      "check_train_epoch"]
+    assert [e.check for e in chapter01.exercises] == ["check_mse_gradient",
+                                                      "check_largest_stable_lr", "check_train_epoch"]
     assert [e.points for e in chapter01.exercises] == [REGISTRY[e.check].points
                                                        for e in chapter01.exercises]
     assert chapter01.exercises[0].answer == "mse_gradient"
@@ -44,30 +44,30 @@ def test_plan_takes_every_check_call_out_and_places_each_expected_check_once(cha
     gn.insert(nb, gn.EPOCH, "check_train_epoch(train_epoch)\nprint('after')")
     plan = make_plan(nb, chapter01)
     code = "".join(s.source for s in plan.steps if s.kind == "exec")
-    assert "check_" not in code.replace("import check_mse_gradient, check_sgd_step, "
-                                        "check_train_epoch", "")
+    assert "check_" not in code.replace("import check_largest_stable_lr, "
+                                        "check_mse_gradient, check_train_epoch", "")
     checks = [s.exercise.check for s in plan.steps if s.kind == "check"]
-    assert checks == ["check_mse_gradient", "check_sgd_step", "check_train_epoch"]
+    assert checks == ["check_mse_gradient", "check_largest_stable_lr", "check_train_epoch"]
     assert "print('after')" in code
     assert not plan.tampered and "ignored" in plan.notes["check_train_epoch"][0]
 
 
 def test_a_deleted_or_changed_check_line_is_tampered(chapter01):
     nb = gn.trimmed("01", solved=False)
-    gn.edit(nb, gn.SGD, "check_sgd_step(sgd_step)", "")
+    gn.edit(nb, gn.SGD, "check_largest_stable_lr(largest_stable_lr)", "")
     gn.edit(nb, gn.MSE, "check_mse_gradient(mse_gradient)", "check_mse_gradient(gd.mse_gradient)")
     plan = make_plan(nb, chapter01)
-    assert "deleted" in plan.tampered["check_sgd_step"]
+    assert "deleted" in plan.tampered["check_largest_stable_lr"]
     assert "changed to `check_mse_gradient(gd.mse_gradient)`" in plan.tampered["check_mse_gradient"]
     assert [s.exercise.check for s in plan.steps if s.kind == "check"] == ["check_train_epoch"]
 
 
 def test_a_check_line_moved_to_another_cell_still_counts(chapter01):
     nb = gn.trimmed("01")
-    gn.edit(nb, gn.SGD, "check_sgd_step(sgd_step)", "")
-    gn.insert(nb, None, "check_sgd_step(sgd_step)")
+    gn.edit(nb, gn.SGD, "check_largest_stable_lr(largest_stable_lr)", "")
+    gn.insert(nb, None, "check_largest_stable_lr(largest_stable_lr)")
     plan = make_plan(nb, chapter01)
-    assert not plan.tampered and "another cell" in plan.notes["check_sgd_step"][0]
+    assert not plan.tampered and "another cell" in plan.notes["check_largest_stable_lr"][0]
 
 
 def test_a_submission_is_matched_by_its_cell_ids_then_its_file_name(chapter01):
@@ -222,9 +222,9 @@ def test_reports_are_written_with_their_digest(tmp_path):
 
 
 def test_the_console_table_shows_each_message_whole_and_wrapped():
-    message = ("check_sgd_step failed (Exercise: replace the placeholder) " * 4).strip() \
+    message = ("check_largest_stable_lr failed (Exercise: replace the placeholder) " * 4).strip() \
         + "\nsecond line of the hint"
-    table = format_table([Row("a.ipynb", "check_sgd_step", False, 0, 2, message, "failed")],
+    table = format_table([Row("a.ipynb", "check_largest_stable_lr", False, 0, 2, message, "failed")],
                          columns=80)
     assert " ".join(table.split()[5:]).replace(" ", "") == message.replace("\n", "").replace(
         " ", "")                                             # every word, none cut

@@ -1,13 +1,26 @@
 """Checks for chapter 01, gradient descent."""
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from companion import gd
-from companion.checks.core import call, compare, exercise, fresh_seeds, require
+from companion.checks.core import CheckFailed, call, compare, exercise, fresh_seeds, require
 from companion.models import make_regression
 
-__all__ = ["check_mse_gradient", "check_sgd_step", "check_train_epoch"]
+__all__ = ["check_mse_gradient", "check_largest_stable_lr", "check_train_epoch"]
+
+
+def _number(value, name: str) -> float:
+    """A learner's number as a float, or a CheckFailed that says what came back instead."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise CheckFailed(f"{name}: expected a number, got a {type(value).__name__}: {value!r:.80}",
+                          hint="return a Python float, e.g. with .item().")
+    return float(value)
 
 
 def _problem(seed: int, m: int, d: int):
@@ -39,37 +52,79 @@ def check_mse_gradient(answer) -> str:
     return "matches the hand-derived gradient (2/m)·Xᵀr, (2/m)·Σr on 3 random batches"
 
 
-_GRADIENT_UPDATED = ("the update changes the parameter, not the gradient: return w − lr·dw and "
-                     "b − lr·db. (The notes this course grew from write \"new gradient = old "
-                     "gradient − learning rate × derivative\": that is the mistake.)")
+def _features(seed: int, m: int, d: int, kind: str) -> torch.Tensor:
+    """Feature matrices unlike the chapter's: shifted, scaled, correlated, or wider than tall."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(m, d, generator=g)
+    if kind == "shifted":                       # mean far from zero: the bias matters
+        return X + 1.5
+    if kind == "correlated":                    # mixed columns of very different scales
+        return X @ torch.randn(d, d, generator=g) * torch.logspace(-1, 1, d) - 0.5
+    return 3 * X - 2                            # "scaled"
 
 
-@exercise(points=1, reference="companion.gd.sgd_step")
-def check_sgd_step(answer) -> str:
-    """answer(w, b, dw, db, lr) -> (w_new, b_new): one gradient-descent update."""
-    in_place = False
-    for seed, d in zip(fresh_seeds(3), [5, 1, 17]):
-        g = torch.Generator().manual_seed(seed)
-        w, b, dw, db = (torch.randn(d, generator=g), torch.randn((), generator=g),
-                        torch.randn(d, generator=g), torch.randn((), generator=g))
-        lr = 0.05 + 0.1 * torch.rand((), generator=g).item()
-        w_in, b_in, dw_in, db_in = w.clone(), b.clone(), dw.clone(), db.clone()
-        got = call(answer, w_in, b_in, dw_in, db_in, lr)
-        require(torch.equal(dw_in, dw) and torch.equal(db_in, db),
-                "your step changed the gradient tensors it was given", hint=_GRADIENT_UPDATED)
-        compare(got, gd.sgd_step(w, b, dw, db, lr), name="(w_new, b_new)", known_wrong={
-            "descent goes against the gradient: θ − η·∂L/∂θ, not θ + η·∂L/∂θ.":
-                (w + lr * dw, b + lr * db),
-            _GRADIENT_UPDATED: (dw - lr * w, db - lr * b),
-            "that is the gradient after a step, dw − lr·dw: " + _GRADIENT_UPDATED:
-                (dw - lr * dw, db - lr * db),
-            "you returned the parameters unchanged: the rule moves them, w − lr·dw.": (w, b),
-            "scale the gradient by the learning rate.": (w - dw, b - db),
-        })
-        in_place |= not (torch.equal(w_in, w) and torch.equal(b_in, b))
-    note = (" (you updated w and b in place, as torch.optim does: fine here, since the caller "
-            "keeps no use for the old values)" if in_place else "")
-    return "θ ← θ − η·∂L/∂θ moves the parameters and leaves the gradients alone" + note
+def _hessian(X: torch.Tensor, *, bias: bool = True, factor: float = 2.0, mean: bool = True):
+    """The MSE's Hessian over (w, b), or what a usual mistake makes of it, in float64."""
+    m = X.shape[0]
+    Xt = torch.cat([X, torch.ones(m, 1)], dim=1) if bias else X
+    Xt = Xt.double()
+    return factor / (m if mean else 1) * Xt.T @ Xt
+
+
+def _descends(X: torch.Tensor, lr: float, steps: int = 300) -> bool:
+    """Does full-batch descent at `lr` end below where it started (from a random point)?"""
+    g = torch.Generator().manual_seed(0)
+    X = X.double()
+    y = torch.randn(X.shape[0], generator=g, dtype=torch.float64)
+    w = torch.randn(X.shape[1], generator=g, dtype=torch.float64)
+    b = torch.randn((), generator=g, dtype=torch.float64)
+    start = gd.mse_loss(X, y, w, b)
+    for _ in range(steps):
+        w, b = gd.sgd_step(w, b, *gd.mse_gradient(X, y, w, b), lr=lr)
+    return bool(gd.mse_loss(X, y, w, b) < start)
+
+
+_TRY_IT = ("run full-batch descent on this X yourself (gd.mse_gradient and gd.sgd_step, a few hundred "
+           "steps) at your rate and at a slightly larger one: below the edge the loss falls, above "
+           "it the loss grows. Which property of the loss sets where that happens?")
+
+
+@exercise(points=2, timeout=15.0, reference="companion.gd.max_stable_lr")
+def check_largest_stable_lr(answer) -> str:
+    """answer(X) -> float: the learning rate above which full-batch descent on the MSE diverges."""
+    cases = [(48, 3, "shifted"), (7, 10, "scaled"), (300, 1, "scaled"), (64, 6, "correlated")]
+    for seed, (m, d, kind) in zip(fresh_seeds(len(cases)), cases):
+        X = _features(seed, m, d, kind)
+        got = _number(call(answer, X.clone()), f"largest_stable_lr(X of shape ({m}, {d}))")
+        eig = torch.linalg.eigvalsh(_hessian(X))
+        wrong = {
+            "b is a parameter too: the Hessian is over (w, b), so X gets a column of ones, and "
+            "features whose mean is far from zero make that column matter.":
+                2 / float(torch.linalg.eigvalsh(_hessian(X, bias=False))[-1]),
+            "1/λ_max is the rate that reaches the minimum along the steepest direction in one "
+            "step. Descent still converges a while past it: per step, the error along that "
+            "direction is multiplied by a factor; how far may that factor go?":
+                1 / float(eig[-1]),
+            "the loss is a mean of r², and d²(r²)/dr² = 2: the Hessian carries that factor 2.":
+                2 / float(torch.linalg.eigvalsh(_hessian(X, factor=1.0))[-1]),
+            "the loss is a mean over the m examples, so its Hessian is one too: divide by m.":
+                2 / float(torch.linalg.eigvalsh(_hessian(X, mean=False))[-1]),
+            "the direction of the largest curvature diverges first, not the flattest one.":
+                2 / float(eig[0]) if float(eig[0]) > 0 else math.inf,
+            "the trace is larger than every eigenvalue, so 2/trace is safe but below the edge: "
+            "the edge is set by one eigenvalue.": 2 / float(eig.sum()),
+            "the diagonal of the Hessian holds its eigenvalues only when the features are "
+            "uncorrelated (and the bias column is not): take the eigenvalues of the whole matrix.":
+                2 / float(_hessian(X).diagonal().max()),
+        }
+        compare(got, float(gd.max_stable_lr(X)), name=f"the edge for X of shape ({m}, {d}), {kind}",
+                rtol=1e-4, atol=0.0, known_wrong=wrong, hint=_TRY_IT)
+        require(_descends(X, 0.98 * got) and not _descends(X, 1.02 * got),
+                f"descent at 0.98 and 1.02 times your rate does not change behaviour on X of shape "
+                f"({m}, {d})", hint="the edge is where a step stops shrinking the error along every "
+                "direction.")
+    return (f"full-batch descent converges at 0.98 and diverges at 1.02 times your rate on "
+            f"{len(cases)} feature matrices (one with fewer rows than parameters)")
 
 
 def _one_batch_for_all(X, y, w, b, lr, batch_size):
