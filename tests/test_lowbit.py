@@ -186,6 +186,47 @@ def test_bf16_adamw_refuses_fp32_parameters_and_unknown_modes():
                          compensation="exact")
 
 
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart two bf16 tensors of the same signs are (their bit patterns)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("shape", [(37, 300, 29), (4, 2048, 3)])
+def test_fp32_products_give_a_bf16_gemms_result(shape):
+    m, k, n = shape
+    g = torch.Generator().manual_seed(k)
+    a = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.rand(k, n, generator=g).bfloat16()               # sums of mixed signs, no cancellation to 0
+    exact = (a.double() @ b.double()).bfloat16()               # the correctly rounded product
+    with lowbit.fp32_products():
+        ours = a @ b
+        as_linear = torch.nn.functional.linear(a, b.T)
+    assert ours.dtype == as_linear.dtype == torch.bfloat16
+    assert torch.equal(ours, as_linear)
+    apart = _ulps_apart(ours, exact)
+    assert apart.max() <= 1 and (apart == 0).float().mean() > 0.99
+    assert _ulps_apart(ours, a @ b).max() <= 1                 # PyTorch's own bf16 GEMM
+
+
+def test_fp32_products_send_gradients_in_the_weights_dtype_and_leave_fp32_alone():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(4, 16, generator=g).bfloat16().requires_grad_()
+    with lowbit.fp32_products():
+        torch.nn.functional.linear(x, w).square().sum().backward()
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    x2, w2 = (t.detach().float().requires_grad_() for t in (x, w))
+    torch.nn.functional.linear(x2, w2).bfloat16().float().square().sum().backward()
+    assert torch.equal(w.grad, w2.grad.bfloat16())
+    f32 = torch.randn(5, 6, generator=g)
+    with lowbit.fp32_products():
+        out = f32 @ f32.T
+        with pytest.raises(RuntimeError):                       # PyTorch's own dtype error
+            f32 @ f32.T.bfloat16()
+    assert out.dtype == torch.float32 and torch.equal(out, f32 @ f32.T)
+
+
 # ---------------------------------------------------------------- QLoRA
 
 def test_qlora_trains_only_the_adapters_on_an_nf4_base_and_merges():

@@ -13,7 +13,7 @@ Example:
     >>> q = quantize_nf4(frozen_weight, 64, double_quant=True); w = dequantize_nf4(q)
 """
 from companion.lowbit.adam8bit import Adam8bit, direction_error
-from companion.lowbit.bf16 import BF16AdamW, round_stochastic
+from companion.lowbit.bf16 import BF16AdamW, fp32_products, round_stochastic
 from companion.lowbit.blockwise import (dequantize_blockwise, dynamic_map, linear_map,
                                         quantize_blockwise)
 from companion.lowbit.nf4 import (NF4, NF4Tensor, dequantize_nf4, normal_float_levels,
@@ -22,4 +22,4 @@ from companion.lowbit.qlora import QLoRALinear, apply_qlora
 
 __all__ = ["dynamic_map", "linear_map", "quantize_blockwise", "dequantize_blockwise",
            "direction_error", "NF4", "NF4Tensor", "normal_float_levels", "quantize_nf4", "dequantize_nf4", "Adam8bit", "BF16AdamW",
-           "round_stochastic", "QLoRALinear", "apply_qlora"]
+           "round_stochastic", "fp32_products", "QLoRALinear", "apply_qlora"]

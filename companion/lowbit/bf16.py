@@ -13,9 +13,16 @@ parameter (weights 2, gradients 2, moments 2 + 2):
 - `compensation="kahan"`: keep what rounding dropped in a bf16 buffer and add it to the next
   update (Kahan summation; Zamirai et al., 2020): 2 more bytes per parameter.
 
+`fp32_products()` computes the matrix products of 16-bit tensors as fp32 products of the same
+values, rounded back: what a bf16 GEMM that accumulates in fp32 returns (to the order of the
+sums), at fp32's speed on a CPU without bf16 matrix instructions, where PyTorch's own bf16 GEMM
+is tens of times slower than fp32's.
+
 Example:
     >>> model = model.to(torch.bfloat16)
     >>> opt = BF16AdamW(model.parameters(), lr=1e-3, compensation="kahan")
+    >>> with fp32_products():
+    ...     model.loss(x, y).backward()
 
 Simplified vs torch.optim.AdamW: the moments are stored in the parameter's dtype (bf16), and the
 update is computed in fp32 from them; no amsgrad, no maximize.
@@ -25,10 +32,37 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from companion.lowbit.adam8bit import adam_direction
 
-__all__ = ["BF16AdamW", "round_stochastic"]
+__all__ = ["BF16AdamW", "round_stochastic", "fp32_products"]
+
+_PRODUCTS = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
+             torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm}
+_SIXTEEN = (torch.bfloat16, torch.float16)
+
+
+class fp32_products(TorchFunctionMode):
+    """Inside `with fp32_products():`, F.linear, matmul, @, mm, bmm and addmm on bf16 or fp16
+    tensors run as fp32 products of the same values, and their result is rounded back to the
+    inputs' dtype. Each product of two 16-bit values is exact in fp32 and the sums are fp32's, so
+    the result is that of a 16-bit GEMM with fp32 accumulation up to the order of its additions.
+    Autograd sees the casts: gradients reach the weights in their own dtype. Other ops and fp32
+    tensors pass through unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if func not in _PRODUCTS or not tensors or tensors[0].dtype not in _SIXTEEN:
+            return func(*args, **kwargs)
+        dtype = tensors[0].dtype
+        if any(t.dtype != dtype for t in tensors):
+            return func(*args, **kwargs)                           # let PyTorch raise its error
+        wide = lambda a: a.float() if isinstance(a, torch.Tensor) else a
+        out = func(*map(wide, args), **{k: wide(v) for k, v in kwargs.items()})
+        return out.to(dtype)
 
 _MODES = ("none", "stochastic", "kahan")
 

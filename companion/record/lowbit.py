@@ -11,12 +11,13 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import torch
 
 from companion import models
-from companion.lowbit import Adam8bit, BF16AdamW, layouts
+from companion.lowbit import Adam8bit, BF16AdamW, fp32_products, layouts
 from companion.results import curve
 
 __all__ = ["KINDS", "train_curve", "layout_bytes", "figures", "fewer_bits", "final_loss"]
@@ -39,7 +40,10 @@ def train_curve(kind: str, seed: int, S, device: torch.device, *, steps: int,
     """(loss per step, fraction of weights unchanged by each step) of the course GPT trained with
     `kind` from seed `seed` on the Markov chain `chain` (`models.make_tokens`); the same seed
     gives every kind the same initial weights (rounded to bf16 for the bf16 kinds) and batches.
-    `batch` sequences per step: by default 8, or fewer where the device's sizes say so."""
+    `batch` sequences per step: by default 8, or fewer where the device's sizes say so.
+    On the CPU the bf16 kinds' matrix products run under `lowbit.fp32_products` (a bf16 GEMM's
+    result, at fp32's speed: PyTorch's bf16 GEMM on a CPU without bf16 matrix instructions is
+    tens of times slower); on a GPU they are the GPU's bf16 GEMMs."""
     batch = min(8, S.amp_gpt_batch) if batch is None else batch
     if kind not in KINDS:
         raise ValueError(f"kind is one of {KINDS}, got {kind!r}")
@@ -52,11 +56,14 @@ def train_curve(kind: str, seed: int, S, device: torch.device, *, steps: int,
                                                       seed=chain))
     order = torch.Generator().manual_seed(seed)
     n = sum(p.numel() for p in params)
+    emulate = dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+    products = fp32_products if emulate else contextlib.nullcontext
     losses, unchanged = [], []
     for _ in range(steps):
         idx = torch.randint(0, x.shape[0], (batch,), generator=order).to(device)
-        loss = gpt.loss(x[idx], y[idx])
-        loss.backward()
+        with products():
+            loss = gpt.loss(x[idx], y[idx])
+            loss.backward()
         before = [p.detach().clone() for p in params]
         opt.step()
         opt.zero_grad(set_to_none=True)
