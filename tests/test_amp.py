@@ -449,6 +449,41 @@ def test_master_weights_with_a_scaler_skip_overflowing_steps():
         amp.MasterWeights(MLP(4, 4, 1, 2).parameters())
 
 
+
+@pytest.mark.parametrize("grads", ["main_grad", "both"])
+def test_fp32_gradient_buffers_accumulate_micro_batches_that_bf16_grad_rounds(grads):
+    """k micro-batches: the fp32 buffer holds the fp32 sum of each backward's bf16 gradient (as
+    Megatron-LM's main_grad and DeepSpeed's bf16 optimizer do); a bf16 .grad drifts from it, more
+    with more micro-batches; the step uses the buffer, then zeroes it."""
+    X, y = make_classification(512, 12, 3, seed=0)
+    model = MLP(12, 32, 3, 3, seed=0).to(torch.bfloat16)
+    master = amp.MasterWeights(model.parameters(), grads=grads)
+    plain = MLP(12, 32, 3, 3, seed=0).to(torch.bfloat16)           # .grad accumulated in bf16
+    drift, want = [], [torch.zeros_like(m) for m in master.master_params]
+    for i, (xb, yb) in enumerate(zip(X.bfloat16().split(8), y.split(8))):
+        for p in plain.parameters():
+            p.grad = None
+        plain.loss(xb, yb).backward()
+        for w, p in zip(want, plain.parameters()):
+            w.add_(p.grad.float())                                  # each bf16 gradient, fp32 sum
+        model.loss(xb, yb).backward()
+        assert all(torch.equal(p.main_grad, w) for p, w in zip(model.parameters(), want))
+        kept = [p.grad for p in model.parameters()]
+        assert all(g is None for g in kept) if grads == "main_grad" else \
+            all(g.dtype == torch.bfloat16 for g in kept)
+        if grads == "both" and i + 1 in (4, 64):
+            err = sum((g.float() - w).norm() ** 2 for g, w in zip(kept, want)) ** 0.5
+            drift.append(float(err / sum(w.norm() ** 2 for w in want) ** 0.5))
+    if grads == "both":
+        assert 0 < drift[0] < drift[1]                               # bf16's sum drifts with k
+    opt = torch.optim.SGD(master.master_params, lr=0.1)
+    before = [m.detach().clone() for m in master.master_params]
+    master.step(opt)
+    assert all(torch.equal(b.add(w, alpha=-0.1), m) for b, w, m in zip(before, want, master.master_params))
+    assert all(p.grad is None and not p.main_grad.any() for p in model.parameters())
+    with pytest.raises(ValueError, match="grads is one of"):
+        amp.MasterWeights(model.parameters(), grads="fp32")
+
 def test_master_weights_clip_between_unscale_and_step():
     """grads_to_master, unscale_, clip the fp32 gradients, step: the masters move by the clipped
     gradient (step must not copy the freed 16-bit gradients over them)."""

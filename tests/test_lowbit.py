@@ -316,7 +316,8 @@ def test_the_estimator_counts_8_bit_states_kahan_and_nf4_as_measured():
 
 
 @pytest.mark.parametrize("layout, per_param", [
-    ("fp32", 16), ("bf16+master", 16), ("bf16+master+main_grad", 18), ("bf16", 8),
+    ("fp32", 16), ("bf16+master", 16), ("bf16+master+main_grad", 18),
+    ("bf16+master+fp32_grad_buffer", 20), ("bf16", 8),
     ("bf16+kahan", 10), ("fp32+adam8bit", None), ("bf16+adam8bit", None), ("qlora", None)])
 def test_each_layout_holds_the_bytes_the_estimator_counts(layout, per_param):
     from companion import models

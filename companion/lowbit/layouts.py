@@ -8,13 +8,23 @@ optimizer's moments and, where the weights are 16-bit, an fp32 master copy. With
 | fp32                    | 4       | 4         | -      | 4 + 4   | 16    | plain PyTorch                 |
 | bf16 + master           | 2       | 2         | 4      | 4 + 4   | 16    | apex O2, `amp.MasterWeights`  |
 | bf16 + master, main_grad| 2       | 4 (fp32)  | 4      | 4 + 4   | 18    | Megatron-LM (`main_grad`)     |
+| bf16 + master, both grads| 2      | 2 + 4     | 4      | 4 + 4   | 20    | DeepSpeed `BF16_Optimizer`    |
 | pure bf16               | 2       | 2         | -      | 2 + 2   | 8     | `BF16AdamW`                   |
 | pure bf16 + Kahan       | 2       | 2         | -      | 2+2 + 2 | 10    | `BF16AdamW(kahan)`            |
 | fp32 + 8-bit Adam       | 4       | 4         | -      | 1+1 + ε | ~10   | bitsandbytes, `Adam8bit`      |
 | bf16 + 8-bit Adam       | 2       | 2         | -      | 1+1 + ε | ~6    | `Adam8bit` on a bf16 model    |
 | QLoRA                   | ~0.5    | adapters  | -      | adapters| ~0.5+ | bitsandbytes + PEFT, `lowbit` |
 
-(ε: one fp32 absmax per block of 256 values, 0.016 B per moment.) `measure` builds a model in a
+(ε: one fp32 absmax per block of 256 values, 0.016 B per moment.) Where the bf16 rows come from:
+16 B is the ZeRO paper's count (Rajbhandari et al., 2020, section 3.1), what Megatron-LM keeps for
+bf16 only with `--grad-reduce-in-bf16`. By default Megatron-LM's bf16 training accumulates and
+all-reduces gradients in fp32 (megatron/training/arguments.py sets
+`accumulate_allreduce_grads_in_fp32`): each parameter's post-accumulate hook adds its bf16 `.grad`
+into an fp32 `main_grad` buffer and frees it (`_make_backward_post_hook` in
+megatron/core/distributed/distributed_data_parallel.py), 18 B. DeepSpeed's `BF16_Optimizer`
+(deepspeed/runtime/bf16_optimizer.py) adds each bf16 `.grad` into fp32 gradients after backward
+and by default keeps the bf16 ones too (`clear_lp_grads=False`), 20 B, the Ultra-Scale Playbook's
+figure. `measure` builds a model in a
 layout, trains it two steps and counts the bytes of every distinct storage it holds;
 `predict` counts the same from `companion.estimate`.
 
@@ -39,7 +49,8 @@ from companion.lowbit.qlora import QLoRALinear, apply_qlora
 
 __all__ = ["LAYOUTS", "LayoutBytes", "measure", "predict"]
 
-LAYOUTS = ("fp32", "bf16+master", "bf16+master+main_grad", "bf16", "bf16+kahan",
+LAYOUTS = ("fp32", "bf16+master", "bf16+master+main_grad", "bf16+master+fp32_grad_buffer",
+           "bf16", "bf16+kahan",
            "fp32+adam8bit", "bf16+adam8bit", "qlora")
 
 
@@ -78,12 +89,6 @@ def _bytes(tensors) -> int:
                 for t in tensors if t is not None}.values())
 
 
-def _main_grad(p: nn.Parameter) -> None:
-    """Megatron's layout: each 16-bit gradient is added into an fp32 buffer and freed."""
-    p.main_grad.add_(p.grad)
-    p.grad = None
-
-
 def _setup(model: nn.Module, layout: str, rank: int, lr: float):
     """(model, the step function, the tensors of optimizer state besides the optimizer's own)."""
     if layout.startswith("bf16"):
@@ -92,22 +97,10 @@ def _setup(model: nn.Module, layout: str, rank: int, lr: float):
         model = apply_qlora(model, rank)
     params = [p for p in model.parameters() if p.requires_grad]
     if layout.startswith("bf16+master"):
-        master = MasterWeights(params)
+        grads = {"bf16+master": "16-bit", "bf16+master+main_grad": "main_grad",
+                 "bf16+master+fp32_grad_buffer": "both"}[layout]
+        master = MasterWeights(params, grads=grads)
         opt = torch.optim.Adam(master.master_params, lr=lr)
-        if layout.endswith("main_grad"):
-            for p, m in zip(params, master.master_params):
-                p.main_grad = torch.zeros_like(m)                       # fp32: 4 B per value
-                p.register_post_accumulate_grad_hook(_main_grad)
-
-            def step():
-                for p, m in zip(params, master.master_params):
-                    m.grad = p.main_grad
-                opt.step()
-                master.master_to_model()
-                for p, m in zip(params, master.master_params):
-                    p.main_grad.zero_()
-                    m.grad = None
-            return model, step, opt, master.master_params
         return model, lambda: master.step(opt), opt, master.master_params
     if layout in ("bf16", "bf16+kahan"):
         opt = BF16AdamW(params, lr=lr, weight_decay=0.0,
@@ -157,10 +150,11 @@ def predict(model: nn.Module, layout: str, *, rank: int = 8) -> LayoutBytes:
                                                  for m in linears) + train.params,
                            train.grads, train.optimizer, n)
     precision = {"fp32": "fp32", "bf16+master": "mixed", "bf16+master+main_grad": "mixed",
-                 "bf16": "bf16", "bf16+kahan": "bf16", "fp32+adam8bit": "fp32",
+                 "bf16+master+fp32_grad_buffer": "mixed", "bf16": "bf16", "bf16+kahan": "bf16", "fp32+adam8bit": "fp32",
                  "bf16+adam8bit": "bf16"}[layout]
     kw = dict(optimizer="adam", precision=precision,
               fp32_grads=layout.endswith("main_grad"),
+              fp32_grad_buffer=layout.endswith("fp32_grad_buffer"),
               compensation="kahan" if layout.endswith("kahan") else "none")
     if layout.endswith("adam8bit"):
         small = sum(p.numel() for p in params if p.numel() < 4096)
