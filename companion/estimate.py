@@ -72,10 +72,13 @@ def model_states(n_params: int | float, *, optimizer: str = "adam", precision: s
       - "autocast": torch.amp, fp32 weights, gradients and states as in "fp32" -> Adam 16. The
         16-bit weight copies autocast makes in forward are saved for backward: activations.
     `fp32_grads=True` keeps gradients in fp32 (4 bytes) instead of 16-bit: mixed Adam becomes 18
-    bytes, the figure in Hugging Face's "Model training anatomy" (6 bytes of weights counting the
-    fp32 copy, 4 of fp32 gradients, 8 of Adam state). `fp32_grad_buffer=True` keeps the 16-bit
-    gradients *and* an fp32 buffer they are accumulated into (2 + 4 bytes, filed under grads):
-    mixed Adam becomes 20 bytes, the Ultra-Scale Playbook's figure (2 + 2 + 4 + 8 + 4).
+    bytes, Megatron-LM's bf16 default (its fp32 `main_grad`, the bf16 `.grad` freed) and the
+    figure in Hugging Face's "Model training anatomy" (6 bytes of weights counting the fp32 copy,
+    4 of fp32 gradients, 8 of Adam state). `fp32_grad_buffer=True` keeps the 16-bit gradients
+    *and* an fp32 buffer they are accumulated into (2 + 4 bytes, filed under grads): mixed Adam
+    becomes 20 bytes, DeepSpeed's `BF16_Optimizer` and the Ultra-Scale Playbook's figure
+    (2 + 2 + 4 + 8 + 4). "mixed" alone, 16, is the ZeRO paper's count (written for fp16).
+    `amp.MasterWeights(grads="16-bit" | "main_grad" | "both")` builds the three.
     `n_params` may be a float that holds a whole number (7.5e9); 7.5e9 + 0.5 is an error.
 
     `state_bits=8` stores each optimizer state tensor as block-wise 8-bit codes (Dettmers et al.,

@@ -725,3 +725,37 @@ def test_a_sharded_scaler_makes_every_rank_skip_an_overflow_on_one_like_torchs()
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     (_, stepped0, _), (_, stepped1, _) = results["unsharded"]    # without agreeing: rank 0
     assert stepped0 == [True, True, True, True] and stepped1[1] is False   # steps, rank 1 skips
+
+
+# ---------------------------------------------------------------- host reads (GPU syncs)
+
+def _reads_per_step(scaler, **adam):
+    """host_reads of scaler.step + update on the third step of an fp16-autocast MLP."""
+    X, y = make_classification(64, 8, 3, seed=0)
+    model = MLP(8, 16, 2, 3, seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, **adam)
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model.loss(X, y)
+        scaler.scale(loss).backward()
+        reads = amp.host_reads(lambda: (scaler.step(opt), scaler.update()),
+                               ignore=amp.step_counters(opt))
+        opt.zero_grad()
+    return reads
+
+
+def test_torch_gradscaler_reads_the_inf_flag_except_for_fused_optimizers():
+    """torch.amp.GradScaler._maybe_opt_step calls .item() on the inf flag; a fused optimizer
+    (_step_supports_amp_scaling) gets the flag on the device and nothing is read."""
+    for adam, expected in ((dict(foreach=False), 1), (dict(foreach=True), 1), (dict(fused=True), 0)):
+        assert _reads_per_step(torch.amp.GradScaler("cpu"), **adam) == expected, adam
+        assert _reads_per_step(amp.GradScaler("cpu"), **adam) == 1, adam     # ours: always one
+
+
+def test_host_reads_counts_item_bool_and_float_but_not_device_ops():
+    t = torch.ones(3)
+    assert amp.host_reads(lambda: (t.sum() * 2, t.max())) == 0
+    assert amp.host_reads(lambda: (t.sum().item(), bool(t[0]), float(t[1]))) == 3
+    assert amp.host_reads(lambda: t[0].item(), ignore=[t]) == 0           # same storage, ignored
+    with pytest.raises(TypeError, match="function"):
+        amp.host_reads(t)

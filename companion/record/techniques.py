@@ -116,6 +116,12 @@ LOSS_RUNS = {"fp32": (None, False), "bf16 autocast": (torch.bfloat16, False),
              "fp16 + GradScaler": (torch.float16, True), "fp16, no scaler": (torch.float16, False)}
 
 
+_MASTER_GRADS = {"master": "16-bit", "main_grad": "main_grad", "both_grads": "both"}
+LAYOUTS = {"fp32": ("fp32", {}), "autocast": ("autocast", {}), "master": ("mixed", {}),
+           "main_grad": ("mixed", {"fp32_grads": True}),
+           "both_grads": ("mixed", {"fp32_grad_buffer": True}), "bf16": ("bf16", {})}
+
+
 def _two_steps(S, layout: str, device: torch.device):
     """Chapter 05's layouts: two forward/backward passes of the GPT with one Adam step between."""
     low = torch.bfloat16
@@ -123,7 +129,8 @@ def _two_steps(S, layout: str, device: torch.device):
     with track(device) as t:
         model = GPT(S.vocab, S.seq_len, S.gpt_width, S.gpt_depth, S.gpt_heads, device=device,
                     dtype=torch.float32 if layout in ("fp32", "autocast") else low)
-        master = amp.MasterWeights(model.parameters()) if layout == "master" else None
+        grads = _MASTER_GRADS.get(layout)
+        master = amp.MasterWeights(model.parameters(), grads=grads) if grads else None
         opt = torch.optim.Adam(master.master_params if master else model.parameters(), lr=1e-3)
         for i in range(2):
             with torch.autocast(device.type, dtype=low, enabled=layout == "autocast"):
@@ -192,15 +199,14 @@ def loss_figures(curves: dict[str, tuple[list[float], list[float]]], *, window: 
 
 
 def mixed_precision(S, device: torch.device, *, repeats: int = 3) -> dict:
-    """Chapter 05 on the device: model-state bytes per parameter in four layouts, the activations
+    """Chapter 05 on the device: model-state bytes per parameter in six layouts, the activations
     autocast saves against fp32, 16-bit matmul and GPT-step speed against fp32, and the loss
     curves of the MLP trained in fp32, bf16 and fp16 with and without a GradScaler."""
-    layouts = {"fp32": "fp32", "autocast": "autocast", "master": "mixed", "bf16": "bf16"}
-    runs = {layout: _two_steps(S, layout, device) for layout in layouts}
+    runs = {layout: _two_steps(S, layout, device) for layout in LAYOUTS}
     n = runs["fp32"][1]
     measured = layout_figures(runs)
-    predicted = {f"{layout}_bytes_per_param": estimate.model_states(n, precision=p).total / n
-                 for layout, p in layouts.items()}
+    predicted = {f"{layout}_bytes_per_param": estimate.model_states(n, precision=p, **o).total / n
+                 for layout, (p, o) in LAYOUTS.items()}
     gpt = GPT(S.vocab, S.seq_len, S.gpt_width, S.gpt_depth, S.gpt_heads, device=device)
     x, y = (t.to(device) for t in make_tokens(S.amp_gpt_batch, S.seq_len, vocab=S.vocab))
     saved = {}
