@@ -165,6 +165,35 @@ def test_looking_before_multiplying_is_what_torch_does():
                                       torch.tensor(2.0)))
 
 
+def _sum_is_finite(grads, inv_scale):
+    found = not bool(torch.isfinite(sum(g.float().sum() for g in grads)))
+    for g in grads:
+        g.mul_(inv_scale)
+    return found
+
+
+def _sum_per_tensor(grads, inv_scale):
+    found = any(not bool(torch.isfinite(g.float().sum())) for g in grads)
+    for g in grads:
+        g.mul_(inv_scale)
+    return found
+
+
+def _inf_sum_or_nan_element(grads, inv_scale):
+    found = any(bool(g.double().sum().isinf() or g.isnan().any()) for g in grads)  # no overflow
+    for g in grads:
+        g.mul_(inv_scale)
+    return found
+
+
+def _early_return(grads, inv_scale):
+    for g in grads:
+        if not bool(torch.isfinite(g).all()):
+            return True
+        g.mul_(inv_scale)
+    return False
+
+
 def _always(grads, inv_scale):
     unscale_grads(grads, inv_scale)
     return True
@@ -183,6 +212,10 @@ def test_unscale_grads_reference_passes():
     (_divides, "multiply by inv_scale"),
     (_always, "flag only inf and NaN"),
     (_multiplies_then_looks, "look before you multiply"),
+    (_sum_is_finite, "sum of finite gradients can overflow"),
+    (_sum_per_tensor, "sum of finite gradients can overflow"),
+    (_inf_sum_or_nan_element, "inf \\+ \\(-inf\\) is NaN"),
+    (_early_return, "Do not return early"),
     (lambda grads, inv_scale: None, "found_inf as a bool"),
 ])
 def test_unscale_grads_wrong_answers_fail(wrong, hint):

@@ -307,7 +307,10 @@ def _flag(value) -> bool:
 def _unscale_run(answer, seed: int, inv_scale: float, where, value) -> tuple:
     """The answer's flag, and the gradients the optimizer would then read from p.grad."""
     grads = _grads(seed)
-    if where is not None:
+    if isinstance(value, tuple):                   # two entries, at two different positions
+        flat = grads[where].view(-1)
+        flat[0], flat[flat.numel() - 1] = value
+    elif where is not None:
         grads[where].view(-1)[seed % grads[where].numel()] = value
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
     for p, g in zip(params, grads):
@@ -328,6 +331,8 @@ def check_unscale_grads(answer) -> str:
             for where, value in poisons:
                 found, grads = _unscale_run(answer, seed, inv_scale, where, value)
                 _judge_flag(_flag(found), where, value)
+                if where is not None:
+                    _require_all_unscaled(grads, seed, inv_scale, where, value)
                 if where is None:
                     originals = _grads(seed)
                     expected = [g.clone() for g in originals]
@@ -348,7 +353,32 @@ def check_unscale_grads(answer) -> str:
                     hint="look before you multiply: check each gradient for inf and NaN first, "
                          "then multiply, as PyTorch's kernel does (with inv_scale > 1 the product "
                          "of a finite gradient can itself be inf).")
-    return "every gradient unscaled in place; inf, -inf and NaN found in any tensor"
+        big = torch.finfo(torch.float32).max / 1.5                  # finite; two of them sum to inf
+        found, _ = _unscale_run(answer, seed, 2.0**-8, 0, (big, big))
+        require(not _flag(found), f"found_inf is True, but every gradient is finite (two entries of "
+                f"{big:.3g} in gradient 0, whose sum overflows to inf)",
+                hint="a sum of finite gradients can overflow: test the elements "
+                     "(torch.isfinite(g).all()), not their sum.")
+        found, _ = _unscale_run(answer, seed, 2.0**-8, 2, (math.inf, -math.inf))
+        require(_flag(found), "found_inf is False, but gradient 2 holds an inf and a -inf",
+                hint="inf + (-inf) is NaN, not inf: a test on a sum misses it (and a finite sum "
+                     "can overflow); test the elements: (~torch.isfinite(g)).any().")
+    return ("every gradient unscaled in place, the ones after an inf too; inf, -inf and NaN found "
+            "element by element in any tensor, finite sums that overflow not flagged")
+
+
+def _require_all_unscaled(grads, seed: int, inv_scale: float, where, value) -> None:
+    """After an inf or NaN, every gradient is still unscaled, as PyTorch's kernel does."""
+    expected = _grads(seed)
+    expected[where].view(-1)[seed % expected[where].numel()] = value
+    amp.unscale_grads_(expected, torch.tensor(inv_scale))
+    for i, (got, want) in enumerate(zip(grads, expected)):
+        same = isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(
+            got.float().nan_to_num(), want.float().nan_to_num())
+        require(same, f"gradient {i} is not unscaled after gradient {where} held a non-finite value",
+                hint="unscale every gradient even after finding an inf or NaN, as PyTorch's kernel "
+                     "does: whoever reads them next (a clip, a log of the norm) expects them "
+                     "unscaled. Do not return early.")
 
 
 def _judge_flag(found: bool, where, value) -> None:
