@@ -759,3 +759,38 @@ def test_host_reads_counts_item_bool_and_float_but_not_device_ops():
     assert amp.host_reads(lambda: t[0].item(), ignore=[t]) == 0           # same storage, ignored
     with pytest.raises(TypeError, match="function"):
         amp.host_reads(t)
+
+
+def _two_losses(make_scaler, steps=30, k=4):
+    """Two models, two Adams, one scaler, k micro-batches unscaled once after the last, an inf in
+    model 1's loss every 7th step: (steps each optimizer took, scales, parameters)."""
+    models = [MLP(9, 24, 3, 5, seed=s) for s in (0, 1)]
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in models]
+    scaler = make_scaler("cpu", init_scale=2.0**12, growth_interval=5)
+    xs, ys = make_classification(4 * 33, 9, 5, seed=0)
+    taken, scales = [0, 0], []
+    for i in range(steps):
+        for opt in opts:
+            opt.zero_grad()
+        for j, (xb, yb) in enumerate(zip(xs.split(33), ys.split(33))):
+            with torch.autocast("cpu", dtype=torch.float16):
+                losses = [m.loss(xb, yb) / k for m in models]
+            if i % 7 == 3 and j == 2:
+                losses[1] = losses[1] * math.inf
+            scaler.scale(losses[0] + losses[1]).backward()
+        for n, (model, opt) in enumerate(zip(models, opts)):
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            taken[n] += any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return taken, scales, [p.detach() for m in models for p in m.parameters()]
+
+
+def test_one_scaler_for_accumulated_micro_batches_and_two_optimizers_is_torchs():
+    ours, theirs = _two_losses(amp.GradScaler), _two_losses(torch.amp.GradScaler)
+    assert ours[0] == theirs[0] == [30, 26]          # each optimizer skips only its own overflow
+    assert ours[1] == theirs[1]
+    assert all(torch.equal(a, b) for a, b in zip(ours[2], theirs[2]))
