@@ -7,6 +7,9 @@
    rank-`--rank` adapter) against bitsandbytes' `Linear4bit` (NF4, the same blocks) with the same
    adapter, on a (`--tokens`, `--width`) input: time, and the peak bytes of the step (tracked).
    Reported, no goal.
+4. The course GPT's bf16 training step (chapter 11's pure-bf16 runs) with `fp32_products` against
+   PyTorch's own bf16 GEMMs, and the fp32 step beside them. Goal on a CPU without bf16 matrix
+   instructions: ours / PyTorch's bf16 <= 0.5; the losses of the two agree to bf16 rounding.
 
 Each time is a median of interleaved rounds; the verdict and its 95% interval come from
 `companion.cost.stats.compare`. No assertions: a benchmark, not a test.
@@ -16,6 +19,7 @@ Each time is a median of interleaved rounds; the verdict and its 95% interval co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
@@ -88,6 +92,35 @@ def qlora(width: int, tokens: int, rank: int, repeats: int, bnb) -> None:
     print(f"  base weight: ours {ours.base.bits_per_value():.3f} bits per value")
 
 
+def bf16_products(repeats: int) -> None:
+    from companion import models
+    from companion.device import sizes
+    S = sizes("cpu")
+    x, y = models.make_tokens(8, S.seq_len, vocab=S.vocab, seed=0)
+    make = lambda dtype: models.GPT(S.vocab, S.seq_len, S.gpt_width, S.gpt_depth, S.gpt_heads,
+                                    seed=0).to(dtype)
+    nets = {"fp32_products": make(torch.bfloat16), "torch bf16": make(torch.bfloat16),
+            "fp32": make(torch.float32)}
+
+    def step(name):
+        net = nets[name]
+        with lowbit.fp32_products() if name == "fp32_products" else contextlib.nullcontext():
+            loss = net.loss(x, y)
+            loss.backward()
+        net.zero_grad(set_to_none=True)
+        return loss.item()
+
+    losses = {name: step(name) for name in nets}
+    times = interleave({name: (lambda n=name: step(n)) for name in nets}, rounds=repeats)
+    result = compare(times["fp32_products"], times["torch bf16"])
+    print(f"course GPT forward + backward, bf16: fp32_products "
+          f"{statistics.median(times['fp32_products']) * 1e3:.1f} ms, PyTorch's bf16 GEMMs "
+          f"{statistics.median(times['torch bf16']) * 1e3:.1f} ms, fp32 "
+          f"{statistics.median(times['fp32']) * 1e3:.1f} ms: "
+          f"{result.sentence('fp32_products', 'torch bf16')} (goal <= 0.5 without bf16 units); "
+          f"losses {losses['fp32_products']:.4f} and {losses['torch bf16']:.4f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=4 * 2**20)
@@ -101,6 +134,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     optimizers(args.params, args.repeats, bnb)
     qlora(args.width, args.tokens, args.rank, args.repeats, bnb)
+    bf16_products(args.repeats)
 
 
 if __name__ == "__main__":
