@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from companion.checks.ch05 import (check_autocast_activation_bytes, check_master_step,
-                                   check_unscale_grads, check_update_scale)
+                                   check_to_e4m3, check_unscale_grads, check_update_scale)
 from companion.checks.core import CheckFailed
 
 
@@ -363,10 +363,87 @@ def test_autocast_activation_bytes_wrong_answers_fail(wrong, hint):
         check_autocast_activation_bytes(wrong)
 
 
+# ---------------------------------------------------------------- FP8 with a scale
+
+def to_e4m3(x, amax):
+    amax = float(amax)
+    scale = 448.0 / amax if amax > 0 and math.isfinite(amax) else 1.0
+    scaled = x.float() * scale
+    return scaled.to(torch.float8_e4m3fn), scale, int((scaled.abs() >= 464).sum())
+
+
+def test_to_e4m3_reference_passes():
+    from companion import scaling
+    check_to_e4m3(to_e4m3)
+
+    def from_the_companion(x, amax):
+        scale = scaling.amax_scale(amax, "e4m3")
+        codes, overflows = scaling.quantize(x, scale, "e4m3")
+        return codes, scale, overflows
+    check_to_e4m3(from_the_companion)
+
+
+def test_the_overflow_limit_is_where_torchs_cast_stops_rounding_to_448():
+    below, above = torch.tensor([463.99]), torch.tensor([464.01])
+    assert below.to(torch.float8_e4m3fn).float().item() == 448.0
+    assert above.to(torch.float8_e4m3fn).float().item() == 448.0           # saturated, silently
+    assert to_e4m3(below, 448.0)[2] == 0 and to_e4m3(above, 448.0)[2] == 1
+
+
+def _inverted(x, amax):
+    codes, scale, overflows = to_e4m3(x, amax)
+    return codes, 1.0 / scale, overflows
+
+
+def _counted_after_the_cast(x, amax):
+    codes, scale, _ = to_e4m3(x, amax)
+    return codes, scale, int((codes.float().abs() >= 464).sum())
+
+
+def _beyond_448(x, amax):
+    codes, scale, _ = to_e4m3(x, amax)
+    return codes, scale, int(((x.float() * scale).abs() > 448).sum())
+
+
+def _own_amax(x, amax):
+    return to_e4m3(x, x.float().abs().max())
+
+
+def _no_zero_case(x, amax):
+    scale = 448.0 / float(amax) if float(amax) != 0 else math.inf
+    scaled = x.float() * scale
+    return scaled.to(torch.float8_e4m3fn), scale, int((scaled.abs() >= 464).sum())
+
+
+def _positive_only(x, amax):
+    codes, scale, _ = to_e4m3(x, amax)
+    return codes, scale, int(((x.float() * scale) >= 464).sum())
+
+
+def _bf16_product(x, amax):
+    _, scale, overflows = to_e4m3(x, amax)
+    return (x * scale).to(torch.float8_e4m3fn), scale, overflows     # in x's dtype: rounds twice
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_inverted, "not amax / 448"),
+    (_counted_after_the_cast, "count before the cast"),
+    (_beyond_448, "still rounds to 448"),
+    (_own_amax, "the amax you are given"),
+    (_no_zero_case, "nothing to scale by"),
+    (_positive_only, "about magnitude"),
+    (_bf16_product, "multiply in float32"),
+    (lambda x, amax: (x.to(torch.float8_e4m3fn), 1.0, 0), "scale"),
+])
+def test_to_e4m3_wrong_answers_fail(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_to_e4m3(wrong)
+
+
 # ---------------------------------------------------------------- garbage and hangs
 
 CHECKS = [check_update_scale, check_unscale_grads, check_master_step,
-          check_autocast_activation_bytes]
+          check_autocast_activation_bytes, check_to_e4m3]
 
 
 def _hangs(*args):
