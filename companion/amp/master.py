@@ -30,7 +30,11 @@ class MasterWeights:
     - "main_grad" (Megatron-LM's default for bf16): each backward's 16-bit gradient is added into
       an fp32 `p.main_grad` as soon as it is accumulated, and freed: 4, so 18 bytes.
     - "both" (DeepSpeed's `BF16_Optimizer`): the fp32 buffer, and the 16-bit `.grad` is kept
-      until the step: 2 + 4, so 20 bytes.
+      until the step: 2 + 4, so 20 bytes. DeepSpeed clears the 16-bit `.grad` before each
+      backward, so there it holds the last micro-batch's gradient; here autograd keeps summing
+      micro-batches into it in 16 bits, which is what chapter 05 compares the fp32 buffer with.
+    With a buffer, a parameter that gets no gradient in a step steps with a zero gradient (the
+    buffer's), as in Megatron-LM, where "16-bit" leaves it out of the step.
 
         >>> model = MLP(32, 64, 2, 10, dtype=torch.bfloat16)
         >>> master = MasterWeights(model.parameters())

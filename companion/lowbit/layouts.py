@@ -6,7 +6,7 @@ optimizer's moments and, where the weights are 16-bit, an fp32 master copy. With
 | layout                  | weights | gradients | master | moments | bytes | who runs it                   |
 |-------------------------|---------|-----------|--------|---------|-------|-------------------------------|
 | fp32                    | 4       | 4         | -      | 4 + 4   | 16    | plain PyTorch                 |
-| bf16 + master           | 2       | 2         | 4      | 4 + 4   | 16    | apex O2, `amp.MasterWeights`  |
+| bf16 + master           | 2       | 2         | 4      | 4 + 4   | 16    | ZeRO paper, `amp.MasterWeights`|
 | bf16 + master, main_grad| 2       | 4 (fp32)  | 4      | 4 + 4   | 18    | Megatron-LM (`main_grad`)     |
 | bf16 + master, both grads| 2      | 2 + 4     | 4      | 4 + 4   | 20    | DeepSpeed `BF16_Optimizer`    |
 | pure bf16               | 2       | 2         | -      | 2 + 2   | 8     | `BF16AdamW`                   |
