@@ -18,6 +18,10 @@ rounds large values to ±inf. `quantize` therefore counts the values beyond the 
 *before* the cast. `block_absmax` is the per-block statistic the block-wise 8- and 4-bit
 quantizers of the optimizer states share.
 
+`fp8_linears(model, recipe)` trains a model's `nn.Linear`s through simulated FP8 matmuls: e4m3
+inputs and weights in forward, e5m2 output gradients in backward, each with its own per-tensor
+scale (current or delayed), products accumulated in fp32, the FP8 codes saved for backward.
+
 Example:
     >>> scale = amax_scale(x.abs().max(), "e4m3")
     >>> codes, overflows = quantize(x, scale, "e4m3")      # float8_e4m3fn, 0 overflows
@@ -26,12 +30,14 @@ Example:
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 
 import torch
+from torch import nn
 
 __all__ = ["FP8", "amax_scale", "overflow_limit", "quantize", "dequantize", "DelayedScaling",
-           "block_absmax", "block_quantize", "mx_scales"]
+           "block_absmax", "block_quantize", "mx_scales", "fp8_linears", "FP8Recipe"]
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -154,3 +160,102 @@ def mx_scales(x: torch.Tensor, block: int = 32, fmt: str = "e4m3") -> torch.Tens
     amax = block_absmax(x, block)
     exponent = torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax))))
     return torch.exp2(exponent - emax)
+
+
+# ---------------------------------------------------------------- FP8 training, simulated
+
+class FP8Recipe:
+    """Per-tensor scales for the FP8 matmuls of `fp8_linears`, and what they overflowed.
+
+    recipe "current" scales each tensor from its own amax; "delayed" from the largest of the
+    last `history` amaxes of the same tensor (layer and role), Transformer Engine's default.
+    `overflows[role]` counts values beyond the format's range, `values[role]` all values cast;
+    the roles are "input" and "weight" (e4m3) and "grad" (e5m2). Overflowing values saturate to
+    the format's largest value in both formats (torch's e4m3fn cast does so itself, its e5m2
+    cast would give inf), so an overflow costs precision, not a NaN; `saturate=False` keeps
+    torch's e5m2 inf."""
+
+    FORMATS = {"input": "e4m3", "weight": "e4m3", "grad": "e5m2"}
+
+    def __init__(self, recipe: str = "current", history: int = 16, *, saturate: bool = True):
+        if recipe not in ("current", "delayed"):
+            raise ValueError(f"recipe is 'current' or 'delayed', got {recipe!r}")
+        self.recipe, self.history, self.saturate = recipe, history, saturate
+        self._delayed: dict[tuple[str, str], DelayedScaling] = {}
+        self.overflows = collections.Counter()
+        self.values = collections.Counter()
+
+    def cast(self, layer: str, role: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(FP8 codes of x, their scale), counting the overflows."""
+        fmt = self.FORMATS[role]
+        amax = x.detach().abs().max().float()
+        if self.recipe == "current":
+            scale = amax_scale(amax, fmt)
+        else:
+            delayed = self._delayed.setdefault((layer, role), DelayedScaling(self.history, fmt))
+            scale = delayed.scale().to(x.device)
+            delayed.update(amax)
+        codes, overflows = quantize(x, scale, fmt)
+        if overflows and fmt == "e5m2" and self.saturate:     # torch's e5m2 cast gives inf
+            top = torch.finfo(FP8[fmt]).max
+            codes = (x.float() * scale).clamp(-top, top).to(FP8[fmt])
+        self.overflows[role] += overflows
+        self.values[role] += x.numel()
+        return codes, scale
+
+
+class _FP8Matmul(torch.autograd.Function):
+    """x @ weight.T + bias through FP8: the codes are what is saved for backward (1 byte each)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: FP8Recipe, layer: str):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, sx = recipe.cast(layer, "input", x2)
+        wq, sw = recipe.cast(layer, "weight", weight)
+        out = dequantize(xq, sx) @ dequantize(wq, sw).T           # fp32 accumulation
+        if bias is not None:
+            out = out + bias
+        ctx.save_for_backward(xq, sx, wq, sw)
+        ctx.recipe, ctx.layer, ctx.shape, ctx.has_bias = recipe, layer, x.shape, bias is not None
+        return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xq, sx, wq, sw = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gq, sg = ctx.recipe.cast(ctx.layer, "grad", g2)
+        g = dequantize(gq, sg)
+        grad_x = (g @ dequantize(wq, sw)).reshape(ctx.shape)
+        grad_w = g.T @ dequantize(xq, sx)
+        grad_b = g2.float().sum(0) if ctx.has_bias else None        # from the unquantized grad
+        return grad_x, grad_w, grad_b, None, None
+
+
+@contextlib.contextmanager
+def fp8_linears(model: nn.Module, recipe: str = "current", *, history: int = 16,
+                saturate: bool = True):
+    """Inside the block every `nn.Linear` of `model` multiplies through simulated FP8 (see the
+    module's docstring); yields the `FP8Recipe` with its overflow counts.
+
+        >>> with fp8_linears(model, "delayed") as fp8:
+        ...     model.loss(x, y).backward()
+        >>> fp8.overflows                                   # Counter({'input': 0, ...})
+
+    Simplified: the matmul runs in fp32 on the dequantized codes (an FP8 tensor core multiplies
+    the codes and accumulates in higher precision: the same products up to summation order); the
+    scale is per tensor; no FP8 weight cache across micro-batches."""
+    state = FP8Recipe(recipe, history, saturate=saturate)
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError("the model has no nn.Linear to run in FP8")
+    for name, m in linears:
+        if "forward" in vars(m):
+            raise RuntimeError(f"{name or 'the model'} already has its forward replaced "
+                               f"(nested fp8_linears?)")
+        m.forward = (lambda x, m=m, name=name:
+                     _FP8Matmul.apply(x, m.weight, m.bias, state, name))
+    try:
+        yield state
+    finally:
+        for _, m in linears:
+            vars(m).pop("forward", None)

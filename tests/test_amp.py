@@ -73,6 +73,57 @@ def test_same_scale_trajectory_and_parameters_bit_for_bit_as_torch(autocast, cli
     assert ours.state_dict() == theirs.state_dict()
 
 
+def _torch_replay(amaxes, init_scale, interval):
+    """torch.amp.GradScaler over gradients an fp16 backward would make: scale * amax in fp16."""
+    weight = torch.zeros(3, requires_grad=True)
+    opt = torch.optim.SGD([weight], lr=0.0)
+    ran = []
+    opt.register_step_post_hook(lambda *_: ran.append(True))
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=interval)
+    steps = []
+    for amax in amaxes:
+        scale = scaler.scale(torch.ones(())).item()        # the scale this step's backward uses
+        scaled = (torch.tensor([amax, -amax / 2, 0.0]) * torch.tensor(scale)).half()
+        weight.grad = scaled.float()
+        before = len(ran)
+        scaler.step(opt)
+        scaler.update()
+        steps.append((scale, len(ran) > before))
+    return steps
+
+
+def _trace(rng, n):
+    trace = [10 ** rng.uniform(-2, 0.5) for _ in range(n)]
+    for i in rng.sample(range(n), n // 8):
+        trace[i] *= rng.choice([30.0, 1e3, math.inf, math.nan])
+    return trace
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_replay_scale_is_torchs_scaler_over_fp16_gradients(seed):
+    rng = random.Random(seed)
+    trace = _trace(rng, 120)
+    scale = 2.0**16
+    interval = rng.randint(2, 8)
+    ours = amp.replay_scale(trace, scale, interval)
+    assert ours == _torch_replay(trace, scale, interval)
+    assert any(not stepped for _, stepped in ours) and len({s for s, _ in ours}) > 2
+
+
+def test_replay_scale_overflows_where_fp16_rounding_reaches_inf_not_at_65504():
+    trace = [65510 / 2.0**15, 65519 / 2.0**15, 65521 / 2.0**15, 65510 / 2.0**14]
+    ours = amp.replay_scale(trace, 2.0**15, 100)
+    assert ours == _torch_replay(trace, 2.0**15, 100)
+    assert ours == [(2.0**15, True), (2.0**15, True), (2.0**15, False), (2.0**14, True)]
+
+
+def test_replay_scale_keeps_a_scale_that_float32_cannot_grow():
+    trace = [1e-36] * 6
+    ours = amp.replay_scale(trace, 2.0**126, 2)
+    assert ours == _torch_replay(trace, 2.0**126, 2)
+    assert [s for s, _ in ours] == [2.0**126] * 2 + [2.0**127] * 4
+
+
 def test_a_skipped_step_leaves_parameters_and_optimizer_untouched():
     scaler = amp.GradScaler("cpu")
     model, _ = _twins()

@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from companion.checks.ch05 import (check_autocast_activation_bytes, check_master_step,
-                                   check_to_e4m3, check_unscale_grads, check_update_scale)
+from companion.checks.ch05 import (check_autocast_activation_bytes, check_bf16_layout,
+                                   check_choose_scaling, check_replay_loss_scale, check_to_e4m3,
+                                   check_unscale_grads)
 from companion.checks.core import CheckFailed
 
 
@@ -17,97 +18,95 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# ---------------------------------------------------------------- the update rule
+# ---------------------------------------------------------------- a loss scale over a trace
 
-def update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, interval):
-    """The notebook's solution: written out, floats only."""
-    if found_inf:
-        return scale * backoff_factor, 0
-    tracker += 1
-    if tracker == interval:
-        grown = scale * growth_factor
-        if grown <= torch.finfo(torch.float32).max:
-            scale = grown
-        tracker = 0
-    return scale, tracker
-
-
-def _keeps_count(scale, tracker, found, gf, bf, n):
-    if found:
-        return scale * bf, tracker
-    return update_scale(scale, tracker, found, gf, bf, n)
-
-
-def _ignores_inf(scale, tracker, found, gf, bf, n):
-    return update_scale(scale, tracker, False, gf, bf, n)
+def replay_loss_scale(amaxes, init_scale, growth_interval):
+    """The notebook's solution: the scaled gradient rounded to fp16, GradScaler's rule."""
+    scale, clean, steps = init_scale, 0, []
+    for amax in amaxes:
+        overflow = not torch.isfinite((torch.tensor(amax) * scale).half()).item()
+        steps.append((scale, not overflow))
+        if overflow:
+            scale, clean = scale * 0.5, 0
+        else:
+            clean += 1
+            if clean == growth_interval:
+                grown = scale * 2
+                if grown <= torch.finfo(torch.float32).max:
+                    scale = grown
+                clean = 0
+    return steps
 
 
-def _grows_every_step(scale, tracker, found, gf, bf, n):
-    return update_scale(scale, tracker, found, gf, bf, 1)
+def _python_floats(amaxes, init_scale, growth_interval):
+    """Right too: fp16 overflows from 65520 on, tested in float64 arithmetic."""
+    scale, clean, steps = init_scale, 0, []
+    for amax in amaxes:
+        ok = math.isfinite(amax * scale) and abs(amax * scale) < 65520
+        steps.append((scale, ok))
+        scale, clean = (scale / 2, 0) if not ok else \
+            ((scale * 2 if scale * 2 < 3.4e38 else scale, 0) if clean + 1 == growth_interval
+             else (scale, clean + 1))
+    return steps
 
 
-def _grows_late(scale, tracker, found, gf, bf, n):
-    return update_scale(scale, tracker, found, gf, bf, n + 1)
+def _with(overflow=None, clean_after_skip=False, late=False, record_after=False,
+          no_ceiling=False, no_reset=False, always_step=False):
+    """A learner's replay with one thing wrong."""
+    overflow = overflow or (lambda v: not math.isfinite(v) or abs(v) >= 65520)
+
+    def replay(amaxes, init_scale, growth_interval):
+        scale, clean, steps = init_scale, 0, []
+        for amax in amaxes:
+            bad = overflow(amax * scale)
+            used = scale
+            if bad:
+                scale /= 2
+                clean = clean if clean_after_skip else 0
+            else:
+                clean += 1
+                if clean >= growth_interval + late:
+                    if no_ceiling or scale * 2 < 3.4e38:
+                        scale *= 2
+                    clean = clean if no_reset else 0
+            steps.append((scale if record_after else used, always_step or not bad))
+        return steps
+    return replay
 
 
-def _never_resets(scale, tracker, found, gf, bf, n):
-    if found:
-        return scale * bf, 0
-    tracker += 1
-    return (scale * gf if tracker >= n else scale), tracker
-
-
-def _divides_to_back_off(scale, tracker, found, gf, bf, n):
-    if found:
-        return scale / bf, 0
-    return update_scale(scale, tracker, found, gf, bf, n)
-
-
-def _keeps_count_at_the_ceiling(scale, tracker, found, gf, bf, n):
-    if found:
-        return scale * bf, 0
-    tracker += 1
-    if tracker == n:
-        grown = scale * gf
-        if grown <= torch.finfo(torch.float32).max:
-            return grown, 0                          # reset only when it grew
-    return scale, tracker
-
-
-def _grows_to_float64(scale, tracker, found, gf, bf, n):
-    if found:
-        return scale * bf, 0
-    return (scale * gf, 0) if tracker + 1 == n else (scale, tracker + 1)
-
-
-def test_update_scale_reference_passes():
-    from companion.amp import update_scale as ours
-    check_update_scale(update_scale)
-    check_update_scale(lambda s, t, f, g, b, n: ours(s, t, f, growth_factor=g, backoff_factor=b,
-                                                     growth_interval=n))
+def test_replay_loss_scale_reference_passes():
+    from companion.amp import replay_scale
+    for _ in range(5):
+        check_replay_loss_scale(replay_loss_scale)
+    check_replay_loss_scale(_python_floats)
+    check_replay_loss_scale(replay_scale)
+    check_replay_loss_scale(lambda a, s, n: [(torch.tensor(x), torch.tensor(f))
+                                             for x, f in replay_scale(a, s, n)])
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (_keeps_count, "starts again at 0"),
-    (_ignores_inf, "multiply it by backoff_factor"),
-    (_grows_every_step, "not after every one"),
-    (_grows_late, "not one step later"),
-    (_never_resets, "reset the count"),
-    (_grows_to_float64, r"float32 \(largest"),
-    (_divides_to_back_off, "dividing by it doubles"),
-    (_keeps_count_at_the_ceiling, "even when float32's ceiling"),
-    (lambda s, t, f, g, b, n: s, "two values"),
-    (lambda s, t, f, g, b, n: (s, t), None),
+    (_with(overflow=lambda v: not math.isfinite(v) or abs(v) > 65504), "still rounds to 65504"),
+    (_with(overflow=lambda v: abs(v) >= 65520), "NaN compares False"),
+    (_with(overflow=lambda v: not math.isfinite(v)), "overflows where fp16 does"),
+    (_with(clean_after_skip=True), "a skipped step is not a clean one"),
+    (_with(late=True), "not one step later"),
+    (_with(record_after=True), "the scale it had before the update"),
+    (_with(no_ceiling=True), r"stored in float32 \(largest"),
+    (_with(no_reset=True), "start counting again after the scale grows"),
+    (_with(always_step=True), "must not step on inf or NaN"),
+    (lambda a, s, n: replay_loss_scale(a, s, n)[:-1], "a list of"),
+    (lambda a, s, n: [s for s, _ in replay_loss_scale(a, s, n)], "pair"),
+    (lambda a, s, n: [(s, int(f)) for s, f in replay_loss_scale(a, s, n)], "True or False"),
 ])
-def test_update_scale_wrong_answers_fail(wrong, hint):
-    with pytest.raises(CheckFailed, match=hint):
-        check_update_scale(wrong)
+def test_replay_loss_scale_wrong_answers_fail(wrong, hint):
+    for _ in range(3):                               # fresh traces each time: the hint holds
+        with pytest.raises(CheckFailed, match=hint):
+            check_replay_loss_scale(wrong)
 
 
-def test_update_scale_failure_shows_the_inf_steps():
-    with pytest.raises(CheckFailed, match=r"found_inf by step: [.I]{80}\[\d+\] does not") as failed:
-        check_update_scale(_divides_to_back_off)
-    assert "I" in failed.value.summary.split("found_inf by step: ")[1]
+def test_replay_loss_scale_failure_shows_the_skips():
+    with pytest.raises(CheckFailed, match=r"S: skipped, expected [.S]+\)"):
+        check_replay_loss_scale(_with(always_step=True))
 
 
 # ---------------------------------------------------------------- unscale and find infs
@@ -223,105 +222,69 @@ def test_unscale_grads_wrong_answers_fail(wrong, hint):
         check_unscale_grads(wrong)
 
 
-# ---------------------------------------------------------------- master weights
+# ---------------------------------------------------------------- which layout
 
-def master_step(model, master_params, optimizer):
-    for p, m in zip(model.parameters(), master_params):
-        m.grad = p.grad.float()                     # 2 bytes -> 4 bytes per element
-        p.grad = None
-    optimizer.step()
-    with torch.no_grad():
-        for p, m in zip(model.parameters(), master_params):
-            p.copy_(m)                              # rounded to 16 bits
-            m.grad = None
+STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 
 
-def _no_copy_back(model, master_params, optimizer):
-    for p, m in zip(model.parameters(), master_params):
-        m.grad, p.grad = p.grad.float(), None
-    optimizer.step()
-    for m in master_params:
-        m.grad = None
+def bf16_layout(n_params, optimizer, micro_batches, gpu_bytes, activation_bytes):
+    """The notebook's solution: 16-bit weights, fp32 masters and states; one micro-batch's bf16
+    gradient copies into fp32 exactly, a sum of several needs the fp32 main_grad."""
+    per = 2 + 4 + 4 * STATES[optimizer] + (2 if micro_batches == 1 else 4)
+    need = per * n_params
+    return ("master" if micro_batches == 1 else "main_grad", need) \
+        if need <= gpu_bytes - activation_bytes else (None, 0)
 
 
-def _copy_first(model, master_params, optimizer):
-    with torch.no_grad():
-        for p, m in zip(model.parameters(), master_params):
-            p.copy_(m)
-    _no_copy_back(model, master_params, optimizer)
+def _pick_with(grads, states=4, master=4, both=False, activations=True, optimizer=None,
+               fallback=False):
+    """A learner's pick with one thing wrong: `grads(k)` the layout by micro-batches."""
+    def pick(n, opt, k, gpu, act):
+        s = STATES[optimizer or opt]
+        free = gpu - act if activations else gpu
+        layout = grads(k)
+        g = {"master": 2, "main_grad": 4 + 2 * both, "both_grads": 6}[layout]
+        need = (2 + g + master + states * s) * n
+        if need <= free:
+            return layout, need
+        if fallback:
+            for lay, per in (("master", 8 + 4 * s), ("bf16", 4 + 2 * s)):
+                if per * n <= free:
+                    return lay, per * n
+        return None, 0
+    return pick
 
 
-def _no_grads_moved(model, master_params, optimizer):
-    model.zero_grad(set_to_none=True)
-    optimizer.step()
+_BY_K = lambda k: "master" if k == 1 else "main_grad"           # noqa: E731
 
 
-def _keeps_grads(model, master_params, optimizer):
-    for p, m in zip(model.parameters(), master_params):
-        m.grad = p.grad.float()
-    optimizer.step()
-    with torch.no_grad():
-        for p, m in zip(model.parameters(), master_params):
-            p.copy_(m)
-
-
-def _replaces_params(model, master_params, optimizer):
-    _no_copy_back(model, master_params, optimizer)
-    for p, m in zip(model.parameters(), master_params):
-        p.data = m.detach().clone()                  # the model silently becomes fp32
-
-
-def _copy_back_with_autograd(model, master_params, optimizer):
-    for p, m in zip(model.parameters(), master_params):
-        m.grad, p.grad = p.grad.float(), None
-    optimizer.step()
-    for p, m in zip(model.parameters(), master_params):
-        p.copy_(m)                                   # no torch.no_grad(): autograd refuses
-        m.grad = None
-
-
-def _copies_model_to_master(model, master_params, optimizer):
-    for p, m in zip(model.parameters(), master_params):
-        m.grad, p.grad = p.grad.float(), None
-    optimizer.step()
-    with torch.no_grad():
-        for p, m in zip(model.parameters(), master_params):
-            m.copy_(p)                               # the wrong direction: the step is undone
-            m.grad = None
-
-
-def _steps_16_bit(model, master_params, optimizer):
-    with torch.no_grad():                           # plain SGD on the 16-bit weights
-        for p in model.parameters():
-            p -= 1e-3 * p.grad
-            p.grad = None
-
-
-def test_master_step_reference_passes():
-    from companion.amp import MasterWeights
-
-    def with_helper(model, master_params, optimizer):
-        helper = MasterWeights(model.parameters())
-        helper.master_params = master_params
-        helper.step(optimizer)
-
-    check_master_step(master_step)
-    check_master_step(with_helper)
+def test_pick_layout_reference_passes():
+    for _ in range(10):
+        check_bf16_layout(bf16_layout)
+    check_bf16_layout(lambda *a: (lambda lay, b: (lay, torch.tensor(b).item()))(*bf16_layout(*a)))
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (_no_copy_back, "copy the master weights back"),
-    (_copy_first, "one step behind"),
-    (_no_grads_moved, "did not move: set m.grad = p.grad.float"),
-    (_keeps_grads, "free each 16-bit gradient"),
-    (_replaces_params, "do not replace them"),
-    (_steps_16_bit, "did not move: set m.grad = p.grad.float"),
-    (_copy_back_with_autograd, r"under `with torch.no_grad\(\):` \(p.copy_\(m\)\): autograd"),
-    (_copies_model_to_master, "never model -> master"),
+    (_pick_with(lambda k: "main_grad"), "copied into fp32, is exact"),
+    (_pick_with(lambda k: "master"), "sums them with bf16 rounding"),
+    (_pick_with(lambda k: "master" if k == 1 else "both_grads"), "adds 2 bytes per parameter"),
+    (_pick_with(_BY_K, fallback=True), "when no exact layout fits, say so"),
+    (_pick_with(_BY_K, activations=False), "gpu_bytes - activation_bytes"),
+    (_pick_with(_BY_K, optimizer="adam"), "count the optimizer you are given"),
+    (_pick_with(_BY_K, states=2), "its states are fp32 too"),
+    (_pick_with(_BY_K, master=0), "4 more bytes per parameter"),
+    (_pick_with(_BY_K, both=True), r"4 bytes of gradient, not 2 \+ 4"),
+    (lambda *a: bf16_layout(*a)[0], r"expected \(layout, model-state bytes\)"),
+    (lambda *a: ("fp16", 0), "not one of"),
+    (lambda *a: (bf16_layout(*a)[0], float(bf16_layout(*a)[1])), "should be an int"),
 ])
-def test_master_step_wrong_answers_fail(wrong, hint):
-    with pytest.raises(CheckFailed, match=hint):
-        check_master_step(wrong)
+def test_pick_layout_wrong_answers_fail(wrong, hint):
+    hits = 0
+    for _ in range(5):
+        with pytest.raises(CheckFailed) as failed:
+            check_bf16_layout(wrong)
+        hits += bool(__import__("re").search(hint, failed.value.hint + failed.value.summary))
+    assert hits >= 4, (hint, failed.value.summary, failed.value.hint)    # 2 regimes can tie
 
 
 # ---------------------------------------------------------------- a prediction
@@ -440,9 +403,57 @@ def test_to_e4m3_wrong_answers_fail(wrong, hint):
         check_to_e4m3(wrong)
 
 
+# ---------------------------------------------------------------- current or delayed scaling
+
+def choose_scaling(trace, history, *, with_own=False, own_first=False, by="both", limit=464.0,
+                   count_after_cast=False):
+    """The notebook's solution; the keywords make the known-wrong ones."""
+    amaxes = [float(x.abs().max()) for x in trace]
+    overflows, worse = 0, False
+    for t, x in enumerate(trace):
+        window = amaxes[max(0, t - history + with_own):t + with_own]
+        errors = []
+        for amax in (amaxes[t], max(window) if window else amaxes[t] if own_first else None):
+            scale = 448.0 / amax if amax else 1.0
+            scaled = x.float() * scale
+            codes = scaled.to(torch.float8_e4m3fn)
+            errors.append(float((codes.float() / scale - x).norm() / x.norm()))
+            over = int(((codes.float() if count_after_cast else scaled).abs() >= limit).sum())
+        overflows += over
+        worse |= errors[1] > 2 * errors[0]
+    bad = {"both": overflows > 0 or worse, "overflows": overflows > 0, "error": worse}[by]
+    return ("current" if bad else "delayed"), overflows
+
+
+def test_choose_scaling_reference_passes():
+    from companion.checks.ch05 import _choose, _trace_errors
+    for _ in range(10):
+        check_choose_scaling(choose_scaling)
+    check_choose_scaling(lambda trace, history: _choose(_trace_errors(trace, history)))
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda t, h: choose_scaling(t, h, with_own=True), "from the steps before this one only"),
+    (lambda t, h: choose_scaling(t, h, own_first=True), "with no history yet"),
+    (lambda t, h: choose_scaling(t, h, by="overflows"), "decide on both"),
+    (lambda t, h: choose_scaling(t, h, by="error"), "decide on both"),
+    (lambda t, h: choose_scaling(t, h, limit=448.0 + 1e-3), "from 464 on"),
+    (lambda t, h: choose_scaling(t, h, count_after_cast=True), "before the cast"),
+    (lambda t, h: choose_scaling(t, h)[0], r"expected \(choice, overflows\)"),
+    (lambda t, h: ("fp8", 0), '"current" or "delayed"'),
+    (lambda t, h: (choose_scaling(t, h)[0], float(choose_scaling(t, h)[1])), "should be an int"),
+])
+def test_choose_scaling_wrong_answers_fail(wrong, hint):
+    for _ in range(3):
+        with pytest.raises(CheckFailed) as failed:
+            check_choose_scaling(wrong)
+        assert __import__("re").search(hint, failed.value.hint + failed.value.summary), \
+            (failed.value.summary, failed.value.hint)
+
+
 # ---------------------------------------------------------------- garbage and hangs
 
-CHECKS = [check_update_scale, check_unscale_grads, check_master_step,
+CHECKS = [check_replay_loss_scale, check_unscale_grads, check_bf16_layout, check_choose_scaling,
           check_autocast_activation_bytes, check_to_e4m3]
 
 

@@ -100,3 +100,69 @@ def test_mx_scales_are_powers_of_two_that_bring_each_block_into_range():
     assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))          # E8M0
     top = scaling.block_absmax(x, 32) / scales
     assert ((top >= 256) & (top < 512)).all()          # 2^8 <= amax / scale < 2^9: e4m3's top
+
+
+# ---------------------------------------------------------------- FP8 training, simulated
+
+def _fake_fp8(x, fmt):
+    """x through the format with its own amax's scale: what an FP8 matmul sees."""
+    scale = scaling.amax_scale(x.abs().max(), fmt)
+    return scaling.dequantize(scaling.quantize(x, scale, fmt)[0], scale)
+
+
+def test_fp8_linears_multiply_the_e4m3_codes_and_backpropagate_e5m2_gradients():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 10)
+    x = torch.randn(3, 5, 24, requires_grad=True)
+    upstream = torch.randn(3, 5, 10) * 1e-3
+    with scaling.fp8_linears(layer, "current") as fp8:
+        out = layer(x)
+        out.backward(upstream)
+    xq, wq = _fake_fp8(x.detach().reshape(-1, 24), "e4m3"), _fake_fp8(layer.weight.detach(), "e4m3")
+    assert torch.allclose(out.detach(), (xq @ wq.T + layer.bias.detach()).reshape(3, 5, 10),
+                          rtol=1e-6, atol=1e-6)
+    gq = _fake_fp8(upstream.reshape(-1, 10), "e5m2")
+    assert torch.allclose(layer.weight.grad, gq.T @ xq, rtol=1e-5, atol=1e-9)
+    assert torch.allclose(x.grad, (gq @ wq).reshape(3, 5, 24), rtol=1e-5, atol=1e-9)
+    assert torch.allclose(layer.bias.grad, upstream.sum((0, 1)))
+    assert fp8.values == {"input": 3 * 5 * 24, "weight": 240, "grad": 3 * 5 * 10}
+    assert sum(fp8.overflows.values()) == 0
+    assert "forward" not in vars(layer)                       # restored on leaving
+
+
+def test_fp8_error_is_e4m3s_precision_not_more():
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(64, 64, bias=False)
+    x = torch.randn(32, 64)
+    with torch.no_grad():
+        exact = layer(x)
+        with scaling.fp8_linears(layer):
+            fp8 = layer(x)
+    err = float((fp8 - exact).norm() / exact.norm())
+    assert 2**-6 < err < 2**-3            # e4m3 keeps 3 bits: a few percent, from both operands
+
+
+def test_delayed_fp8_counts_a_spike_and_saturates_it_unless_told_not_to():
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(16, 8)
+    for saturate, finite in ((True, True), (False, False)):
+        with scaling.fp8_linears(layer, "delayed", saturate=saturate) as fp8:
+            layer(x).sum().backward()                     # history: this step's amaxes
+            layer.zero_grad()
+            layer(x).backward(torch.full((16, 4), 1e6))   # a gradient far above its history
+        assert fp8.overflows["grad"] == 64 and fp8.overflows["input"] == 0
+        assert torch.isfinite(layer.weight.grad).all() == finite
+
+
+def test_fp8_linears_refuse_a_model_without_linears_and_nesting():
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        with scaling.fp8_linears(torch.nn.ReLU()):
+            pass
+    layer = torch.nn.Linear(2, 2)
+    with scaling.fp8_linears(layer):
+        with pytest.raises(RuntimeError, match="nested"):
+            with scaling.fp8_linears(layer):
+                pass
+    with pytest.raises(ValueError, match="'current' or 'delayed'"):
+        with scaling.fp8_linears(layer, "jit"):
+            pass

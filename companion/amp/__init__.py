@@ -11,7 +11,8 @@ parameter or more.
   bf16 default, 18 B) or both (6, DeepSpeed's bf16 optimizer, 20 B). `MasterWeights` builds each.
 
 Modules:
-- `scaler`: fp16's loss scaling: `update_scale` (the rule), `unscale_grads_`, `GradScaler`.
+- `scaler`: fp16's loss scaling: `update_scale` (the rule), `replay_scale` (the
+  rule over a recorded trace), `unscale_grads_`, `GradScaler`.
 - `sharded`: `ShardedGradScaler`, whose inf check every rank of a sharded model agrees on.
 - `master`: `MasterWeights`, the 16-bit model with an fp32 copy for the optimizer.
 - `autocast`: `autocast_dtypes`, which operators autocast ran in which dtype.
@@ -28,9 +29,9 @@ Simplified vs PyTorch: see each module's docstring.
 """
 from companion.amp.autocast import OpDtype, autocast_dtypes
 from companion.amp.master import MasterWeights
-from companion.amp.scaler import GradScaler, unscale_grads_, update_scale
+from companion.amp.scaler import GradScaler, replay_scale, unscale_grads_, update_scale
 from companion.amp.sharded import ShardedGradScaler
 from companion.amp.syncs import host_reads, step_counters
 
-__all__ = ["GradScaler", "ShardedGradScaler", "update_scale", "unscale_grads_", "MasterWeights",
+__all__ = ["GradScaler", "ShardedGradScaler", "update_scale", "replay_scale", "unscale_grads_", "MasterWeights",
            "OpDtype", "autocast_dtypes", "host_reads", "step_counters"]

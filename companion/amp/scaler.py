@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GradScaler", "update_scale", "unscale_grads_"]
+__all__ = ["GradScaler", "update_scale", "unscale_grads_", "replay_scale"]
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
@@ -57,6 +57,32 @@ def update_scale(scale: float, growth_tracker: int, found_inf: bool, *, growth_f
         return scale, clean                                           # 2. keep counting
     grown = _float32(scale * growth_factor)
     return (grown if math.isfinite(grown) else scale), 0             # 3. grow, reset
+
+
+def replay_scale(amaxes, init_scale: float = 2.0**16, growth_interval: int = 2000, *,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 dtype: torch.dtype = torch.float16) -> list[tuple[float, bool]]:
+    """The dynamic loss scale over a recorded trace: (scale the step ran with, stepped) per step.
+
+    `amaxes[i]` is step i's largest |gradient| before scaling (fp32; inf or NaN where the step's
+    gradients held one). Backward computes the scaled gradient in `dtype`, so a step overflows when
+    scale * amax, rounded to `dtype`, is not finite: in fp16 that begins at 65520, where rounding
+    to nearest stops reaching 65504, not at 65504 itself. Overflowing steps are skipped and back
+    off; `growth_interval` clean steps in a row grow the scale (`update_scale`).
+
+    Example:
+        >>> replay_scale([1.0, 0.1, 0.1], growth_interval=1)
+        [(65536.0, False), (32768.0, True), (65536.0, True)]
+    """
+    scale, tracker, steps = _float32(init_scale), 0, []
+    for amax in amaxes:
+        scaled = torch.tensor(float(amax), dtype=torch.float32) * torch.tensor(scale)
+        found_inf = not bool(torch.isfinite(scaled.to(dtype)))
+        steps.append((scale, not found_inf))
+        scale, tracker = update_scale(scale, tracker, found_inf, growth_factor=growth_factor,
+                                      backoff_factor=backoff_factor,
+                                      growth_interval=growth_interval)
+    return steps
 
 
 def _float32(x: float) -> float:

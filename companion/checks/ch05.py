@@ -1,129 +1,193 @@
-"""Checks for chapter 05, mixed precision, in the notebook's order: the master-weight step, a
-prediction of activation bytes under autocast, the loss-scale rule, and unscaling with inf/NaN
-detection."""
+"""Checks for chapter 05, mixed precision, in the notebook's order: which layout to train in, a
+prediction of activation bytes under autocast, a dynamic loss scale over recorded traces,
+unscaling with inf/NaN detection, the FP8 cast with its scale, and current against delayed
+scaling on recorded traces."""
 from __future__ import annotations
 
 import math
 import numbers
 import random
+from collections import Counter
 
 import torch
 
 from companion import amp, estimate
+from companion.estimate import OPTIMIZERS
 from companion.amp.scaler import _float32
 from companion.checks.core import (MEASURES_ACTIVATIONS, CheckFailed, call, compare, exercise,
                                    fresh_seeds, harness, require)
 from companion.memory import format_bytes, track
 from companion.models import MLP, make_classification
 
-__all__ = ["check_master_step", "check_autocast_activation_bytes", "check_update_scale",
-           "check_unscale_grads"]
+__all__ = ["check_bf16_layout", "check_autocast_activation_bytes", "check_replay_loss_scale",
+           "check_unscale_grads", "check_to_e4m3", "check_choose_scaling"]
 
 
-# ---------------------------------------------------------------- exercise 1: master weights
+# ---------------------------------------------------------------- exercise 1: which layout
 
-def _master_setup(seed: int, width: int, dtype: torch.dtype):
-    model = MLP(5, width, 2, 3, seed=seed).to(dtype)
-    master = [p.detach().float().requires_grad_() for p in model.parameters()]
-    opt = torch.optim.Adam(master, lr=1e-3)
-    x, y = make_classification(17, 5, 3, seed=seed)
-    return model, master, opt, x.to(dtype), y
+LAYOUTS = {"fp32": ("fp32", {}), "autocast": ("autocast", {}), "master": ("mixed", {}),
+           "main_grad": ("mixed", {"fp32_grads": True}),
+           "both_grads": ("mixed", {"fp32_grad_buffer": True}), "bf16": ("bf16", {})}
+_SIXTEEN_BIT_WEIGHTS = ("master", "main_grad", "both_grads", "bf16")
 
 
-def _master_observe(model, master) -> tuple:
-    return ([p.detach().clone() for p in model.parameters()],
-            [m.detach().clone() for m in master],
-            [p.grad is not None for p in model.parameters()],
-            [m.grad is not None for m in master])
+def _layout_bytes(n: int, optimizer: str, layout: str) -> int:
+    precision, options = LAYOUTS[layout]
+    return estimate.model_states(n, optimizer=optimizer, precision=precision, **options).total
 
 
-@harness
-def _master_run(answer, seed: int, width: int, dtype_name: str, steps: int) -> list:
-    """`steps` steps with the answer as the step; what model and masters hold after each."""
-    model, master, opt, x, y = _master_setup(seed, width, getattr(torch, dtype_name))
-    seen = []
-    for _ in range(steps):
-        model.loss(x, y).backward()
-        call(answer, model, master, opt)
-        seen.append(_master_observe(model, master))
-        if any(p.dtype != x.dtype for p in model.parameters()):
-            break                                   # the check reports it; forward would fail
-    return seen
+def _pick(n: int, optimizer: str, k: int, free: int, *, exact=None, bytes_of=None) -> tuple:
+    """The 16-bit-weight layout with an fp32 master whose gradient sum is exact, fewest bytes
+    first; `exact` and `bytes_of` replace the rules, for the known-wrong answers."""
+    exact = exact or (lambda layout: layout != "bf16" and (k == 1 or layout != "master"))
+    bytes_of = bytes_of or (lambda layout: _layout_bytes(n, optimizer, layout))
+    for layout in sorted(_SIXTEEN_BIT_WEIGHTS, key=bytes_of):
+        need = bytes_of(layout)
+        if exact(layout) and need <= free:
+            return layout, need
+    return None, 0
 
 
-def _master_reference(seed: int, width: int, dtype_name: str, steps: int) -> list:
-    model, master, opt, x, y = _master_setup(seed, width, getattr(torch, dtype_name))
-    helper = amp.MasterWeights(model.parameters())
-    helper.master_params = master                   # the optimizer's tensors
-    seen = []
-    for _ in range(steps):
-        model.loss(x, y).backward()
-        helper.step(opt)
-        seen.append(_master_observe(model, master))
-    return seen
+def _pick_mistakes(n: int, optimizer: str, k: int, gpu: int, activations: int) -> dict:
+    free = gpu - activations
+    miscounted = {hint: _pick(n, optimizer, k, free, bytes_of=lambda lay, h=hint:
+                              _bytes_mistakes(n, optimizer, lay)[h])
+                  for hint in _bytes_mistakes(n, optimizer, "master")}
+    return {"the activations need the GPU too: what is left for model states is gpu_bytes - "
+            "activation_bytes.": _pick(n, optimizer, k, gpu)} | miscounted | {
+        "one micro-batch's bf16 gradient, copied into fp32, is exact (the chapter measured it at "
+        "k = 1): the 2 extra bytes buy nothing there.":
+            _pick(n, optimizer, k, free, exact=lambda lay: lay in ("main_grad", "both_grads")),
+        "with more than one micro-batch the bf16 .grad sums them with bf16 rounding (the drift "
+        "measured above): the sum must be kept in fp32.":
+            _pick(n, optimizer, k, free, exact=lambda lay: lay != "bf16"),
+        "the fp32 buffer alone keeps the sum exact; keeping the bf16 .grad beside it adds 2 bytes "
+        "per parameter and no exactness.":
+            _pick(n, optimizer, k, free, exact=lambda lay: lay == "both_grads" or
+                  (k == 1 and lay == "master")),
+        "pure bf16 loses every update below half of bf16's spacing at its weight: it is not exact "
+        "with any gradient sum.": _pick(n, optimizer, k, free, exact=lambda lay: k == 1 or
+                                        lay != "master"),
+        "when no exact layout fits, say so (None): a layout that fits but drifts or loses "
+        "updates is not the answer asked for.": _fallback(n, optimizer, k, free),
+    }
 
 
-def _same(a, b) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
-
-
-def _copy_back_hint(models: list, masters: list, dtype: torch.dtype) -> str | None:
-    """None if every step's model is its masters rounded to 16 bits; else what went wrong."""
-    rounded = [[m.to(dtype) for m in ms] for ms in masters]
-    if all(_same(models[k], rounded[k]) for k in range(1, len(models))):
+def _fallback(n: int, optimizer: str, k: int, free: int):
+    layout, need = _pick(n, optimizer, k, free)
+    if layout is not None:
         return None
-    if all(_same(models[k], models[0]) for k in range(1, len(models))):
-        return ("copy the master weights back into the model after optimizer.step() (rounded to "
-                "16 bits): the next forward runs on the model.")
-    if all(_same(models[k], rounded[k - 1]) for k in range(1, len(models))):
-        return "copy back after the step, not before: the model is one step behind."
-    return "after optimizer.step(), copy each master into its 16-bit parameter: p.copy_(m)."
+    fitting = [lay for lay in _SIXTEEN_BIT_WEIGHTS if _layout_bytes(n, optimizer, lay) <= free]
+    return None if not fitting else (fitting[0], _layout_bytes(n, optimizer, fitting[0]))
 
 
-_LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation"
+def _bytes_mistakes(n: int, optimizer: str, layout: str) -> dict[str, int]:
+    """What the usual miscounts give for a layout (the right count where one does not apply)."""
+    states = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}[optimizer]
+    right = _layout_bytes(n, optimizer, layout)
+    return {
+        "count the optimizer you are given: SGD keeps no state and SGD with momentum one tensor, "
+        "not Adam's two.": _layout_bytes(n, "adam", layout),
+        "the optimizer steps the fp32 master, so its states are fp32 too (4 bytes each), not "
+        "16-bit.": right - 2 * states * n if layout != "bf16" else right,
+        "the optimizer steps an fp32 master copy of the weights: 4 more bytes per parameter.":
+            right - 4 * n if layout != "bf16" else right,
+        "main_grad replaces the bf16 .grad (each one is added in and freed): 4 bytes of "
+        "gradient, not 2 + 4.": right + 2 * n if layout == "main_grad" else right,
+    }
 
 
-@exercise(points=2, timeout=20.0, reference="companion.amp.MasterWeights")
-def check_master_step(answer) -> str:
-    """answer(model, master_params, optimizer): one step of a 16-bit model whose optimizer holds
-    fp32 master copies: gradients cast up onto the masters (16-bit ones freed), optimizer.step(),
-    masters copied back into the model, fp32 gradients freed."""
-    for seed, width, dtype_name in zip(fresh_seeds(2), [7, 12], ["bfloat16", "float16"]):
-        dtype, steps = getattr(torch, dtype_name), 3
-        try:
-            got = _master_run(answer, seed, width, dtype_name, steps)
-        except CheckFailed as failure:
-            if _LEAF_IN_PLACE in failure.summary:
-                failure.hint = ("write into parameters under `with torch.no_grad():` "
-                                "(p.copy_(m)): autograd must not record the update.")
-            raise
-        want = _master_reference(seed, width, dtype_name, steps)
-        model, master = _master_setup(seed, width, dtype)[:2]
-        start = ([p.detach() for p in model.parameters()], [m.detach() for m in master])
-        require(all(p.dtype == dtype for g in got for p in g[0]),
-                f"after the step the model's parameters are "
-                f"{sorted({str(p.dtype) for g in got for p in g[0]})}, not {dtype}",
-                hint="copy into the 16-bit parameters (p.copy_(m) under torch.no_grad()); "
-                     "do not replace them with the fp32 masters.")
-        compare(tuple(got[0][1]), tuple(want[0][1]), name="master weights after one step",
-                rtol=1e-5, atol=1e-7, known_wrong={
-                    "the master weights did not move: set m.grad = p.grad.float() before "
-                    "optimizer.step(), then copy master -> model (p.copy_(m)), never model -> "
-                    "master.": tuple(start[1])})
-        hint = _copy_back_hint([start[0]] + [g[0] for g in got], [start[1]] + [g[1] for g in got],
-                               dtype)
-        require(hint is None, "the 16-bit weights are not the master weights rounded to 16 bits",
-                hint=hint or "")
-        for step, (g, w) in enumerate(zip(got, want), start=1):
-            compare(tuple(g[1]), tuple(w[1]), name=f"master weights after step {step}",
-                    rtol=1e-5, atol=1e-7)
-            require(not any(g[2]) and not any(g[3]),
-                    f"after step {step}, gradients are still held: 16-bit on {sum(g[2])} model "
-                    f"parameters, fp32 on {sum(g[3])} masters",
-                    hint="free each 16-bit gradient once it is copied (p.grad = None) and the fp32 "
-                         "ones after the step (m.grad = None): they cost 2 and 4 bytes/parameter.")
-    return ("the fp32 masters take every update, the 16-bit model gets them rounded: "
-            "2 + 2 + 12 bytes/parameter with Adam")
+_GPUS = {"24 GiB": 24 * 2**30, "40 GiB": 40 * 2**30, "80 GiB (H100)": 80 * 2**30,
+         "141 GB (H200)": 141 * 10**9}
+
+
+def _pick_cases(seed: int) -> list[tuple[int, str, int, int, int]]:
+    """(n_params, optimizer, micro_batches, gpu_bytes, activation_bytes), each regime once: the
+    16 B layout fits (k = 1), the 18 B one (k > 1), only a drifting one fits, nothing fits beside
+    the activations (but would without them), nothing fits at all."""
+    rng = random.Random(seed)
+    cases = []
+    for k, regime, optimizer in [
+            (1, "exact", "sgd"), (rng.randint(2, 64), "exact", "sgd_momentum"),
+            (rng.randint(1, 64), "exact", rng.choice(("adam", "adamw"))),
+            (rng.randint(2, 64), "drift", rng.choice(OPTIMIZERS)),
+            (rng.randint(1, 16), "tight", rng.choice(OPTIMIZERS)),
+            (rng.randint(1, 16), "none", rng.choice(OPTIMIZERS))]:
+        gpu = rng.choice(list(_GPUS.values()))
+        activations = int(gpu * rng.uniform(0.1, 0.4))
+        free = gpu - activations
+        per = _layout_bytes(1, optimizer, "master" if k == 1 else "main_grad")   # bytes/param
+        low = _layout_bytes(1, optimizer, "master")
+        if regime == "exact":
+            n = int(free / per / rng.uniform(1.02, 1.25))
+        elif regime == "drift":                       # master fits, main_grad does not
+            n = int(free / rng.uniform(low * 1.01, per * 0.99))
+        elif regime == "tight":                       # fits in gpu_bytes, not beside activations
+            n = int(rng.uniform(free * 1.02, gpu * 0.98) / per)
+        else:
+            n = int(gpu / per * rng.uniform(1.05, 2.0))
+        cases.append((n, optimizer, k, gpu, activations))
+    return cases
+
+
+_ROOMY = 2**60      # a GPU that holds anything: what the answer prefers when everything fits
+
+
+def _diagnose(answer, n: int, optimizer: str, k: int, gpu: int, activations: int, got) -> str:
+    """The hint for a wrong layout: first ask the answer what it picks when everything fits (a
+    wrong preference or a miscount shows there), else what went wrong in fitting."""
+    preferred = call(answer, n, optimizer, k, _ROOMY, 0)
+    if isinstance(preferred, (tuple, list)) and len(preferred) == 2 and \
+            tuple(preferred) != _pick(n, optimizer, k, _ROOMY):
+        suspects = _pick_mistakes(n, optimizer, k, _ROOMY, 0)
+        got = tuple(preferred)
+    else:
+        suspects = _pick_mistakes(n, optimizer, k, gpu, activations)
+    want = _pick(n, optimizer, k, gpu - activations)
+    hints = [h for h, v in suspects.items() if v is not None and tuple(v) == tuple(got)
+             and v != want] or [h for h, v in suspects.items()
+                                if v is not None and v[0] == got[0] and v != want]
+    if not hints:
+        return "which layouts keep the sum exact, and which of those fit?"
+    return hints[0] if len(hints) == 1 else f"one of two things: (1) {hints[0]} (2) {hints[1]}"
+
+
+@exercise(points=2, reference=("companion.estimate.model_states",
+                               "companion.checks.ch05._pick", "companion.checks.ch05._layout_bytes"))
+def check_bf16_layout(answer) -> str:
+    """answer(n_params, optimizer, micro_batches, gpu_bytes, activation_bytes) -> (layout,
+    model-state bytes), or (None, 0): the fewest-bytes layout with 16-bit weights whose updates
+    and gradient sums are as exact as fp32's that fits beside the activations."""
+    seen = Counter()
+    for seed in fresh_seeds(2):
+        for n, optimizer, k, gpu, activations in _pick_cases(seed):
+            got = call(answer, n, optimizer, k, gpu, activations)
+            require(isinstance(got, (tuple, list)) and len(got) == 2,
+                    f"expected (layout, model-state bytes), got {got!r}"[:200],
+                    hint="return two things, e.g. `return \"master\", nbytes` or `return None, 0`.")
+            layout, nbytes = got
+            want = _pick(n, optimizer, k, gpu - activations)
+            what = (f"{n:,} parameters, {optimizer}, {k} micro-batch{'es' * (k > 1)}, a "
+                    f"{format_bytes(gpu)} GPU with {format_bytes(activations)} of activations")
+            require(layout is None or layout in LAYOUTS,
+                    f"with {what}: layout {layout!r} is not one of {sorted(LAYOUTS)} or None")
+            if layout != want[0]:
+                raise CheckFailed(f"with {what}: got {layout!r}, expected {want[0]!r}",
+                                  hint=_diagnose(answer, n, optimizer, k, gpu, activations,
+                                                 (layout, nbytes)))
+            require(isinstance(nbytes, numbers.Integral) and not isinstance(nbytes, bool),
+                    f"with {what}: the bytes should be an int, got {type(nbytes).__name__}")
+            if int(nbytes) != want[1]:
+                hints = [h for h, v in _bytes_mistakes(n, optimizer, layout).items()
+                         if v == int(nbytes) and v != want[1]]
+                raise CheckFailed(f"with {what}: {layout!r} is right, but its model states are "
+                                  f"{want[1]:,} bytes, not {int(nbytes):,}",
+                                  hint=hints[0] if hints else
+                                  "count weights, gradients, the fp32 master and the optimizer's "
+                                  "states for this optimizer.")
+            seen[want[0]] += 1
+    return ("right on every GPU, optimizer and micro-batch count tried: " +
+            ", ".join(f"{lay or 'nothing fits'} {c}x" for lay, c in seen.items()))
 
 
 # ---------------------------------------------------------------- exercise 2: a prediction
@@ -200,87 +264,127 @@ def check_autocast_activation_bytes(answer) -> str:
             f"{format_bytes(measured)} (batch {B}, d_in {d_in}, width {W}, depth {L}, d_out {K})")
 
 
-# ---------------------------------------------------------------- exercise 3: the update rule
+# ---------------------------------------------------------------- exercise 3: a loss scale over a trace
 
-def _wrong_rule(kind: str):
-    """A known-wrong version of `amp.update_scale`, positional like the learner's."""
-    def rule(scale, tracker, found, growth_factor, backoff_factor, interval):
-        if found and kind != "ignore_inf":
-            scale = scale / backoff_factor if kind == "divide" else scale * backoff_factor
-            return scale, (tracker if kind == "keep_count" else 0)
-        clean = tracker + 1
-        if kind == "every_step" or clean >= interval + (kind == "late"):
-            if kind == "float64" or math.isfinite(_float32(scale * growth_factor)):
-                return scale * growth_factor, (clean if kind == "no_reset" else 0)
-            return scale, (clean if kind in ("no_reset", "ceiling_count") else 0)
-        return scale, clean
-    return rule
-
-
-def _reference_rule(scale, tracker, found, growth_factor, backoff_factor, interval):
-    return amp.update_scale(scale, tracker, found, growth_factor=growth_factor,
-                            backoff_factor=backoff_factor, growth_interval=interval)
-
-
-def _trajectory(rule, start: float, flags: list[bool], factors: tuple) -> list[tuple]:
-    scale, tracker, out = start, 0, []
-    for found in flags:
-        got = rule(scale, tracker, found, *factors)
-        require(isinstance(got, (tuple, list)) and len(got) == 2,
-                f"expected (new_scale, new_growth_tracker), got {got!r}"[:200],
-                hint="return two values: `return scale, growth_tracker`.")
-        scale, tracker = got
-        out.append((scale, tracker))
-    return out
+def _wrong_replay(kind: str):
+    """A known-wrong replay of a recorded trace, called like the learner's."""
+    def replay(amaxes, init_scale, interval):
+        scale, tracker, out = init_scale, 0, []
+        for amax in amaxes:
+            scaled = amax * scale
+            if kind == "at_65504":
+                found = not math.isfinite(scaled) or abs(scaled) > 65504
+            elif kind == "nan_passes":
+                found = abs(scaled) >= 65520                     # NaN compares False
+            elif kind == "inf_only":
+                found = not math.isfinite(scaled)                # overflow of the product, fp32's
+            else:
+                found = not math.isfinite(scaled) or abs(scaled) >= 65520
+            used = scale
+            if found:
+                scale = scale * 2 if kind == "divide" else scale * 0.5
+                tracker = tracker if kind == "count_skipped" else 0
+            else:
+                tracker += 1
+                if tracker >= interval + (kind == "late"):
+                    grown = scale * 2
+                    if kind == "float64" or math.isfinite(_float32(grown)):
+                        scale = grown
+                    tracker = tracker if kind == "no_reset" else 0
+            out.append((scale if kind == "after" else used, kind == "never_skip" or not found))
+        return out
+    return replay
 
 
-_WRONG = {
-    "after an inf/NaN the count of clean steps starts again at 0.": "keep_count",
-    "a step with inf/NaN gradients means the scale is too large: multiply it by backoff_factor.":
-        "ignore_inf",
-    "grow only after growth_interval clean steps in a row, not after every one.": "every_step",
-    "grow when the count reaches growth_interval (count + 1 == growth_interval), "
-    "not one step later.": "late",
-    "reset the count to 0 when the scale grows, or it grows again on every next step.": "no_reset",
-    "the scale is stored in float32 (largest 3.4e38): if the grown scale would be inf there, "
-    "keep the old one.": "float64",
-    "back off by multiplying by backoff_factor: dividing by it doubles the scale.": "divide",
-    "reset the count to 0 whenever it reaches growth_interval, even when float32's ceiling "
-    "stops the growth.": "ceiling_count",
+_WRONG_REPLAY = {
+    "a scaled gradient a little above 65504 still rounds to 65504, fp16's largest value: where "
+    "does rounding to nearest stop reaching it? (fp16's next step above 65504 would be 65536.)":
+        "at_65504",
+    "a NaN gradient must skip the step too, and NaN compares False with every number: test for "
+    "finiteness (math.isfinite, torch.isfinite), not with `>`.": "nan_passes",
+    "backward runs in fp16: the scaled gradient overflows where fp16 does, long before float32.":
+        "inf_only",
+    "a skipped step is not a clean one: after an overflow the count starts again at 0.":
+        "count_skipped",
+    "grow when the count of clean steps reaches growth_interval, not one step later.": "late",
+    "each step ran with the scale it had before the update: record it, then update.": "after",
+    "the scale is stored in float32 (largest 3.4e38): if the grown scale would be inf there, keep "
+    "the old one.": "float64",
+    "start counting again after the scale grows, or it grows at every step from then on.":
+        "no_reset",
+    "an overflowing step is skipped: the optimizer must not step on inf or NaN gradients.":
+        "never_skip",
+    "back off by multiplying by 0.5: an overflow means the scale was too large.": "divide",
 }
 
 
-@exercise(points=1, reference=("companion.amp.update_scale",
-                               "companion.checks.ch05._wrong_rule",
+def _replay_traces(seed: int) -> list[tuple[str, list[float], float, int]]:
+    """(what, trace, init_scale, growth_interval): a noisy run with spikes, inf and NaN; values
+    between 65504 and 65520 once scaled; a scale that float32 cannot grow further."""
+    rng = random.Random(seed)
+    noisy = [10 ** rng.uniform(-2.5, 0.5) for _ in range(rng.randint(90, 130))]
+    for i in rng.sample(range(len(noisy)), len(noisy) // 8):
+        noisy[i] *= rng.choice([20.0, 300.0, 1e4, math.inf, math.nan])
+    for bad in (math.inf, math.nan):                  # at least one of each, past the start
+        noisy[rng.randrange(10, len(noisy))] = bad
+    start = 2.0 ** rng.randint(10, 14)
+    edge = [rng.randint(65505, 65519) / start for _ in range(rng.randint(3, 6))]
+    edge += [rng.randint(65521, 65530) / start, rng.randint(65505, 65519) / (start / 2)]
+    edge += [10 ** rng.uniform(-3, -1) for _ in range(6)]
+    tiny = [10 ** rng.uniform(-38, -36) for _ in range(8)]
+    return [(f"a recorded run of {len(noisy)} steps with spikes, inf and NaN", noisy,
+             2.0**16, rng.randint(3, 9)),
+            (f"scaled gradients just above 65504 (starting at {start:g})", edge, start, 4),
+            ("tiny gradients from 2^125, where float32 stops the growth", tiny, 2.0**125, 2)]
+
+
+def _replay_steps(got, n: int) -> tuple[list[float], list[bool]]:
+    require(isinstance(got, (list, tuple)) and len(got) == n,
+            f"expected a list of {n} (scale, stepped) pairs, one per step, got "
+            f"{type(got).__name__}" + (f" of {len(got)}" if isinstance(got, (list, tuple)) else ""),
+            hint="append (scale, stepped) once per entry of amaxes.")
+    scales, stepped = [], []
+    for i, pair in enumerate(got):
+        require(isinstance(pair, (list, tuple)) and len(pair) == 2,
+                f"step {i}: expected a (scale, stepped) pair, got {pair!r}"[:200])
+        scale, flag = pair
+        if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+            scale = scale.item()
+        if isinstance(flag, torch.Tensor) and flag.numel() == 1:
+            flag = bool(flag.item())
+        require(isinstance(scale, numbers.Real) and not isinstance(scale, bool),
+                f"step {i}: the scale should be a number, got {type(scale).__name__}")
+        require(isinstance(flag, bool), f"step {i}: stepped should be True or False, got "
+                                        f"{type(flag).__name__}")
+        scales.append(float(scale))
+        stepped.append(flag)
+    return scales, stepped
+
+
+@exercise(points=2, reference=("companion.amp.replay_scale", "companion.amp.update_scale",
+                               "companion.checks.ch05._wrong_replay",
                                "torch._amp_update_scale_"))
-def check_update_scale(answer) -> str:
-    """answer(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
-    -> (new_scale, new_growth_tracker): one step of GradScaler's dynamic loss-scale rule."""
-    rng = random.Random(fresh_seeds(1)[0])
-    configs = [(2.0**16, (2.0, 0.5, rng.randint(2, 6)), 0.15, 80),
-               (2.0**10, (1.5, 0.25, rng.randint(3, 5)), 0.1, 60),
-               (1.0, (2.0, 0.5, 1), 0.3, 30),
-               (2.0**126, (2.0, 0.5, 2), 0.0, 8)]          # grows into float32's ceiling
-    backoffs = growths = 0
-    for start, factors, p_inf, n in configs:
-        flags = [rng.random() < p_inf for _ in range(n)]
-        want = _trajectory(_reference_rule, start, flags, factors)
-        got = _trajectory(lambda *a: call(answer, *a), start, flags, factors)
-        label = (f"(scale, growth_tracker) after each of {n} steps, starting at {start:g}, "
-                 f"factors {factors}, found_inf by step: "
-                 f"{''.join('I' if f else '.' for f in flags)}")
-        compare([s for s, _ in got], [s for s, _ in want], name=f"scales {label}", rtol=1e-6,
-                known_wrong={hint: [s for s, _ in _trajectory(_wrong_rule(kind), start, flags,
-                                                             factors)]
-                             for hint, kind in _WRONG.items()})
-        compare([t for _, t in got], [t for _, t in want], name=f"growth_tracker {label}",
-                known_wrong={hint: [t for _, t in _trajectory(_wrong_rule(kind), start, flags,
-                                                             factors)]
-                             for hint, kind in _WRONG.items()})
-        backoffs += sum(flags)
-        growths += sum(b > a for (a, _), (b, _) in zip([(start, 0)] + want, want))
-    return (f"same scale and count as torch.amp.GradScaler's rule over {backoffs} backoffs and "
-            f"{growths} growths")
+def check_replay_loss_scale(answer) -> str:
+    """answer(amaxes, init_scale, growth_interval) -> [(scale, stepped), ...]: the dynamic loss
+    scale over a recorded trace of each step's largest unscaled gradient, fp16 backward."""
+    skipped = grown = steps = 0
+    for what, trace, start, interval in _replay_traces(fresh_seeds(1)[0]):
+        want = amp.replay_scale(trace, start, interval)
+        scales, stepped = _replay_steps(call(answer, list(trace), start, interval), len(trace))
+        wrong = {hint: _wrong_replay(kind)(trace, start, interval)
+                 for hint, kind in _WRONG_REPLAY.items()}
+        label = f"over {what} (init_scale {start:g}, growth_interval {interval})"
+        compare(scales, [s for s, _ in want], name=f"the scale of each step {label}", rtol=1e-6,
+                known_wrong={h: [s for s, _ in w] for h, w in wrong.items()})
+        flags = "".join("." if f else "S" for _, f in want)
+        compare(stepped, [f for _, f in want], name=f"stepped, step by step {label} "
+                                                     f"(S: skipped, expected {flags})",
+                known_wrong={h: [f for _, f in w] for h, w in wrong.items()})
+        skipped += flags.count("S")
+        grown += sum(b > a for (a, _), (b, _) in zip(want, want[1:]))
+        steps += len(trace)
+    return (f"the same scales and skips as torch.amp.GradScaler over {steps} steps of traces you "
+            f"had not seen: {skipped} skipped, {grown} growths")
 
 
 # ---------------------------------------------------------------- exercise 4: unscale, find infs
@@ -490,3 +594,140 @@ def _wrong_overflows(got: int, want: int, x, scale: float, what: str) -> None:
     elif got == int(((x.float() * scale) >= 464).sum()):
         hint = "overflow is about magnitude: large negative values overflow too."
     raise CheckFailed(f"with {what}: {got} overflows counted, expected {want}", hint=hint)
+
+
+# ---------------------------------------------------------------- current or delayed scaling
+
+def _trace_errors(trace: list, history: int, *, own_first: bool = False, with_own: bool = False,
+                  limit: float | None = None) -> list[tuple[float, float, int]]:
+    """(current's error, delayed's error, delayed's overflows) per step; the keywords make the
+    known-wrong delayed recipes (first step from its own amax, this step's amax in the window)."""
+    from companion import scaling
+    amaxes = [_own_amax(x) for x in trace]
+    rows = []
+    for t, x in enumerate(trace):
+        window = amaxes[max(0, t - history + with_own):t + with_own]
+        delayed = (torch.stack(window).max() if window else
+                   amaxes[t] if own_first else None)
+        errors = []
+        for amax in (amaxes[t], delayed):
+            scale = scaling.amax_scale(amax, "e4m3") if amax is not None else torch.ones(())
+            codes, overflows = scaling.quantize(x, scale, "e4m3")
+            if limit is not None:                              # a known-wrong overflow limit
+                overflows = int(((x.float() * scale).abs() >= limit).sum())
+            back = scaling.dequantize(codes, scale)
+            errors.append((float((back - x.float()).norm() / x.float().norm()), overflows))
+        rows.append((errors[0][0], errors[1][0], errors[1][1]))
+    return rows
+
+
+def _choose(rows, *, by: str = "both", limit: float = 464.0) -> tuple[str, int]:
+    overflows = sum(o for _, _, o in rows)
+    worse = any(d > 2 * c for c, d, _ in rows)
+    bad = {"both": overflows > 0 or worse, "overflows": overflows > 0, "error": worse}[by]
+    return ("current" if bad else "delayed"), overflows
+
+
+def _scaling_traces(seed: int) -> list[tuple[str, list[torch.Tensor], int]]:
+    """(what, trace, history): steady traces at four magnitudes, a noisy one, and spikes of x1.02,
+    x1.06 and x8 over the amax of the history window."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+
+    def tensor(amax: float) -> torch.Tensor:
+        x = torch.randn(rng.randint(16, 48), rng.randint(16, 48), generator=g)
+        return x / x.abs().max() * amax
+
+    def steady(amax: float, n: int, spread: float = 0.03) -> list[torch.Tensor]:
+        return [tensor(amax)] + [tensor(amax * rng.uniform(1 - spread, 1.0)) for _ in range(n - 1)]
+
+    history, n = rng.randint(4, 16), rng.randint(20, 30)
+    base = 10 ** rng.uniform(-0.5, 1.5)
+    spikes = []
+    for factor in (8.0, 1.06, 1.02):
+        trace = steady(base, n)
+        window = trace[max(0, n // 2 - history):n // 2]
+        trace[n // 2] = tensor(float(max(_own_amax(x) for x in window)) * factor)
+        spikes.append((f"a spike to {factor:g}x the largest amax of the {history} steps before, "
+                       f"at step {n // 2}", trace, history))
+    steadies = [("a steady activation", steady(base, n)),
+                ("an activation whose amax varies by 20%", steady(base, n, 0.2)),
+                ("a gradient-sized tensor, amax near 0.005",
+                 steady(0.005 * rng.uniform(0.5, 1.5), n)),
+                ("a large activation, amax near 300", steady(300 * rng.uniform(0.8, 1.2), n)),
+                ("an activation with amax near 1000", steady(1000 * rng.uniform(0.8, 1.2), n))]
+    return spikes + [(what, trace, history) for what, trace in steadies]   # spikes first
+
+
+_SCALING_WRONG = {
+    "delayed scaling's amax comes from the steps before this one only: with this step's amax in "
+    "the window it never overflows, and it is current scaling with extra steps.":
+        dict(with_own=True),
+    "with no history yet, delayed scaling's scale is 1, as Transformer Engine starts: the first "
+    "step does not see its own amax.": dict(own_first=True),
+    "decide on both: an overflow, or an error more than twice current scaling's at any step.":
+        dict(),
+}
+
+
+def _scaling_hint(trace: list, history: int, rows: list, got: tuple[str, int]) -> str:
+    """What the known-wrong recipes that give `got` have wrong: the count first, then the
+    choice."""
+    want = _choose(rows)
+    counts = {"own": _choose(_trace_errors(trace, history, with_own=True))[1],
+              "first": _choose(_trace_errors(trace, history, own_first=True))[1],
+              "448": _choose(_trace_errors(trace, history, limit=448.0 + 1e-3))[1]}
+    hints = []
+    if got[1] != want[1]:
+        if got[1] == counts["448"]:
+            hints.append("count a value as an overflow where the e4m3 cast cannot round it to 448 "
+                         "(from 464 on): 448 < |x| < 464 rounds to 448.")
+        if got[1] == 0:
+            hints.append("count the overflows before the cast: torch's e4m3fn cast saturates at "
+                         "448, so after it nothing looks too large.")
+        for key, kw in (("own", "with_own"), ("first", "own_first")):
+            if got[1] == counts[key] and counts[key] != want[1]:
+                hints.append(next(h for h, k in _SCALING_WRONG.items() if kw in k))
+    else:
+        if got[0] in (_choose(rows, by="overflows")[0], _choose(rows, by="error")[0]):
+            hints.append(next(h for h, k in _SCALING_WRONG.items() if not k))
+        for kw in ({"own_first": True}, {"with_own": True}):
+            if _choose(_trace_errors(trace, history, **kw))[0] == got[0]:
+                hints.append(next(h for h, k in _SCALING_WRONG.items() if k == kw))
+    if not hints:
+        return "replay both recipes step by step, then decide."
+    return hints[0] if len(hints) == 1 else f"one of two things: (1) {hints[0]} (2) {hints[1]}"
+
+
+@exercise(points=2, timeout=20.0,
+          reference=("companion.scaling.DelayedScaling", "companion.scaling.quantize",
+                     "companion.scaling.amax_scale", "companion.checks.ch05._trace_errors",
+                     "companion.checks.ch05._choose"))
+def check_choose_scaling(answer) -> str:
+    """answer(trace, history) -> ("current" or "delayed", delayed scaling's overflows over the
+    trace): delayed only when it overflows nothing and its error stays within twice current's."""
+    seen = Counter()
+    for what, trace, history in _scaling_traces(fresh_seeds(1)[0]):
+        got = call(answer, [x.clone() for x in trace], history)
+        require(isinstance(got, (tuple, list)) and len(got) == 2,
+                f"expected (choice, overflows), got {got!r}"[:200],
+                hint='return two things, e.g. `return "delayed", 0`.')
+        choice, overflows = got
+        if isinstance(overflows, torch.Tensor) and overflows.numel() == 1:
+            overflows = overflows.item()
+        require(choice in ("current", "delayed"),
+                f'with {what}: the choice is "current" or "delayed", got {choice!r}'[:200])
+        require(isinstance(overflows, numbers.Integral) and not isinstance(overflows, bool),
+                f"with {what}: the overflow count should be an int, got "
+                f"{type(overflows).__name__}")
+        rows = _trace_errors(trace, history)
+        want = _choose(rows)
+        if (choice, int(overflows)) != want:
+            worst = max(d / c for c, d, _ in rows if c > 0)
+            raise CheckFailed(f"with {what} (history {history}): got ({choice!r}, {overflows}), "
+                              f"expected {want}; delayed scaling's error reached {worst:.2f}x "
+                              f"current scaling's",
+                              hint=_scaling_hint(trace, history, rows, (choice, int(overflows))))
+        seen[want[0]] += 1
+    return (f"the right recipe on {sum(seen.values())} traces you had not seen: delayed "
+            f"{seen['delayed']}x, current {seen['current']}x")
