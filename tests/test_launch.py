@@ -49,8 +49,11 @@ def _print_rank(rank, world_size):
 
 
 def _write_pid(folder, rank):
-    with open(os.path.join(folder, f"{rank}.pid"), "w") as f:
+    """Atomically: a worker ended between creating the file and writing it leaves no empty file."""
+    path = os.path.join(folder, f"{rank}.pid")
+    with open(path + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
 
 
 def _assert_gone(folder, n):
