@@ -63,6 +63,8 @@ class NVMeOffloadOptimizer(CPUOffloadOptimizer):
     space.
     """
 
+    _masters_in_arena = _masters_in_ram = False   # the masters live in files
+
     def __init__(self, params: Iterable, optimizer_cls: type = torch.optim.AdamW, *,
                  directory: str | os.PathLike, pin_memory: bool | None = None, **defaults):
         params = list(params)

@@ -104,11 +104,13 @@ def test_the_device_keeps_only_the_weights_measured_against_offload_placement():
     placed = offload_placement(n, zero_stage=2, offload_optimizer="cpu", convention="course",
                                param_bytes=4)
     step_counters = 4 * len(list(model.parameters()))      # AdamW's step: one fp32 per tensor
+    ledger = opt.host_ledger()
     assert t.current == placed.device
-    assert t.host_current == placed.host + step_counters
-    host = t.breakdown("current", where="host")
-    assert (host["parameters"], host["gradients"], host["optimizer_state"] - step_counters) == (
-        4 * n, 4 * n, 8 * n)
+    assert t.host_current == ledger["total reserved"]       # what the ledger says is reserved
+    assert ledger["arena used"] == 8 * n                    # fp32 masters and gradients
+    assert ledger["optimizer state"] == 8 * n + step_counters
+    assert placed.host == ledger["arena used"] + ledger["optimizer state"] - step_counters
+    assert 0 <= ledger["arena reserved"] - ledger["arena used"] < ledger["arena used"] // 4
 
 
 def _run(optimizer_cls):
@@ -345,3 +347,151 @@ def test_a_state_dict_moves_between_adamw_and_the_offloaded_optimizer(direction)
     _train(reference, plain, steps=2)
     assert _train(second, resumed, steps=2) == _train(reference, plain, steps=2)
     assert _equal(second, reference)
+
+
+# ---------------------------------------------------------------- issue 26: bytes, pipeline, arena, DPU
+
+def test_16_bit_gradients_travel_as_16_bit_and_accumulate_on_the_host():
+    model, plain = _gpt(dtype=torch.bfloat16), _gpt(dtype=torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2)
+    sums = [torch.zeros(p.shape) for p in plain.parameters()]
+    for k in range(3):                                      # three micro-batches, one step
+        x, y = _data(seed=k)
+        model.loss(x, y).backward()
+        plain.loss(x, y).backward()
+        for s, p in zip(sums, plain.parameters()):
+            s.add_(p.grad.float())                          # fp32 sums of the bf16 gradients
+            p.grad = None
+        assert opt.bytes_down == 2 * n * (k + 1)            # 2 bytes per parameter, not 4
+    opt._wait()
+    for i in range(len(opt._params)):
+        opt._drain(i)
+    assert all(g.dtype == torch.float32 and torch.equal(g, s) for g, s in zip(opt._grads, sums))
+    opt.step()
+    assert opt.bytes_up == 2 * n
+    assert all(land.dtype == torch.bfloat16 for land in opt._landing)
+
+
+def test_fp32_weights_send_4_bytes_each_way_and_accumulate_like_adamw():
+    plain, offloaded = _gpt(), _gpt()
+    n = sum(p.numel() for p in offloaded.parameters())
+    reference = torch.optim.AdamW(plain.parameters(), lr=3e-3, fused=True)
+    opt = CPUOffloadOptimizer(offloaded.parameters(), lr=3e-3)
+    assert _train(plain, reference, steps=2, micro=3) == _train(offloaded, opt, steps=2, micro=3)
+    assert _equal(plain, offloaded)
+    assert (opt.bytes_down, opt.bytes_up) == (4 * n * 6, 4 * n * 2)
+
+
+def _grouped(model):
+    return [{"params": list(b.parameters())} for b in
+            (model.tok, model.pos, *model.blocks, model.ln, model.head)]
+
+
+def test_the_step_goes_group_by_group_each_copy_up_right_after_its_host_step():
+    plain, offloaded = _gpt(), _gpt()
+    reference = torch.optim.AdamW(_grouped(plain), lr=3e-3, weight_decay=0.1, fused=True)
+    opt = CPUOffloadOptimizer(_grouped(offloaded), lr=3e-3, weight_decay=0.1)
+    assert _train(plain, reference, steps=3) == _train(offloaded, opt, steps=3)
+    assert _equal(plain, offloaded)
+    order = [(g, what) for g, what, _, _ in opt.timeline]
+    groups = len(opt.param_groups)
+    assert order == [(g, w) for g in range(groups) for w in ("host_step", "copy_up")]
+    ends = [end for _, _, _, end in opt.timeline]
+    starts = [start for _, _, start, _ in opt.timeline]
+    assert all(a <= b for a, b in zip(ends, starts[1:]))     # in that order, on one host thread
+
+
+def test_the_arena_reserves_powers_of_two_and_the_ledger_says_so():
+    from companion.offload import HostArena, pinned_reserved
+    sizes = [40_960_000, 3, 4096, 1_000_000]
+    assert pinned_reserved([40_960_000], arena=False) == 64 * 2**20   # rounded alone
+    assert pinned_reserved(sizes, arena=False) == 2**26 + 4 + 4096 + 2**20
+    arena = HostArena(pin=False)
+    tensors = arena.carve([((s,), torch.uint8) for s in sizes])
+    assert [t.numel() for t in tensors] == sizes and arena.used == sum(sizes)
+    assert arena.reserved == pinned_reserved(sizes) == sum(b.numel() for b in arena.blocks)
+    assert all(b.numel() & (b.numel() - 1) == 0 for b in arena.blocks)   # each a power of two
+    assert arena.reserved < pinned_reserved(sizes, arena=False)
+    many = [1_300_000 + 4096 * k for k in range(30)]        # a model's many tensors
+    assert pinned_reserved(many) - sum(many) < 0.1 * sum(many) < pinned_reserved(
+        many, arena=False) - sum(many)
+    tensors[0].fill_(7)
+    assert tensors[1].sum() == 0                                      # the views do not overlap
+    with pytest.raises(ValueError, match="power of two"):
+        HostArena(pin=False, chunk_bytes=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_host_bytes_tracked_equal_the_ledger(dtype):
+    x, y = _data()
+    with track("cpu") as t:
+        model = _gpt(dtype=dtype)
+        opt = CPUOffloadOptimizer(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            model.loss(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert t.host_current == opt.host_ledger()["total reserved"]
+
+
+def _dpu_reference(model, steps, exact_steps):
+    """Delayed update by hand: step t's gradients are taken at weights that hold the updates of
+    steps up to t - 2 (after the exact ones)."""
+    masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(masters, lr=3e-3, weight_decay=0.1, fused=True)
+    losses, late = [], False
+    for step in range(steps):
+        x, y = _data(seed=10 * step)                     # as _train draws them
+        loss = model.loss(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        if late:                                          # the previous host step's weights
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), masters):
+                    p.copy_(m)
+        for p, m in zip(model.parameters(), masters):
+            m.grad, p.grad = p.grad, None
+        opt.step()
+        if step < exact_steps:
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), masters):
+                    p.copy_(m)
+        late = step >= exact_steps
+    return losses
+
+
+@pytest.mark.parametrize("exact_steps", [1, 3])
+def test_delayed_update_follows_its_documented_staleness(exact_steps):
+    by_hand, offloaded = _gpt(), _gpt()
+    want = _dpu_reference(by_hand, 6, exact_steps)
+    opt = CPUOffloadOptimizer(offloaded.parameters(), lr=3e-3, weight_decay=0.1, delay=1,
+                              exact_steps=exact_steps)
+    got = _train(offloaded, opt, steps=6)
+    assert got == want
+    plain = _gpt()
+    exact = _train(plain, torch.optim.AdamW(plain.parameters(), lr=3e-3, weight_decay=0.1,
+                                            fused=True), steps=6)
+    assert got[:exact_steps + 1] == exact[:exact_steps + 1]   # the same until the delay starts
+    assert got[exact_steps + 1] != exact[exact_steps + 1]     # then one step staler
+    opt.synchronize()                                    # the last host step's weights go up
+    assert opt._background is None
+
+
+def test_delay_0_is_exact_and_bad_delays_fail_clearly():
+    plain, offloaded = _gpt(), _gpt()
+    reference = torch.optim.AdamW(plain.parameters(), lr=3e-3, fused=True)
+    opt = CPUOffloadOptimizer(offloaded.parameters(), lr=3e-3, delay=0)
+    assert _train(plain, reference) == _train(offloaded, opt)
+    for bad, message in [({"delay": 2}, "delay must be 0"), ({"delay": True}, "delay must be 0"),
+                         ({"exact_steps": 0}, "exact_steps must be")]:
+        with pytest.raises(ValueError, match=message):
+            CPUOffloadOptimizer(_gpt().parameters(), **bad)
+
+
+def test_delayed_update_with_16_bit_weights_and_accumulation_trains():
+    model = _gpt(dtype=torch.bfloat16)
+    opt = CPUOffloadOptimizer(model.parameters(), lr=3e-3, delay=1)
+    losses = _train(model, opt, steps=5, micro=2)
+    opt.synchronize()
+    assert all(l == l for l in losses) and losses[-1] < losses[0] + 0.5
