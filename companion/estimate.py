@@ -30,12 +30,13 @@ import numbers
 import operator
 
 from companion.estimate_offload import (OFFLOAD_LADDER, Placement, choose_offload,
-                                        offload_placement)
+                                        offload_placement, rung_placement)
 
 __all__ = ["ModelStates", "model_states", "bytes_per_element", "mlp_params", "gpt_params",
            "mlp_activations", "gpt_activations", "transformer_layer_activations",
            "transformer_activations", "gpt_shape", "training_memory", "training_peak", "OPTIMIZERS",
            "PRECISIONS", "Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload",
+           "rung_placement",
            "nf4_bytes"]
 
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")

@@ -37,7 +37,7 @@ import dataclasses
 import math
 import numbers
 
-__all__ = ["Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload"]
+__all__ = ["Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload", "rung_placement"]
 
 _WHERE = (None, "cpu", "nvme")
 
@@ -170,6 +170,47 @@ def choose_offload(n_params: int, *, device_budget: int | str, host_budget: int 
         if placed.device <= device_budget and placed.host <= host_budget:
             return dict(setting)
     return None
+
+
+def rung_placement(n_params: int, rung: str, *, weight_bytes: int = 2,
+                   largest_layer_params: int = 0) -> Placement:
+    """Bytes of model states on one device, its host and its disk on each rung of the offload
+    ladder (`companion.cost.OFFLOAD_RUNGS`, timed by `companion.cost.offload_ladder`), for AdamW
+    with `weight_bytes` (2: 16-bit weights and gradients, fp32 masters; 4: fp32 throughout):
+
+        rung         device                        host                            disk
+        none         (w + w + 4·[w=2] + 8)P        0                               0
+        optimizer    (w + w)P: weights, gradients  (16 + w·[w=2])P                 0
+        gradients    w·P: the weights              (16 + w·[w=2])P                 0
+        parameters   2·2w·L: a layer and the next  (16 + 2w·[w=2])P                0
+        nvme         2·2w·L                        (4 + 2w·[w=2] + 4·[w=4])P       12P
+
+    The host of the first offloaded rungs is the course's `CPUOffloadOptimizer` to the byte
+    (fp32 master 4, fp32 gradient 4, moments 8, and for 16-bit weights the 16-bit buffer the
+    gradients land in and the weights leave from). With the parameters on the host, the 16-bit
+    weights need their own copy beside that buffer (in fp32 the masters are the weights); on
+    "nvme" the masters and moments move to disk, and the host keeps the gradients and a copy of
+    the weights to fetch from. L is the largest layer's parameter
+    count: with the parameters offloaded, the device holds the layer computing and the one
+    being prefetched, weights and gradients."""
+    n_params = _check_count("n_params", n_params)
+    L = _check_count("largest_layer_params", largest_layer_params)
+    if isinstance(weight_bytes, bool) or weight_bytes not in (2, 4):
+        raise ValueError(f"weight_bytes must be 2 (16-bit) or 4 (fp32), got {weight_bytes!r}")
+    from companion.cost.step import OFFLOAD_RUNGS      # the cost model owns the ladder's names
+    if rung not in OFFLOAD_RUNGS:
+        raise ValueError(f"rung must be one of {OFFLOAD_RUNGS}, got {rung!r}")
+    P, w = n_params, weight_bytes
+    half = w == 2
+    if rung == "none":
+        return Placement((2 * w + 4 * half + 8) * P, 0, 0, "course")
+    if rung in ("optimizer", "gradients"):
+        device = 2 * w * P if rung == "optimizer" else w * P
+        return Placement(device, (16 + w * half) * P, 0, "course")
+    layers = 2 * 2 * w * L
+    if rung == "parameters":                           # fp32: the masters are the weights
+        return Placement(layers, (16 + 2 * w * half) * P, 0, "course")
+    return Placement(layers, (4 + (2 * w if half else 4)) * P, 12 * P, "course")
 
 
 def _budget(value) -> int:

@@ -239,11 +239,108 @@ def test_zero_stages_pay_as_their_schedules_say():
 def test_offload_moves_gradients_down_weights_up_and_steps_on_the_host():
     s = _speeds(host_bandwidth=1e9, host_adam_rate=1e8)
     layers = _two_layers()
-    t = model.offload_step(layers, s, overlap_copies=False)
+    t = model.offload_step(layers, s, overlap_copies=False, pipelined=False)
     assert t.transfers == pytest.approx(2 * 2e6 / 1e9 + 2 * 2e6 / 1e9)   # bf16 down and up
     assert t.host_step == pytest.approx(2e6 / 1e8) and t.optimizer == 0
     hidden = model.offload_step(layers, s)
     assert hidden.transfers < t.transfers
+
+
+def test_pipelined_copy_up_is_a_two_stage_flow_shop_by_hand():
+    s = _speeds(host_bandwidth=1e9, host_adam_rate=1e8)
+    layers = _two_layers()                  # per layer: host step 10 ms, copy up 2 ms (bf16)
+    serial = model.offload_step(layers, s, overlap_copies=False, pipelined=False)
+    piped = model.offload_step(layers, s, overlap_copies=False)
+    # host: 0-10, 10-20 ms; link: 10-12, 20-22 ms: only the last group's copy shows
+    assert serial.transfers - piped.transfers == pytest.approx(2e-3)
+    slow_link = _speeds(host_bandwidth=1e8, host_adam_rate=1e8)      # copy up 20 ms a group
+    piped = model.offload_step(layers, slow_link, overlap_copies=False)
+    # host 0-10, 10-20; link 10-30, 30-50: 30 ms after the host step, not 40
+    assert piped.transfers - 2 * 2e6 / 1e8 == pytest.approx(0.03)
+
+
+def test_delayed_update_hides_the_host_step_behind_the_next_compute():
+    layers = _two_layers(c_flops=1e9)       # compute: 3 x 2 GFLOP at 1 TFLOP/s = 6 ms
+    s = _speeds(host_bandwidth=1e12, host_adam_rate=1e9)             # host step 2 ms
+    exact = model.offload_step(layers, s)
+    late = model.offload_step(layers, s, delay=1)
+    assert exact.host_step == pytest.approx(2e-3) and late.host_step == 0
+    slow = _speeds(host_bandwidth=1e12, host_adam_rate=1e8)          # host step 20 ms
+    late = model.offload_step(layers, slow, delay=1)
+    assert late.host_step == pytest.approx(0.02 - late.compute)
+    with pytest.raises(ValueError, match="delay"):
+        model.offload_step(layers, s, delay=2)
+
+
+def test_offload_traffic_by_rung_and_dtype():
+    P = 1000
+    assert model.offload_traffic(P, "none") == {"down": 0, "up": 0, "disk": 0}
+    assert model.offload_traffic(P, "optimizer", k=4) == {"down": 2000, "up": 2000, "disk": 0}
+    assert model.offload_traffic(P, "gradients", k=4) == {"down": 8000, "up": 2000, "disk": 0}
+    assert model.offload_traffic(P, "gradients", weight_bytes=4, grad_bytes=4)["down"] == 4000
+    assert model.offload_traffic(P, "parameters", k=2) == {"down": 4000, "up": 8000, "disk": 0}
+    assert model.offload_traffic(P, "nvme")["disk"] == 24 * P
+    with pytest.raises(ValueError, match="rung"):
+        model.offload_traffic(P, "everything")
+
+
+def test_offload_ladder_times_each_rung_and_micro_batches_can_reorder_them():
+    s = _speeds(host_bandwidth=1e9, host_adam_rate=1e8)
+    layers = _two_layers(c_flops=1e9)
+    ladder = model.offload_ladder(layers, s, disk_bandwidth=1e9)
+    assert list(ladder) == list(model.OFFLOAD_RUNGS)
+    assert ladder["none"].total < min(t.total for r, t in ladder.items() if r != "none")
+    assert ladder["gradients"] == model.offload_step(layers, s)
+    # parameters: 4 bytes per parameter up, 2 down, both directions at once, beside compute
+    link = 2 * 2 * 2e6 / 1e9
+    assert ladder["parameters"].transfers == pytest.approx(
+        1e6 * 2 / 1e9 + max(0, link - ladder["parameters"].compute))
+    assert ladder["nvme"].transfers > ladder["parameters"].transfers
+    assert "nvme" not in model.offload_ladder(layers, s)
+    # with many micro-batches the gradients go down k times: accumulating on the device and
+    # sending once wins on a slow link
+    slow = _speeds(host_bandwidth=1e7, host_adam_rate=1e9)
+    many = model.offload_ladder(layers, slow, k=8)
+    assert many["optimizer"].total < many["gradients"].total
+    one = model.offload_ladder(layers, slow, k=1)
+    assert one["gradients"].total <= one["optimizer"].total
+
+
+def test_offload_break_even_by_hand_and_against_the_ladder():
+    out = model.offload_break_even(1e14, 2e10, 1e9)
+    assert out["backward"] == pytest.approx(1e14 * 2 / (4 * 2e10))
+    assert out["delayed"] == pytest.approx(1e14 * (1e-9 + 2 / 2e10) / 6)
+    assert out["tokens"] == max(out["backward"], out["delayed"])
+    # at that many tokens, the delayed step's host step just hides
+    width, depth, T = 1024, 8, 1024
+    for tokens, hidden in ((int(out["delayed"] * 1.3) // T * T, True),
+                           (int(out["delayed"] * 0.7) // T * T, False)):
+        layers = model.gpt_layers(width, depth, T, 512, tokens, dtype_bytes=2)
+        s = model.Speeds(matmul_flops=1e14, memory_bandwidth=1e20, op_seconds=0.0,
+                         host_bandwidth=2e10, host_adam_rate=1e9)
+        late = model.offload_step(layers, s, delay=1)
+        assert (late.host_step == 0) == hidden
+    with pytest.raises(ValueError, match="host_adam_rate"):
+        model.offload_break_even(1e14, 2e10, 0)
+
+
+def test_rung_placement_matches_the_offload_optimizer_and_falls_down_the_ladder():
+    from companion import estimate
+    P, L = 10**6, 10**4
+    assert estimate.rung_placement(P, "none").device == 16 * P
+    assert estimate.rung_placement(P, "none", weight_bytes=4).device == 16 * P
+    course = estimate.offload_placement(P, zero_stage=2, offload_optimizer="cpu",
+                                        convention="course", param_bytes=2)
+    assert estimate.rung_placement(P, "gradients") == course
+    devices = [estimate.rung_placement(P, r, largest_layer_params=L).device
+               for r in model.OFFLOAD_RUNGS]
+    assert devices == sorted(devices, reverse=True)
+    nvme = estimate.rung_placement(P, "nvme", largest_layer_params=L)
+    assert nvme.disk == 12 * P and nvme.host < estimate.rung_placement(P, "parameters").host
+    with pytest.raises(ValueError, match="rung"):
+        estimate.rung_placement(P, "gpu")
+    with pytest.raises(ValueError, match="weight_bytes"):
+        estimate.rung_placement(P, "none", weight_bytes=8)
 
 
 def test_tokens_to_hide_gathers_by_hand():

@@ -25,10 +25,12 @@ from companion.cost import gpus, network, stats
 from companion.cost.profile import DeviceProfile, Measured, calibrate
 from companion.cost.stats import compare
 from companion.cost.speeds import Layer, Speeds, gpt_layers, mlp_layers, training_flops
-from companion.cost.step import (StepTime, ddp_step, offload_step, single_step,
+from companion.cost.step import (OFFLOAD_RUNGS, StepTime, ddp_step, offload_break_even,
+                                 offload_ladder, offload_step, offload_traffic, single_step,
                                  tokens_to_hide_gathers, zero_step, zero_traffic)
 
 __all__ = ["gpus", "network", "stats", "calibrate", "DeviceProfile", "Measured", "compare", "Layer",
            "Speeds", "StepTime", "ddp_step", "gpt_layers", "mlp_layers", "offload_step",
+           "OFFLOAD_RUNGS", "offload_traffic", "offload_ladder", "offload_break_even",
            "single_step", "tokens_to_hide_gathers", "training_flops", "zero_step",
            "zero_traffic"]

@@ -16,7 +16,10 @@ The step models return a `StepTime`, whose parts a chart can stack:
   reduce-scatters during every micro-batch's backward), ZeRO-3 (each unit gathered before its
   forward and again before its backward, unless kept, its gradient reduce-scattered; `prefetch`
   units gathered ahead while the current one computes);
-- `offload_step`: gradients to the host, AdamW there, weights back (ZeRO-Offload's schedule).
+- `offload_step`: gradients to the host, AdamW there, weights back (ZeRO-Offload's schedule),
+  optionally with its delayed parameter update; `offload_ladder` times every rung of
+  `OFFLOAD_RUNGS` (optimizer state, gradients, parameters, NVMe), `offload_traffic` counts their
+  bytes and `offload_break_even` the tokens per step at which the offload hides behind compute.
 
 Simplified vs a real run: one link per rank at one speed (the measured curve of each collective,
 or α–β), communication that does not slow the compute it overlaps (on a CPU the two share cores:
@@ -32,6 +35,7 @@ real gloo ranks and `benchmarks/bench_cost.py` reports the errors.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 from companion.cost import network
@@ -40,7 +44,8 @@ from companion.cost.speeds import (Layer, Speeds, gpt_layers, mlp_layers,  # noq
 
 __all__ = ["Speeds", "Layer", "StepTime", "mlp_layers", "gpt_layers", "training_flops",
            "single_step", "ddp_step", "zero_step", "offload_step", "zero_traffic",
-           "tokens_to_hide_gathers", "OPTIMIZER_BYTES"]
+           "tokens_to_hide_gathers", "OPTIMIZER_BYTES", "OFFLOAD_RUNGS", "offload_traffic",
+           "offload_ladder", "offload_break_even"]
 
 # bytes an optimizer step reads and writes per parameter (fp32): SGD reads w, g and writes w;
 # AdamW also reads and writes both moments
@@ -284,24 +289,151 @@ def _pipeline(order: Sequence[int], gather: Sequence[float], compute: Sequence[f
 
 
 def offload_step(layers: Sequence[Layer], s: Speeds, *, k: int = 1, weight_bytes: int = 2,
-                 grad_bytes: int = 2, overlap_copies: bool = True) -> StepTime:
+                 grad_bytes: int = 2, overlap_copies: bool = True, pipelined: bool = True,
+                 delay: int = 0) -> StepTime:
     """ZeRO-Offload on one device: gradients copied to the host as backward makes them (hidden
-    behind the rest of backward when `overlap_copies`), AdamW on the host over every trainable
-    parameter, the updated weights copied back (not hidden: the next forward needs them)."""
+    behind the rest of backward when `overlap_copies`; else all after backward), AdamW on the
+    host over every trainable parameter, one layer's group at a time, and the updated weights
+    copied back up (the next forward needs them). `pipelined`: group g's copy up runs while the
+    host steps group g+1 (the course's `CPUOffloadOptimizer`), so only what the host step cannot
+    cover shows; else every copy waits for the whole host step.
+
+    `delay=1` is the delayed parameter update (ZeRO-Offload §5): the host step and the copy up of
+    step t run beside step t+1's forward and backward, so only what exceeds that compute shows."""
     _check_ranks(1, k)
+    if delay not in (0, 1):
+        raise ValueError(f"delay must be 0 (exact) or 1 (delayed parameter update), got {delay!r}")
     base = single_step(layers, s, k=k, optimizer="sgd")
-    params = sum(l.params for l in layers if l.trainable)
+    trainable = [l for l in layers if l.trainable]
+    params = sum(l.params for l in trainable)
     ends = _backward_ends(layers, s)
-    copies = [(ends[i], l.params * grad_bytes / s.host_bandwidth)
-              for i, l in reversed(list(enumerate(layers))) if l.trainable]
+    forward = sum(l.forward_seconds(s) for l in layers)
+    micro = forward + ends[0]                   # one micro-batch's forward and backward
+    # every micro-batch's gradients go down as its backward makes them, one copy at a time
+    copies = [(j * micro + forward + ends[i], l.params * grad_bytes / s.host_bandwidth)
+              for j in range(k) for i, l in reversed(list(enumerate(layers))) if l.trainable]
     busy = sum(t for _, t in copies)
     if overlap_copies:
-        down = _exposed(_link(copies), ends[0], dataclasses.replace(s, overlap=1.0), busy)
+        down = _exposed(_link(copies), k * micro, dataclasses.replace(s, overlap=1.0), busy)
+    else:                                       # accumulated on the device, sent once after
+        down = busy / k
+    host = params / s.host_adam_rate
+    ups = [l.params * weight_bytes / s.host_bandwidth for l in trainable]
+    if pipelined:                               # two-stage flow shop: host step, then link up
+        stepped = sent = 0.0
+        for l, u in zip(trainable, ups):
+            stepped += l.params / s.host_adam_rate
+            sent = max(sent, stepped) + u
+        up = sent - host
     else:
-        down = busy
-    up = params * weight_bytes / s.host_bandwidth
-    return dataclasses.replace(base, optimizer=0.0, transfers=down + up,
-                               host_step=params / s.host_adam_rate)
+        up = sum(ups)
+    if delay:                                   # hidden behind the next step's compute
+        room = base.compute
+        host, room = max(0.0, host - room), max(0.0, room - host)
+        up = max(0.0, up - room)
+    return dataclasses.replace(base, optimizer=0.0, transfers=down + up, host_step=host,
+                               traffic=(k if overlap_copies else 1) * params * grad_bytes
+                               + params * weight_bytes)
+
+
+# The offload ladder, least offloaded first: where the model states live on each rung.
+OFFLOAD_RUNGS = ("none", "optimizer", "gradients", "parameters", "nvme")
+
+
+def offload_traffic(params: int, rung: str, *, k: int = 1, weight_bytes: int = 2,
+                    grad_bytes: int = 2) -> dict[str, float]:
+    """Bytes one optimizer step moves on each rung of `OFFLOAD_RUNGS`: "down" (device to host),
+    "up" (host to device) and "disk" (read + written), for `params` parameters, `k` micro-batches.
+
+    - "optimizer": gradients accumulate on the device and go down once after the last backward;
+      the updated weights go up (weight_bytes each);
+    - "gradients": each micro-batch's gradients stream down during its backward (k times);
+    - "parameters": the weights live on the host and are fetched before each layer's forward and
+      again before its backward (2k times), with no copy up after the step;
+    - "nvme": as "parameters", and the fp32 master and both moments (12 bytes) are read from and
+      written back to disk every step."""
+    _check_rung(rung)
+    _check_ranks(1, k)
+    P = params
+    if rung == "none":
+        return {"down": 0.0, "up": 0.0, "disk": 0.0}
+    if rung == "optimizer":
+        return {"down": P * grad_bytes, "up": P * weight_bytes, "disk": 0.0}
+    if rung == "gradients":
+        return {"down": k * P * grad_bytes, "up": P * weight_bytes, "disk": 0.0}
+    fetched = {"down": k * P * grad_bytes, "up": 2 * k * P * weight_bytes, "disk": 0.0}
+    if rung == "nvme":
+        fetched["disk"] = 2 * 12 * P
+    return fetched
+
+
+def offload_ladder(layers: Sequence[Layer], s: Speeds, *, k: int = 1, weight_bytes: int = 2,
+                   grad_bytes: int = 2, disk_bandwidth: float | None = None,
+                   delay: int = 0) -> dict[str, StepTime]:
+    """The step time of each rung of `OFFLOAD_RUNGS` on `layers`, one device:
+
+    - "none": everything on the device, AdamW there at memory bandwidth;
+    - "optimizer": the gradients' copy down after backward, exposed; host step; copy up;
+    - "gradients": ZeRO-Offload (`offload_step`), `delay` its delayed parameter update;
+    - "parameters": ZeRO-Infinity's parameter offload: every layer fetched over the link before
+      its forward and its backward, one layer ahead of the compute (prefetch), so only link time
+      beyond the compute shows, plus the first layer's fetch; gradients down as on "gradients";
+    - "nvme": "parameters" plus 24 bytes per parameter of disk traffic at `disk_bandwidth`,
+      pipelined against the host step group by group (ZeRO-Infinity's overlap; the course's
+      `NVMeOffloadOptimizer` pages in and out without it)."""
+    _check_ranks(1, k)
+    trainable = [l for l in layers if l.trainable]
+    P = sum(l.params for l in trainable)
+    out = {"none": single_step(layers, s, k=k, optimizer="adamw")}
+    out["optimizer"] = offload_step(layers, s, k=k, weight_bytes=weight_bytes,
+                                    grad_bytes=grad_bytes, overlap_copies=False, delay=delay)
+    out["gradients"] = offload_step(layers, s, k=k, weight_bytes=weight_bytes,
+                                    grad_bytes=grad_bytes, delay=delay)
+    base = single_step(layers, s, k=k, optimizer="sgd")
+    moved = offload_traffic(P, "parameters", k=k, weight_bytes=weight_bytes,
+                            grad_bytes=grad_bytes)
+    link = max(moved["up"], moved["down"]) / s.host_bandwidth      # both directions at once
+    first = layers[0].params * weight_bytes / s.host_bandwidth
+    params_rung = dataclasses.replace(base, optimizer=0.0, host_step=P / s.host_adam_rate,
+                                      transfers=first + max(0.0, link - base.compute),
+                                      traffic=moved["up"] + moved["down"])
+    out["parameters"] = params_rung
+    if disk_bandwidth is not None:
+        if not disk_bandwidth > 0:
+            raise ValueError(f"disk_bandwidth must be positive (bytes/s), got {disk_bandwidth!r}")
+        disk = 24 * P / disk_bandwidth
+        out["nvme"] = dataclasses.replace(
+            params_rung, transfers=params_rung.transfers + max(0.0, disk - params_rung.host_step))
+    return out
+
+
+def offload_break_even(flops: float, host_bandwidth: float, host_adam_rate: float, *,
+                       weight_bytes: int = 2, grad_bytes: int = 2) -> dict[str, float]:
+    """Tokens per step (per GPU) above which ZeRO-Offload's costs hide behind compute. A model of
+    P parameters computes 6·P FLOPs per token (4·P of them in backward) at `flops` FLOP/s; P
+    cancels:
+
+        gradients down, during backward:       tokens ≥ flops · grad_bytes / (4 · bandwidth)
+        host step + copy up, beside the next
+        step's compute (delayed update):       tokens ≥ flops · (1/rate + weight_bytes/bandwidth) / 6
+
+    Without the delayed update the host step and the copy up never hide: they add
+    P · (1/rate + weight_bytes/bandwidth) seconds to every step, a share of the step that falls
+    as 1/tokens ("exact_overhead_at": the tokens at which that share is 10%)."""
+    for name, v in (("flops", flops), ("host_bandwidth", host_bandwidth),
+                    ("host_adam_rate", host_adam_rate)):
+        if not v > 0 or math.isinf(v):
+            raise ValueError(f"{name} must be positive and finite, got {v!r}")
+    backward = flops * grad_bytes / (4 * host_bandwidth)
+    per_param = 1 / host_adam_rate + weight_bytes / host_bandwidth
+    delayed = flops * per_param / 6
+    return {"backward": backward, "delayed": delayed, "tokens": max(backward, delayed),
+            "exact_overhead_at": flops * per_param * (1 - 0.1) / (6 * 0.1)}
+
+
+def _check_rung(rung: str) -> None:
+    if rung not in OFFLOAD_RUNGS:
+        raise ValueError(f"rung must be one of {OFFLOAD_RUNGS}, got {rung!r}")
 
 
 def tokens_to_hide_gathers(flops: float, link_bandwidth: float, world_size: int, *,
