@@ -52,7 +52,7 @@ from companion.cost.clock import now
 from companion.placement import on_host
 
 __all__ = ["to_host", "to_device", "CPUOffloadOptimizer", "HostArena", "pinned_reserved",
-           "OffloadActivations", "offload_activations", "step_phases"]
+           "OffloadActivations", "offload_activations", "step_phases", "Link", "schedule_groups"]
 
 ALIGN = 64                 # bytes: where each tensor carved from an arena starts
 ARENA_CHUNK = 2**30        # bytes: the largest block an arena allocates (unless a tensor is larger)
@@ -556,6 +556,76 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """Stop moving gradients down (the hooks stay on the parameters otherwise)."""
         _remove(self._hooks)
         self._hooks.clear()
+
+
+class Link:
+    """The host-device link as an offloaded step uses it. `copy(dst, src)` queues a copy and
+    returns: on CUDA it is `dst.copy_(src, non_blocking=True)` on the current stream, which into
+    or out of pinned memory returns before a byte has moved; `synchronize()` waits until every
+    queued copy has landed. Until then a host destination holds whatever it held before, and the
+    host reads it at its peril: the GPU keeps its own order (work queued on the same stream after
+    a copy runs after it), the host does not.
+
+        >>> link = Link(device)
+        >>> link.copy(host_buffer, p.grad)        # device -> host, queued
+        >>> link.synchronize()                     # now host_buffer holds the gradient
+
+    `copies` and `bytes` count what was queued. On a CPU, copies are done on return."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device if device is not None else "cpu")
+        self.copies = self.bytes = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)):
+            raise TypeError(f"Link.copy(dst, src) takes two tensors, got "
+                            f"{type(dst).__name__} and {type(src).__name__}")
+        if dst.shape != src.shape:
+            raise ValueError(f"Link.copy: dst has shape {tuple(dst.shape)}, src "
+                             f"{tuple(src.shape)}: copy each tensor into its own buffer")
+        with torch.no_grad():
+            dst.copy_(src, non_blocking=True)
+        self.copies += 1
+        self.bytes += _nbytes(src)
+        return dst
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()    # host-device sync
+
+
+def schedule_groups(ready, down, step, up) -> dict[tuple[str, int], float]:
+    """Start times of the offloaded step's three stages for each parameter group g, as early as
+    each resource allows: the copy down of g (on the device-to-host link, after backward made
+    its gradients at `ready[g]`), its host step (on the CPU, once its copy has landed) and its
+    copy up (on the host-to-device link, once its step is done). Groups go in the order given;
+    each resource does one thing at a time; the two directions of the link are separate
+    (PCIe is full duplex). Returns {("down", g): start, ("step", g): start, ("up", g): start}.
+
+        >>> schedule_groups([0, 1], [1, 1], [2, 2], [1, 1])[("up", 1)]
+        5.0"""
+    ready, stages = _durations("ready", ready), [_durations(n, v) for n, v in
+                                                 (("down", down), ("step", step), ("up", up))]
+    if any(len(v) != len(ready) for v in stages):
+        raise ValueError("ready, down, step and up need one value per group each, got lengths "
+                         f"{[len(ready)] + [len(v) for v in stages]}")
+    out, free = {}, [0.0, 0.0, 0.0]            # when each resource is next free
+    for g, at in enumerate(ready):
+        for r, (name, seconds) in enumerate(zip(("down", "step", "up"), stages)):
+            start = max(at, free[r])
+            out[(name, g)] = start
+            at = free[r] = start + seconds[g]
+    return out
+
+
+def _durations(name: str, values) -> list[float]:
+    try:
+        out = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a list of seconds, got {values!r:.80}") from None
+    if any(not (math.isfinite(v) and v >= 0) for v in out):
+        raise ValueError(f"{name} must hold finite, non-negative seconds, got {out}")
+    return out
 
 
 _BACKGROUND = concurrent.futures.ThreadPoolExecutor(max_workers=1,

@@ -1,54 +1,81 @@
 """Chapter 08's checks pass on the reference and fail on known-wrong answers, each with its hint."""
-import math
+import dataclasses
 
 import pytest
 import torch
 
-from companion import estimate, offload
-from companion.checks.ch08 import (check_choose_offload, check_offload_hooks,
-                                   check_offloaded_step, check_placement_arithmetic)
+from companion import cost, estimate, offload
+from companion.checks.ch08 import (check_offload_hooks, check_offload_plan,
+                                   check_offload_schedule, check_offloaded_step)
+from companion.checks.ch08 import _best_rung, _plan_cases
 from companion.checks.core import CheckFailed
 
 
 # ---------------------------------------------------------------- exercise 1: the offloaded step
 
-def _step(params, masters, host_grads, optimizer, *, free=True, up="after", in_place=True,
-          via_host=True, device_grad=False):
+def _step(params, masters, host_grads, optimizer, link, *, free="before sync", sync=True,
+          up="after", in_place=True, via_link=True, device_grad=False, up_by_link=False):
     for p, m, g in zip(params, masters, host_grads):
-        if via_host:
-            g.copy_(p.grad)                               # device -> host
-            m.grad = p.grad if device_grad else g
+        if via_link:
+            link.copy(g, p.grad)                          # device -> host, queued
         else:
-            m.grad = p.grad.clone()
-        if free:
+            g.copy_(p.grad)                               # a blocking copy: hides the GPU's way
+        m.grad = p.grad if device_grad else g
+        if free == "before sync":
+            p.grad = None
+    if sync:
+        link.synchronize()                                # every gradient has landed
+    if free == "after sync":
+        for p in params:
             p.grad = None
     if up == "before":
-        _up(params, masters, in_place)
+        _up(params, masters, in_place, link if up_by_link else None)
     optimizer.step()
+    if free == "after step":
+        for p in params:
+            p.grad = None
     if up == "after":
-        _up(params, masters, in_place)
+        _up(params, masters, in_place, link if up_by_link else None)
 
 
-def _up(params, masters, in_place):
+def _up(params, masters, in_place, link=None):
     with torch.no_grad():
         for p, m in zip(params, masters):
-            if in_place:
-                p.copy_(m)                                # host -> device
-            else:
+            if not in_place:
                 p.data = m
+            elif link is not None:
+                link.copy(p, m)                           # host -> device, queued
+            else:
+                p.copy_(m)                                # host -> device
 
 
 def test_offloaded_step_reference_passes():
     check_offloaded_step(_step)
+    check_offloaded_step(lambda *a: _step(*a, free="after sync"))
+    check_offloaded_step(lambda *a: _step(*a, up_by_link=True))
+
+
+def test_the_link_copies_and_counts():
+    link = offload.Link("cpu")
+    dst = torch.zeros(3)
+    link.copy(dst, torch.ones(3))
+    link.synchronize()
+    assert dst.tolist() == [1, 1, 1] and link.copies == 1 and link.bytes == 12
+    with pytest.raises(ValueError, match="shape"):
+        link.copy(torch.zeros(2), torch.ones(3))
+    with pytest.raises(TypeError, match="two tensors"):
+        link.copy(dst, None)
 
 
 @pytest.mark.parametrize("options, hint", [
-    ({"up": None}, "copy the updated masters back up"),
-    ({"up": "before"}, "after optimizer.step\\(\\)"),
-    ({"free": False}, "p.grad = None"),
-    ({"in_place": False}, "in place"),
-    ({"via_host": False}, "host_grads\\[i\\].copy_"),
-    ({"device_grad": True}, "not the device gradient"),
+    ({"sync": False}, "wait for the link"),                      # read before the copies land
+    ({"free": "after step"}, "device memory they free"),          # freed only after the step
+    ({"free": None}, "device memory they free"),
+    ({"via_link": False}, "through link.copy"),
+    ({"up": None}, "must go up, after the host step"),
+    ({"up": "before"}, "must go up, after the host step"),
+    ({"in_place": False}, "own storage"),
+    ({"device_grad": True}, "not the device gradients"),
 ])
 def test_offloaded_step_wrong_answers_fail(options, hint):
     with pytest.raises(CheckFailed, match=hint):
@@ -58,22 +85,23 @@ def test_offloaded_step_wrong_answers_fail(options, hint):
 def test_offloaded_step_with_its_own_optimizer_on_the_device_fails():
     own = {}
 
-    def device_adamw(params, masters, host_grads, optimizer):
+    def device_adamw(params, masters, host_grads, optimizer, link):
         if own.get("params") is not params[0]:
             own.update(params=params[0], opt=torch.optim.AdamW(params, lr=0.05,
                                                                  weight_decay=0.1, fused=True))
         for p, g in zip(params, host_grads):
-            g.copy_(p.grad)
-        own["opt"].step()                                # the same weights, on the device
-        for p in params:
-            p.grad = None
-    with pytest.raises(CheckFailed, match="step the optimizer you are given"):
+            link.copy(g, p.grad)
+        link.synchronize()
+        for p, m, g in zip(params, masters, host_grads):
+            p.grad, m.grad = None, g
+        own["opt"].step()                                # never steps `optimizer`
+    with pytest.raises(CheckFailed, match=r"called optimizer.step\(\) 0 times"):
         check_offloaded_step(device_adamw)
 
 
 def test_offloaded_step_that_overwrites_the_masters_fails():
-    def backwards_copy(params, masters, host_grads, optimizer):
-        _step(params, masters, host_grads, optimizer)
+    def backwards_copy(params, masters, host_grads, optimizer, link):
+        _step(params, masters, host_grads, optimizer, link)
         with torch.no_grad():
             for p, m in zip(params, masters):
                 m.copy_(p * 1.0001)                       # masters no longer what AdamW made
@@ -82,96 +110,147 @@ def test_offloaded_step_that_overwrites_the_masters_fails():
 
 
 def test_offloaded_step_that_steps_twice_fails():
-    def twice(params, masters, host_grads, optimizer):
-        _step(params, masters, host_grads, optimizer)
+    def twice(params, masters, host_grads, optimizer, link):
+        _step(params, masters, host_grads, optimizer, link)
         optimizer.step()
         _up(params, masters, True)
-    with pytest.raises(CheckFailed, match="weights after step 1"):
+    with pytest.raises(CheckFailed, match="2 times"):
         check_offloaded_step(twice)
 
 
-# ---------------------------------------------------------------- exercise 2: placement
+# ---------------------------------------------------------------- exercise 2: what to offload
 
-def _placement(n_params, *, zero_stage, offload_optimizer, offload_params, gpus,
-               largest_layer_params, **extra):
-    placed = estimate.offload_placement(n_params, zero_stage=zero_stage,
-                                        offload_optimizer=offload_optimizer,
-                                        offload_params=offload_params, gpus_per_node=gpus,
-                                        largest_layer_params=largest_layer_params, **extra)
-    return placed.device, placed.host
-
-
-def test_placement_arithmetic_reference_passes():
-    check_placement_arithmetic(_placement)
-
-
-def _no_largest_layer(n, **kw):
-    device, host = _placement(n, **kw)
-    return (device - 4 * kw["largest_layer_params"], host) if kw["zero_stage"] == 3 else (device,
-                                                                                          host)
-
-
-def _sixteen(n, **kw):
-    device, host = _placement(n, **kw)
-    cpu_z2 = kw["zero_stage"] == 2 and kw["offload_optimizer"] == "cpu"
-    return (device, int(16 * n * 1.5)) if cpu_z2 else (device, host)
+def _plan(layers, speeds, *, k, device_bytes, host_bytes, activation_bytes, disk_bandwidth,
+          weight_bytes):
+    P = sum(l.params for l in layers)
+    L = max(l.params for l in layers)
+    times = cost.offload_ladder(layers, speeds, k=k, weight_bytes=weight_bytes,
+                                grad_bytes=weight_bytes, disk_bandwidth=disk_bandwidth)
+    fits = []
+    for rung in cost.OFFLOAD_RUNGS:
+        placed = estimate.rung_placement(P, rung, weight_bytes=weight_bytes,
+                                         largest_layer_params=L)
+        if placed.device + activation_bytes <= device_bytes and placed.host <= host_bytes:
+            fits.append((times[rung].total, rung))
+    if not fits:
+        return None
+    seconds, rung = min(fits, key=lambda f: f[0])
+    return rung, seconds
 
 
-def _ceil(n, **kw):
-    device, host = _placement(n, **kw)
-    stage3_cpu = kw["zero_stage"] == 3 and kw["offload_optimizer"] == "cpu"
-    if stage3_cpu and kw["offload_params"] is None:
-        device = 4 * kw["largest_layer_params"] + math.ceil(2 * n / kw["gpus"])
-    return device, host
+def test_offload_plan_reference_passes():
+    check_offload_plan(_plan)
+    check_offload_plan(lambda layers, speeds, **kw: _best_rung(layers, speeds, **kw))
 
 
-@pytest.mark.parametrize("wrong, hint", [
-    (lambda n, **kw: _placement(n, **kw, buffer_factor=1.0), "additional_buffer_factor"),
-    (_no_largest_layer, "largest layer"),
-    (_sixteen, "max\\(4 x gpus, 16\\)"),
-    (lambda n, **kw: (_placement(n, **kw)[0], _placement(n, **kw)[1] // kw["gpus"]), "per node"),
-    (lambda n, **kw: estimate.offload_placement(
-        n, zero_stage=kw["zero_stage"], offload_optimizer=kw["offload_optimizer"],
-        offload_params=kw["offload_params"]), "expected 2 values"),
-    (lambda n, **kw: tuple(reversed(_placement(n, **kw))), "device column first"),
-    (_ceil, "not round or ceil"),
-    (lambda n, **kw: tuple(float(v) for v in _placement(n, **kw)), "return Python ints"),
-])
-def test_placement_arithmetic_wrong_answers_fail(wrong, hint):
-    with pytest.raises(CheckFailed, match=hint):
-        check_placement_arithmetic(wrong)
+def test_offload_plan_cases_reach_every_rung_and_none():
+    chosen = {(_best_rung(**{k: v for k, v in c.items() if k != "gpu"}) or ("None",))[0]
+              for seed in range(3) for c in _plan_cases(seed)}
+    assert chosen == {*cost.OFFLOAD_RUNGS, "None"}
 
 
-# ---------------------------------------------------------------- exercise 3: what to offload
-
-def _choose(n_params, *, device_budget, host_budget, gpus, largest_layer_params, order=None,
-            host=True, fits=lambda need, budget: need <= budget, use_gpus=True, use_largest=True):
-    for setting in order or estimate.OFFLOAD_LADDER:
-        placed = estimate.offload_placement(
-            n_params, **setting, gpus_per_node=gpus if use_gpus else 1,
-            largest_layer_params=largest_layer_params if use_largest else 0)
-        if fits(placed.device, device_budget) and (not host or fits(placed.host, host_budget)):
-            return setting
-    return None
-
-
-def test_choose_offload_reference_passes():
-    check_choose_offload(_choose)
+def _wrong_plan(**options):
+    return lambda layers, speeds, **kw: _best_rung(layers, speeds, **{**kw, **options})
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (lambda n, **kw: _choose(n, **kw, host=False), "host must fit"),
-    (lambda n, **kw: _choose(n, **kw, order=estimate.OFFLOAD_LADDER[::-1]), "fastest first"),
-    (lambda n, **kw: estimate.OFFLOAD_LADDER.index(_choose(n, **kw)) if _choose(n, **kw) else None,
-     "not its position"),
-    (lambda n, **kw: _choose(n, **kw) or estimate.OFFLOAD_LADDER[-1], "return None when no"),
-    (lambda n, **kw: _choose(n, **kw, fits=lambda need, budget: need < budget), "<=, not <"),
-    (lambda n, **kw: _choose(n, **kw, use_gpus=False), "gpus_per_node=gpus"),
-    (lambda n, **kw: _choose(n, **kw, use_largest=False), "largest_layer_params"),
+    (_wrong_plan(first_fit=True), "not the first that fits"),
+    (_wrong_plan(with_activations=False), "activations live on the device"),
+    (_wrong_plan(with_host=False), "host's RAM"),
+    (_wrong_plan(time_k=1), "all k micro-batches"),
+    (_wrong_plan(time_bytes=2), "weights' dtype"),
+    (_wrong_plan(part="compute"), r"not the\s+compute alone"),
+    (_wrong_plan(memory=False), "must fit before"),
+    (lambda layers, speeds, **kw: (_best_rung(layers, speeds, **kw) or (None,))[0],
+     r"expected \(rung, seconds\)"),
 ])
-def test_choose_offload_wrong_answers_fail(wrong, hint):
+def test_offload_plan_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
-        check_choose_offload(wrong)
+        check_offload_plan(wrong)
+
+
+def test_offload_plan_that_never_says_none_fails():
+    def always(layers, speeds, **kw):
+        return _best_rung(layers, speeds, **kw) or ("nvme", 1.0)
+    with pytest.raises(CheckFailed, match="nothing fits"):
+        check_offload_plan(always)
+
+
+# ---------------------------------------------------------------- exercise 3: the pipeline
+
+def _schedule(ready, down, step, up):
+    return offload.schedule_groups(ready, down, step, up)
+
+
+def _stage_by_stage(ready, down, step, up):
+    from companion.checks.ch08 import _stage_by_stage as mistake
+    return mistake(ready, down, step, up)
+
+
+def _after_all_downs(ready, down, step, up):
+    from companion.checks.ch08 import _after_all_downs as mistake
+    return mistake(ready, down, step, up)
+
+
+def _one_link(ready, down, step, up):
+    from companion.checks.ch08 import _one_link as mistake
+    return mistake(ready, down, step, up)
+
+
+def _no_wait(ready, down, step, up):
+    """Each host step starts with its copy down: it reads a buffer still in flight."""
+    out = _schedule(ready, down, step, up)
+    for g in range(len(ready)):
+        out[("step", g)] = out[("down", g)]
+    return out
+
+
+def _up_with_step(ready, down, step, up):
+    out = _schedule(ready, down, step, up)
+    for g in range(len(ready)):
+        out[("up", g)] = out[("step", g)]
+    return out
+
+
+def _ignores_ready(ready, down, step, up):
+    return _schedule([0.0] * len(ready), down, step, up)
+
+
+def _all_ups_at_once(ready, down, step, up):
+    out = _schedule(ready, down, step, up)
+    last = max(out[("step", g)] + step[g] for g in range(len(ready)))
+    out.update({("up", g): last for g in range(len(ready))})
+    return out
+
+
+def test_offload_schedule_reference_passes():
+    check_offload_schedule(_schedule)
+
+
+def test_schedule_groups_by_hand():
+    got = offload.schedule_groups([0, 1], [1, 1], [2, 2], [1, 1])
+    assert got == {("down", 0): 0, ("step", 0): 1, ("up", 0): 3,
+                   ("down", 1): 1, ("step", 1): 3, ("up", 1): 5}
+    with pytest.raises(ValueError, match="one value per group"):
+        offload.schedule_groups([0], [1, 1], [1], [1])
+    with pytest.raises(ValueError, match="non-negative"):
+        offload.schedule_groups([0], [float("nan")], [1], [1])
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_stage_by_stage, "the stages can overlap"),
+    (_after_all_downs, "needs only its own gradients"),
+    (_one_link, "full duplex"),
+    (_no_wait, "reads its gradient buffer before"),
+    (_up_with_step, "reads its updated weights before"),
+    (_ignores_ready, r"before\s+backward made its gradients"),
+    (_all_ups_at_once, "host-to-device link runs groups"),
+    (lambda *a: list(_schedule(*a).values()), "expected a dict"),
+    (lambda *a: {k: float("nan") for k in _schedule(*a)}, "finite"),
+])
+def test_offload_schedule_wrong_answers_fail(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check_offload_schedule(wrong)
 
 
 # ---------------------------------------------------------------- exercise 4: pack and unpack
@@ -236,8 +315,7 @@ def test_offload_hooks_wrong_answers_fail(wrong, hint):
         check_offload_hooks(wrong)
 
 
-CHECKS = [check_offload_hooks, check_offloaded_step, check_placement_arithmetic,
-          check_choose_offload]
+CHECKS = [check_offload_hooks, check_offloaded_step, check_offload_plan, check_offload_schedule]
 
 
 def _hangs(*args, **kwargs):

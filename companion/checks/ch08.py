@@ -2,19 +2,22 @@
 which return raw observations (tensors, byte counts); the verdicts are taken here."""
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 import random
 
 import torch
 
-from companion import estimate
+from companion import cost, estimate
 from companion.checkpointing import saved_for_backward
 from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
                                    require)
 from companion.memory import format_bytes, track
 from companion.models import GPT, MLP, make_tokens
-from companion.offload import offload_activations, to_host
+from companion.offload import offload_activations, schedule_groups, to_host
 
-__all__ = ["check_offloaded_step", "check_placement_arithmetic", "check_choose_offload",
+__all__ = ["check_offloaded_step", "check_offload_plan", "check_offload_schedule",
            "check_offload_hooks"]
 
 _EXACT = {"rtol": 0.0, "atol": 0.0}
@@ -31,25 +34,70 @@ def _mlp_case(seed: int):
     return model, batches
 
 
+class _DeferredLink:
+    """A link whose copies land only at synchronize(), as a non_blocking copy into pinned memory
+    does on a GPU: until then the destination holds NaN (bytes not yet arrived)."""
+
+    def __init__(self):
+        self.pending, self.copies, self.syncs = [], [], 0
+
+    def copy(self, dst, src):
+        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)):
+            raise TypeError(f"link.copy(dst, src) takes two tensors, got {type(dst).__name__} "
+                            f"and {type(src).__name__}")
+        if dst.shape != src.shape:
+            raise ValueError(f"link.copy: dst has shape {tuple(dst.shape)}, src "
+                             f"{tuple(src.shape)}")
+        self.pending.append((dst, src.detach().clone()))
+        self.copies.append((dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()))
+        with torch.no_grad():
+            dst.fill_(float("nan"))
+        return dst
+
+    def synchronize(self):
+        with torch.no_grad():
+            for dst, value in self.pending:
+                dst.copy_(value)
+        self.pending.clear()
+        self.syncs += 1
+
+
 @harness
 def _observe_step(answer, seed: int) -> list[dict]:
     model, batches = _mlp_case(seed)
     params = list(model.parameters())
     masters = [to_host(p.detach(), dtype=torch.float32) for p in params]
     host_grads = [to_host(torch.zeros_like(p)) for p in params]
+    buffers = {g.untyped_storage().data_ptr() for g in host_grads}
     optimizer = torch.optim.AdamW(masters, lr=0.05, weight_decay=0.1, fused=True)
+    link, at_step = _DeferredLink(), {}
+
+    def before_step(opt, args, kwargs):
+        at_step.update(
+            steps=at_step.get("steps", 0) + 1,
+            freed=all(p.grad is None for p in params),
+            landed=not any(d.untyped_storage().data_ptr() in buffers for d, _ in link.pending))
+
+    optimizer.register_step_pre_hook(before_step)
     seen = []
     for x, y in batches:
         model.loss(x, y).backward()
+        grads = {p.grad.untyped_storage().data_ptr() for p in params}
         storages = [p.untyped_storage().data_ptr() for p in params]
-        call(answer, params, masters, host_grads, optimizer)
+        at_step.clear()
+        link.copies.clear()
+        call(answer, params, masters, host_grads, optimizer, link)
+        link.synchronize()                 # the next forward runs after every queued copy
         seen.append({"weights": [p.detach().clone() for p in params],
                      "masters": [m.detach().clone() for m in masters],
                      "grads_on_host": all(m.grad is None or m.grad.data_ptr() == g.data_ptr()
                                           for m, g in zip(masters, host_grads)),
                      "stepped": all(len(optimizer.state[m]) > 0 for m in masters),
                      "host_grads": [g.clone() for g in host_grads],
-                     "freed": all(p.grad is None for p in params),
+                     "freed_before_step": at_step.get("freed"),
+                     "landed_before_step": at_step.get("landed"),
+                     "steps": at_step.get("steps", 0),
+                     "down_by_link": sum(src in grads for _, src in link.copies),
                      "in_place": storages == [p.untyped_storage().data_ptr() for p in params]})
     return seen
 
@@ -69,171 +117,320 @@ def _plain_steps(seed: int) -> list[dict]:
 
 @exercise(points=2, timeout=20.0, reference="companion.offload.CPUOffloadOptimizer")
 def check_offloaded_step(answer) -> str:
-    """answer(params, masters, host_grads, optimizer): after backward, copy each p.grad into its
-    host buffer and free it, step `optimizer` (over the host masters) with those gradients, and
-    copy the masters back into the parameters in place."""
+    """answer(params, masters, host_grads, optimizer, link): after backward, move each p.grad to
+    its host buffer over `link` (asynchronous copies, landed at link.synchronize()), keep only
+    the weights on the device, step `optimizer` over the host masters with those gradients, and
+    put the updated weights back into the parameters in place."""
     for seed in fresh_seeds(2):
         seen, plain = _observe_step(answer, seed), _plain_steps(seed)
         for step, (got, before, want) in enumerate(zip(seen, plain, plain[1:]), 1):
-            require(got["freed"], f"after step {step} a parameter still has .grad on the device",
-                    hint="set p.grad = None once it is copied down: the device keeps the weights "
-                         "only.")
+            require(got["steps"] == 1, f"step {step} called optimizer.step() {got['steps']} "
+                    "times", hint="step the optimizer you are given once per call: it updates "
+                    "the host masters.")
+            require(got["down_by_link"] == len(want["grads"]),
+                    f"step {step} sent {got['down_by_link']} of {len(want['grads'])} gradients "
+                    "through link.copy", hint="every gradient crosses the link: "
+                    "link.copy(buffer, p.grad). A tensor's own copy_ hides what a GPU does: the "
+                    "copy is asynchronous, and the host must wait for it.")
+            require(got["landed_before_step"], f"at step {step} the optimizer read host "
+                    "gradient buffers whose copies had not landed",
+                    hint="a queued copy has not arrived when link.copy returns: the host must "
+                         "wait for the link before anything reads the buffers.")
+            require(got["freed_before_step"], f"at step {step} a device gradient was still "
+                    "alive while the host stepped", hint="the point of moving gradients is the "
+                    "device memory they free: once a gradient is on its way, the device copy is "
+                    "not needed (the link keeps the stream's order), and the host step is the "
+                    "longest part of the step.")
             require(got["in_place"], f"after step {step} a parameter has new storage",
-                    hint="copy the masters into the parameters in place (p.copy_(m) under "
-                         "torch.no_grad()), so the weights stay on the device; do not rebind "
-                         "p.data to the host master.")
+                    hint="write the updated weights into the parameters' own storage (the "
+                         "model holds those tensors); do not rebind p.data to the host master.")
             compare(got["host_grads"], want["grads"], name=f"host gradients after step {step}",
-                    **_EXACT, hint="copy each p.grad into its host buffer: host_grads[i].copy_("
-                                   "p.grad), then give it to the master: masters[i].grad = ...")
+                    **_EXACT, hint="each parameter's gradient goes into its own host buffer, "
+                                   "and that buffer is what its master's .grad must be.")
             require(got["grads_on_host"], f"after step {step} a master's .grad is not its host "
-                    "buffer", hint="give each master its host buffer, masters[i].grad = "
-                    "host_grads[i], not the device gradient: the optimizer runs on the host and "
-                    "the device gradient is freed.")
+                    "buffer", hint="the optimizer runs on the host over the masters: their "
+                    "gradients are the host buffers, not the device gradients.")
             require(got["stepped"], f"after step {step} the optimizer holds no state for the "
                     "masters", hint="step the optimizer you are given (it updates the host "
                     "masters), not one of your own over the device parameters.")
             compare(got["weights"], want["weights"], name=f"weights after step {step}", **_EXACT,
                     known_wrong={
-                        "the device weights did not change: after optimizer.step(), copy the "
-                        "updated masters back up (p.copy_(m)).": plain[0]["weights"],
-                        "copy up after optimizer.step(), not before: the weights lag one step.":
-                            before["weights"]})
+                        "the device weights are still the ones from before this step: the "
+                        "updated masters must go up, after the host step (before it, the weights "
+                        "lag one step).": before["weights"],
+                        "the device weights never changed: the updated masters must go back "
+                        "up.": plain[0]["weights"]})
             compare(got["masters"], want["weights"], name=f"host masters after step {step}",
                     **_EXACT, hint="optimizer.step() updates the masters; do not overwrite them "
-                                   "(copy masters -> parameters, not the other way).")
+                                   "(the copy up goes masters -> parameters).")
     return ("the same weights as AdamW on the device (bit for bit on the CPU), with only the "
-            "weights there")
+            "weights there, and no buffer read before its copy landed")
 
 
-# ---------------------------------------------------------------- exercise 2: placement arithmetic
+# ---------------------------------------------------------------- exercise 2: what to offload
 
-def _wrong_placements(P, setting, gpus, L) -> dict:
-    kw = dict(setting, gpus_per_node=gpus, largest_layer_params=L)
-    right = estimate.offload_placement(P, **kw)
-    unbuffered = estimate.offload_placement(P, **kw, buffer_factor=1.0)
-    wrong = {"DeepSpeed multiplies every host figure by additional_buffer_factor = 1.5.":
-             (right.device, unbuffered.host)}
-    if setting["zero_stage"] == 3:
-        wrong["at ZeRO-3 the GPU also gathers the largest layer: add 4 x largest_layer_params."] = (
-            right.device - 4 * L, right.host)
-    if setting["zero_stage"] == 2 and setting["offload_optimizer"] == "cpu":
-        wrong["the host holds P x max(4 x gpus, 16) x 1.5: each GPU's process first loads the fp32 "
-              "model (4 bytes) on the host."] = (right.device, int(16 * P * 1.5))
-    wrong["host bytes are per node, not per GPU: do not divide them by the number of GPUs."] = (
-        right.device, right.host // gpus)
-    wrong["return (device_bytes, host_bytes) in that order: the device column first."] = (
-        right.host, right.device)
-    return wrong
+_PLAN_GPUS = ("V100", "T4", "A10", "L4", "RTX 4090", "A100 40GB", "A100 80GB", "H100 SXM", "H200")
 
 
-@exercise(points=1, reference=("companion.estimate.offload_placement",
-                               "companion.estimate_offload.offload_placement"))
-def check_placement_arithmetic(answer) -> str:
-    """answer(n_params, *, zero_stage, offload_optimizer, offload_params, gpus, largest_layer_params)
-    -> (device_bytes, host_bytes) per DeepSpeed's estimators, one node, zero_init, buffer 1.5."""
-    rng = random.Random(fresh_seeds(1)[0])
-    cases = 0
-    for setting in estimate.OFFLOAD_LADDER:
-        for gpus in (1, 3, rng.choice([5, 7, 8])):   # 6: 16 x 1.5 == 24 x 1, ambiguous
-            P, L = rng.randrange(10**6, 10**10), rng.randrange(10**4, 10**8)
-            got = call(answer, P, gpus=gpus, largest_layer_params=L, **setting)
-            want = estimate.offload_placement(P, **setting, gpus_per_node=gpus,
-                                              largest_layer_params=L)
-            compare(got, (want.device, want.host), name=f"(device, host) for {setting}, "
-                    f"{P} parameters, {gpus} GPU(s), largest layer {L}", **_EXACT,
-                    hint="follow the table above: the device column, then the host column, "
-                         "each division truncated to whole bytes with int(...) as DeepSpeed does "
-                         "(not round or ceil).",
-                    known_wrong=_wrong_placements(P, setting, gpus, L))
-            require(all(isinstance(v, int) and not isinstance(v, bool) for v in got),
-                    f"got {tuple(type(v).__name__ for v in got)}; bytes are whole numbers",
-                    hint="return Python ints: DeepSpeed truncates with int(...).")
-            cases += 1
-    return f"matches DeepSpeed's estimators on {cases} settings"
+def _plan_cases(seed: int) -> list[dict]:
+    """Models, GPUs, hosts and batches drawn at random: every GPU of the table, a GPT of 0.5 to
+    60 bytes of GPU memory per parameter, host RAM from 32 GiB to 2 TiB, host AdamW from 0.2 to
+    4 billion parameters a second, 1 to 16 micro-batches, 16-bit or fp32 weights."""
+    rng, out = random.Random(seed), []
+    for _ in range(60):
+        name = rng.choice(_PLAN_GPUS)
+        dtype = "fp16" if name in ("V100", "T4") else "bf16"
+        speeds = dataclasses.replace(cost.Speeds.for_gpu(name, dtype),
+                                     host_adam_rate=rng.uniform(2e8, 4e9))
+        memory = cost.gpus.gpu(name).memory_bytes
+        params = memory / rng.choice([0.5, 1, 2, 3, 5, 8, 20, 60])
+        depth = rng.choice([12, 24, 32, 48, 64, 96])
+        width = max(256, round((params / (12 * depth)) ** 0.5 / 128) * 128)
+        seq = rng.choice([512, 1024, 2048])
+        tokens = seq * rng.choice([1, 2, 4, 8])
+        out.append(dict(layers=cost.gpt_layers(width, depth, seq, 50257, tokens, dtype_bytes=2),
+                        speeds=speeds, k=rng.choice([1, 1, 2, 4, 8, 16]), device_bytes=memory,
+                        host_bytes=2**30 * rng.choice([64, 256, 512, 1024, 2048, 4096]),
+                        activation_bytes=int(memory * rng.uniform(0.02, 0.5)),
+                        disk_bandwidth=rng.choice([2e9, 3.5e9, 7e9]),
+                        weight_bytes=rng.choice([2, 2, 4]), gpu=name))
+    return out
 
 
-# ---------------------------------------------------------------- exercise 3: what to offload
-
-def _budget_cases(seed: int) -> list[tuple]:
-    """Budgets a byte above each rung's needs first, then exactly each rung's needs (where only
-    <= against < tells answers apart), then a device budget below every rung."""
-    rng, roomy, exact = random.Random(seed), [], []
-    for _ in range(6):
-        P, gpus, L = rng.randrange(10**8, 10**11), rng.choice([1, 2, 8, 16]), rng.randrange(10**7)
-        placed = [estimate.offload_placement(P, **s, gpus_per_node=gpus, largest_layer_params=L)
-                  for s in estimate.OFFLOAD_LADDER]
-        for p in placed:                                   # each rung's own needs as the budget
-            roomy += [(P, p.device + 1, p.host + 1, gpus, L), (P, p.device + 1, 10**15, gpus, L)]
-            exact += [(P, p.device, p.host, gpus, L), (P, p.device, 10**15, gpus, L)]
-        roomy.append((P, min(p.device for p in placed) - 1, 10**15, gpus, L))
-    return roomy + exact
-
-
-def _first_fit(P, device, host, gpus, L, *, strict=(), host_too=True):
-    """The reference's loop, or a known mistake: `strict` ("device", "host") compares with <."""
-    fits = {side: (lambda need, budget: need < budget) if side in strict else
-            (lambda need, budget: need <= budget) for side in ("device", "host")}
-    for setting in estimate.OFFLOAD_LADDER:
-        p = estimate.offload_placement(P, **setting, gpus_per_node=gpus, largest_layer_params=L)
-        if fits["device"](p.device, device) and (not host_too or fits["host"](p.host, host)):
-            return setting
-    return None
+def _best_rung(layers, speeds, *, k, device_bytes, host_bytes, activation_bytes, disk_bandwidth,
+               weight_bytes, first_fit=False, with_activations=True, with_host=True,
+               time_k=None, time_bytes=None, part=None, memory=True):
+    """The reference's decision, or a known mistake: the fastest rung (the least offloaded of
+    equals) whose model states plus activations fit the device and whose host bytes fit RAM."""
+    P = sum(l.params for l in layers if l.trainable)
+    L = max(l.params for l in layers)
+    tb = weight_bytes if time_bytes is None else time_bytes
+    ladder = _ladder(tuple(layers), speeds, k if time_k is None else time_k, tb, disk_bandwidth)
+    best = None
+    for rung in cost.OFFLOAD_RUNGS:
+        placed = estimate.rung_placement(P, rung, weight_bytes=weight_bytes,
+                                         largest_layer_params=L)
+        device = placed.device + (activation_bytes if with_activations else 0)
+        fits = not memory or (device <= device_bytes and (not with_host or placed.host <= host_bytes))
+        if not fits:
+            continue
+        t = ladder[rung].total if part is None else getattr(ladder[rung], part)
+        if best is None or t < best[1]:
+            best = (rung, t)
+        if first_fit:
+            break
+    return best
 
 
-def _most_offloaded(P, device, host, gpus, L):
-    fits = [s for s in estimate.OFFLOAD_LADDER
-            if (p := estimate.offload_placement(P, **s, gpus_per_node=gpus,
-                                                largest_layer_params=L)).device <= device
-            and p.host <= host]
-    return fits[-1] if fits else None
+@functools.lru_cache(maxsize=256)
+def _ladder(layers, speeds, k, weight_bytes, disk_bandwidth):
+    return cost.offload_ladder(layers, speeds, k=k, weight_bytes=weight_bytes,
+                               grad_bytes=weight_bytes, disk_bandwidth=disk_bandwidth)
 
 
-def _wrong_choices(P, device, host, gpus, L, want) -> dict:
-    wrong = {}
-    if want is None:
-        wrong["nothing fits here, so the answer is None: return None when no setting fits (not "
-              "the last rung), and pass largest_layer_params (even the last rung gathers the "
-              "largest layer on each GPU)."] = estimate.OFFLOAD_LADDER[-1]
-    else:
-        wrong["return the setting (the dict) itself, not its position in the ladder."] = (
-            estimate.OFFLOAD_LADDER.index(want))
-    wrong.update({
-        "a setting that needs exactly the budget fits: compare with <=, not <.":
-            _first_fit(P, device, host, gpus, L, strict=("device", "host")),
-        "a setting that needs exactly the device budget fits: compare with <=, not <.":
-            _first_fit(P, device, host, gpus, L, strict=("device",)),
-        "a setting that needs exactly the host budget fits: compare with <=, not <.":
-            _first_fit(P, device, host, gpus, L, strict=("host",)),
-        "pass gpus_per_node=gpus to offload_placement: the GPUs share the model states.":
-            _first_fit(P, device, host, 1, L),
-        "pass largest_layer_params too: at ZeRO-3 each GPU gathers the largest layer.":
-            _first_fit(P, device, host, gpus, 0),
-        "the host must fit too: offloaded states need host RAM (check host_budget).":
-            _first_fit(P, device, host, gpus, L, host_too=False),
-    })
-    wrong["the ladder is fastest first: return the first setting that fits, not the one that "
-          "offloads the most."] = _most_offloaded(P, device, host, gpus, L)
-    return wrong
+def _wrong_plans(case: dict) -> dict:
+    kw = {k: v for k, v in case.items() if k != "gpu"}
+    return {
+        "the rungs are not in order of speed on every machine: time each rung that fits and take "
+        "the fastest, not the first that fits.": _best_rung(**kw, first_fit=True),
+        "activations live on the device too: the model states and the activations must fit "
+        "together.": _best_rung(**kw, with_activations=False),
+        "the host's RAM must hold what is offloaded: check the host bytes too.":
+            _best_rung(**kw, with_host=False),
+        "time the step with all k micro-batches: each one computes, and on the gradients' rung "
+        "each one's gradients cross the link.": _best_rung(**kw, time_k=1),
+        "the weights' dtype sets the bytes on the link and on the host: pass weight_bytes to "
+        "the time model as well as to the placement.": _best_rung(**kw, time_bytes=2),
+        "predict the whole step (StepTime.total: compute, transfers and host step), not the "
+        "compute alone.": _best_rung(**kw, part="compute"),
+        "a rung must fit before it can be chosen: the fastest rung overall may not fit.":
+            _best_rung(**kw, memory=False),
+    }
 
 
-@exercise(points=1, reference=("companion.estimate.choose_offload",
-                               "companion.estimate_offload.choose_offload",
-                               "companion.checks.ch08._first_fit"))
-def check_choose_offload(answer) -> str:
-    """answer(n_params, *, device_budget, host_budget, gpus, largest_layer_params) -> the first
-    setting of OFFLOAD_LADDER whose placement fits both budgets, or None."""
-    cases = _budget_cases(fresh_seeds(1)[0])
-    for P, device, host, gpus, L in cases:
-        got = call(answer, P, device_budget=device, host_budget=host, gpus=gpus,
-                   largest_layer_params=L)
-        want = estimate.choose_offload(P, device_budget=device, host_budget=host,
-                                       gpus_per_node=gpus, largest_layer_params=L)
-        compare(got, want, name=f"setting for {P} parameters, {gpus} GPU(s), device budget "
-                f"{format_bytes(device)}, host budget {format_bytes(host)}",
-                hint="walk OFFLOAD_LADDER in order and return the first setting (the dict "
-                     "itself) whose device and host bytes both fit; None if none does.",
-                known_wrong=_wrong_choices(P, device, host, gpus, L, want))
-    return f"picks the fastest setting that fits in {len(cases)} cases"
+@exercise(points=1, timeout=20.0, reference="companion.checks.ch08._best_rung")
+def check_offload_plan(answer) -> str:
+    """answer(layers, speeds, *, k, device_bytes, host_bytes, activation_bytes, disk_bandwidth,
+    weight_bytes) -> (rung, seconds): the rung of cost.OFFLOAD_RUNGS to train on and its
+    predicted step time, or None when nothing fits."""
+    cases, chosen = _plan_cases(fresh_seeds(1)[0]), {}
+    for case in cases:
+        kw = {k: v for k, v in case.items() if k != "gpu"}
+        want = _best_rung(**kw)
+        got = call(answer, **kw)
+        P = sum(l.params for l in case["layers"])
+        where = (f"{P / 1e9:.2f}B parameters ({case['weight_bytes']}-byte weights) on a "
+                 f"{case['gpu']}, {case['k']} micro-batch(es), activations "
+                 f"{format_bytes(case['activation_bytes'])}, host RAM "
+                 f"{format_bytes(case['host_bytes'])}, host AdamW "
+                 f"{case['speeds'].host_adam_rate / 1e9:.2f}B parameters/s")
+        if want is None:
+            wrong = [text for text, value in _wrong_plans(case).items() if value == got]
+            require(got is None, f"{where}: nothing fits, but you chose {got!r:.80}",
+                    hint=wrong[0] if wrong else "return None when no rung fits.")
+            chosen["None"] = chosen.get("None", 0) + 1
+            continue
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], str)):
+            raise CheckFailed(f"{where}: expected (rung, seconds), got {got!r:.80}",
+                              hint=f"return a pair: a name from cost.OFFLOAD_RUNGS "
+                                   f"{cost.OFFLOAD_RUNGS} and the predicted seconds.")
+        wrong = {text: value for text, value in _wrong_plans(case).items() if value != want}
+        if got[0] != want[0]:
+            same = [text for text, value in wrong.items() if value and value[0] == got[0]
+                    and _close(got[1], value[1])]
+            hints = same or [text for text, value in wrong.items() if value and value[0] == got[0]]
+            raise CheckFailed(f"{where}: you chose {got[0]!r}; the fastest rung that fits is "
+                              f"{want[0]!r} ({want[1]:.3f} s a step)",
+                              hint=" Or: ".join(hints) if hints else "for each rung, check that "
+                              "it fits, then compare the predicted step times.")
+        compare(float(got[1]), want[1], name=f"{where}: the step time on {want[0]!r}",
+                rtol=1e-6, atol=0.0, known_wrong={t: v[1] for t, v in wrong.items()
+                                                   if v and v[0] == want[0]},
+                hint="the step time is the cost model's prediction for that rung, with every "
+                     "setting of the case.")
+        chosen[want[0]] = chosen.get(want[0], 0) + 1
+    return ("the fastest rung that fits, and its time, in " + ", ".join(
+        f"{n} case(s) on {r!r}" for r, n in sorted(chosen.items())))
+
+
+def _close(a, b) -> bool:
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-6)
+    except (TypeError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------- exercise 3: the pipeline
+
+def _schedule_cases(seed: int) -> list[tuple]:
+    """Per-group times in every regime: host-bound, link-bound down, link-bound up, mixed, and
+    gradients that were all ready at once (accumulated over micro-batches)."""
+    rng, out = random.Random(seed), []
+    for regime in ("host", "down", "up", "mixed", "mixed", "ready", "one"):
+        n = 1 if regime == "one" else rng.randint(3, 9)
+        scale = {"host": (1, 6, 1), "down": (6, 1, 1), "up": (1, 1, 6)}.get(regime, (2, 2, 2))
+        draw = [[round(rng.uniform(0.2, 1.0) * s, 3) for _ in range(n)] for s in scale]
+        backward = [round(rng.uniform(0.1, 2.0), 3) for _ in range(n)]
+        ready = [0.0] * n if regime == "ready" else [round(sum(backward[:g + 1]), 3)
+                                                     for g in range(n)]
+        out.append((ready, *draw))
+    return out
+
+
+def _stage_by_stage(ready, down, step, up):
+    """A known mistake (the course's own code before it was pipelined): copies down as the
+    gradients are ready, then every host step, then every copy up."""
+    out, t = {}, 0.0
+    for g, at in enumerate(ready):
+        out[("down", g)] = t = max(t, at)
+        t += down[g]
+    for name, seconds in (("step", step), ("up", up)):
+        for g in range(len(ready)):
+            out[(name, g)] = t
+            t += seconds[g]
+    return out
+
+
+def _after_all_downs(ready, down, step, up):
+    """A known mistake: the host waits for every copy down before its first step, then steps
+    and copies up group by group."""
+    later = _stage_by_stage(ready, down, step, up)
+    last = max(later[("down", g)] + down[g] for g in range(len(ready)))
+    out = schedule_groups([last] * len(ready), [0.0] * len(ready), step, up)
+    out.update({("down", g): later[("down", g)] for g in range(len(ready))})
+    return out
+
+
+def _one_link(ready, down, step, up):
+    """A known mistake: one link carrying both directions, one copy at a time."""
+    out, link, host = {}, 0.0, 0.0
+    downs = []
+    for g, at in enumerate(ready):
+        out[("down", g)] = start = max(at, link)
+        link = start + down[g]
+        downs.append(link)
+    for g in range(len(ready)):
+        out[("step", g)] = start = max(host, downs[g])
+        host = start + step[g]
+        out[("up", g)] = start = max(link, host)
+        link = start + up[g]
+    return out
+
+
+def _end(schedule, down, step, up) -> float:
+    lengths = {"down": down, "step": step, "up": up}
+    return max(t + lengths[name][g] for (name, g), t in schedule.items())
+
+
+def _validate_schedule(got, ready, down, step, up, where) -> dict:
+    n = len(ready)
+    keys = {(name, g) for name in ("down", "step", "up") for g in range(n)}
+    if not isinstance(got, dict) or set(got) != keys:
+        have = sorted(got)[:4] if isinstance(got, dict) else got
+        raise CheckFailed(f"{where}: expected a dict with the keys ('down', g), ('step', g) and "
+                          f"('up', g) for g in 0..{n - 1}, got {have!r:.120}",
+                          hint="one start time per stage and group: {('down', 0): 0.0, ...}.")
+    starts = {}
+    for key in keys:
+        value = got[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value >= 0):
+            raise CheckFailed(f"{where}: the start of {key} is {value!r}",
+                              hint="start times are finite, non-negative seconds.")
+        starts[key] = float(value)
+    eps = 1e-9
+    lengths = {"down": down, "step": step, "up": up}
+    for g in range(n):
+        require(starts[("down", g)] >= ready[g] - eps,
+                f"{where}: group {g}'s copy down starts at {starts[('down', g)]:g}, before "
+                f"backward made its gradients (at {ready[g]:g})",
+                hint="a gradient can leave only once backward has made it: ready[g].")
+        for before, after, what in (("down", "step", "the host step reads its gradient buffer"),
+                                    ("step", "up", "the copy up reads its updated weights")):
+            end = starts[(before, g)] + lengths[before][g]
+            require(starts[(after, g)] >= end - eps,
+                    f"{where}: group {g}'s {after} starts at {starts[(after, g)]:g}, before its "
+                    f"{before} ends at {end:g}: {what} before they are there",
+                    hint="a buffer can be used only once the stage that fills it has ended.")
+    for name, what in (("down", "device-to-host link"), ("step", "CPU"),
+                       ("up", "host-to-device link")):
+        spans = sorted((starts[(name, g)], starts[(name, g)] + lengths[name][g], g)
+                       for g in range(n))
+        for (s0, e0, g0), (s1, _, g1) in zip(spans, spans[1:]):
+            require(s1 >= e0 - eps, f"{where}: the {what} runs groups {g0} and {g1} at once "
+                    f"({s0:g}-{e0:g} and from {s1:g})",
+                    hint=f"the {what} does one thing at a time: start the next when it is free.")
+    return starts
+
+
+@exercise(points=1, timeout=10.0, reference="companion.offload.schedule_groups")
+def check_offload_schedule(answer) -> str:
+    """answer(ready, down, step, up) -> {(stage, g): start}: a schedule of every group's copy
+    down, host step and copy up that uses no buffer before it is filled, one thing at a time
+    per resource, and ends as early as the pipeline can."""
+    cases = _schedule_cases(fresh_seeds(1)[0])
+    saved = 0.0
+    for ready, down, step, up in cases:
+        where = (f"{len(ready)} group(s), ready {ready}, down {down}, step {step}, up {up}")
+        got = call(answer, list(ready), list(down), list(step), list(up))
+        starts = _validate_schedule(got, ready, down, step, up, where)
+        best = _end(schedule_groups(ready, down, step, up), down, step, up)
+        mine = _end(starts, down, step, up)
+        wrong = {"the stages can overlap: while the host steps group g, the link can bring group "
+                 "g+1 down and take group g-1 up.": _stage_by_stage(ready, down, step, up),
+                 "a group's host step needs only its own gradients: it can start when that "
+                 "group's copy has landed, not after every copy.":
+                     _after_all_downs(ready, down, step, up),
+                 "the link carries both directions at once (PCIe is full duplex): a copy up "
+                 "need not wait for the copies down.": _one_link(ready, down, step, up)}
+        hints = [text for text, sched in wrong.items()
+                 if abs(_end(sched, down, step, up) - mine) < 1e-9]
+        require(mine <= best + 1e-9, f"{where}: your schedule ends at {mine:g}; the pipeline can "
+                f"end at {best:g}", hint=hints[0] if hints else "start each stage as soon as its "
+                "buffer is filled and its resource is free.")
+        saved += _end(_stage_by_stage(ready, down, step, up), down, step, up) - mine
+    return (f"valid and as short as the pipeline in {len(cases)} cases ({saved:.1f} time units "
+            "saved in all against stage by stage)")
 
 
 # ---------------------------------------------------------------- exercise 4: pack and unpack
