@@ -291,10 +291,12 @@ def test_offload_ladder_times_each_rung_and_micro_batches_can_reorder_them():
     assert list(ladder) == list(model.OFFLOAD_RUNGS)
     assert ladder["none"].total < min(t.total for r, t in ladder.items() if r != "none")
     assert ladder["gradients"] == model.offload_step(layers, s)
-    # parameters: 4 bytes per parameter up, 2 down, both directions at once, beside compute
-    link = 2 * 2 * 2e6 / 1e9
-    assert ladder["parameters"].transfers == pytest.approx(
-        1e6 * 2 / 1e9 + max(0, link - ladder["parameters"].compute))
+    # parameters, by hand: forward 2 ms, backward 4 ms; the weights (4 ms over the link) come up
+    # during forward (2 ms show), again during backward while the gradients go down (4 ms each
+    # way, hidden); and the first layer's fetch (2 ms) before anything runs
+    assert ladder["parameters"].transfers == pytest.approx(2e-3 + 2e-3)
+    slow = model.offload_ladder(layers, _speeds(host_bandwidth=2.5e8, host_adam_rate=1e8))
+    assert slow["parameters"].transfers == pytest.approx(8e-3 + (16e-3 - 2e-3) + (16e-3 - 4e-3))
     assert ladder["nvme"].transfers > ladder["parameters"].transfers
     assert "nvme" not in model.offload_ladder(layers, s)
     # with many micro-batches the gradients go down k times: accumulating on the device and

@@ -376,8 +376,9 @@ def offload_ladder(layers: Sequence[Layer], s: Speeds, *, k: int = 1, weight_byt
     - "optimizer": the gradients' copy down after backward, exposed; host step; copy up;
     - "gradients": ZeRO-Offload (`offload_step`), `delay` its delayed parameter update;
     - "parameters": ZeRO-Infinity's parameter offload: every layer fetched over the link before
-      its forward and its backward, one layer ahead of the compute (prefetch), so only link time
-      beyond the compute shows, plus the first layer's fetch; gradients down as on "gradients";
+      its forward and its backward, one layer ahead of the compute (prefetch), so only the link
+      time beyond the forward's compute, and beyond the backward's (which also sends the
+      gradients down, the other direction), shows, plus the first layer's fetch;
     - "nvme": "parameters" plus 24 bytes per parameter of disk traffic at `disk_bandwidth`,
       pipelined against the host step group by group (ZeRO-Infinity's overlap; the course's
       `NVMeOffloadOptimizer` pages in and out without it)."""
@@ -392,10 +393,16 @@ def offload_ladder(layers: Sequence[Layer], s: Speeds, *, k: int = 1, weight_byt
     base = single_step(layers, s, k=k, optimizer="sgd")
     moved = offload_traffic(P, "parameters", k=k, weight_bytes=weight_bytes,
                             grad_bytes=grad_bytes)
-    link = max(moved["up"], moved["down"]) / s.host_bandwidth      # both directions at once
+    forward = sum(l.forward_seconds(s) for l in layers)
+    backward = sum(l.backward_seconds(s) for l in layers)
+    fetch = sum(l.params for l in layers) * weight_bytes / s.host_bandwidth
+    down = P * grad_bytes / s.host_bandwidth
+    # per micro-batch: the weights come up during forward, and again during backward while the
+    # gradients go down (the other direction, at the same time)
+    exposed = k * (max(0.0, fetch - forward) + max(0.0, max(fetch, down) - backward))
     first = layers[0].params * weight_bytes / s.host_bandwidth
     params_rung = dataclasses.replace(base, optimizer=0.0, host_step=P / s.host_adam_rate,
-                                      transfers=first + max(0.0, link - base.compute),
+                                      transfers=first + exposed,
                                       traffic=moved["up"] + moved["down"])
     out["parameters"] = params_rung
     if disk_bandwidth is not None:
