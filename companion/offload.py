@@ -96,8 +96,8 @@ def pinned_reserved(sizes: Iterable[int], *, arena: bool = True,
     PyTorch's pinned allocations go through its caching host allocator, which rounds every block
     up to a power of two (`CachingHostAllocator.h`, `c10::llvm::PowerOf2Ceil`): a 40.96 MB tensor
     takes 64 MiB. With `arena=False` each size is its own block; with `arena=True` the sizes are
-    carved, in order, from a few blocks that are themselves powers of two (`HostArena`), so only
-    the tail of each block is lost.
+    carved, largest first, from a few blocks that are themselves powers of two (`HostArena`), so
+    only what the last blocks leave unfilled is lost.
 
         >>> pinned_reserved([40_960_000], arena=False) / 2**20
         64.0
@@ -115,19 +115,22 @@ def _aligned(n: int) -> int:
 
 
 def _pack(sizes: list[int], chunk_bytes: int) -> list[tuple[int, list[tuple[int, int]]]]:
-    """Blocks (size, [(index, offset), ...]) for `sizes` taken in order: each block the largest
-    power of two that the bytes still to place fill (at most chunk_bytes), or the next power of
-    two of a tensor larger than that."""
-    blocks, i = [], 0
-    while i < len(sizes):
-        left = sum(_aligned(s) for s in sizes[i:])
-        size = max(_pow2_at_least(sizes[i]), min(chunk_bytes, 1 << (left.bit_length() - 1)))
-        placed, offset = [], 0
-        while i < len(sizes) and offset + sizes[i] <= size:
-            placed.append((i, offset))
-            offset = _aligned(offset + sizes[i])
-            i += 1
+    """Blocks (size, [(index, offset), ...]) for `sizes`, first fit, largest tensors first: each
+    block the largest power of two that the bytes still to place fill (at most chunk_bytes), or
+    the next power of two of a tensor larger than that, filled with every tensor left that fits."""
+    blocks, left = [], sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    while left:
+        total = sum(_aligned(sizes[i]) for i in left)
+        size = max(_pow2_at_least(sizes[left[0]]), min(chunk_bytes, 1 << (total.bit_length() - 1)))
+        placed, rest, offset = [], [], 0
+        for i in left:
+            if offset + sizes[i] <= size:
+                placed.append((i, offset))
+                offset = _aligned(offset + sizes[i])
+            else:
+                rest.append(i)
         blocks.append((size, placed))
+        left = rest
     return blocks
 
 
@@ -195,8 +198,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     the next forward and backward do; its weights are copied up at the following `step`. The
     weights that compute a gradient are then one step staler than in exact training: the forward
     after step t uses the updates of steps up to t - 1. It costs a second set of landing buffers
-    on the host for fp32 weights (4 bytes per parameter; none for 16-bit weights). Call `synchronize()` before reading the weights
-    (evaluation, a checkpoint).
+    on the host for fp32 weights (4 bytes per parameter; none for 16-bit weights). Call
+    `synchronize()` before reading the weights (evaluation, a checkpoint).
 
     Args: `params` (tensors or param groups, like any optimizer), `optimizer_cls` (run on the host;
     `fused=True` is chosen when it supports it, else `foreach=True`), `pin_memory` (default: when
@@ -340,10 +343,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         land, add = self._landing[i], self._has_grad[i]
         if add:                                    # a second backward before step: accumulate
             self._drain(i)                         # fold the previous one in (its copy landed)
-            if land is self._grads[i]:             # fp32 weights: the sum so far is there
+            if land is self._grads[i] and self._stream is None:
+                land = None                        # no stream: the copy is done on return
+            elif land is self._grads[i]:           # fp32 weights: the sum so far is there
                 land = self._extra_landing(i)
-        landed = self._send_down(land, grad)
-        self._pending[i] = (land, add, landed) if add or land is not self._grads[i] else None
+        if land is None:
+            with on_host():
+                self._grads[i].add_(grad)          # device -> host and added, at once
+            self._pending[i] = None
+        else:
+            landed = self._send_down(land, grad)
+            self._pending[i] = (land, add, landed) if add or land is not self._grads[i] else None
         self.bytes_down += _nbytes(grad)
         self._has_grad[i] = True
         p.grad = None                              # the device keeps only the weights
@@ -452,7 +462,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if self.profile:
                 t0 = time.perf_counter()  # host clock
                 self._wait()                       # host-device sync, for honest timings
-                self._times["copy_up"] += time.perf_counter() - t0
+                self._times["copy_up"] += time.perf_counter() - t0  # host clock
 
     def _host_step(self, group: list[int], grads: list | None = None) -> None:
         chosen = set(group)
@@ -478,7 +488,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._wait()                               # the copies up that read the masters ended
         start = time.perf_counter()  # host clock
         self._host_step(indices, grads)
-        self._late = (indices, time.perf_counter() - start)
+        self._late = (indices, time.perf_counter() - start)  # host clock
 
     def _finish_background(self) -> None:
         if self._background is None:
@@ -491,7 +501,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._copy_up(indices)
         if self._stream is not None:
             torch.cuda.current_stream(self._params[0].device).wait_stream(self._stream)
-        self._times["copy_up"] += time.perf_counter() - start
+        self._times["copy_up"] += time.perf_counter() - start  # host clock
 
     def _swap_landing(self) -> None:
         """delay=1: the next backward of fp32 weights lands in the other gradient buffer, while

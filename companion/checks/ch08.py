@@ -211,7 +211,8 @@ def _best_rung(layers, speeds, *, k, device_bytes, host_bytes, activation_bytes,
         placed = estimate.rung_placement(P, rung, weight_bytes=weight_bytes,
                                          largest_layer_params=L)
         device = placed.device + (activation_bytes if with_activations else 0)
-        fits = not memory or (device <= device_bytes and (not with_host or placed.host <= host_bytes))
+        fits = not memory or (device <= device_bytes
+                              and (not with_host or placed.host <= host_bytes))
         if not fits:
             continue
         t = ladder[rung].total if part is None else getattr(ladder[rung], part)

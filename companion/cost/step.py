@@ -420,9 +420,9 @@ def offload_break_even(flops: float, host_bandwidth: float, host_adam_rate: floa
     P parameters computes 6·P FLOPs per token (4·P of them in backward) at `flops` FLOP/s; P
     cancels:
 
-        gradients down, during backward:       tokens ≥ flops · grad_bytes / (4 · bandwidth)
-        host step + copy up, beside the next
-        step's compute (delayed update):       tokens ≥ flops · (1/rate + weight_bytes/bandwidth) / 6
+        gradients down, during backward:  tokens ≥ flops · grad_bytes / (4 · bandwidth)
+        host step + copy up, beside the
+        next step's compute (delayed):    tokens ≥ flops · (1/rate + weight_bytes/bandwidth) / 6
 
     Without the delayed update the host step and the copy up never hide: they add
     P · (1/rate + weight_bytes/bandwidth) seconds to every step, a share of the step that falls
