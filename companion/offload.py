@@ -586,13 +586,17 @@ class Link:
         self.device = torch.device(device if device is not None else "cpu")
         self.copies = self.bytes = 0
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _check(dst, src) -> None:
         if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)):
             raise TypeError(f"Link.copy(dst, src) takes two tensors, got "
                             f"{type(dst).__name__} and {type(src).__name__}")
         if dst.shape != src.shape:
             raise ValueError(f"Link.copy: dst has shape {tuple(dst.shape)}, src "
                              f"{tuple(src.shape)}: copy each tensor into its own buffer")
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        self._check(dst, src)
         with torch.no_grad():
             dst.copy_(src, non_blocking=True)
         self.copies += 1

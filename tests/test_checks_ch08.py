@@ -169,6 +169,19 @@ def test_offload_plan_wrong_answers_fail(wrong, hint):
         check_offload_plan(wrong)
 
 
+def test_offload_plan_with_seconds_that_are_not_a_number_fails_clearly():
+    def text(layers, speeds, **kw):
+        best = _best_rung(layers, speeds, **kw)
+        return best and (best[0], f"{best[1]:.3f} s")
+    with pytest.raises(CheckFailed, match="not a number of seconds"):
+        check_offload_plan(text)
+
+
+def test_offload_schedule_takes_numpy_floats():
+    import numpy as np
+    check_offload_schedule(lambda *a: {k: np.float64(v) for k, v in _schedule(*a).items()})
+
+
 def test_offload_plan_that_never_says_none_fails():
     def always(layers, speeds, **kw):
         return _best_rung(layers, speeds, **kw) or ("nvme", 1.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import random
 
 import torch
@@ -15,7 +16,7 @@ from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_s
                                    require)
 from companion.memory import format_bytes, track
 from companion.models import GPT, MLP, make_tokens
-from companion.offload import offload_activations, schedule_groups, to_host
+from companion.offload import Link, offload_activations, schedule_groups, to_host
 
 __all__ = ["check_offloaded_step", "check_offload_plan", "check_offload_schedule",
            "check_offload_hooks"]
@@ -34,20 +35,16 @@ def _mlp_case(seed: int):
     return model, batches
 
 
-class _DeferredLink:
+class _DeferredLink(Link):
     """A link whose copies land only at synchronize(), as a non_blocking copy into pinned memory
     does on a GPU: until then the destination holds NaN (bytes not yet arrived)."""
 
     def __init__(self):
+        super().__init__("cpu")
         self.pending, self.copies, self.syncs = [], [], 0
 
     def copy(self, dst, src):
-        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)):
-            raise TypeError(f"link.copy(dst, src) takes two tensors, got {type(dst).__name__} "
-                            f"and {type(src).__name__}")
-        if dst.shape != src.shape:
-            raise ValueError(f"link.copy: dst has shape {tuple(dst.shape)}, src "
-                             f"{tuple(src.shape)}")
+        self._check(dst, src)
         self.pending.append((dst, src.detach().clone()))
         self.copies.append((dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()))
         with torch.no_grad():
@@ -284,6 +281,10 @@ def check_offload_plan(answer) -> str:
                               f"{want[0]!r} ({want[1]:.3f} s a step)",
                               hint=" Or: ".join(hints) if hints else "for each rung, check that "
                               "it fits, then compare the predicted step times.")
+        if isinstance(got[1], bool) or not isinstance(got[1], numbers.Real):
+            raise CheckFailed(f"{where}: the step time is {got[1]!r:.80}, not a number of seconds",
+                              hint="return the predicted seconds as a number: "
+                                   "StepTime.total of that rung.")
         compare(float(got[1]), want[1], name=f"{where}: the step time on {want[0]!r}",
                 rtol=1e-6, atol=0.0, known_wrong={t: v[1] for t, v in wrong.items()
                                                    if v and v[0] == want[0]},
@@ -374,7 +375,7 @@ def _validate_schedule(got, ready, down, step, up, where) -> dict:
     starts = {}
     for key in keys:
         value = got[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
                 math.isfinite(value) and value >= 0):
             raise CheckFailed(f"{where}: the start of {key} is {value!r}",
                               hint="start times are finite, non-negative seconds.")

@@ -331,9 +331,10 @@ def offload_step(layers: Sequence[Layer], s: Speeds, *, k: int = 1, weight_bytes
         room = base.compute
         host, room = max(0.0, host - room), max(0.0, room - host)
         up = max(0.0, up - room)
+    moved = offload_traffic(params, "gradients" if overlap_copies else "optimizer", k=k,
+                            weight_bytes=weight_bytes, grad_bytes=grad_bytes)
     return dataclasses.replace(base, optimizer=0.0, transfers=down + up, host_step=host,
-                               traffic=(k if overlap_copies else 1) * params * grad_bytes
-                               + params * weight_bytes)
+                               traffic=moved["down"] + moved["up"])
 
 
 # The offload ladder, least offloaded first: where the model states live on each rung.
