@@ -145,3 +145,71 @@ def test_reserved_bytes_match_the_real_allocator_from_an_empty_cache():
     keep = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in requests]
     assert torch.cuda.memory_reserved() - before == reserved_bytes(requests)
     del keep
+
+
+# ---------------------------------------------------------------- the allocator replayed
+MiB = 2**20
+
+
+def test_small_requests_share_a_two_mib_segment_by_hand():
+    from companion.allocator import CachingAllocator
+    a = CachingAllocator()
+    a.malloc(100)                                   # 512 B block in a new 2 MiB segment
+    assert (a.allocated, a.reserved) == (512, 2 * MiB)
+    for _ in range(3):
+        a.malloc(600 * 1024)                        # 3 x 600 KiB = 1.76 MiB: the same segment
+    assert a.reserved == 2 * MiB
+    a.malloc(600 * 1024)                            # 0.24 MiB left: a second segment
+    assert a.reserved == 4 * MiB and a.allocated == 512 + 4 * 600 * 1024
+
+
+def test_a_freed_hole_too_small_opens_a_new_segment_by_hand():
+    from companion.allocator import CachingAllocator
+    a = CachingAllocator()
+    x, y, z = (a.malloc(6 * MiB) for _ in range(3))  # one 20 MiB segment, split three times
+    assert a.reserved == 20 * MiB
+    a.free(y)                                       # a 6 MiB hole between x and z, 2 MiB at the end
+    a.malloc(7 * MiB)                               # fits neither: a second 20 MiB segment
+    assert (a.allocated, a.reserved) == (19 * MiB, 40 * MiB)
+    a.malloc(6 * MiB)                               # best fit: the hole, not the 13 MiB rest
+    assert a.reserved == 40 * MiB and a.allocated == 25 * MiB
+
+
+def test_freed_neighbours_merge_and_a_large_request_gets_its_own_rounded_segment():
+    from companion.allocator import CachingAllocator
+    a = CachingAllocator()
+    x, y = a.malloc(6 * MiB), a.malloc(6 * MiB)
+    a.free(x), a.free(y)                            # one free 20 MiB block again
+    a.malloc(19 * MiB)                              # rest 1 MiB: not split off (needs > 1 MiB)
+    assert (a.allocated, a.reserved) == (20 * MiB, 20 * MiB)
+    a.malloc(11 * MiB + 1)                          # >= 10 MiB: rounded up to 2 MiB, 12 MiB
+    assert a.reserved == 32 * MiB
+
+
+def test_a_cap_releases_free_segments_then_fails():
+    from companion.allocator import CachingAllocator, OutOfMemory
+    a = CachingAllocator(cap=40 * MiB)
+    h = a.malloc(12 * MiB)
+    a.free(h)                                       # a cached 12 MiB segment, wholly free
+    a.malloc(30 * MiB)                              # 12 + 30 > 40: the free segment goes first
+    assert a.reserved == 30 * MiB
+    with pytest.raises(OutOfMemory):
+        a.malloc(12 * MiB)                          # 30 + 12 > 40, nothing free to release
+
+
+def test_replay_of_a_tracked_step_counts_rounding_and_matches_the_ledger():
+    import torch
+    from companion.allocator import replay, reserved_bytes
+    from companion.memory import track
+    with track("cpu") as t:
+        a = torch.ones(1000)                        # 4000 B -> 4096 B block
+        b = torch.ones(3, 3)                        # 36 B -> 512 B
+        del a
+        c = torch.ones(2000)                        # 8000 B -> 8192 B
+    r = replay(t)
+    assert r.peak_tensors == t.peak == 36 + 8000
+    assert r.peak_allocated == 512 + 8192 and r.rounding == r.peak_allocated - t.peak
+    assert r.peak_reserved == 2 * MiB and r.fits
+    assert reserved_bytes([4000, 36]) == 2 * MiB
+    assert not replay(t, cap=MiB).fits
+    del b, c

@@ -36,73 +36,7 @@ import sys
 
 import torch
 
-__all__ = ["snapshot_report", "snapshot_timeline", "growing_batches", "block_bytes",
-           "segment_bytes", "reserved_bytes", "headroom", "cublas_workspace"]
-
-# ---------------------------------------------------------------- its sizes, modelled
-# The caching allocator's constants (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, kSmallSize,
-# kSmallBuffer, kLargeBuffer, kMinLargeAlloc, kRoundLarge; the pools are described in PyTorch's
-# "CUDA semantics" notes on memory management). Every request is rounded up to 512 bytes; one of at
-# most 1 MiB comes from the small pool, carved out of 2 MiB segments; a larger one from the large
-# pool: under 10 MiB out of 20 MiB segments, from 10 MiB on a segment of its own, rounded up to
-# 2 MiB.
-BLOCK = 512
-SMALL_REQUEST = 2**20
-SMALL_SEGMENT = 2 * 2**20
-LARGE_SEGMENT = 20 * 2**20
-LARGE_REQUEST = 10 * 2**20
-LARGE_ROUNDING = 2 * 2**20
-
-
-def block_bytes(nbytes: int) -> int:
-    """The block a request of `nbytes` occupies: rounded up to a multiple of 512 bytes."""
-    return -(-int(nbytes) // BLOCK) * BLOCK
-
-
-def segment_bytes(nbytes: int) -> int:
-    """The segment the allocator asks the driver for when no cached one holds the request."""
-    if nbytes <= SMALL_REQUEST:
-        return SMALL_SEGMENT
-    if nbytes < LARGE_REQUEST:
-        return LARGE_SEGMENT
-    return -(-int(nbytes) // LARGE_ROUNDING) * LARGE_ROUNDING
-
-
-def reserved_bytes(requests: list[int]) -> int:
-    """Bytes of segments reserved to hold every request live at once, allocated in this order
-    from an empty cache (no frees): each request goes into the first open segment of its pool
-    with room, else into a new segment. A lower bound for a real run, whose frees fragment the
-    cache (measure that on a snapshot: `snapshot_report`)."""
-    room = {"small": [], "large": []}                   # free bytes left in each open segment
-    reserved = 0
-    for nbytes in requests:
-        block = block_bytes(nbytes)
-        pool = room["small" if block <= SMALL_REQUEST else "large"]
-        spot = next((i for i, free in enumerate(pool) if free >= block), None)
-        if spot is None:
-            segment = segment_bytes(block)
-            reserved += segment
-            pool.append(segment - block)
-        else:
-            pool[spot] -= block
-    return reserved
-
-
-def headroom(largest_request: int) -> int:
-    """Bytes above the live blocks that a cap (`set_per_process_memory_fraction`) must leave: at
-    worst one small segment and, when a request lies between 1 and 10 MiB, one large segment,
-    each nearly empty when the next request opens it."""
-    return SMALL_SEGMENT + (LARGE_SEGMENT if SMALL_REQUEST < largest_request < LARGE_REQUEST
-                            else LARGE_ROUNDING if largest_request >= LARGE_REQUEST else 0)
-
-
-def cublas_workspace(capability: tuple[int, int]) -> int:
-    """cuBLAS's workspace, which PyTorch allocates through the caching allocator on a stream's
-    first matmul and keeps: NVIDIA's cuBLAS guide (cublasSetWorkspace) recommends 4 MiB before
-    Hopper and 32 MiB from Hopper (compute capability 9) on. An estimate of what PyTorch takes
-    until a GPU run measures it (`CUBLAS_WORKSPACE_CONFIG` changes it)."""
-    return (32 if capability[0] >= 9 else 4) * 2**20
-
+__all__ = ["snapshot_report", "snapshot_timeline", "growing_batches"]
 
 def _where(frames: list[dict]) -> str:
     """The innermost Python frame of a block's stack outside PyTorch: "file.py:12 in fn", without
@@ -188,7 +122,7 @@ def growing_batches(*, expandable: bool, width: int = 4096, depth: int = 8, star
     env.pop("PYTORCH_ALLOC_CONF", None)
     if expandable:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    code = ("import json\nfrom companion.allocator import _growing_batches_here\n"
+    code = ("import json\nfrom companion.allocator.snapshot import _growing_batches_here\n"
             f"print(json.dumps(_growing_batches_here({width}, {depth}, {start}, {steps})))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=timeout)

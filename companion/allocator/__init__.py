@@ -1,0 +1,25 @@
+"""The CUDA caching allocator's behaviour, the one place the course models it.
+
+`rules`: its rounding and segments, and a replay of a step's allocations through them (what a
+step reserves, fragmentation included, predicted from a simulated step). `overheads`: what a GPU
+holds beyond the tensors a step makes (the CUDA context, cuBLAS's and attention's workspaces,
+NCCL's buffers, a conversion's temporary, `record_stream`'s backlog), each with its source.
+`snapshot`: reading a real run's memory snapshot (`torch.cuda.memory._snapshot`).
+"""
+from companion.allocator.overheads import (CONTEXT_BYTES, NCCL_BUFFSIZE, Overhead, context,
+                                           conversion_temporary, measure_context,
+                                           flash_backward_workspace, nccl_buffers,
+                                           record_stream_backlog, step_overheads)
+from companion.allocator.rules import (BLOCK, LARGE_REQUEST, LARGE_ROUNDING, LARGE_SEGMENT,
+                                       SMALL_REQUEST, SMALL_SEGMENT, CachingAllocator, OutOfMemory,
+                                       Replay, block_bytes, cublas_workspace, headroom, replay,
+                                       reserved_bytes, segment_bytes)
+from companion.allocator.snapshot import (_growing_batches_here, growing_batches, snapshot_report,
+                                          snapshot_timeline)
+
+__all__ = ["snapshot_report", "snapshot_timeline", "growing_batches", "block_bytes",
+           "segment_bytes", "reserved_bytes", "headroom", "cublas_workspace", "CachingAllocator",
+           "OutOfMemory", "Replay", "replay", "Overhead", "CONTEXT_BYTES", "context",
+           "conversion_temporary", "flash_backward_workspace", "nccl_buffers",
+           "record_stream_backlog", "step_overheads", "measure_context", "NCCL_BUFFSIZE", "BLOCK", "SMALL_REQUEST", "SMALL_SEGMENT",
+           "LARGE_SEGMENT", "LARGE_REQUEST", "LARGE_ROUNDING"]

@@ -1,0 +1,123 @@
+"""What a GPU holds beyond the tensors a training step makes, each term with its source.
+
+A simulated step (`companion.plan.simulate`) counts every tensor an operator returns. A GPU also
+holds:
+- the CUDA context (driver, loaded kernels), outside PyTorch's allocator: 287,047,680 bytes with
+  lazy module loading, PyTorch's default since 1.13, against 666,632,192 without (the measurement
+  in pytorch/pytorch#86509); "around 400MB" (pytorch/pytorch#109888, PyTorch's CUDA maintainer);
+  426 MiB on an RTX 6000 Ada with torch 2.10 and CUDA 13 (unslothai/unsloth-zoo#1053). The plan
+  counts `CONTEXT_BYTES` = 512 MiB, above all three, until a GPU measures its own (`context`);
+- cuBLAS's workspace, through the allocator (`rules.cublas_workspace`);
+- FlashAttention-2's backward scratch, through the allocator: an fp32 dq accumulator
+  (B, T rounded up to 128, heads, head size rounded up to 32) and the fp32 softmax_d (B, heads,
+  T rounded): mha_bwd in flash_api.cpp (Dao-AILab/flash-attention, vendored by PyTorch in
+  aten/src/ATen/native/transformers/cuda/flash_attn);
+- NCCL's buffers, outside the allocator: NCCL_BUFFSIZE, 4 MiB by default (NCCL's documentation,
+  "Environment Variables"), per channel and peer of the ring;
+- the rests of `record_stream`: a block freed on the compute stream while a side stream copies
+  it (offload) is not reused until that copy ends;
+- a conversion's temporary when 16-bit weights are loaded: one fp32 tensor on its way to bf16
+  (0.77 GiB for the course 7B GPT's 50257 x 4096 embedding).
+Rounding and fragmentation are the allocator's own: `rules.replay` predicts them from the trace.
+
+Example:
+    >>> [str(o) for o in step_overheads(gpus.gpu("H100 SXM"), world_size=8)]
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from companion.allocator.rules import cublas_workspace
+
+__all__ = ["CONTEXT_BYTES", "NCCL_BUFFSIZE", "Overhead", "context", "conversion_temporary",
+           "flash_backward_workspace", "nccl_buffers", "record_stream_backlog", "step_overheads",
+           "measure_context"]
+
+CONTEXT_BYTES = 512 * 2**20
+NCCL_BUFFSIZE = 4 * 2**20
+_CONTEXT_SOURCE = ("the CUDA context with lazy loading: 274-426 MiB measured in pytorch/pytorch"
+                   "#86509, #109888 and unslothai/unsloth-zoo#1053; 512 MiB counted")
+
+
+@dataclasses.dataclass(frozen=True)
+class Overhead:
+    """One line of a plan's memory beyond its tensors: a name, bytes, and where the number comes
+    from; `in_allocator`: whether PyTorch's caching allocator holds it (and a per-process cap
+    counts it) or it sits outside (the context, NCCL)."""
+
+    name: str
+    bytes: int
+    source: str
+    in_allocator: bool = True
+
+    def __str__(self) -> str:
+        from companion.memory import format_bytes
+        return f"{self.name}: {format_bytes(self.bytes)} ({self.source})"
+
+
+def context(*, measured: int | None = None) -> Overhead:
+    """The CUDA context: `measured` bytes (`measure_context` on a GPU), else `CONTEXT_BYTES`."""
+    if measured is not None:
+        return Overhead("CUDA context", int(measured), "measured on this GPU", False)
+    return Overhead("CUDA context", CONTEXT_BYTES, _CONTEXT_SOURCE, False)
+
+
+def measure_context(device=None) -> int:
+    """Bytes this process holds on the GPU outside PyTorch's allocator: the driver's used memory
+    (cudaMemGetInfo) less the allocator's reserve. Other processes on the GPU count too: measure
+    on a GPU of one's own."""
+    import torch
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
+def flash_backward_workspace(batch: int, seq_len: int, heads: int, head_dim: int) -> Overhead:
+    """FlashAttention-2's backward scratch (see the module docstring): fp32 dq_accum and
+    softmax_d, with T rounded up to 128 and the head size to 32."""
+    t = -(-seq_len // 128) * 128
+    d = -(-head_dim // 32) * 32
+    nbytes = 4 * batch * t * heads * d + 4 * batch * heads * t
+    return Overhead("FlashAttention backward scratch", nbytes,
+                    "fp32 dq_accum and softmax_d of mha_bwd, flash_api.cpp")
+
+
+def nccl_buffers(world_size: int, *, channels: int = 8) -> Overhead:
+    """NCCL's ring buffers: NCCL_BUFFSIZE for each channel and each of a rank's two ring
+    neighbours. `channels`: NCCL chooses 2-32 by topology; 8 is assumed."""
+    nbytes = 0 if world_size < 2 else channels * 2 * NCCL_BUFFSIZE
+    return Overhead("NCCL buffers", nbytes, f"NCCL_BUFFSIZE 4 MiB x {channels} channels x 2 "
+                    "neighbours (NCCL docs; channel count assumed)", False)
+
+
+def record_stream_backlog(nbytes: int, what: str) -> Overhead:
+    """Bytes freed on the compute stream but still read by a copy on a side stream."""
+    return Overhead("record_stream backlog", int(nbytes), f"{what}, held until its copy ends")
+
+
+def conversion_temporary(largest_numel: int) -> Overhead:
+    """Loading 16-bit weights from fp32: the largest tensor's fp32 copy, before its cast."""
+    return Overhead("fp32 conversion temporary (load)", 4 * int(largest_numel),
+                    "the largest tensor in fp32 on its way to bf16")
+
+
+def step_overheads(gpu=None, *, world_size: int = 1, attention: tuple[int, int, int, int] | None
+                   = None, backlog: Overhead | None = None,
+                   context_bytes: int | None = None) -> list[Overhead]:
+    """The lines a CUDA step adds to its tensors: the context, cuBLAS's workspace (by the GPU's
+    compute capability; Hopper's when `gpu` is None), FlashAttention's backward scratch for
+    `attention` = (batch, seq_len, heads, head_dim), NCCL's buffers with several ranks, and a
+    `record_stream` backlog."""
+    capability = (tuple(int(x) for x in gpu.compute_capability.split(".")) if gpu is not None
+                  else (9, 0))
+    lines = [context(measured=context_bytes),
+             Overhead("cuBLAS workspace", cublas_workspace(capability),
+                      "cublasSetWorkspace's recommendation for compute capability "
+                      f"{capability[0]}.{capability[1]}")]
+    if attention is not None:
+        lines.append(flash_backward_workspace(*attention))
+    if world_size > 1:
+        lines.append(nccl_buffers(world_size))
+    if backlog is not None and backlog.bytes:
+        lines.append(backlog)
+    return lines
