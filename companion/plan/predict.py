@@ -46,7 +46,7 @@ from companion.plan.costmodel import CostModel
 from companion.plan.space import Candidate, GPTShape
 
 __all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES",
-           "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES"]
+           "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES", "DISK_BANDWIDTH"]
 
 BUCKET_BYTES = 25 * 2**20      # ShardedOptimizer's and DDP's default bucket (bucket_cap_mb=25)
 # Bytes read and written per value by the course's unfused 8-bit code, counted operator by
@@ -58,6 +58,9 @@ BUCKET_BYTES = 25 * 2**20      # ShardedOptimizer's and DDP's default bucket (bu
 # compute-bound there, and the cost model's CPU speeds rank plans, not time them.
 ADAM8BIT_BYTES = 290
 DEQUANTIZE_BYTES = 40
+# One NVMe SSD on PCIe 4.0 x4 streams about 7 GB/s at best (the link's 7.9 GB/s); 3 GB/s is
+# assumed for reads and writes mixed (time yours: chapter 08 times the tier through files).
+DISK_BANDWIDTH = 3e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,8 @@ class Prediction:
     activations: int
     temporaries: int
     phase: str           # where the peak falls: "forward", "backward", "backward end", "optimizer"
-    host: int = 0        # offloaded master weights, gradients and state (not in the peak)
+    host: int = 0        # offloaded master weights, gradients, state, activations (not in peak)
+    disk: int = 0        # the NVMe tier's files: fp32 masters and AdamW's moments
 
     @property
     def peak(self) -> int:
@@ -88,10 +92,12 @@ def _activations(s: GPTShape, c: Candidate, device_type: str) -> tuple[int, int,
     """(bytes one micro-batch saves for backward, of them per block, one checkpoint (a block's
     input), the bf16 weight copies autocast caches beyond them until the forward ends)."""
     B, T, C, L, V, h = c.micro_batch, s.seq_len, s.width, s.depth, s.vocab, s.heads
-    precision = {"fp32": "fp32", "autocast": "autocast", "mixed": "bf16"}[c.precision]
+    precision = {"fp32": "fp32", "autocast": "autocast", "mixed": "bf16",
+                 "main_grad": "bf16"}[c.precision]
     if c.zero_stage == 3 and c.precision == "autocast":
         precision = "bf16"                             # FSDP gathers and computes in bf16
-    attention = "fused" if s.fused_attention else "written"    # fused: no (T, T) softmax or mask
+    attention = "fused" if s.fused_attention or c.fused_attention else "written"   # fused: no
+                                                               # (T, T) softmax or mask
     full = estimate.gpt_activations(B, T, C, L, h, V, precision=precision,
                                     device_type=device_type, attention=attention)
     outside = estimate.gpt_activations(B, T, C, 0, h, V, precision=precision,
@@ -103,12 +109,19 @@ def _activations(s: GPTShape, c: Candidate, device_type: str) -> tuple[int, int,
         per_block += 4 * B * T * c.lora_rank * (2 if c.precision != "fp32" else 4)
     if c.nf4_base and precision == "autocast":         # the base is dequantized again in
         per_block -= 24 * C * C                        # backward: no 16-bit weight copies saved
-    checkpoint = (2 if c.precision == "mixed" else 4) * B * T * C
+    if c.chunked_loss:                                 # no logits kept: their fp32 log-softmax
+        outside -= 4 * B * T * V + (2 * C * V if precision == "autocast" else 0)  # and the head's
+    checkpoint = (2 if _bf16(c) else 4) * B * T * C    # bf16 weight copy go
     blocks = predicted_activation_bytes(L, c.segments, per_block, checkpoint)
     cached = 0                                         # autocast caches casts of trained weights
     if precision == "autocast" and c.segments > 1 and not c.lora_rank:
         cached = (L - _segment(L, c.segments)[1]) * 24 * C * C
     return outside + blocks, per_block, checkpoint, cached
+
+
+def _bf16(c: Candidate) -> bool:
+    """Whether the plan keeps bf16 weights (with fp32 masters)."""
+    return c.precision in ("mixed", "main_grad")
 
 
 def _segment(depth: int, segments: int) -> tuple[int, int]:
@@ -124,10 +137,11 @@ def _states(s: GPTShape, c: Candidate, world_size: int) -> tuple[int, int, int, 
         share = -(-(s.n_params - s.n_params_1d) // world_size) + s.n_params_1d
         gathered = 2 * (2 if c.precision == "autocast" else 4) * s.largest
         return 4 * share, 4 * share + gathered, 8 * share, 4 * share * (c.accumulation > 1), 0
-    precision = "mixed" if c.precision == "mixed" else "fp32"
+    precision = "mixed" if _bf16(c) else "fp32"
     states = estimate.model_states(trainable, optimizer="adamw", precision=precision,
+                                   fp32_grads=c.precision == "main_grad",
                                    zero_stage=c.zero_stage, world_size=world_size)
-    dense = 2 if c.precision == "mixed" else 4
+    dense = 2 if _bf16(c) else 4
     frozen = dense * s.n_params if c.lora_rank else 0  # the base beside the adapters
     if c.nf4_base:                                     # its adapted weights in NF4
         linear = s.lora_linear_weights()
@@ -139,9 +153,12 @@ def _states(s: GPTShape, c: Candidate, world_size: int) -> tuple[int, int, int, 
                                            state_bits=8).optimizer
                      + estimate.model_states(s.n_params_small, precision=precision).optimizer)
     if c.offload:                                      # one gradient at a time on the device
-        host = 16 * trainable + (2 * trainable if c.precision == "mixed" else 0)
-        return weights, (weights // max(trainable, 1)) * s.largest, 0, 0, host
-    before = grads if c.accumulation > 1 or world_size > 1 else 0   # DDP: gradients live in
+        host = 16 * trainable + (2 * trainable if _bf16(c) else 0)
+        if c.nvme:                                     # masters and moments in files, paged in
+            host = 4 * trainable + 12 * s.largest + (2 * trainable if _bf16(c) else 0)  # a tensor
+        return weights, (weights // max(trainable, 1)) * s.largest, 0, 0, host   # at a time
+    before = grads if c.accumulation > 1 or world_size > 1 or c.precision == "main_grad" \
+        else 0                           # main_grad: made up front; DDP: gradients live in
     if c.zero_stage == 1:                                           # buckets across steps
         grads = before = 4 * trainable                 # one flat buffer, allocated up front
     if c.zero_stage == 2:                              # full gradients of the buckets in flight
@@ -153,7 +170,7 @@ def _dense_build(s: GPTShape, c: Candidate) -> tuple[int, int]:
     """QLoRA's build where host and device are one memory (the CPU): (the dense model with its
     adapters, a layer's quantization temporaries (about 21 bytes per value of the first
     block's qkv weight in fp32, 29 from bf16: fitted to the simulated build))."""
-    dense = 2 if c.precision == "mixed" else 4
+    dense = 2 if _bf16(c) else 4
     return (dense * (s.n_params + s.lora_params(c.lora_rank)),
             (29 if dense == 2 else 21) * s.lora_linear_weights()[0])
 
@@ -168,6 +185,17 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
     N, V, C = c.micro_batch * s.seq_len, s.vocab, s.width
     low = c.precision != "fp32"
     logits = N * V * (2 + 4 if low else 4)             # the logits (and their fp32 copy)
+    loss_grads = 8 * N * V                             # the loss's two fp32 (N, vocab) gradients
+    if c.chunked_loss:                                 # one slice's at a time, and the hidden
+        logits = logits // c.chunked_loss              # (its recompute, log-softmax, gradients)
+        loss_grads = (16 + 2 * low) * N * V // c.chunked_loss + 4 * N * C
+    host_acts = 0
+    if c.activation_offload and not c.chunked_loss:    # the log-softmax back from the host
+        loss_grads += 4 * N * V
+    if c.activation_offload:                           # saved tensors wait on the host; backward
+        host_acts, A = A + 4 * N * V * (not c.chunked_loss), 0   # a segment's back at a time;
+        # the log-softmax is saved twice (log_softmax, nll_loss) and crosses twice
+        early_acts_back = per_block * (_segment(s.depth, c.segments)[0] if c.segments > 1 else 1)
     # backward through the first segment (or the first block, without checkpointing): the later
     # blocks' gradients exist, the first segment's activations are back, and its own gradients
     # flow: the block input's and the (N, 4C) MLP one's, 5·N·C fp32 values
@@ -177,10 +205,12 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
     early = int(G * (1 - first * (block_share + lora_share) - (s.vocab + s.seq_len) * C
                      / s.n_params * (not c.lora_rank)))
     early_acts = first * per_block + (checkpoint if c.segments > 1 else 0)
+    if c.activation_offload:
+        early_acts = early_acts_back
     step_temp = G if c.precision == "mixed" and not c.offload else 0
     moving = G if c.offload else 0                     # a gradient on its way to the host
     phases = [("forward", G_before, A, logits + cached),
-              ("backward", G_before + moving, A, 8 * N * V),
+              ("backward", G_before + moving, A, loss_grads),
               ("first block's backward", max(G_before, early) + moving, early_acts, 20 * N * C),
               ("backward end", G, 0, 0),
               # one base weight dequantized (about 9 bytes per value of the largest in flight,
@@ -190,7 +220,8 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
 
               ("optimizer", G, 0, step_temp)]
     phase, grads, acts, temp = max(phases, key=lambda p: p[1] + p[2] + p[3])
-    step = Prediction(P, grads, O, acts, temp, phase, host)
+    disk = 12 * (s.lora_params(c.lora_rank) if c.lora_rank else s.n_params) if c.nvme else 0
+    step = Prediction(P, grads, O, acts, temp, phase, host + host_acts, disk)
     if c.nf4_base and device_type == "cpu":            # QLoRA's build, in the same memory
         weights, quantizing = _dense_build(s, c)
         if weights + quantizing > step.peak:
@@ -209,9 +240,11 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
     forward = tokens * (L * block + 2 * C * V)
     backward = forward if c.lora_rank else 2 * forward             # frozen: no weight gradients
     recompute = tokens * block * (L // c.segments) * (c.segments - 1)
+    if c.chunked_loss:                                 # the head's matmul again in backward
+        recompute += tokens * 2 * C * V
     speed = cost.flops * (cost.half_speedup if c.precision != "fp32" else 1.0)
     trainable = s.lora_params(c.lora_rank) if c.lora_rank else s.n_params
-    weight_bytes = 2 if c.precision == "mixed" else 4
+    weight_bytes = 2 if _bf16(c) else 4
     shard = trainable / world_size if c.zero_stage else trainable
     ring = (world_size - 1) / world_size
     sent = {0: 2 * ring * 4 * trainable, 1: 2 * ring * 4 * trainable,
@@ -235,6 +268,11 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
         "offload": (c.accumulation * weight_bytes * trainable + weight_bytes * trainable)
         / cost.host_bandwidth if c.offload else 0.0,
         "communication": sent / cost.network_bandwidth if world_size > 1 else 0.0,
+        # saved activations down in forward and up in backward, not overlapped (our hooks copy
+        # on the compute stream); the NVMe tier reads and writes 12 B per parameter each step
+        "activation offload": (2 * c.accumulation * _activations(s, c, "cuda")[0]
+                               / cost.host_bandwidth if c.activation_offload else 0.0),
+        "disk": 2 * 12 * trainable / DISK_BANDWIDTH if c.nvme else 0.0,
     }
     parts["total"] = sum(parts.values())
     return parts

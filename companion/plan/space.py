@@ -1,9 +1,10 @@
 """What the planner chooses from: the model's shape, one candidate plan, and every candidate.
 
 A plan (`Candidate`) sets one value per lever of the course:
-  micro-batch x accumulation (chapter 03), checkpoint segments (04), precision (05),
-  ZeRO stage (07, several ranks), optimizer offload (08), LoRA adapters (09),
-  8-bit Adam states and QLoRA's NF4 base (11).
+  micro-batch x accumulation (chapter 03), checkpoint segments (04), precision (05: autocast,
+  bf16 weights with 16-bit or fp32 gradients), ZeRO stage (07, several ranks), optimizer offload
+  and its NVMe tier, activation offload (08), chunked cross-entropy (00), fused attention (04,
+  10), LoRA adapters (09), 8-bit Adam states and QLoRA's NF4 base (11).
 `candidates` lists every combination that can run together; `GPTShape.of` reads the sizes the
 predictions need off the model, built under FakeTensorMode (no memory allocated).
 
@@ -24,16 +25,21 @@ from torch._subclasses import FakeTensorMode
 from companion.models import GPT
 
 __all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS",
+           "LOSS_CHUNKS",
            "GPTShape", "Candidate", "candidates", "capstone_model"]
 
-TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "zero", "offload", "lora",
+TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "main_grad", "zero",
+              "offload", "activation_offload", "chunked_loss", "fused_attention", "nvme", "lora",
               "adam8bit", "qlora")
-EXACT = ("accumulation", "checkpointing", "zero", "offload")   # fp32 training, to rounding
-LOW_PRECISION = ("autocast", "mixed")          # bf16 compute: the capstone's losses moved by
-                                               # 5e-5 (relative) from fp32's over 6 steps (CPU)
+EXACT = ("accumulation", "checkpointing", "zero", "offload", "activation_offload",
+         "chunked_loss", "fused_attention", "nvme")     # fp32 training, to rounding
+LOW_PRECISION = ("autocast", "mixed", "main_grad")  # bf16 compute: the capstone's losses moved
+                                               # by 5e-5 (relative) from fp32's over 6 steps (CPU)
 FEWER_BITS = ("adam8bit", "qlora")             # chapter 11: Adam's moments in 8 bits (AdamW's
                                                # decay); LoRA over a base frozen in NF4
-PRECISIONS = ("fp32", "autocast", "mixed")     # names of `companion.estimate.model_states`
+PRECISIONS = ("fp32", "autocast", "mixed", "main_grad")   # "main_grad": bf16 weights, fp32
+                                               # gradients (Megatron's 18 B with Adam)
+LOSS_CHUNKS = 8                                # slices of the chunked cross-entropy
 LORA_TARGETS = ("qkv", "proj", "fc", "out")    # the Linear layers of each block
 
 
@@ -114,6 +120,10 @@ class Candidate:
     lora_rank: int = 0           # 0 = train every parameter
     state_bits: int = 32         # 8: Adam's moments as block-wise 8-bit codes (`lowbit.Adam8bit`)
     nf4_base: bool = False       # QLoRA: the adapted Linear weights frozen in NF4 (lora_rank > 0)
+    activation_offload: bool = False   # saved activations to the host (saved-tensor hooks)
+    chunked_loss: int = 0        # slices of `chunked_cross_entropy` (0: the whole logits at once)
+    fused_attention: bool = False  # build the model with fused attention (no (T, T) matrix)
+    nvme: bool = False           # offloaded AdamW state in files (ZeRO-Infinity's tier); offload
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accumulation", "segments"):
@@ -136,6 +146,13 @@ class Candidate:
                              "it a lora_rank >= 1")
         if self.state_bits == 8 and (self.offload or self.zero_stage):
             raise ValueError("8-bit states are planned on one device, without offload or ZeRO")
+        if self.nvme and not self.offload:
+            raise ValueError("Candidate.nvme pages the offloaded optimizer state to disk: it needs "
+                             "offload=True")
+        if isinstance(self.chunked_loss, bool) or not isinstance(self.chunked_loss, int) \
+                or self.chunked_loss < 0:
+            raise ValueError(f"Candidate.chunked_loss is a number of slices (0: off), got "
+                             f"{self.chunked_loss!r}")
 
     def check_depth(self, depth: int) -> None:
         """Raise ValueError when the plan asks for more checkpoint segments than blocks."""
@@ -151,12 +168,18 @@ class Candidate:
         if self.segments > 1:
             out.append(f"checkpointing ({self.segments} segments)")
         if self.precision != "fp32":
-            out.append({"autocast": "bf16 autocast", "mixed": "bf16 weights + fp32 master"}
-                       [self.precision])
+            out.append({"autocast": "bf16 autocast", "mixed": "bf16 weights + fp32 master",
+                        "main_grad": "bf16 weights + fp32 main_grad and master"}[self.precision])
+        if self.fused_attention:
+            out.append("fused attention")
+        if self.activation_offload:
+            out.append("activation offload")
+        if self.chunked_loss:
+            out.append(f"chunked loss ({self.chunked_loss} slices)")
         if self.zero_stage:
             out.append(f"ZeRO-{self.zero_stage}")
         if self.offload:
-            out.append("optimizer offload")
+            out.append("optimizer offload to NVMe" if self.nvme else "optimizer offload")
         if self.lora_rank:
             out.append(f"QLoRA r={self.lora_rank} (NF4 base frozen)" if self.nf4_base
                        else f"LoRA r={self.lora_rank} (base frozen)")
@@ -210,14 +233,24 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
     ranks = [0, lora_rank] if adapters else [0]
     bits = [32, 8] if "adam8bit" in allow and not several else [32]
     bases = [False, True] if "qlora" in allow and not several else [False]
+    one = not several                  # the course's hooks and loss run on one process here
+    acts = [False, True] if "activation_offload" in allow and one else [False]
+    chunks = [0, LOSS_CHUNKS] if "chunked_loss" in allow and one else [0]
+    fused = [False, True] if "fused_attention" in allow and not shape.fused_attention else [False]
+    disks = [False, True] if "nvme" in allow and one else [False]
     out = []
-    for m, s, p, z, off, r, b, nf4 in itertools.product(micro, segments, precisions, stages,
-                                                         offloads, ranks, bits, bases):
-        if several and p == "mixed":
+    for m, s, p, z, off, r, b, nf4, a, ch, f, d in itertools.product(
+            micro, segments, precisions, stages, offloads, ranks, bits, bases, acts, chunks,
+            fused, disks):
+        if several and p in ("mixed", "main_grad"):
             continue                       # ZeRO here: fp32 shards, bf16 compute via autocast
+        if d and not off or ch > m * shape.seq_len:
+            continue                       # NVMe is offload's last tier; a slice per token
+        if p == "main_grad" and (off or r):
+            continue                       # its fp32 gradients live beside trained weights
         if (off or b == 8) and r or off and b == 8:
             continue                       # adapters' states are already tiny
         if nf4 and not r or r and not nf4 and "lora" not in allow:
             continue                       # QLoRA is LoRA on an NF4 base
-        out.append(Candidate(m, per_rank // m, s, p, z, off, r, b, nf4))
+        out.append(Candidate(m, per_rank // m, s, p, z, off, r, b, nf4, a, ch, f, d))
     return out

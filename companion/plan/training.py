@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import tempfile
 from typing import Callable, Iterator
 
 import torch
@@ -35,6 +36,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from companion import amp, ddp, lora, lowbit
 from companion.checkpointing import checkpoint_sequential
 from companion.memory import MemoryTracker, track
+from companion.activation_offload import OffloadActivations
+from companion.chunked_loss import chunked_cross_entropy
+from companion.nvme import NVMeOffloadOptimizer
 from companion.offload import CPUOffloadOptimizer
 from companion.plan.space import LORA_TARGETS, Candidate, GPTShape
 from companion.zero import FSDP, ShardedOptimizer
@@ -79,9 +83,15 @@ def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float):
         return model, ShardedOptimizer(trainable, torch.optim.AdamW, stage=cand.zero_stage,
                                        fused=True, **adamw), None
     net = ddp.DDP(model, gradient_as_bucket_view=True) if world_size > 1 else model
+    if cand.nvme and not _fake(trainable):     # masters and states in files; a simulation
+        return net, NVMeOffloadOptimizer([{"params": [p]} for p in trainable],  # keeps them
+                                         torch.optim.AdamW, directory=tempfile.gettempdir(),
+                                         **adamw), None       # on the host; paged a tensor at a time
     if cand.offload:                       # keeps its own fp32 masters, on the host
         return net, CPUOffloadOptimizer(trainable, torch.optim.AdamW, **adamw), None
-    master = amp.MasterWeights(trainable) if cand.precision == "mixed" else None
+    master = (amp.MasterWeights(trainable, grads="main_grad" if cand.precision == "main_grad"
+                                else "16-bit") if cand.precision in ("mixed", "main_grad")
+              else None)
     params = master.master_params if master is not None else trainable
     if cand.state_bits == 8:                   # AdamW's update and decay, moments in 8 bits
         return net, lowbit.Adam8bit(params, weight_decay=0.01, decoupled_weight_decay=True,
@@ -90,7 +100,7 @@ def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float):
 
 
 def _dtype(cand: Candidate) -> torch.dtype:
-    return torch.bfloat16 if cand.precision == "mixed" else torch.float32
+    return torch.bfloat16 if cand.precision in ("mixed", "main_grad") else torch.float32
 
 
 def _quantized_on_host(model_fn: Callable[..., nn.Module], cand: Candidate) -> nn.Module:
@@ -133,6 +143,8 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
         model = _quantized_on_host(model_fn, cand)
         if device.type != "cpu":
             model = model.to(device)
+    elif cand.fused_attention:                         # the same model, attention fused
+        model = model_fn(dtype=_dtype(cand), device=device, fused_attention=True)
     else:
         model = model_fn(dtype=_dtype(cand), device=device)
     cand.check_depth(len(model.blocks))
@@ -148,16 +160,42 @@ def micro_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, *, scale: float =
                sync: bool = True) -> torch.Tensor:
     """Forward and backward of one micro-batch, its mean loss times `scale` (1/k of k
     micro-batches), gradients added into .grad; `sync=False` skips DDP's all-reduce (no_sync)."""
-    net = setup.net
-    use_autocast = setup.candidate.precision == "autocast" and not isinstance(net, FSDP)
+    net, cand = setup.net, setup.candidate
+    use_autocast = cand.precision == "autocast" and not isinstance(net, FSDP)
     skip = isinstance(net, ddp.DDP) and not sync
-    with net.no_sync() if skip else contextlib.nullcontext():            # through backward
+    with net.no_sync() if skip else contextlib.nullcontext(), (         # through backward
+            OffloadActivations(min_bytes=0) if cand.activation_offload
+            else contextlib.nullcontext()):
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=use_autocast):
-            logits = net(x)                                              # (b, T, vocab)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) * scale
-        del logits                                     # freed now, not after backward
+            if cand.chunked_loss:                      # no (b·T, vocab) logits kept: slices
+                with _head_off(setup.model) as head:
+                    hidden = net(x)                                      # (b, T, C)
+                loss = chunked_cross_entropy(hidden.flatten(0, 1), head.weight, y.flatten(),
+                                             bias=head.bias, chunks=cand.chunked_loss) * scale
+                del hidden
+            else:
+                logits = net(x)                                          # (b, T, vocab)
+        if not cand.chunked_loss:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) * scale
+            del logits                                 # freed now, not after backward
         loss.backward()
     return loss.detach()
+
+
+@contextlib.contextmanager
+def _head_off(model: nn.Module) -> Iterator[nn.Linear]:
+    """The model's forward without its head (it returns the final norm's output); yields the
+    head, whose weight the chunked loss multiplies slice by slice."""
+    head = model.head
+    model.head = nn.Identity()
+    try:
+        yield head
+    finally:
+        model.head = head
+
+
+def _fake(tensors: list[torch.Tensor]) -> bool:
+    return any(isinstance(t, FakeTensor) for t in tensors)
 
 
 def optimizer_step(setup: Setup) -> None:
@@ -275,8 +313,8 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size:
                     optimizer_step(setup)
                 # 2. Gradients cleared, then what the earlier micro-batches left (accumulation).
                 setup.optimizer.zero_grad(set_to_none=True)
-                if k > 1 and not cand.offload:
-                    for p in _trainable(setup):
+                if k > 1 and not cand.offload and cand.precision != "main_grad":  # (main_grad:
+                    for p in _trainable(setup):                         # in its fp32 buffers)
                         p.grad = torch.zeros_like(p)
                 # 3. The last micro-batch's forward and backward, then the step.
                 micro_step(setup, x[-batch[0]:], y[-batch[0]:], scale=1 / k)
