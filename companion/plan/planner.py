@@ -28,7 +28,9 @@ from torch._subclasses import FakeTensorMode
 
 from companion.memory import format_bytes, parse_bytes
 from companion.models import GPT
+from companion.plan import budget as budgets
 from companion.plan.anymodel import GENERIC, ModelPlan, plan_model
+from companion.plan.budget import Fit
 from companion.plan.predict import CostModel, Prediction, predict_memory, predict_seconds
 from companion.plan.ranks import run_ranks
 from companion.plan.run import RunReport, run_plan
@@ -51,6 +53,7 @@ class Row:
     seconds: dict[str, float]
     simulated: int | None = None         # peak bytes of the simulated step, when simulated
     simulated_host: int | None = None
+    fit: Fit | None = None               # the budget's lines: predicted, then replayed
 
 
 class Plan:
@@ -58,10 +61,11 @@ class Plan:
 
     def __init__(self, *, model_fn: Callable[..., nn.Module], batch: int, budget: int,
                  usable: int, device: torch.device, world_size: int, shape: GPTShape,
-                 rows: list[Row], chosen: Row, plain: Row, lr: float, host_budget: int | None):
+                 rows: list[Row], chosen: Row, plain: Row, lr: float, host_budget: int | None,
+                 gpu=None):
         self.model_fn, self.batch, self.budget, self.usable = model_fn, batch, budget, usable
         self.device, self.world_size, self.shape, self.lr = device, world_size, shape, lr
-        self.rows, self.plain, self.host_budget = rows, plain, host_budget
+        self.rows, self.plain, self.host_budget, self.gpu = rows, plain, host_budget, gpu
         self.chosen_row: Row = chosen
         self.chosen: Candidate = chosen.candidate
 
@@ -100,6 +104,11 @@ class Plan:
                 f"  predicted step {_time(r.seconds['total'])}: "
                 + ", ".join(f"{k} {_time(v)}" for k, v in r.seconds.items()
                             if k != "total" and v > 0) + "."]
+        if r.fit is not None and r.fit.lines:
+            text.append(f"  on the GPU, {format_bytes(r.fit.total)} of "
+                        f"{format_bytes(self.budget)} at the peak ({r.fit.how}): the step's "
+                        f"tensors and")
+            text += [f"    {o}" for o in r.fit.lines]
         if r.predicted.host:
             text.append(f"  host memory: {format_bytes(r.predicted.host)} predicted"
                         + (f", {format_bytes(r.simulated_host)} simulated"
@@ -126,7 +135,9 @@ class Plan:
         `companion.plan.run_ranks`."""
         if self.world_size != 1:
             return run_ranks(self, steps, seed=seed)
-        return run_plan(self.model_fn, self.chosen, self.batch, steps, budget=self.usable,
+        # on CUDA the allocator's cap: the budget less the context and NCCL's buffers
+        cap = budgets.usable(self.usable, list(self.chosen_row.fit.lines))
+        return run_plan(self.model_fn, self.chosen, self.batch, steps, budget=cap,
                         device=self.device, lr=self.lr, seed=seed, world_size=1, rank=0)
 
 
@@ -171,10 +182,32 @@ def _nothing_fits(rows: list[Row], usable: int, budget: int, allow, world_size: 
 
 
 def _rows(shape: GPTShape, cands: list[Candidate], world_size: int, device_type: str,
-          cost: CostModel) -> list[Row]:
-    """Every candidate with its predicted peak and step time."""
-    return [Row(c, predict_memory(shape, c, world_size=world_size, device_type=device_type),
-                predict_seconds(shape, c, cost, world_size=world_size)) for c in cands]
+          cost: CostModel, budget: int, gpu, context_bytes: int | None) -> list[Row]:
+    """Every candidate with its predicted peak, step time and fit against the budget."""
+    rows = []
+    for c in cands:
+        p = predict_memory(shape, c, world_size=world_size, device_type=device_type)
+        found = budgets.lines(shape, c, device_type=device_type, gpu=gpu, world_size=world_size,
+                              context_bytes=context_bytes)
+        tokens = c.micro_batch * shape.seq_len
+        largest = 4 * max(shape.largest, tokens * shape.vocab // max(c.chunked_loss, 1))
+        rows.append(Row(c, p, predict_seconds(shape, c, cost, world_size=world_size),
+                        fit=budgets.fit_predicted(p.peak, p.parameters, largest, budget, found,
+                                                  device_type)))
+    return rows
+
+
+def _gpu(device: torch.device, name: str | None):
+    """The GPU of `companion.cost.gpus` whose speeds and lines the plan uses: `name`, else the
+    one at hand, else the A100 40GB (said in the plan's report)."""
+    from companion.cost import gpus
+    if name is not None:
+        return gpus.gpu(name)
+    if device.type == "cuda" and torch.cuda.is_available():
+        found = gpus.gpu_for_device(device)
+        if found is not None:
+            return found
+    return gpus.gpu("A100 40GB") if device.type == "cuda" else None
 
 
 def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
@@ -182,7 +215,8 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
          allow: Iterable[str] = EXACT, lora_rank: int = 8, host_budget: int | str | None = None,
          margin: float | None = None, cost: CostModel | None = None, lr: float = 1e-3,
          verify: int = 4, simulate_plain: bool = True, step: Callable | None = None,
-         seq_len: int | None = None) -> Plan | ModelPlan:
+         seq_len: int | None = None, gpu: str | None = None,
+         context_bytes: int | None = None) -> Plan | ModelPlan:
     """The fastest plan (by `cost`) whose step fits `budget` bytes per device, checked by a
     simulated step.
 
@@ -192,10 +226,14 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
             heads, fused_attention=True).
         batch: sequences per optimizer step, over all ranks (the effective batch: every plan
             keeps it, splitting it into micro-batches when it accumulates).
-        budget: bytes per device ("24 GiB"); `margin` of it is kept free for what the
-            simulation does not see (CUDA's context, allocator rounding and fragmentation):
-            default 0 on the CPU, 0.1 on CUDA.
+        budget: bytes per device ("24 GiB"), all of it: on CUDA the plan's lines (`budget`:
+            the CUDA context, workspaces, NCCL's buffers, the allocator's rounding and
+            fragmentation) are counted inside it. `margin`: a share kept free besides (0).
         device: where `run` trains and whose speeds the cost model assumes ("cpu", "cuda").
+        gpu: a GPU of `companion.cost.gpus` ("H100 SXM") for the speeds and workspaces on
+            CUDA; default the GPU at hand, else the A100 40GB.
+        context_bytes: the CUDA context's bytes, measured (`allocator.measure_context`);
+            default `allocator.CONTEXT_BYTES`.
         world_size: data-parallel ranks; above 1 the ZeRO stages are searched.
         allow: techniques to use (`space.TECHNIQUES`); default `EXACT`, those that leave fp32
             training as it is up to rounding. 16-bit compute (`LOW_PRECISION`, which moved the
@@ -231,17 +269,20 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
         raise ValueError(f"budget must be a positive size, e.g. '8 MiB', got {budget!r}")
     if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
         raise ValueError(f"verify is how many candidates to simulate (0: none), got {verify!r}")
-    margin = (0.1 if device.type == "cuda" else 0.0) if margin is None else margin
+    margin = 0.0 if margin is None else margin
     if not 0 <= margin < 1:
         raise ValueError(f"margin is the share of the budget kept free, from 0 to 1; got {margin}")
     usable = int(budget_bytes * (1 - margin))
     host = parse_bytes(host_budget) if host_budget is not None else None
     shape = GPTShape.of(model_fn)
+    card = _gpu(device, gpu)
+    cost = cost or (CostModel.for_gpu(card.name) if card is not None
+                    else CostModel.for_device(device.type))
     rows = _rows(shape, candidates(shape, batch, world_size=world_size, allow=allow,
                                    lora_rank=lora_rank),
-                 world_size, device.type, cost or CostModel.for_device(device.type))
+                 world_size, device.type, cost, usable, card, context_bytes)
     plain = next(r for r in rows if not r.candidate.techniques())   # micro-batch = batch
-    fitting = sorted([r for r in rows if r.predicted.peak <= usable
+    fitting = sorted([r for r in rows if r.fit.fits
                       and (host is None or r.predicted.host <= host)],
                      key=lambda r: (r.seconds["total"], len(r.candidate.techniques())))
     if not fitting:
@@ -249,7 +290,7 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
     sim = functools.partial(simulate, model_fn, world_size=world_size, device_type=device.type)
     found = functools.partial(Plan, model_fn=model_fn, batch=batch, budget=budget_bytes,
                               usable=usable, device=device, world_size=world_size, shape=shape,
-                              rows=fitting, plain=plain, lr=lr, host_budget=host)
+                              rows=fitting, plain=plain, lr=lr, host_budget=host, gpu=card)
     if simulate_plain and verify:
         plain.simulated = sim(plain.candidate).peak
     if not verify:
@@ -257,7 +298,9 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
     for row in fitting[:verify]:
         tracker = sim(row.candidate)
         row.simulated, row.simulated_host = tracker.peak, tracker.host_peak
-        if row.simulated <= usable:
+        row.fit = budgets.fit_simulated(tracker, row.predicted.parameters, usable,
+                                        list(row.fit.lines), device.type)
+        if row.fit.fits:
             return found(chosen=row)
     missed = ", ".join(format_bytes(r.simulated) for r in fitting[:verify])
     raise NothingFits(f"the {min(verify, len(fitting))} fastest plans predicted to fit "

@@ -1,0 +1,107 @@
+"""What a plan must fit: the whole budget the learner gives, with what a GPU holds beyond the
+step's tensors counted line by line (`companion.allocator`), each with its source.
+
+On the CPU the budget is `memory_budget`'s: tensor bytes, counted exactly, so a plan fits when
+its peak does. On CUDA the same budget is the GPU memory the run may take:
+  budget = CUDA context + NCCL's buffers (outside PyTorch's allocator)
+           + what the caching allocator reserves: the step's tensors rounded to 512-byte blocks,
+             the free pieces of its segments (fragmentation), cuBLAS's workspace, attention's
+             backward scratch and the `record_stream` backlog of offload.
+A prediction (formulas, `predict`) bounds the allocator's part by the peak, the workspaces and
+one segment of headroom (`allocator.headroom`); a simulated step replays its allocations through
+the allocator's rules (`allocator.replay`), which gives rounding and fragmentation for that step.
+
+What neither sees: kernels' scratch beyond the lines here (cuDNN, NCCL's own streams), other
+processes on the GPU, and allocation orders that differ from eager PyTorch's (CUDA graphs,
+torch.compile). `Plan.run` on CUDA caps the allocator at `usable` (`set_per_process_memory_
+fraction`), so what the model misses shows up as an out-of-memory error, not as a silent overrun.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from companion import allocator
+from companion.plan.space import Candidate, GPTShape
+
+__all__ = ["Fit", "lines", "fit_predicted", "fit_simulated", "usable"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """Whether a plan fits, and the GPU bytes it would take at its peak (`total`), by line."""
+
+    fits: bool
+    total: int                   # tensors + every line: what the GPU gives the process
+    reserved: int                # of it, the caching allocator's segments
+    lines: tuple[allocator.Overhead, ...]
+    how: str                     # "predicted" (a bound) or "replayed" (the simulated trace)
+
+
+def lines(shape: GPTShape, cand: Candidate, *, device_type: str, gpu=None, world_size: int = 1,
+          context_bytes: int | None = None) -> list[allocator.Overhead]:
+    """The lines beyond the tensors for `cand` on `gpu` (none on the CPU)."""
+    if device_type != "cuda":
+        return []
+    fused = shape.fused_attention or cand.fused_attention
+    heads = shape.heads
+    attention = (cand.micro_batch, shape.seq_len, heads, shape.width // heads) if fused else None
+    backlog = None
+    if cand.offload:                                   # a 16-bit gradient still going down
+        backlog = allocator.record_stream_backlog((2 if cand.precision != "fp32" else 4)
+                                                  * shape.largest, "the largest gradient")
+    out = allocator.step_overheads(gpu, world_size=world_size, attention=attention,
+                                   backlog=backlog, context_bytes=context_bytes)
+    if cand.precision in ("mixed", "main_grad") or cand.nf4_base:
+        out.append(allocator.conversion_temporary(shape.largest))
+    return out
+
+
+def _outside(found: list[allocator.Overhead]) -> int:
+    return sum(o.bytes for o in found if not o.in_allocator)
+
+
+def _inside(found: list[allocator.Overhead]) -> int:
+    """Allocator lines alive during the step (the load's temporary is gone by then)."""
+    return sum(o.bytes for o in found if o.in_allocator and not o.name.startswith("fp32 conv"))
+
+
+def usable(budget: int, found: list[allocator.Overhead]) -> int:
+    """Bytes the caching allocator may reserve: the budget less what sits outside it."""
+    return budget - _outside(found)
+
+
+def _load(weights: int, found: list[allocator.Overhead]) -> int:
+    """The load's peak: the weights and the conversion temporary, if any."""
+    return weights + sum(o.bytes for o in found if o.name.startswith("fp32 conv"))
+
+
+def fit_predicted(peak: int, weights: int, largest_request: int, budget: int,
+                  found: list[allocator.Overhead], device_type: str) -> Fit:
+    """A predicted peak against the budget: tensors + allocator lines + one segment of headroom
+    (rounding and the last segment's free part) within what the allocator may reserve."""
+    if device_type != "cuda":
+        return Fit(peak <= budget, peak, peak, (), "predicted")
+    reserved = max(peak + _inside(found) + allocator.headroom(largest_request),
+                   _load(weights, found))
+    total = reserved + _outside(found)
+    return Fit(total <= budget, total, reserved, tuple(found), "predicted")
+
+
+def fit_simulated(tracker, weights: int, budget: int, found: list[allocator.Overhead],
+                  device_type: str) -> Fit:
+    """A simulated step's trace replayed through the caching allocator under the cap the budget
+    leaves it (the workspaces taken first)."""
+    if device_type != "cuda":
+        return Fit(tracker.peak <= budget, tracker.peak, tracker.peak, (), "simulated")
+    cap = usable(budget, found) - _inside(found)
+    replayed = allocator.replay(tracker, cap=cap)
+    reserved = max(replayed.peak_reserved + _inside(found), _load(weights, found))
+    extra = (allocator.Overhead("rounding (512-byte blocks, unsplit rests under 1 MiB)",
+                                replayed.rounding,
+                                "the step's blocks replayed (allocator.replay)"),
+             allocator.Overhead("fragmentation (free pieces of segments)",
+                                replayed.fragmentation,
+                                "the step's allocations and frees replayed (allocator.replay)"))
+    total = reserved + _outside(found)
+    return Fit(replayed.fits and total <= budget, total, reserved, tuple(found) + extra,
+               "replayed")

@@ -1,0 +1,57 @@
+"""companion.plan.budget: a plan fits the whole budget, with a GPU's lines counted by hand."""
+import functools
+
+import pytest
+
+from companion import allocator
+from companion.cost import gpus
+from companion.models import GPT
+from companion.plan import Candidate, GPTShape, plan, predict_seconds
+from companion.plan import budget as budgets
+from companion.plan.costmodel import CostModel
+
+MiB, GiB = 2**20, 2**30
+XL = functools.partial(GPT, 50257, 1024, 1600, 48, 25, fused_attention=True)
+
+
+def test_lines_of_a_cuda_step_by_hand():
+    shape = GPTShape.of(XL)
+    found = {o.name: o for o in budgets.lines(shape, Candidate(4, 4, offload=True, precision=
+                                                                "mixed"),
+                                              device_type="cuda", gpu=gpus.gpu("H100 SXM"),
+                                              world_size=1)}
+    assert found["CUDA context"].bytes == 512 * MiB and not found["CUDA context"].in_allocator
+    assert found["cuBLAS workspace"].bytes == 32 * MiB                # Hopper
+    # (4, 1024 rounded to 1024, 25 heads, 64 rounded to 64) fp32 + (4, 25, 1024) fp32
+    assert found["FlashAttention backward scratch"].bytes == 4 * 4 * 1024 * 25 * 64 + 4 * 4 * 25 * 1024
+    assert found["record_stream backlog"].bytes == 2 * 50257 * 1600     # bf16 embedding's grad
+    assert found["fp32 conversion temporary (load)"].bytes == 4 * 50257 * 1600
+    assert budgets.lines(shape, Candidate(4), device_type="cpu") == []
+    ampere = budgets.lines(shape, Candidate(4), device_type="cuda", gpu=gpus.gpu("A100 80GB"),
+                           world_size=8)
+    assert {o.name: o.bytes for o in ampere}["cuBLAS workspace"] == 4 * MiB
+    assert {o.name: o.bytes for o in ampere}["NCCL buffers"] == 8 * 2 * 4 * MiB
+
+
+def test_a_predicted_fit_adds_the_lines_and_one_segment_of_headroom():
+    found = [allocator.context(), allocator.Overhead("w", 10 * MiB, "s")]
+    fit = budgets.fit_predicted(1 * GiB, 0, 4 * MiB, 2 * GiB, found, "cuda")
+    assert fit.reserved == GiB + 10 * MiB + allocator.headroom(4 * MiB)
+    assert fit.total == fit.reserved + 512 * MiB and fit.fits
+    assert not budgets.fit_predicted(1 * GiB, 0, 4 * MiB, fit.total - 1, found, "cuda").fits
+    cpu = budgets.fit_predicted(GiB, 0, 0, GiB, found, "cpu")
+    assert cpu.fits and cpu.total == GiB                              # the CPU: tensors only
+
+
+def test_the_whole_budget_is_used_and_the_gpu_named_sets_the_speeds():
+    p = plan(XL, 16, budget="24 GiB", device="cuda", gpu="H100 SXM", verify=1,
+             simulate_plain=False)
+    r = p.chosen_row
+    assert r.fit.how == "replayed" and r.fit.fits and r.fit.total <= 24 * GiB
+    assert any(0.9 * 24 * GiB < x.fit.total <= 24 * GiB for x in p.rows)   # no 10% kept back
+    names = [o.name for o in r.fit.lines]
+    assert "CUDA context" in names and any(n.startswith("fragmentation") for n in names)
+    expected = predict_seconds(p.shape, p.chosen, CostModel.for_gpu("H100 SXM"))["total"]
+    assert r.seconds["total"] == pytest.approx(expected)
+    slower = plan(XL, 16, budget="24 GiB", device="cuda", gpu="V100", verify=0)
+    assert slower.chosen_row.seconds["total"] > r.seconds["total"]
