@@ -31,6 +31,7 @@ from companion.models import GPT
 from companion.plan import budget as budgets
 from companion.plan.anymodel import GENERIC, ModelPlan, plan_model
 from companion.plan.budget import Fit
+from companion.plan.report import NothingFits, nothing_fits, plot_waterfall, waterfall
 from companion.plan.predict import CostModel, Prediction, predict_memory, predict_seconds
 from companion.plan.ranks import run_ranks
 from companion.plan.run import RunReport, run_plan
@@ -38,10 +39,6 @@ from companion.plan.space import EXACT, Candidate, GPTShape, candidates
 from companion.plan.training import simulate
 
 __all__ = ["NothingFits", "Row", "Plan", "plan"]
-
-
-class NothingFits(ValueError):
-    """No plan fits the budget; the message says by how much the closest one misses."""
 
 
 @dataclasses.dataclass
@@ -62,10 +59,11 @@ class Plan:
     def __init__(self, *, model_fn: Callable[..., nn.Module], batch: int, budget: int,
                  usable: int, device: torch.device, world_size: int, shape: GPTShape,
                  rows: list[Row], chosen: Row, plain: Row, lr: float, host_budget: int | None,
-                 gpu=None):
+                 gpu=None, cost: CostModel | None = None):
         self.model_fn, self.batch, self.budget, self.usable = model_fn, batch, budget, usable
         self.device, self.world_size, self.shape, self.lr = device, world_size, shape, lr
         self.rows, self.plain, self.host_budget, self.gpu = rows, plain, host_budget, gpu
+        self.cost = cost or CostModel.for_device(device.type)
         self.chosen_row: Row = chosen
         self.chosen: Candidate = chosen.candidate
 
@@ -124,6 +122,14 @@ class Plan:
     def _repr_pretty_(self, printer, cycle) -> None:
         printer.text(str(self))
 
+    def waterfall(self) -> list:
+        """The levers one at a time from the plain run (`report.waterfall`)."""
+        return waterfall(self)
+
+    def plot_waterfall(self, ax=None):
+        """The waterfall as bars (`report.plot_waterfall`)."""
+        return plot_waterfall(self, ax)
+
     def bars(self) -> dict[str, dict[str, int]]:
         """Bytes by kind for `companion.widgets.memory_bars`: plain and chosen, predicted."""
         return {"plain run (predicted)": self.plain.predicted.kinds(),
@@ -154,31 +160,6 @@ def _course_gpt(model_fn) -> bool:
 
 def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
-
-
-def _nothing_fits(rows: list[Row], usable: int, budget: int, allow, world_size: int,
-                  host_budget: int | None) -> NothingFits:
-    within = [r for r in rows if host_budget is None or r.predicted.host <= host_budget]
-    best = min(within, key=lambda r: r.predicted.peak)   # plans without offload: always within
-    over = best.predicted.peak - usable
-    searched = ("accumulation", "checkpointing", "autocast") + (     # bf16 weights, offload,
-        ("mixed", "offload", "adam8bit", "lora", "qlora") if world_size == 1   # LoRA, 8 bits:
-        else ("zero",))                                                         # one process
-    hints = [f"allow {name}" for name in searched if name not in allow]
-    if world_size == 1:
-        hints.append("train on more devices (world_size > 1, ZeRO)")
-    hints.append("shorten the sequences or shrink the model")
-    on_host = [r.predicted.host for r in rows if r.predicted.peak <= usable]
-    if on_host:                                        # they fit the device, not the host
-        hints.insert(0, f"give the host {format_bytes(min(on_host))} (host_budget)")
-    host = (f" (host budget {format_bytes(host_budget)} rules out offload plans that need more)"
-            if host_budget is not None else "")
-    return NothingFits(
-        f"no plan fits {format_bytes(usable)}"
-        + (f" (the budget {format_bytes(budget)} less the margin)" if usable < budget else "")
-        + f"{host}: the smallest predicted peak is {format_bytes(best.predicted.peak)} "
-        f"({best.candidate.describe()}), {format_bytes(over)} over, "
-        f"{100 * over / max(usable, 1):.0f}% too much. To go further: " + "; ".join(hints) + ".")
 
 
 def _rows(shape: GPTShape, cands: list[Candidate], world_size: int, device_type: str,
@@ -286,11 +267,12 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
                       and (host is None or r.predicted.host <= host)],
                      key=lambda r: (r.seconds["total"], len(r.candidate.techniques())))
     if not fitting:
-        raise _nothing_fits(rows, usable, budget_bytes, allow, world_size, host)
+        raise nothing_fits(rows, usable, budget_bytes, allow, world_size, host)
     sim = functools.partial(simulate, model_fn, world_size=world_size, device_type=device.type)
     found = functools.partial(Plan, model_fn=model_fn, batch=batch, budget=budget_bytes,
                               usable=usable, device=device, world_size=world_size, shape=shape,
-                              rows=fitting, plain=plain, lr=lr, host_budget=host, gpu=card)
+                              rows=fitting, plain=plain, lr=lr, host_budget=host, gpu=card,
+                              cost=cost)
     if simulate_plain and verify:
         plain.simulated = sim(plain.candidate).peak
     if not verify:
