@@ -5,8 +5,11 @@
     python -m companion plan --model mypkg.nets:build --step mypkg.nets:loss_of_batch \\
         --batch 256 --budget 24GiB --device cuda --gpu "RTX 4090" --json
 
-`--model` names a function of no arguments that returns the model (module:function, with the
-module importable from the current folder, or a path/to/file.py:function); `--step` one that
+`--model gpt2-xl | llama-3-8b | PATH/config.json` plans a published model on a GPU of the cost
+model's table (`--gpu`, `--gpus`, `--seq-len`, `--batch 1M-tokens`, `--host-gib`, `--why-oom`):
+see `companion.plan.named`. Otherwise `--model` names a function of no arguments that returns
+the model (module:function, with the module importable from the current folder, or a
+path/to/file.py:function); `--step` one that
 takes (model, batch) and returns the loss (default: next-token cross-entropy over `--seq-len`
 token ids); `--optimizer` one that takes the parameters (default AdamW). The model is built on
 fake tensors: nothing is allocated, so a model larger than this machine is planned here.
@@ -23,6 +26,8 @@ import sys
 from companion.memory import KINDS, format_bytes, parse_bytes
 
 __all__ = ["add_parser", "load_object"]
+
+_GENERIC_DEFAULT = ["accumulation", "checkpointing"]
 
 
 def load_object(spec: str):
@@ -58,13 +63,66 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _named(spec: str) -> bool:
+    """Whether --model names a shipped config or a config.json (not module:function)."""
+    return spec.endswith(".json") or ":" not in spec
+
+
+def _run_named(args) -> int:
+    from companion.plan.named import format_plans, plan_dict, plan_named
+    from companion.plan.report import why_oom
+    from companion.plan.space import TECHNIQUES
+
+    allow = args.allow if args.allow != _GENERIC_DEFAULT else None
+    try:
+        if allow is not None and set(allow) - set(TECHNIQUES):
+            raise ValueError(f"--allow: choose from {', '.join(TECHNIQUES)}")
+        kwargs = {} if allow is None else {"allow": tuple(allow)}
+        result = plan_named(args.model, gpu=args.gpu or "H100 SXM", gpus=args.gpus,
+                            seq_len=args.seq_len, batch=args.batch or "1M-tokens",
+                            budget=args.budget, verify=args.simulate,
+                            host_budget=int(args.host_gib * 2**30) if args.host_gib else None,
+                            **kwargs)
+    except (ValueError, TypeError, RuntimeError, FileNotFoundError) as e:
+        print(f"companion plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan_dict(result), indent=1))
+        return 0
+    config = result.config
+    print(f"{config.name}: {result.shape.n_params:,} parameters as built ({config.family}); "
+          f"{result.batch} sequences of {result.shape.seq_len} tokens per step on "
+          f"{result.world_size} x {result.gpu.name} ({format_bytes(result.budget)} each)")
+    if args.why_oom:
+        print(why_oom(result.plain, result.rows, result.budget))
+        return 0
+    print(format_plans(result))
+    return 0
+
+
 def _run(args) -> int:
     import torch
+
+    if _named(args.model):
+        return _run_named(args)
+    if args.batch is None or args.budget is None:
+        print("companion plan: a model of yours (module:function) needs --batch and --budget",
+              file=sys.stderr)
+        return 2
+    try:
+        args.batch = int(args.batch)
+    except ValueError:
+        print(f"companion plan: --batch is a number of examples here, got {args.batch!r}",
+              file=sys.stderr)
+        return 2
 
     from companion.plan.anymodel import plan_model
     from companion.plan.costmodel import CostModel
 
     try:
+        from companion.plan.anymodel import GENERIC
+        if set(args.allow) - set(GENERIC):
+            raise ValueError(f"--allow for your own model: choose from {', '.join(GENERIC)}")
         model_fn = load_object(args.model)
         step = load_object(args.step) if args.step else None
         optimizer = load_object(args.optimizer) if args.optimizer else torch.optim.AdamW
@@ -101,22 +159,33 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="will my model fit, and how: plan a training step under a "
                                     "memory budget (any model)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="MODULE:FUNCTION",
-                   help="a function of no arguments that returns the model")
+    p.add_argument("--model", required=True, metavar="NAME|CONFIG.json|MODULE:FUNCTION",
+                   help="a shipped model (gpt2-xl, llama-3-8b, mistral-7b, qwen2.5-7b), a "
+                        "Hugging Face config.json, or a function of no arguments that returns "
+                        "the model")
     p.add_argument("--step", metavar="MODULE:FUNCTION",
                    help="step(model, batch) -> loss (default: next-token loss over --seq-len)")
     p.add_argument("--optimizer", metavar="MODULE:FUNCTION",
                    help="optimizer(params) -> torch.optim.Optimizer (default AdamW)")
-    p.add_argument("--batch", required=True, type=int, help="examples per optimizer step")
+    p.add_argument("--batch", help="examples per optimizer step; for a named model also "
+                                    "tokens, e.g. 1M-tokens (default)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default step)")
     p.add_argument("--vocab", type=int, help="vocabulary (default: the first nn.Embedding's)")
-    p.add_argument("--budget", required=True, type=_size, help="memory per device, e.g. 24GiB")
+    p.add_argument("--budget", type=_size, help="memory per device, e.g. 24GiB (a named "
+                                                 "model: default the GPU's memory)")
+    p.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (named models)")
+    p.add_argument("--host-gib", type=float, help="host memory per GPU for offload, GiB")
+    p.add_argument("--why-oom", action="store_true",
+                   help="explain why the plain setup does not fit, and the cheapest fixes")
+    p.add_argument("--simulate", type=int, default=1,
+                   help="plans simulated on fake tensors before one is chosen (0: none)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="whose speeds rank the plans and the margin kept (10%% on cuda)")
     p.add_argument("--gpu", help="a GPU of companion.cost.gpus for the speeds, e.g. 'H100 SXM'")
-    p.add_argument("--allow", nargs="+", default=["accumulation", "checkpointing"],
-                   choices=("accumulation", "checkpointing", "autocast", "lora", "adam8bit"),
-                   help="levers (default accumulation checkpointing)")
+    p.add_argument("--allow", nargs="+", default=_GENERIC_DEFAULT,
+                   help="levers: for your own model accumulation checkpointing autocast lora "
+                        "adam8bit (default accumulation checkpointing); for a named model any "
+                        "of companion.plan.TECHNIQUES (default the exact ones and bf16)")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     p.add_argument("--check", action="store_true",
