@@ -225,7 +225,7 @@ def test_one_technique_may_be_named_alone_and_nothing_fits_hints_only_what_was_s
 def test_fake_addresses_restore_exactly_what_was_there():
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from companion.plan.training import _fake_addresses
+    from companion.plan.simulation import _fake_addresses
     before = (torch.UntypedStorage.data_ptr, FakeTensor.data_ptr,
               "data_ptr" in vars(torch.UntypedStorage), "data_ptr" in vars(FakeTensor))
     with _fake_addresses():

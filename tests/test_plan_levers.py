@@ -4,7 +4,6 @@ predicted bytes against the simulated step, its losses against the plain run, it
 import functools
 
 import pytest
-import torch
 
 from companion.models import GPT
 from companion.plan import Candidate, GPTShape, candidates, predict_memory, run_plan, simulate

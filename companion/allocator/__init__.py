@@ -14,8 +14,7 @@ from companion.allocator.rules import (BLOCK, LARGE_REQUEST, LARGE_ROUNDING, LAR
                                        SMALL_REQUEST, SMALL_SEGMENT, CachingAllocator, OutOfMemory,
                                        Replay, block_bytes, cublas_workspace, headroom, replay,
                                        reserved_bytes, segment_bytes)
-from companion.allocator.snapshot import (_growing_batches_here, growing_batches, snapshot_report,
-                                          snapshot_timeline)
+from companion.allocator.snapshot import growing_batches, snapshot_report, snapshot_timeline
 
 __all__ = ["snapshot_report", "snapshot_timeline", "growing_batches", "block_bytes",
            "segment_bytes", "reserved_bytes", "headroom", "cublas_workspace", "CachingAllocator",

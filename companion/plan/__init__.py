@@ -9,11 +9,15 @@ allocated: a 7B model's step is checked on a laptop), and `Plan.run` trains it f
 `memory_budget`.
 
 Modules: `space` (the levers, the model's shape, the candidates), `predict` (peak by phase, step
-time by part), `costmodel` (a device's speeds), `training` (the course's parts put together; a
-step run for real or simulated), `planner` (`plan`, `Plan`), `run` (a plan trained for real,
-`run_plan`), `ranks` (several processes; a torchrun line), `anymodel` (`plan_model`: any
-`nn.Module`, each candidate scored by a simulated step), `cli` (`python -m companion plan`).
-Imports run one way: cli -> planner -> anymodel, ranks -> run -> training -> space.
+time by part), `costmodel` (a device's speeds), `budget` (what a GPU holds beyond the tensors,
+line by line, and whether a plan fits the whole budget), `training` (the course's parts put
+together; a step run for real or simulated), `planner` (`plan`, `Plan`), `report` (a plan's
+waterfall, why a setup runs out of memory), `run` (a plan trained for real, `run_plan`), `ranks`
+(several processes; a torchrun line), `anysim` and `anymodel` (`plan_model`: any `nn.Module`,
+each candidate scored by a simulated step), `configs` (Hugging Face config.json files), `named`
+and `cli` (`python -m companion plan`).
+Imports run one way: cli -> named -> planner -> report, budget, anymodel, ranks -> run ->
+training -> space (ranks names `Plan` for type checkers only).
 
 Example:
     >>> from functools import partial
@@ -26,15 +30,21 @@ Memory saved and its cost, per lever: see `predict`'s docstring (what each phase
 Simplified vs real planners: see `planner`.
 """
 from companion.plan.anymodel import GENERIC, ModelPlan, plan_model, simulate_model
+from companion.plan.budget import Fit
+from companion.plan.configs import ModelConfig, load_config
+from companion.plan.report import plot_waterfall, waterfall, why_oom
 from companion.plan.planner import NothingFits, Plan, Row, plan
 from companion.plan.run import RunReport, run_plan, token_batches
-from companion.plan.predict import (ADAM8BIT_BYTES, BUCKET_BYTES, DEQUANTIZE_BYTES, CostModel,
+from companion.plan.predict import (ADAM8BIT_BYTES, BUCKET_BYTES, DEQUANTIZE_BYTES,
+                                    DISK_BANDWIDTH, CostModel,
                                     Prediction, predict_memory, predict_seconds)
 from companion.plan.ranks import rank_worker, run_ranks, train_command
-from companion.plan.space import (EXACT, FEWER_BITS, LORA_TARGETS, LOW_PRECISION, PRECISIONS,
+from companion.plan.space import (EXACT, FEWER_BITS, LORA_TARGETS, LOSS_CHUNKS, LOW_PRECISION,
+                                  PRECISIONS,
                                   TECHNIQUES, Candidate, GPTShape, candidates, capstone_model)
+from companion.plan.simulation import simulate
 from companion.plan.training import (CheckpointedBlocks, Setup, build, micro_step,
-                                     optimizer_step, simulate, train_step)
+                                     optimizer_step, train_step)
 
 __all__ = ["plan", "plan_model", "simulate_model", "ModelPlan", "GENERIC", "run_plan", "token_batches", "Plan", "Row", "RunReport", "NothingFits",
            "Candidate", "GPTShape", "candidates", "capstone_model", "TECHNIQUES",
@@ -42,4 +52,5 @@ __all__ = ["plan", "plan_model", "simulate_model", "ModelPlan", "GENERIC", "run_
            "Prediction", "predict_memory", "CostModel", "predict_seconds",
            "BUCKET_BYTES", "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES", "CheckpointedBlocks",
            "Setup", "build", "micro_step", "optimizer_step", "train_step", "simulate",
-           "run_ranks", "rank_worker", "train_command"]
+           "run_ranks", "rank_worker", "train_command", "Fit", "ModelConfig", "load_config",
+           "waterfall", "plot_waterfall", "why_oom", "LOSS_CHUNKS", "DISK_BANDWIDTH"]

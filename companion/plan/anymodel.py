@@ -26,173 +26,34 @@ Example:
 
 Simplified vs `plan` for the course GPT: no ZeRO, offload or QLoRA levers; time from counted
 FLOPs at the cost model's rate plus a fixed cost per block and micro-batch (no measured kernel);
-what the simulation cannot see (CUDA's context, workspaces, the allocator's rounding) is the
-budget's margin, as for `plan`.
+on CUDA the budget loses the context, cuBLAS's workspace and one segment of headroom for the
+allocator's rounding (`allocator.step_overheads`, `allocator.headroom`), where `plan` replays the
+chosen step through the allocator (`plan.budget`).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import itertools
 import math
 import warnings
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
-from companion import lora, lowbit
-from companion.checkpointing import checkpoint_sequential
-from companion.memory import MemoryTracker, format_bytes, parse_bytes, track
+from companion import allocator, lora
+from companion.cost import gpus
+from companion.memory import MemoryTracker, format_bytes, parse_bytes
+from companion.plan.anysim import blocks_of, build_model, next_token_step, simulate_model
 from companion.plan.costmodel import CostModel
 from companion.plan.predict import ADAM8BIT_BYTES
 from companion.plan.space import Candidate
-from companion.plan.training import _fake_addresses
 
 __all__ = ["GENERIC", "ModelPlan", "ModelRow", "plan_model", "simulate_model", "next_token_step",
            "build_model"]
 
 GENERIC = ("accumulation", "checkpointing", "autocast", "lora", "adam8bit")
-_WHAT = ("the planner builds your model on fake tensors (shapes only, nothing allocated): pass a "
-         "function of no arguments that returns the model on the CPU in fp32 (sizes bound with "
-         "functools.partial); it may not load weights from files, call .cuda() or .to(device)")
-
-
-def build_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
-    """model_fn(), with an error that names the cause when it cannot run on fake tensors."""
-    if isinstance(model_fn, nn.Module) or not callable(model_fn):
-        raise TypeError(f"model_fn is a {type(model_fn).__name__}, not a function that builds the "
-                        f"model: {_WHAT}")
-    try:
-        model = model_fn()
-    except TypeError as e:
-        raise TypeError(f"model_fn() raised TypeError: {e}. {_WHAT}") from e
-    except Exception as e:
-        raise RuntimeError(f"model_fn() raised {type(e).__name__} while building the model on "
-                           f"fake tensors (FakeTensorMode): {e}. {_WHAT}") from e
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model_fn() returned a {type(model).__name__}, not an nn.Module")
-    return model
-
-
-def next_token_step(seq_len: int, vocab: int) -> Callable[[nn.Module, int], torch.Tensor]:
-    """The default step of a language model: `batch` random sequences of `seq_len` token ids in,
-    logits (batch, seq_len, vocab) out, cross-entropy against the next token."""
-    def step(model: nn.Module, batch: int) -> torch.Tensor:
-        device = next(model.parameters()).device
-        x = torch.randint(vocab, (batch, seq_len), device=device)
-        logits = model(x)
-        logits = getattr(logits, "logits", logits)             # Hugging Face's output objects
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
-    return step
-
-
-def _blocks(model: nn.Module) -> nn.Module | None:
-    """The container of repeated blocks: the nn.ModuleList or nn.Sequential of at least two
-    children that holds the most parameters."""
-    found = [(sum(p.numel() for p in m.parameters()), i, m)
-             for i, m in enumerate(model.modules())
-             if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2]
-    return max(found, key=lambda f: (f[0], -f[1]))[2] if found else None
-
-
-def _checkpoint(container: nn.Module) -> None:
-    """Recompute in backward: each block of a ModuleList but the last keeps only its input
-    (non-reentrant `torch.utils.checkpoint`; the last block's tensors are used at once by
-    backward, as `checkpoint_sequential` runs its last segment); a Sequential runs as round(√n)
-    segments (`checkpoint_sequential`)."""
-    if isinstance(container, nn.Sequential):
-        children, segments = list(container), max(2, round(math.sqrt(len(container))))
-        container.forward = lambda x: checkpoint_sequential(children, segments, x,
-                                                            use_reentrant=False)
-        return
-    for block in list(container)[:-1]:
-        inner = block.forward
-        block.forward = (lambda inner: lambda *a, **k: torch.utils.checkpoint.checkpoint(
-            inner, *a, use_reentrant=False, **k))(inner)
-
-
-@dataclasses.dataclass
-class _Setup:
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    blocks: int                      # blocks the fixed per-block cost is counted for
-
-
-def _build(model_fn, cand: Candidate, optimizer) -> _Setup:
-    model = build_model(model_fn)
-    if cand.lora_rank:                         # first: checkpointing captures the blocks
-        with warnings.catch_warnings():        # plan_model warns once, not at every simulation
-            warnings.simplefilter("ignore")
-            lora.apply_lora(model, cand.lora_rank)
-    container = _blocks(model)
-    if cand.segments > 1:
-        if container is None:
-            raise ValueError("checkpointing needs an nn.ModuleList or nn.Sequential of blocks")
-        _checkpoint(container)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = (lowbit.Adam8bit(trainable, lr=1e-3, decoupled_weight_decay=True)
-           if cand.state_bits == 8 else optimizer(trainable))
-    return _Setup(model, opt, len(container) if container is not None else 1)
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """No garbage collection inside the block (garbage from before it is not in its ledger)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def simulate_model(model_fn: Callable[[], nn.Module], cand: Candidate,
-                   step: Callable[[nn.Module, int], torch.Tensor], *,
-                   optimizer: Callable = torch.optim.AdamW, fake: bool = True
-                   ) -> tuple[MemoryTracker, int, int]:
-    """(tracker, FLOPs of one micro-batch's forward and backward, blocks) of a step of the plan,
-    simulated as every step after the first: optimizer state made, gradients of the earlier
-    micro-batches there (zeros, when accumulating), the last micro-batch, the optimizer step.
-    `fake=False` runs the same step for real on the CPU (what the simulation is tested against).
-
-    Python's garbage collector is paused during the step. Some bytes sit in reference cycles
-    that only the collector frees (`torch.utils.checkpoint`'s non-reentrant holders), and when it
-    runs depends on everything the process did before: the same checkpointed step of
-    `examples.models.mha_lm` peaked at 20.34, 20.60 or 21.13 MiB by its history, real or fake
-    alike. Paused, the step is the same every time, at the upper end (21.13 MiB)."""
-    k = cand.accumulation
-    with _collector_paused(), \
-            (FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()), \
-            (_fake_addresses() if fake else contextlib.nullcontext()):
-        with track("cpu") as tracker:
-            setup = _build(model_fn, cand, optimizer)
-            trainable = [p for p in setup.model.parameters() if p.requires_grad]
-            for p in trainable:                               # 1. the optimizer's state
-                p.grad = torch.zeros_like(p)
-            setup.optimizer.step()
-            setup.optimizer.zero_grad(set_to_none=True)
-            for p in trainable if k > 1 else ():              # 2. earlier micro-batches' grads
-                p.grad = torch.zeros_like(p)
-            with FlopCounterMode(display=False) as counter:   # 3. the last micro-batch
-                with torch.autocast("cpu", torch.bfloat16, enabled=cand.precision == "autocast"):
-                    loss = step(setup.model, cand.micro_batch)
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise TypeError(f"step(model, batch) must return the loss (a one-element "
-                                    f"tensor), got {type(loss).__name__}")
-                (loss.float() / k).backward()
-            del loss
-            setup.optimizer.step()
-            blocks = setup.blocks
-            del setup, trainable
-    return tracker, counter.get_total_flops(), blocks
-
-
 @dataclasses.dataclass
 class ModelRow:
     """One candidate: its peak (interpolated, or simulated), its seconds, and at its peak the
@@ -267,7 +128,7 @@ class ModelPlan:
 def _segments(model: nn.Module) -> int:
     """What `_checkpoint` makes of the model's blocks: one segment per block of a ModuleList,
     round(√n) segments of a Sequential; 1 when there are no blocks to checkpoint."""
-    container = _blocks(model)
+    container = blocks_of(model)
     if container is None:
         return 1
     return (max(2, round(math.sqrt(len(container)))) if isinstance(container, nn.Sequential)
@@ -289,7 +150,8 @@ def plan_model(model_fn: Callable[[], nn.Module], batch: int, *, budget: int | s
                seq_len: int | None = None, vocab: int | None = None,
                optimizer: Callable = torch.optim.AdamW, device: torch.device | str = "cpu",
                allow: Iterable[str] = ("accumulation", "checkpointing"), lora_rank: int = 8,
-               margin: float | None = None, cost: CostModel | None = None) -> ModelPlan:
+               margin: float | None = None, cost: CostModel | None = None,
+               gpu: str | None = None) -> ModelPlan:
     """The fastest plan (by `cost`) whose simulated step fits `budget` bytes per device, for any
     model. `step(model, batch)` returns a micro-batch's loss (it makes its own inputs); default
     `next_token_step(seq_len, vocab)`, with vocab read from the model's first nn.Embedding.
@@ -302,10 +164,15 @@ def plan_model(model_fn: Callable[[], nn.Module], batch: int, *, budget: int | s
                          f"from {', '.join(GENERIC)}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
-    margin = (0.1 if device.type == "cuda" else 0.0) if margin is None else margin
+    margin = 0.0 if margin is None else margin
     budget_bytes = parse_bytes(budget)
     usable = int(budget_bytes * (1 - margin))
-    cost = cost or CostModel.for_device(device.type)
+    card = gpus.gpu(gpu) if gpu is not None else None
+    if device.type == "cuda":              # the context and cuBLAS's workspace, and one segment
+        usable -= sum(o.bytes for o in allocator.step_overheads(card)) + allocator.headroom(
+            allocator.LARGE_REQUEST)       # of headroom for rounding (`plan.budget`)
+    cost = cost or (CostModel.for_gpu(card.name) if card is not None
+                    else CostModel.for_device(device.type))
     with FakeTensorMode():
         model = build_model(model_fn)
     n_params = sum(p.numel() for p in model.parameters())

@@ -131,7 +131,7 @@ def _run(args) -> int:
         result = plan_model(model_fn, args.batch, budget=args.budget, step=step,
                             seq_len=args.seq_len, vocab=args.vocab, optimizer=optimizer,
                             device=device, allow=args.allow, lora_rank=args.lora_rank,
-                            cost=cost)
+                            cost=cost, gpu=args.gpu)
     except (ValueError, TypeError, RuntimeError) as e:
         print(f"companion plan: {e}", file=sys.stderr)
         return 2
@@ -180,7 +180,8 @@ def add_parser(sub) -> None:
     p.add_argument("--simulate", type=int, default=1,
                    help="plans simulated on fake tensors before one is chosen (0: none)")
     p.add_argument("--device", choices=("cpu", "cuda"),
-                   help="whose speeds rank the plans and the margin kept (10%% on cuda)")
+                   help="whose speeds rank the plans and whose lines the budget loses (cuda: "
+                        "the context, cuBLAS's workspace)")
     p.add_argument("--gpu", help="a GPU of companion.cost.gpus for the speeds, e.g. 'H100 SXM'")
     p.add_argument("--allow", nargs="+", default=_GENERIC_DEFAULT,
                    help="levers: for your own model accumulation checkpointing autocast lora "

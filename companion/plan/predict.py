@@ -15,6 +15,15 @@ activations follow `companion.estimate.gpt_activations`, with fused attention's 
 log-sum-exp in place of the (T, T) softmax, checkpoint segments as in
 `companion.checkpointing.predicted_activation_bytes`, and the adapters' (N, r) inputs.
 
+Levers beyond those: fp32 main_grad (Megatron's 18 B: bf16 weights 2, fp32 gradients 4 made up
+front, fp32 master and moments 12); the chunked loss (no logits or log-softmax kept; backward
+holds one slice's logits, log-softmax and gradients, ~(16 + 2)·N·V / slices, and the hidden
+state's gradient); activation offload (every saved tensor on the host, the log-softmax twice:
+log_softmax and nll_loss both save it; backward brings a segment's back at a time, and the
+log-softmax with the loss's gradients); fused attention as a lever (the model rebuilt with it);
+the NVMe tier (host: the gradients' 4 B and one tensor's master and moments; disk: 12 B).
+On the course's test grid these land within 6% of the simulated step (tests/test_plan_levers.py).
+
 Time. `CostModel` adds, with no overlap: matmul FLOPs (forward 2·N·(params in matmuls) plus
 attention's 4·N·T·C per block, backward twice that, or once with LoRA's frozen weights, the
 recomputed blocks once more) at `flops` (times `half_speedup` in bf16), a fixed cost per layer
@@ -22,7 +31,8 @@ and micro-batch (kernel launches: small micro-batches cost more than their FLOPs
 optimizer's bytes at the speed of the memory it runs in (the device's, or the host's when
 offloaded; `ADAM8BIT_BYTES` for 8-bit states), QLoRA's dequantizations (`DEQUANTIZE_BYTES`
 per base value, in forward, backward and recompute), offload's copies over the host link
-(PCIe), and ZeRO's traffic.
+(PCIe), activation offload's (each saved byte down and up), the NVMe tier's 24 B per parameter
+at `DISK_BANDWIDTH`, the chunked loss's second head matmul, and ZeRO's traffic.
 
 8-bit states and QLoRA (chapter 11): the moments are `estimate.model_states(state_bits=8)` less
 the tensors under 4096 values, which keep fp32 moments; QLoRA's adapted Linear weights are

@@ -57,8 +57,13 @@ def train_command(plan: "Plan", *, steps: int = 20) -> str:
     c, s = plan.chosen, plan.shape
     missing = [name for name, used in (("offload", c.offload), ("LoRA", c.lora_rank),
                                        ("8-bit Adam states", c.state_bits == 8),
-                                       ("bf16 weights with fp32 masters", c.precision == "mixed"),
-                                       ("fused attention", s.fused_attention),
+                                       ("bf16 weights with fp32 masters",
+                                        c.precision in ("mixed", "main_grad")),
+                                       ("activation offload", c.activation_offload),
+                                       ("the chunked loss", c.chunked_loss),
+                                       ("the NVMe tier", c.nvme),
+                                       ("fused attention",
+                                        s.fused_attention or c.fused_attention),
                                        ("checkpointing in segments of several blocks",
                                         1 < c.segments < s.depth)) if used]
     if missing:

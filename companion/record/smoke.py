@@ -48,8 +48,8 @@ SMOKE_SIZES = dataclasses.replace(
 def smoke_sizes(device: torch.device | str):
     """`SMOKE_SIZES`, with chapter 09's capstone sized against the CUDA caching allocator on a
     GPU. There a budget is a cap on the allocator's segments (2 MiB small, 20 MiB large,
-    `companion.allocator`), so the CPU's 8 MiB is below one segment: the GPU's budget keeps the
-    planner's margin (10%) above the allocator's headroom, and the model is wide enough that the
+    `companion.allocator`), so the CPU's 8 MiB is below one segment: a tenth of the GPU's budget
+    stays above the allocator's headroom, and the model is wide enough that the
     unconstrained run still does not fit it (tests/test_record.py checks both)."""
     if torch.device(device).type != "cuda":
         return SMOKE_SIZES

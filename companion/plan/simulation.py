@@ -1,0 +1,125 @@
+"""Simulate a plan's training step on fake tensors (`simulate`): the same code as a real step
+(`training.build`, `micro_step`, `optimizer_step`) under `FakeTensorMode`, measured by
+`companion.memory.track`; several ranks as rank 0 of a "fake" process group.
+
+No kernel runs: each operator's rule for the shape and dtype of its result does. What it proves
+is that the same ledger of tensors fits; kernels' scratch, the caching allocator's rounding and
+fragmentation are `plan.budget`'s lines.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
+
+from companion.memory import MemoryTracker, track
+from companion.plan.space import Candidate, GPTShape
+from companion.plan.training import Setup, _quantized_on_host, build, micro_step, optimizer_step
+
+__all__ = ["simulate"]
+
+
+@contextlib.contextmanager
+def _fake_ranks(world_size: int) -> Iterator[None]:
+    """A "fake" process group of `world_size` in which this process is rank 0: collectives
+    return at once, allocations are the real ones. Nothing when world_size is 1."""
+    if world_size == 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError("simulating several ranks needs a process of its own: this one "
+                           "already belongs to a process group")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _fake_addresses() -> Iterator[None]:
+    """Give fake tensors distinct addresses. A FakeTensor's storage is meta, whose data_ptr is 0
+    for every tensor, so code that tells storages apart by address (FSDP's saved-tensor hook,
+    a gradient that is already its bucket's view) would take every tensor for the same one;
+    here each storage's address is its C++ object's, spread 2^40 apart, plus the view's offset."""
+    classes = (torch.UntypedStorage, FakeTensor)
+    own = [cls.__dict__.get("data_ptr", _MISSING) for cls in classes]   # not inherited ones
+    storage_ptr = torch.UntypedStorage.data_ptr
+
+    def storage_address(storage):
+        return storage._cdata << 40 if storage.device.type == "meta" else storage_ptr(storage)
+
+    def tensor_address(t):
+        return storage_address(t.untyped_storage()) + t.storage_offset() * t.element_size()
+
+    # Process-wide for the block's duration (the simulation runs in this thread); restored
+    # exactly as it was: a class's own attribute put back, an inherited one uncovered again.
+    torch.UntypedStorage.data_ptr, FakeTensor.data_ptr = storage_address, tensor_address
+    try:
+        yield
+    finally:
+        for cls, before in zip(classes, own):
+            if before is _MISSING:
+                delattr(cls, "data_ptr")
+            else:
+                setattr(cls, "data_ptr", before)
+
+
+def _trainable(setup: Setup) -> list[torch.Tensor]:
+    return [p for p in setup.model.parameters() if p.requires_grad]
+
+
+def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: int = 1,
+             device_type: str = "cpu") -> MemoryTracker:
+    """Simulate the plan's training step on fake tensors, measured with `track`.
+
+    Nothing is allocated (shapes and dtypes only), so the peak of a model far larger than this
+    machine is measured in seconds. The step is run as every step after the first: on one rank,
+    the optimizer state is made first (a step on zero gradients), the gradients of the earlier
+    micro-batches are there (zeros, when accumulating), then the last micro-batch's forward and
+    backward, then the optimizer step, whose peak every later step repeats. Several ranks (rank
+    0's memory): two real steps, of one micro-batch, then of min(k, 2) (the second micro-batch
+    holds what every later one does). QLoRA for a GPU (`device_type="cuda"`): the dense base is
+    made and quantized on the host before the measurement, which counts its copy to the device."""
+    shape, k = GPTShape.of(model_fn), cand.accumulation
+    batch = (cand.micro_batch, shape.seq_len)
+    with _fake_ranks(world_size), FakeTensorMode(), _fake_addresses():
+        x, y = (torch.randint(shape.vocab, (k * batch[0], batch[1])) for _ in range(2))  # the
+        # step's data, like a loader's, and QLoRA's host-side model for a GPU: not counted
+        host = (_quantized_on_host(model_fn, cand)
+                if cand.nf4_base and device_type != "cpu" else None)
+        with track("cpu") as tracker:
+            setup = build(model_fn, cand, world_size=world_size, host_model=host)
+            del host
+            if world_size == 1:
+                # 1. The optimizer's state, as after the first step (offload: on the host).
+                if not cand.offload:
+                    for p in _trainable(setup):
+                        p.grad = torch.zeros_like(p)
+                    optimizer_step(setup)
+                # 2. Gradients cleared, then what the earlier micro-batches left (accumulation).
+                setup.optimizer.zero_grad(set_to_none=True)
+                if k > 1 and not cand.offload and cand.precision != "main_grad":  # (main_grad:
+                    for p in _trainable(setup):                         # in its fp32 buffers)
+                        p.grad = torch.zeros_like(p)
+                # 3. The last micro-batch's forward and backward, then the step.
+                micro_step(setup, x[-batch[0]:], y[-batch[0]:], scale=1 / k)
+                optimizer_step(setup)
+            # Several ranks: two real steps (fake collectives), of 1 then min(k, 2) micro-batches.
+            for count in ((1, min(k, 2)) if world_size > 1 else ()):
+                setup.optimizer.zero_grad(set_to_none=True)
+                for i in range(count):
+                    micro_step(setup, x[:batch[0]], y[:batch[0]], scale=1 / k,
+                               sync=i == count - 1)
+                optimizer_step(setup)
+            del setup
+    return tracker
