@@ -55,3 +55,16 @@ def test_the_whole_budget_is_used_and_the_gpu_named_sets_the_speeds():
     assert r.seconds["total"] == pytest.approx(expected)
     slower = plan(XL, 16, budget="24 GiB", device="cuda", gpu="V100", verify=0)
     assert slower.chosen_row.seconds["total"] > r.seconds["total"]
+
+
+def test_a_replayed_step_that_passes_the_cap_does_not_fit_and_says_where():
+    import torch
+    from companion.memory import track
+    with track("cpu") as t:
+        keep = [torch.empty(3 * MiB, dtype=torch.uint8) for _ in range(8)]   # 20 MiB segments
+    fit = budgets.fit_simulated(t, 0, 600 * MiB, [allocator.context()], "cuda")
+    assert fit.fits and fit.how == "replayed" and fit.total == 512 * MiB + 40 * MiB
+    tight = budgets.fit_simulated(t, 0, 512 * MiB + 30 * MiB, [allocator.context()], "cuda")
+    assert not tight.fits and tight.lines[-1].name == "out of memory when replayed"
+    assert "would pass the cap" in tight.lines[-1].source
+    del keep

@@ -93,6 +93,10 @@ def cublas_workspace(capability: tuple[int, int]) -> int:
     return (32 if capability[0] >= 9 else 4) * 2**20
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
 class OutOfMemory(Exception):
     """The modelled allocator could not find `size` bytes under its cap."""
 
@@ -171,9 +175,9 @@ class CachingAllocator:
         if self.cap is not None and self.reserved + nbytes > self.cap:
             self.release_cached()
             if self.reserved + nbytes > self.cap:
-                raise OutOfMemory(f"tried to reserve {nbytes} bytes with {self.reserved} "
-                                  f"reserved ({self.allocated} allocated) under a cap of "
-                                  f"{self.cap}")
+                raise OutOfMemory(f"a new {_mib(nbytes)} segment with {_mib(self.reserved)} "
+                                  f"reserved ({_mib(self.allocated)} allocated) would pass the "
+                                  f"cap of {_mib(self.cap)}")
         segment = next(self._ids)
         block = [0, nbytes, True]
         self._segments[segment], self._pool[segment] = [block], pool

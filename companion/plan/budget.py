@@ -81,10 +81,13 @@ def fit_predicted(peak: int, weights: int, largest_request: int, budget: int,
     (rounding and the last segment's free part) within what the allocator may reserve."""
     if device_type != "cuda":
         return Fit(peak <= budget, peak, peak, (), "predicted")
-    reserved = max(peak + _inside(found) + allocator.headroom(largest_request),
-                   _load(weights, found))
+    headroom = allocator.Overhead("headroom (one segment: rounding, a segment's free part)",
+                                  allocator.headroom(largest_request),
+                                  "allocator.headroom; the simulated step replays the real "
+                                  "rounding and fragmentation")
+    reserved = max(peak + _inside(found) + headroom.bytes, _load(weights, found))
     total = reserved + _outside(found)
-    return Fit(total <= budget, total, reserved, tuple(found), "predicted")
+    return Fit(total <= budget, total, reserved, tuple(found) + (headroom,), "predicted")
 
 
 def fit_simulated(tracker, weights: int, budget: int, found: list[allocator.Overhead],
@@ -93,9 +96,14 @@ def fit_simulated(tracker, weights: int, budget: int, found: list[allocator.Over
     leaves it (the workspaces taken first)."""
     if device_type != "cuda":
         return Fit(tracker.peak <= budget, tracker.peak, tracker.peak, (), "simulated")
+    found = [o for o in found if not o.name.startswith("headroom")]
     cap = usable(budget, found) - _inside(found)
     replayed = allocator.replay(tracker, cap=cap)
     reserved = max(replayed.peak_reserved + _inside(found), _load(weights, found))
+    if not replayed.fits:                          # stopped at the failing request
+        extra = (allocator.Overhead("out of memory when replayed", 0, replayed.failed_at),)
+        total = max(budget + 1, reserved + _outside(found))
+        return Fit(False, total, reserved, tuple(found) + extra, "replayed")
     extra = (allocator.Overhead("rounding (512-byte blocks, unsplit rests under 1 MiB)",
                                 replayed.rounding,
                                 "the step's blocks replayed (allocator.replay)"),

@@ -177,7 +177,7 @@ def add_parser(sub) -> None:
     p.add_argument("--host-gib", type=float, help="host memory per GPU for offload, GiB")
     p.add_argument("--why-oom", action="store_true",
                    help="explain why the plain setup does not fit, and the cheapest fixes")
-    p.add_argument("--simulate", type=int, default=1,
+    p.add_argument("--simulate", type=int, default=4,
                    help="plans simulated on fake tensors before one is chosen (0: none)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="whose speeds rank the plans and whose lines the budget loses (cuda: "

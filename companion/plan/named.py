@@ -80,22 +80,38 @@ def plan_dict(result, *, top: int = 10) -> dict:
             "gpu": result.gpu.name if result.gpu else None, "gpus": result.world_size,
             "batch_sequences": result.batch, "seq_len": result.shape.seq_len,
             "budget": result.budget, "chosen": _row(result.chosen_row),
-            "plans": [_row(r) for r in result.rows[:top]]}
+            "plans": [_row(r) for r in _fitting(result)[:top]],
+            "failed_when_simulated": [r.candidate.describe() for r in _failed(result)]}
+
+
+def _failed(result) -> list:
+    return [r for r in result.rows if r.fit.how == "replayed" and not r.fit.fits]
+
+
+def _fitting(result) -> list:
+    """Plans predicted to fit, fastest first, less those whose simulated step did not."""
+    return [r for r in result.rows if r.fit.fits]
 
 
 def format_plans(result, *, top: int = 5) -> str:
     """The table, then the `top` fastest plans with their memory lines and time parts."""
-    out = [result.table(limit=top), ""]
-    for i, r in enumerate(result.rows[:top], 1):
+    out, sources = [result.table(limit=top), ""], {}
+    for r in _failed(result):
+        out.append(f"Predicted to fit, but its simulated step does not when replayed through "
+                   f"the allocator: {r.candidate.describe()} ({r.fit.lines[-1].source}).")
+    for i, r in enumerate(_fitting(result)[:top], 1):
         parts = ", ".join(f"{k} {v:.2f}s" for k, v in r.seconds.items() if k != "total" and v)
         out.append(f"{i}. {r.candidate.describe()}: step {r.seconds['total']:.2f} s ({parts})")
         if r.fit is not None:
             out.append(f"   GPU memory {format_bytes(r.fit.total)} of "
                        f"{format_bytes(result.budget)} ({r.fit.how}): tensors "
                        f"{format_bytes(r.predicted.peak)} at the {r.predicted.phase} phase")
-            out += [f"     {o}" for o in r.fit.lines]
+            out += [f"     {o.name}: {format_bytes(o.bytes)}" for o in r.fit.lines]
+            sources.update({o.name: o.source for o in r.fit.lines})
         if r.predicted.host:
             out.append(f"   host {format_bytes(r.predicted.host)}"
                        + (f", disk {format_bytes(r.predicted.disk)}" if r.predicted.disk else ""))
+    out.append("Where the lines come from:")
+    out += [f"  {name}: {source}" for name, source in sources.items()]
     out.append("Not searched: tensor and pipeline parallelism (one layer must fit one GPU).")
     return "\n".join(out)

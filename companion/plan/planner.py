@@ -36,7 +36,7 @@ from companion.plan.predict import CostModel, Prediction, predict_memory, predic
 from companion.plan.ranks import run_ranks
 from companion.plan.run import RunReport, run_plan
 from companion.plan.space import EXACT, Candidate, GPTShape, candidates
-from companion.plan.training import simulate
+from companion.plan.simulation import simulate
 
 __all__ = ["NothingFits", "Row", "Plan", "plan"]
 
@@ -284,7 +284,7 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
                                         list(row.fit.lines), device.type)
         if row.fit.fits:
             return found(chosen=row)
-    missed = ", ".join(format_bytes(r.simulated) for r in fitting[:verify])
+    missed = ", ".join(format_bytes(r.fit.total) for r in fitting[:verify])
     raise NothingFits(f"the {min(verify, len(fitting))} fastest plans predicted to fit "
                       f"{format_bytes(usable)} did not fit when simulated ({missed}); pass "
                       "verify= larger to simulate more of them, or a larger budget")
