@@ -213,3 +213,26 @@ def test_replay_of_a_tracked_step_counts_rounding_and_matches_the_ledger():
     assert reserved_bytes([4000, 36]) == 2 * MiB
     assert not replay(t, cap=MiB).fits
     del b, c
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_replay_of_a_real_cuda_step_matches_the_allocators_reserve():
+    """A GPT step on CUDA, tracked: its trace replayed through the modelled allocator against
+    the real allocator's peak reserve, cuBLAS's workspace added (a fresh cache: empty_cache
+    before). Not yet run on a GPU: no device was lent when it was written."""
+    import torch
+    from companion.allocator import replay
+    from companion.memory import track
+    from companion.models import GPT
+    torch.cuda.empty_cache()
+    with track("cuda") as t:
+        model = GPT(4096, 256, 512, 4, 8, device="cuda", fused_attention=True)
+        x = torch.randint(4096, (8, 256), device="cuda")
+        model.loss(x, x).backward()
+        torch.optim.AdamW(model.parameters()).step()
+        del model, x
+    real = torch.cuda.max_memory_reserved()
+    from companion.allocator import cublas_workspace
+    modelled = replay(t).peak_reserved + cublas_workspace(torch.cuda.get_device_capability())
+    assert abs(modelled / real - 1) < 0.15, (modelled, real)

@@ -26,6 +26,9 @@ Example:
     >>> replay(t).peak_reserved                # what the allocator would hold at its peak
     >>> replay(t, cap=8 * 2**30).fits          # does the step run under a cap of 8 GiB?
 
+PyTorch's own `torch.distributed._tools.mem_tracker.MemTracker` rounds each tensor to 512 bytes
+and stops there: no pools, no segments, no fragmentation.
+
 Simplified vs PyTorch: one stream (a block freed while another stream still uses it waits for
 `record_stream`'s event: the plan adds that backlog as its own line); no
 `max_split_size_mb`, `roundup_power2_divisions` or `expandable_segments` (with expandable
