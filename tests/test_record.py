@@ -289,3 +289,15 @@ def test_the_mlp_step_peak_counts_adams_temporaries_where_the_peak_falls(foreach
     classic = mlp_step_bytes(S.width, S.width, S.depth, 10, batch=S.batch)
     if foreach:                          # the sum leaves out foreach's 4 bytes per parameter
         assert t.peak > 1.15 * classic
+
+
+def test_three_plans_recorded_under_their_budgets_predicted_beside_measured():
+    """What the GPU session records for chapter 09's planner (issue 33), run here on the CPU at
+    the smoke sizes: each plan trains under its budget, the prediction beside the measurement."""
+    from companion.record.capstone import plans_on_gpu
+    rows = plans_on_gpu(smoke.SMOKE_SIZES, torch.device("cpu"), steps=2)
+    assert len(rows) == 3 and all("failed" not in r for r in rows)
+    for r in rows:
+        assert r["measured_allocated_bytes"] <= r["budget_bytes"]
+        assert r["predicted_reserved_bytes"] <= r["budget_bytes"]
+        assert r["measured_step_seconds"] > 0 and r["predicted_step_seconds"] > 0

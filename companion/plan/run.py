@@ -28,6 +28,7 @@ class RunReport:
     host_peak: int           # host bytes at their peak (offload)
     seconds: float           # median step time
     budget: int
+    reserved: int | None = None   # CUDA: the caching allocator's peak reserve (segments)
 
 
 def token_batches(batch: int, seq_len: int, *, vocab: int, steps: int, seed: int = 0) -> list:
@@ -64,4 +65,4 @@ def run_plan(model_fn: Callable[..., nn.Module], cand: Candidate, batch: int, st
             seconds.append(now(device) - start)
         del setup
     return RunReport(losses, tracker.peak, tracker.host_peak,
-                     statistics.median(seconds[1:] or seconds), limit)
+                     statistics.median(seconds[1:] or seconds), limit, tracker.peak_reserved)
