@@ -22,13 +22,17 @@ class CostModel:
     block launches a few). An offloaded AdamW runs on the host at 25 GB/s (assumed: a server's
     DRAM streams 100-200 GB/s at peak; time yours with `companion.cost.calibrate`).
     `for_device("cuda")` is `for_gpu("A100 40GB")`.
-    `for_device("cpu")`: 50 GFLOP/s; 16 bits as fast as fp32, because CPUs differ most there
-    (without bf16 units a bf16 matmul is 10-60x slower, with AMX several times faster: time
-    yours as chapter 05 does and pass half_speedup); 1 ms per layer and micro-batch (eager
-    PyTorch's ~30 small operators per block, forward and backward, at 10-30 µs each; assumed,
-    and more with `track` on, whose ledger sees every operator); 10 GB/s memory and copies
-    (host and device are the same RAM), 1 GB/s between processes (gloo). `from_profile` uses
-    what `companion.cost.calibrate` measured instead.
+    `for_device("cpu")`: one core of the course's reference CPU (a 2-core AMD EPYC with AVX2,
+    one thread, as the CPU notebooks run), measured (`plan.verify` and benchmarks/bench_plan.py
+    check the ranking these give): 26 GFLOP/s, the rate a whole training step reaches
+    (attention's kernel, GELU and LayerNorm included); 1.7 ms per layer and micro-batch (eager
+    PyTorch's operators, forward and backward; more with `track` on, whose ledger sees each); 15
+    GB/s memory and copies (host and device are the same RAM); the host AdamW at 12 GB/s; 1
+    GB/s between processes (gloo; assumed). 16 bits as fast as fp32, because CPUs differ most
+    there (without bf16 units a bf16 matmul is 10-60x slower: a bf16 autocast step of the
+    capstone ran 7.3x the fp32 one on the reference CPU; with AMX several times faster): time
+    yours as chapter 05 does and pass half_speedup, or calibrate. Other machines: `from_profile`
+    uses what `companion.cost.calibrate` measured on yours.
     """
 
     flops: float                  # matmul FLOP/s in fp32
@@ -57,20 +61,32 @@ class CostModel:
         if device_type == "cuda":
             return cls.for_gpu("A100 40GB")
         if device_type == "cpu":
-            return cls(50e9, 1.0, 1e-3, 10e9, 10e9, 1e9, 10e9)
+            # measured on the reference CPU, one thread (benchmarks/bench_plan.py):
+            # - 26e9: the capstone's plain step (16 x 64 tokens, width 128, 4 blocks) runs its
+            #   5.33 GFLOP (this model's count) in 213 ms, 200 ms once its fixed costs are off:
+            #   26.6 GFLOP/s. Its matmuls alone ran 30 GFLOP/s (profiler; calibrate's peak:
+            #   34.6), attention's kernel, GELU and LayerNorm took the rest (a share that shrinks
+            #   as the width grows)
+            # - 1.7e-3: a capstone block's forward and backward on 4 tokens (nearly no work),
+            #   from depth 2 to 8: 1.7-1.9 ms per block; a micro-batch more cost the full step
+            #   ~9 ms, 1.5 ms per layer
+            # - 15e9: calibrate's copy bandwidth, 15.5 GB/s (read + write), host copies alike
+            # - 12e9: the host's fused AdamW, 427 M parameters/s x 28 B (from_profile's count)
+            return cls(26e9, 1.0, 1.7e-3, 15e9, 15e9, 1e9, 12e9)
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
 
     @classmethod
     def from_profile(cls, profile, *, layer_seconds: float | None = None) -> "CostModel":
         """The speeds `companion.cost.calibrate` measured: peak fp32 matmul FLOP/s, bf16 over
         fp32 where bf16 was timed, copy bandwidth, host copies (pinned), gloo's bandwidth (1/β)
-        and the host AdamW rate (28 bytes a parameter); `layer_seconds` defaults to 10x the
-        measured tiny layer (a transformer block launches about ten times as many operators)."""
+        and the host AdamW rate (28 bytes a parameter); `layer_seconds` defaults to 16x the
+        measured tiny layer (a Linear(8, 8) and a ReLU): on the reference CPU a capstone block's
+        forward and backward on 4 tokens cost 1.7 ms, 16x calibrate's 0.106 ms tiny layer."""
         fp32 = profile.peak_flops("float32")
         half = profile.peak_flops("bfloat16") / fp32 if "bfloat16" in profile.matmul else 1.0
         host = (profile.host_to_device or {}).get("pinned")
         rate = max(m.median for m in profile.adamw.values())
-        return cls(fp32, half, 10 * profile.layer_seconds.median if layer_seconds is None
+        return cls(fp32, half, 16 * profile.layer_seconds.median if layer_seconds is None
                    else layer_seconds, profile.copy_bandwidth.median,
                    host.median if host else profile.copy_bandwidth.median,
                    1 / profile.beta.median if profile.beta else 1e9, 28 * rate)
