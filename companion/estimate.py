@@ -9,8 +9,10 @@ scale with batch × sequence length and not with the optimizer. `model_states` g
 `training_peak` what of them is alive at once at the step's peak. These formulas are for the
 course's models; for any other `nn.Module` the step is simulated on fake tensors instead
 (`companion.plan.anymodel.simulate_model`, `python -m companion plan --model module:factory`).
-`offload_placement` (from `companion.estimate_offload`) splits model states between device, host
-and disk under offload, in DeepSpeed's estimator conventions or the course's measured layout.
+`llama_params` and `llama_activations` (from `companion.estimate_llama`) count the course's
+`companion.models.Llama`. `offload_placement` (from `companion.estimate_offload`) splits model
+states between device, host and disk under offload, in DeepSpeed's estimator conventions or the
+course's measured layout.
 
 Example:
     >>> model_states(1_000_000, optimizer="adam", precision="mixed").total   # 16 bytes/param
@@ -29,6 +31,7 @@ import dataclasses
 import numbers
 import operator
 
+from companion.estimate_llama import llama_activations, llama_params
 from companion.estimate_offload import (OFFLOAD_LADDER, Placement, choose_offload,
                                         offload_placement, rung_placement)
 
@@ -37,7 +40,7 @@ __all__ = ["ModelStates", "model_states", "bytes_per_element", "mlp_params", "gp
            "transformer_activations", "gpt_shape", "training_memory", "training_peak", "OPTIMIZERS",
            "PRECISIONS", "Placement", "offload_placement", "OFFLOAD_LADDER", "choose_offload",
            "rung_placement",
-           "nf4_bytes"]
+           "nf4_bytes", "llama_params", "llama_activations"]
 
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 PRECISIONS = ("fp32", "mixed", "bf16", "fp16", "autocast")

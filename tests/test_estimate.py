@@ -540,3 +540,55 @@ def test_training_peak_is_what_is_alive_at_the_simulated_peak(V, T, C, L, H, B):
     accumulating = E.training_peak(n, batch=B, seq_len=T, optimizer="adamw", shape=shape,
                                    accumulation=2)
     assert accumulating["gradients"] == 4 * n and accumulating["peak"] > got["peak"]
+
+
+def _saved_by_llama(B, T, C, L, H, KV, I, V, dtype, *, fake=True):
+    """Bytes `Llama.loss` keeps at the end of forward, less the loss itself, and those the
+    tracker files under activations; built on fake tensors (no memory) unless fake=False."""
+    from contextlib import nullcontext
+    from torch._subclasses import FakeTensorMode
+    from companion.models import Llama
+    with FakeTensorMode() if fake else nullcontext():
+        model = Llama(V, T, C, L, H, kv_heads=KV, intermediate=I, dtype=dtype)
+        x, y = torch.randint(V, (B, T)), torch.randint(V, (B, T))
+        with track("cpu") as t:
+            loss = model.loss(x, y)
+        return t.current - loss.untyped_storage().nbytes(), t.breakdown("current")["activations"]
+
+
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("B, T, C, L, H, KV, I, V", [(3, 17, 24, 2, 6, 2, 40, 31),
+                                                     (2, 12, 32, 3, 4, 4, 56, 50),
+                                                     (5, 9, 40, 1, 10, 5, 72, 19)])
+def test_llama_activations_are_the_simulated_forward_to_the_byte(dtype, precision, B, T, C, L,
+                                                                 H, KV, I, V):
+    predicted = E.llama_activations(B, T, C, L, H, V, kv_heads=KV, intermediate=I,
+                                    precision=precision)
+    assert _saved_by_llama(B, T, C, L, H, KV, I, V, dtype) == (predicted, predicted)
+
+
+def test_llama_activations_on_fake_tensors_are_those_of_real_ones():
+    sizes = (3, 17, 24, 2, 6, 2, 40, 31)
+    assert _saved_by_llama(*sizes, torch.float32, fake=False) == \
+        _saved_by_llama(*sizes, torch.float32)
+
+
+def test_llama_activation_terms():
+    """Per block in fp32 on the CPU, in values: 6·N·C for the two RMSNorms (input, x·rstd and
+    output each) and 2·N rstds, 4·N·C for q, k, v and SDPA's output when kv_heads = heads,
+    4·N·I for SwiGLU, and the log-sum-exp; fewer kv_heads shrink k and v only. In 16 bits on
+    CUDA a norm keeps its 2·N·C-byte input where the CPU keeps 8·N·C of fp32 input and x·rstd."""
+    B, T, C, L, H, V, I = 2, 64, 128, 4, 8, 1000, 320
+    N = B * T
+    full = E.llama_activations(B, T, C, L, H, V, kv_heads=H, intermediate=I)
+    one_more = E.llama_activations(B, T, C, L + 1, H, V, kv_heads=H, intermediate=I)
+    assert one_more - full == 4 * (6 * N * C + 2 * N + 4 * N * C + 4 * N * I) + 4 * B * H * T
+    grouped = E.llama_activations(B, T, C, L, H, V, kv_heads=2, intermediate=I)
+    assert full - grouped == L * 4 * 2 * N * (C - 2 * C // H)        # k and v
+    cpu, cuda = (E.llama_activations(B, T, C, L, H, V, kv_heads=2, intermediate=I,
+                                     precision="bf16", device_type=d) for d in ("cpu", "cuda"))
+    assert cpu - cuda == (2 * L + 1) * (8 * N * C - 2 * N * C)
+    with pytest.raises(ValueError, match="simulate the step"):
+        E.llama_activations(B, T, C, L, H, V, kv_heads=2, intermediate=I, precision="autocast")
+    with pytest.raises(ValueError, match="device_type"):
+        E.llama_activations(B, T, C, L, H, V, kv_heads=2, intermediate=I, device_type="tpu")

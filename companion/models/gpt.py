@@ -1,14 +1,12 @@
-"""The small models and the data the course trains, deterministic given a seed.
+"""`GPT`: a small GPT-style decoder, deterministic given a seed.
 
-`MLP` (Linear-ReLU stacks) and `GPT` (a small GPT-style decoder: token and position embeddings,
-pre-LayerNorm blocks of causal self-attention and a 4x GELU MLP, a linear head) are plain
-`nn.Module`s with no dropout, so a seed fixes every number. Attention is written out (scores,
-mask, softmax, weighted sum) rather than fused, so the (T, T) score matrix that fills memory at
-long sequences is there to see and to measure. `attention=` picks another implementation:
-"sdpa" (`F.scaled_dot_product_attention`, also `fused_attention=True`), "flash"
+Token and position embeddings, pre-LayerNorm blocks of causal self-attention and a 4x GELU MLP, a
+linear head; a plain `nn.Module` with no dropout, so a seed fixes every number. Attention is
+written out (scores, mask, softmax, weighted sum) rather than fused, so the (T, T) score matrix
+that fills memory at long sequences is there to see and to measure. `attention=` picks another
+implementation: "sdpa" (`F.scaled_dot_product_attention`, also `fused_attention=True`), "flash"
 (`companion.attention.FlashAttentionTorch`) or "flash_triton" (`FlashAttentionTriton`); the fused
-ones keep no (T, T) tensor for backward. `make_classification` and `make_tokens` make data
-for them; `make_regression` is chapter 01's linear-regression data.
+ones keep no (T, T) tensor for backward.
 
 Example:
     >>> model = GPT(vocab=64, seq_len=32, width=48, depth=2, heads=4, seed=0)
@@ -23,46 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["make_regression", "MLP", "GPT", "make_classification", "make_tokens", "ATTENTIONS"]
-
-
-def make_regression(m: int, d: int, *, noise: float = 0.1, seed: int = 0,
-                    dtype: torch.dtype = torch.float32):
-    """Linear-regression data: y = X @ w_true + b_true + noise.
-
-    Returns (X, y, w_true, b_true) with X (m, d), y (m,), w_true (d,), b_true a 0-d tensor; X and
-    w_true are standard normal, so the best possible MSE is about noise².
-    """
-    g = torch.Generator().manual_seed(seed)
-    X = torch.randn(m, d, generator=g, dtype=dtype)               # (m, d)
-    w_true = torch.randn(d, generator=g, dtype=dtype)             # (d,)
-    b_true = torch.randn((), generator=g, dtype=dtype)            # ()
-    y = X @ w_true + b_true + noise * torch.randn(m, generator=g, dtype=dtype)  # (m,)
-    return X, y, w_true, b_true
-
-
-class MLP(nn.Module):
-    """`depth` hidden Linear-ReLU layers of `width`, then a Linear to `d_out` classes.
-
-    Parameters: d_in·w + w + (depth-1)·(w² + w) + w·d_out + d_out. Saved for backward per example:
-    each ReLU's output (w values per layer), and the log-softmax of the logits in `loss`."""
-
-    def __init__(self, d_in: int, width: int, depth: int, d_out: int, *, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-        super().__init__()
-        torch.manual_seed(seed)
-        dims = [d_in] + [width] * depth
-        layers: list[nn.Module] = []
-        for a, b in zip(dims[:-1], dims[1:]):
-            layers += [nn.Linear(a, b, dtype=dtype, device=device), nn.ReLU()]
-        self.net = nn.Sequential(*layers, nn.Linear(dims[-1], d_out, dtype=dtype, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)                                         # (B, d_in) -> (B, d_out)
-
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of the logits against class labels y (B,)."""
-        return F.cross_entropy(self(x), y)
+__all__ = ["ATTENTIONS", "Block", "GPT"]
 
 
 ATTENTIONS = ("written", "sdpa", "flash", "flash_triton")
@@ -159,28 +118,3 @@ class GPT(nn.Module):
         """Mean next-token cross-entropy; targets (B, T) are idx shifted by one."""
         logits = self(idx)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def make_classification(n: int, d_in: int, n_classes: int, *, seed: int = 0,
-                        dtype: torch.dtype = torch.float32):
-    """(X, y): n points in d_in dimensions from n_classes Gaussian clusters; X (n, d_in), y (n,)."""
-    g = torch.Generator().manual_seed(seed)
-    centres = 2.0 * torch.randn(n_classes, d_in, generator=g, dtype=dtype)  # (k, d_in)
-    y = torch.randint(n_classes, (n,), generator=g)                          # (n,)
-    X = centres[y] + torch.randn(n, d_in, generator=g, dtype=dtype)          # (n, d_in)
-    return X, y
-
-
-def make_tokens(n: int, seq_len: int, *, vocab: int, seed: int = 0):
-    """(x, y): n token sequences from a fixed random Markov chain, y = x shifted left by one.
-
-    Each token has 4 likely successors, so a model can learn the chain; x and y are (n, seq_len)
-    int64."""
-    g = torch.Generator().manual_seed(seed)
-    successors = torch.randint(vocab, (vocab, 4), generator=g)               # (vocab, 4)
-    tokens = torch.empty(n, seq_len + 1, dtype=torch.int64)
-    tokens[:, 0] = torch.randint(vocab, (n,), generator=g)
-    for t in range(seq_len):
-        pick = torch.randint(4, (n,), generator=g)
-        tokens[:, t + 1] = successors[tokens[:, t], pick]
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
