@@ -3,18 +3,25 @@
 GPT-2 (`n_embd`, `n_layer`, `n_head`, `n_positions`, `vocab_size`, `n_inner`; head tied to the
 embedding) and the Llama family (Llama, Mistral, Qwen2: `hidden_size`, `num_hidden_layers`,
 `num_attention_heads`, `num_key_value_heads`, `intermediate_size`, `vocab_size`,
-`max_position_embeddings`, `tie_word_embeddings`; Qwen2's q, k, v projections carry biases).
-`SHIPPED` holds a few published configurations, written here from the models' config.json files
-on the Hugging Face Hub (the Hub cannot be reached from the test machines); `n_params` is
-checked against each model card's count in tests/test_plan_configs.py.
+`max_position_embeddings`, `tie_word_embeddings`, `rope_theta`, `rms_norm_eps`; Qwen2's q, k and
+v projections carry biases, as do Llama's with `attention_bias`). A few published configurations
+ship as JSON files in the folder `configs/` beside this module, written from the models'
+config.json files on the Hugging Face Hub (which the test machines cannot reach; each file's
+"_source" says where its values were read); `n_params` equals each model card's count
+(tests/test_plan_configs.py).
 
-The planner builds GPT-2 shapes as the course's `companion.models.GPT` (whose head is untied and
-has a bias: V·C + V more parameters than GPT-2's, said where it is printed). Llama shapes are
-read and counted; the planner does not build them yet.
+`model_fn` builds a GPT-2 shape as the course's `companion.models.GPT`, whose head is untied and
+has a bias and whose learned positions are seq_len long, so it holds more parameters than GPT-2
+(`built_params`); a Llama shape as `companion.models.Llama`, with the published count exactly.
 
 Example:
     >>> load_config("llama-3-8b").n_params()
     8030261248
+    >>> model_fn = load_config("mistral-7b").model_fn(4096)   # model_fn(dtype=, device=)
+
+Simplified vs `transformers.AutoConfig`: two families; no rope scaling (Llama 3.1), no sliding
+window (Mistral's is read and ignored: every earlier token is attended to), no head_dim other
+than hidden_size / heads.
 """
 from __future__ import annotations
 
@@ -22,32 +29,13 @@ import dataclasses
 import functools
 import json
 import pathlib
+from typing import Callable
 
-__all__ = ["ModelConfig", "SHIPPED", "load_config", "from_dict", "shipped"]
+from companion.estimate_llama import llama_params
 
-SHIPPED = {
-    # openai-community/gpt2-xl, config.json
-    "gpt2-xl": {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 1600,
-                "n_layer": 48, "n_head": 25, "n_inner": None},
-    # meta-llama/Meta-Llama-3-8B, config.json
-    "llama-3-8b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-                   "intermediate_size": 14336, "num_hidden_layers": 32,
-                   "num_attention_heads": 32, "num_key_value_heads": 8,
-                   "max_position_embeddings": 8192, "rope_theta": 500000.0,
-                   "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
-    # mistralai/Mistral-7B-v0.1, config.json
-    "mistral-7b": {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
-                   "intermediate_size": 14336, "num_hidden_layers": 32,
-                   "num_attention_heads": 32, "num_key_value_heads": 8,
-                   "max_position_embeddings": 32768, "rope_theta": 10000.0,
-                   "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
-    # Qwen/Qwen2.5-7B, config.json
-    "qwen2.5-7b": {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
-                   "intermediate_size": 18944, "num_hidden_layers": 28,
-                   "num_attention_heads": 28, "num_key_value_heads": 4,
-                   "max_position_embeddings": 131072, "rope_theta": 1000000.0,
-                   "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
-}
+__all__ = ["ModelConfig", "load_config", "from_dict", "shipped"]
+
+_FOLDER = pathlib.Path(__file__).with_name("configs")
 _LLAMA_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -65,90 +53,125 @@ class ModelConfig:
     intermediate: int
     tied: bool
     max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
     qkv_bias: bool = False
 
     def n_params(self) -> int:
         """The published model's parameters, by formula.
         GPT-2: (V + T)·C + L·(4·C² + 2·C·I + 9·C + I) + 2·C, head tied (T: n_positions; with
         I = 4C a layer is 12·C² + 13·C).
-        Llama: V·C + L·(2·C + 2·C·(h·d) + 2·C·(kv·d) + 3·C·I) + C + V·C untied, d = C / h, and
-        q, k, v biases (h·d + 2·kv·d per layer) for Qwen2."""
+        Llama: `companion.estimate.llama_params` (V·C + L·(2·C + 2·C·(h·d) + 2·C·(kv·d) +
+        3·C·I) + C + V·C untied, d = C / h; q, k, v biases h·d + 2·kv·d per layer)."""
         V, C, L, I = self.vocab, self.width, self.depth, self.intermediate
         if self.family == "gpt2":
             return (V + self.max_seq_len) * C + L * (4 * C * C + 2 * C * I + 9 * C + I) + 2 * C
-        d = C // self.heads
-        attention = 2 * C * self.heads * d + 2 * C * self.kv_heads * d
-        bias = (self.heads * d + 2 * self.kv_heads * d) if self.qkv_bias else 0
-        return V * C + L * (2 * C + attention + bias + 3 * C * I) + C + (0 if self.tied else V * C)
+        return llama_params(V, C, L, self.heads, kv_heads=self.kv_heads, intermediate=I,
+                            tied=self.tied, qkv_bias=self.qkv_bias)
 
-    def model_fn(self, seq_len: int | None = None):
-        """A function of dtype= and device= that builds the model for the planner."""
-        from companion.models import GPT
+    def built_params(self, seq_len: int | None = None) -> int:
+        """Parameters of the model `model_fn(seq_len)` builds, which the planner simulates.
+        Llama shapes: `n_params()`. GPT-2: the course GPT's head is untied, with a bias (V·C + V
+        more) and it learns seq_len positions, not n_positions."""
+        if self.family != "gpt2":
+            return self.n_params()
+        T = self._seq_len(seq_len)
+        V, C = self.vocab, self.width
+        return self.n_params() + V * C + V + (T - self.max_seq_len) * C
+
+    def model_fn(self, seq_len: int | None = None) -> Callable:
+        """A function of dtype= and device= (and fused_attention=, always True) that builds
+        the model for sequences of `seq_len` tokens (default: the config's longest)."""
+        from companion.models import GPT, Llama
+        T = self._seq_len(seq_len)
+        if self.family == "llama":
+            return functools.partial(Llama, self.vocab, T, self.width, self.depth, self.heads,
+                                     kv_heads=self.kv_heads, intermediate=self.intermediate,
+                                     tied=self.tied, qkv_bias=self.qkv_bias,
+                                     rope_theta=self.rope_theta, norm_eps=self.norm_eps)
+        if self.intermediate != 4 * self.width:
+            raise ValueError(f"{self.name}: the course GPT's MLP is 4 x n_embd = "
+                             f"{4 * self.width} wide, this config's n_inner is "
+                             f"{self.intermediate}; it can be counted but not built")
+        return functools.partial(GPT, self.vocab, T, self.width, self.depth, self.heads,
+                                 fused_attention=True)
+
+    def _seq_len(self, seq_len: int | None) -> int:
         seq_len = seq_len or self.max_seq_len
         if seq_len > self.max_seq_len:
             raise ValueError(f"{self.name} takes at most {self.max_seq_len} tokens, got "
                              f"seq_len={seq_len}")
-        if self.family != "gpt2":
-            raise ValueError(f"{self.name} is a Llama-shaped model ({self.n_params():,} "
-                             "parameters): the planner reads and counts it, but builds and "
-                             "simulates only GPT-2 shapes (the course GPT) so far")
-        if self.intermediate != 4 * self.width:
-            raise ValueError(f"{self.name}: the course GPT has a 4C MLP, this config "
-                             f"{self.intermediate}")
-        return functools.partial(GPT, self.vocab, seq_len, self.width, self.depth, self.heads,
-                                 fused_attention=True)
+        return seq_len
 
 
 def _get(config: dict, key: str, where: str):
-    if key not in config or config[key] is None:
-        raise ValueError(f"{where}: the config has no {key!r}")
+    if config.get(key) is None:
+        raise ValueError(f"{where}: the config has no {key!r}; add it (see the model's "
+                         "config.json on the Hugging Face Hub)")
     return config[key]
 
 
+def _gpt2(config: dict, name: str) -> ModelConfig:
+    C, heads = _get(config, "n_embd", name), _get(config, "n_head", name)
+    return ModelConfig(name, "gpt2", _get(config, "vocab_size", name), C,
+                       _get(config, "n_layer", name), heads, heads,
+                       config.get("n_inner") or 4 * C, True, _get(config, "n_positions", name),
+                       norm_eps=config.get("layer_norm_epsilon", 1e-5))
+
+
+def _llama(config: dict, name: str) -> ModelConfig:
+    heads, C = _get(config, "num_attention_heads", name), _get(config, "hidden_size", name)
+    if config.get("head_dim") not in (None, C // heads):
+        raise ValueError(f"{name}: head_dim {config['head_dim']} differs from hidden_size / "
+                         f"num_attention_heads = {C // heads}; companion.models.Llama supports "
+                         "only head_dim = hidden_size / heads")
+    return ModelConfig(name, "llama", _get(config, "vocab_size", name), C,
+                       _get(config, "num_hidden_layers", name), heads,
+                       config.get("num_key_value_heads") or heads,
+                       _get(config, "intermediate_size", name),
+                       bool(config.get("tie_word_embeddings", False)),
+                       _get(config, "max_position_embeddings", name),
+                       rope_theta=float(config.get("rope_theta", 10000.0)),
+                       norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                       qkv_bias=config["model_type"] == "qwen2"
+                       or bool(config.get("attention_bias")))
+
+
 def from_dict(config: dict, *, name: str = "config") -> ModelConfig:
-    """A ModelConfig from a parsed config.json."""
+    """A ModelConfig from a parsed config.json; `name` says where it came from in errors."""
     kind = config.get("model_type")
     if kind == "gpt2":
-        C = _get(config, "n_embd", name)
-        return ModelConfig(name, "gpt2", _get(config, "vocab_size", name), C,
-                           _get(config, "n_layer", name), _get(config, "n_head", name),
-                           _get(config, "n_head", name), config.get("n_inner") or 4 * C, True,
-                           _get(config, "n_positions", name))
+        return _gpt2(config, name)
     if kind in _LLAMA_TYPES:
-        heads = _get(config, "num_attention_heads", name)
-        C = _get(config, "hidden_size", name)
-        if config.get("head_dim") not in (None, C // heads):
-            raise ValueError(f"{name}: head_dim {config['head_dim']} != hidden_size / heads is "
-                             "not supported")
-        return ModelConfig(name, "llama", _get(config, "vocab_size", name), C,
-                           _get(config, "num_hidden_layers", name), heads,
-                           config.get("num_key_value_heads") or heads,
-                           _get(config, "intermediate_size", name),
-                           bool(config.get("tie_word_embeddings", False)),
-                           _get(config, "max_position_embeddings", name),
-                           qkv_bias=kind == "qwen2" or bool(config.get("attention_bias")))
+        return _llama(config, name)
     raise ValueError(f"{name}: model_type {kind!r} is not supported; supported: gpt2, "
                      + ", ".join(_LLAMA_TYPES))
 
 
 def shipped() -> list[str]:
-    """The names `load_config` knows without a file."""
-    return sorted(SHIPPED)
+    """The names `load_config` knows without a file: the JSON files in `configs/`."""
+    return sorted(path.stem for path in _FOLDER.glob("*.json"))
 
 
 def load_config(name_or_path: str | pathlib.Path) -> ModelConfig:
-    """A shipped model by name (case-insensitive), or a config.json by path."""
+    """A shipped model by name (case-insensitive: `shipped()`), or a config.json by path (a
+    folder holding one, such as a downloaded Hub snapshot, works too)."""
     key = str(name_or_path).lower()
-    if key in SHIPPED:
-        return from_dict(SHIPPED[key], name=key)
+    if key in shipped():
+        return from_dict(_read(_FOLDER / f"{key}.json"), name=key)
     path = pathlib.Path(name_or_path)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
             raise ValueError(f"no file {path}")
-        try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not JSON: {e}") from None
-        return from_dict(config, name=path.name)
+        return from_dict(_read(path), name=str(path))
     raise ValueError(f"unknown model {name_or_path!r}: give a config.json path or one of "
                      + ", ".join(shipped()))
+
+
+def _read(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
