@@ -15,7 +15,10 @@ a shared machine lands on every plan), and sets the median of each plan's steps 
                  and `scaled_error` the median error once that factor is taken out.
 
 `RankCheck.interval` is a bootstrap interval of ρ from the timings' own spread (each plan's
-steps resampled, its median taken again): how much ρ could move in another run.
+steps resampled, its median taken again): how much ρ could move in another run. `default_plans`
+picks ten plans that pull different levers (on the course's CPU their steps take 1x to 7.5x the
+plain step's); `with_cost` ranks the same timings by another cost model, `subset` some of the
+plans (the fp32 ones, say).
 
 Steps run without `companion.memory.track`, whose ledger slows every operator, so that the times
 are the plan's own. Every plan's model and optimizer live at once (one build each, reused).
@@ -25,8 +28,8 @@ Example:
     >>> print(check)            # each plan predicted and measured, then ρ and the errors
     >>> check.spearman, check.median_error
 
-Simplified vs real autotuners (DeepSpeed's autotuner times trial steps of each configuration and
-keeps the fastest, with no cost model at all): one process, so no ZeRO plan; one batch reused for
+Simplified vs real autotuners (DeepSpeed's autotuner runs short trials of the configurations it
+explores and keeps the fastest measured): one process, so no ZeRO plan; one batch reused for
 every step; medians of a few steps, not of a whole run.
 """
 from __future__ import annotations
@@ -113,7 +116,9 @@ class RankCheck:
     def interval(self, *, confidence: float = 0.95, resamples: int = 1000,
                  seed: int = 0) -> tuple[float, float]:
         """A percentile-bootstrap interval of ρ: each plan's timed steps resampled with
-        replacement, their medians ranked against the predictions again."""
+        replacement, their medians ranked against the predictions again. It says how far the
+        timings' noise could move ρ; an order already right can mostly only lose swaps, so the
+        interval often ends at ρ itself."""
         if not 0 < confidence < 1:
             raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
         rng = random.Random(seed)
