@@ -14,7 +14,9 @@ line by line, and whether a plan fits the whole budget), `training` (the course'
 together; a step run for real or simulated), `planner` (`plan`, `Plan`), `report` (a plan's
 waterfall, why a setup runs out of memory), `run` (a plan trained for real, `run_plan`), `ranks`
 (several processes; a torchrun line), `anysim` and `anymodel` (`plan_model`: any `nn.Module`,
-each candidate scored by a simulated step), `configs` (Hugging Face config.json files), `named`
+each candidate scored by a simulated step), `search` (the search with pruning of chapter 09's
+exercise), `verify` (predicted against measured step times, ranked), `configs` (Hugging Face
+config.json files), `named`
 and `cli` (`python -m companion plan`).
 Imports run one way: cli -> named -> planner -> report, budget, anymodel, ranks -> run ->
 training -> space (ranks names `Plan` for type checkers only).
@@ -42,7 +44,9 @@ from companion.plan.ranks import rank_worker, run_ranks, train_command
 from companion.plan.space import (EXACT, FEWER_BITS, LORA_TARGETS, LOSS_CHUNKS, LOW_PRECISION,
                                   PRECISIONS,
                                   TECHNIQUES, Candidate, GPTShape, candidates, capstone_model)
+from companion.plan.search import fastest_fitting
 from companion.plan.simulation import simulate
+from companion.plan.verify import PlanTiming, RankCheck, default_plans, rank_check
 from companion.plan.training import (CheckpointedBlocks, Setup, build, micro_step,
                                      optimizer_step, train_step)
 
@@ -53,4 +57,5 @@ __all__ = ["plan", "plan_model", "simulate_model", "ModelPlan", "GENERIC", "run_
            "BUCKET_BYTES", "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES", "CheckpointedBlocks",
            "Setup", "build", "micro_step", "optimizer_step", "train_step", "simulate",
            "run_ranks", "rank_worker", "train_command", "Fit", "ModelConfig", "load_config",
-           "waterfall", "plot_waterfall", "why_oom", "LOSS_CHUNKS", "DISK_BANDWIDTH"]
+           "waterfall", "plot_waterfall", "why_oom", "LOSS_CHUNKS", "DISK_BANDWIDTH",
+           "fastest_fitting", "rank_check", "RankCheck", "PlanTiming", "default_plans"]
