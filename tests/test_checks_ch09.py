@@ -89,6 +89,13 @@ def _every_lever(model_fn, batches, lr, budget, **options):
     return _train(model_fn, batches, lr, budget, plan=(len(batches[0][0]), depth, True), **options)
 
 
+def _activations_offloaded(model_fn, batches, lr, budget):
+    """Every lever, and the saved activations on the host (saved-tensor hooks)."""
+    from companion.activation_offload import OffloadActivations
+    with OffloadActivations(min_bytes=0):
+        return _every_lever(model_fn, batches, lr, budget)
+
+
 def _plain(model_fn, batches, lr, budget):
     """Plain full-batch training: over the budget, unless the budget does not see it."""
     model = model_fn(dtype=torch.float32, device="cpu")
@@ -178,7 +185,9 @@ def test_the_cases_are_not_the_notebooks_and_need_a_decision():
     lambda f, b, lr, budget: _every_lever(f, b, lr, budget, autocast=True),
     lambda f, b, lr, budget: _every_lever(f, b, lr, budget, dtype=torch.bfloat16),
     lambda f, b, lr, budget: _train(f, b, lr, budget, as_numpy=True),
-], ids=["at least two micro-batches", "every lever", "bf16 autocast", "bf16 weights, fp32 masters on the host", "numpy floats"])
+    _activations_offloaded,
+], ids=["at least two micro-batches", "every lever", "bf16 autocast",
+        "bf16 weights, fp32 masters on the host", "numpy floats", "activation offload"])
 def test_other_plans_that_keep_the_training_pass_too(legit):
     assert "under" in evaluate("check_train_within_budget", legit, cases=1)
 

@@ -316,13 +316,19 @@ def _check_memory(got: dict, S: Sizes) -> None:
                  "activations, no switching off the memory tracking.")
     require(got["peak"] <= budget, f"the peak {format_bytes(got['peak'])} is over the "
             f"{format_bytes(budget)} budget", hint="leave the memory limit as the check sets it.")
-    host_limit = HOST_BYTES_PER_PARAM * got["params"] + 2**20
+    # the states' bytes, and the saved activations of the whole batch (activation offload with
+    # saved-tensor hooks, where that is what fits): the most any plan of the course puts there
+    from companion.plan import Candidate, GPTShape, capstone_model, predict_memory
+    saved = predict_memory(GPTShape.of(capstone_model(S)),
+                           Candidate(S.cap_batch, activation_offload=True)).host
+    host_limit = HOST_BYTES_PER_PARAM * got["params"] + saved + 2**20
     require(got["host_peak"] <= host_limit,
             f"the host held {format_bytes(got['host_peak'])} at its peak, more than offloading "
-            f"the model states needs ({format_bytes(host_limit)}: about 16 bytes per parameter)",
-            hint="offload moves the optimizer's state, master weights and gradients to the host; "
-                 "activations and the forward stay on the device (micro-batches and "
-                 "checkpointing cut them).")
+            f"the model states and the batch's saved activations needs "
+            f"({format_bytes(host_limit)})",
+            hint="offload moves the optimizer's state, master weights and gradients to the host, "
+                 "and saved-tensor hooks the activations backward needs; the forward itself "
+                 "stays on the device.")
 
 
 def _check_behaviour(got: dict, S: Sizes, steps: int) -> None:
