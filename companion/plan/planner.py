@@ -2,7 +2,7 @@
 
 `plan` lists every candidate (`space.candidates`), predicts each one's peak and step time
 (`predict`), keeps those predicted to fit, and walks them fastest first, simulating each
-(`build.simulate`, FakeTensorMode, no memory allocated) until one's simulated peak fits too.
+(`simulation.simulate`, FakeTensorMode, no memory allocated) until one's simulated peak fits too.
 The `Plan` it returns prints a table of candidates and says why it chose what it chose;
 `Plan.run(steps)` trains the chosen plan for real under `memory_budget`.
 

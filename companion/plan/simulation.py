@@ -2,7 +2,7 @@
 (`training.build`, `micro_step`, `optimizer_step`) under `FakeTensorMode`, measured by
 `companion.memory.track`; several ranks as rank 0 of a "fake" process group.
 
-No kernel runs: each operator's rule for the shape and dtype of its result does. What it proves
+No kernel runs: each operator's rule for the shape and dtype of its result does. What it shows
 is that the same ledger of tensors fits; kernels' scratch, the caching allocator's rounding and
 fragmentation are `plan.budget`'s lines.
 """
