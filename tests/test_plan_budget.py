@@ -68,3 +68,26 @@ def test_a_replayed_step_that_passes_the_cap_does_not_fit_and_says_where():
     assert not tight.fits and tight.lines[-1].name == "out of memory when replayed"
     assert "would pass the cap" in tight.lines[-1].source
     del keep
+
+
+def test_each_line_says_when_it_is_held_and_the_fit_reads_that_not_its_name():
+    # A load-time line counts against the load (weights + it), never the step; a predicted bound
+    # is dropped when the step is replayed. Renamed lines must keep both meanings.
+    load = allocator.Overhead("a renamed temporary", 300 * MiB, "s", alive="load")
+    step = allocator.Overhead("a renamed workspace", 10 * MiB, "s")
+    fit = budgets.fit_predicted(GiB, 0, 4 * MiB, 4 * GiB, [load, step], "cuda")
+    assert fit.reserved == GiB + 10 * MiB + allocator.headroom(4 * MiB)   # the load: not inside
+    heavy = budgets.fit_predicted(GiB, 2 * GiB, 4 * MiB, 4 * GiB, [load, step], "cuda")
+    assert heavy.reserved == 2 * GiB + 300 * MiB                          # weights + temporary
+    assert fit.lines[-1].alive == "bound"
+    import torch
+    from companion.memory import track
+    with track("cpu") as t:
+        keep = torch.empty(3 * MiB, dtype=torch.uint8)
+    small = allocator.Overhead("a small temporary", 5 * MiB, "s", alive="load")
+    replayed = budgets.fit_simulated(t, 0, 4 * GiB, [small] + list(fit.lines[1:]), "cuda")
+    assert all(o.alive != "bound" for o in replayed.lines)
+    assert replayed.reserved == 20 * MiB + 10 * MiB                       # a segment + the step's
+    with pytest.raises(ValueError, match="alive"):
+        allocator.Overhead("x", 1, "s", alive="always")
+    del keep

@@ -43,12 +43,19 @@ _CONTEXT_SOURCE = ("the CUDA context with lazy loading: 274-426 MiB measured in 
 class Overhead:
     """One line of a plan's memory beyond its tensors: a name, bytes, and where the number comes
     from; `in_allocator`: whether PyTorch's caching allocator holds it (and a per-process cap
-    counts it) or it sits outside (the context, NCCL)."""
+    counts it) or it sits outside (the context, NCCL); `alive`: when it is held: through the
+    "step", only while the model is loaded ("load"), or a predicted "bound" on what a replay of
+    the step measures (rounding, fragmentation), which the replay's own lines replace."""
 
     name: str
     bytes: int
     source: str
     in_allocator: bool = True
+    alive: str = "step"
+
+    def __post_init__(self) -> None:
+        if self.alive not in ("step", "load", "bound"):
+            raise ValueError(f"alive is 'step', 'load' or 'bound', got {self.alive!r}")
 
     def __str__(self) -> str:
         from companion.memory import format_bytes
@@ -98,7 +105,7 @@ def record_stream_backlog(nbytes: int, what: str) -> Overhead:
 def conversion_temporary(largest_numel: int) -> Overhead:
     """Loading 16-bit weights from fp32: the largest tensor's fp32 copy, before its cast."""
     return Overhead("fp32 conversion temporary (load)", 4 * int(largest_numel),
-                    "the largest tensor in fp32 on its way to bf16")
+                    "the largest tensor in fp32 on its way to bf16", alive="load")
 
 
 def step_overheads(gpu=None, *, world_size: int = 1, attention: tuple[int, int, int, int] | None

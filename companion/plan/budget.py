@@ -62,7 +62,7 @@ def _outside(found: list[allocator.Overhead]) -> int:
 
 def _inside(found: list[allocator.Overhead]) -> int:
     """Allocator lines alive during the step (the load's temporary is gone by then)."""
-    return sum(o.bytes for o in found if o.in_allocator and not o.name.startswith("fp32 conv"))
+    return sum(o.bytes for o in found if o.in_allocator and o.alive == "step")
 
 
 def usable(budget: int, found: list[allocator.Overhead]) -> int:
@@ -72,7 +72,7 @@ def usable(budget: int, found: list[allocator.Overhead]) -> int:
 
 def _load(weights: int, found: list[allocator.Overhead]) -> int:
     """The load's peak: the weights and the conversion temporary, if any."""
-    return weights + sum(o.bytes for o in found if o.name.startswith("fp32 conv"))
+    return weights + sum(o.bytes for o in found if o.alive == "load")
 
 
 def fit_predicted(peak: int, weights: int, largest_request: int, budget: int,
@@ -84,7 +84,7 @@ def fit_predicted(peak: int, weights: int, largest_request: int, budget: int,
     headroom = allocator.Overhead("headroom (one segment: rounding, a segment's free part)",
                                   allocator.headroom(largest_request),
                                   "allocator.headroom; the simulated step replays the real "
-                                  "rounding and fragmentation")
+                                  "rounding and fragmentation", alive="bound")
     reserved = max(peak + _inside(found) + headroom.bytes, _load(weights, found))
     total = reserved + _outside(found)
     return Fit(total <= budget, total, reserved, tuple(found) + (headroom,), "predicted")
@@ -96,7 +96,7 @@ def fit_simulated(tracker, weights: int, budget: int, found: list[allocator.Over
     leaves it (the workspaces taken first)."""
     if device_type != "cuda":
         return Fit(tracker.peak <= budget, tracker.peak, tracker.peak, (), "simulated")
-    found = [o for o in found if not o.name.startswith("headroom")]
+    found = [o for o in found if o.alive != "bound"]
     cap = usable(budget, found) - _inside(found)
     replayed = allocator.replay(tracker, cap=cap)
     reserved = max(replayed.peak_reserved + _inside(found), _load(weights, found))

@@ -133,9 +133,13 @@ def nothing_fits(rows, usable: int, budget: int, allow, world_size: int,
         hints.insert(0, f"give the host {format_bytes(min(on_host))} (host_budget)")
     host = (f" (host budget {format_bytes(host_budget)} rules out offload plans that need more)"
             if host_budget is not None else "")
+    beyond = best.fit.total - best.predicted.peak                # the GPU's lines (CUDA)
+    needs = (f"its predicted peak {format_bytes(best.predicted.peak)} and "
+             f"{format_bytes(beyond)} of context, workspaces and headroom" if beyond > 0
+             else "its predicted peak")
     return NothingFits(
         f"no plan fits {format_bytes(usable)}"
         + (f" (the budget {format_bytes(budget)} less the margin)" if usable < budget else "")
-        + f"{host}: the smallest predicted peak is {format_bytes(best.fit.total)} "
+        + f"{host}: the closest needs {format_bytes(best.fit.total)}, {needs} "
         f"({best.candidate.describe()}), {format_bytes(over)} over, "
         f"{100 * over / max(usable, 1):.0f}% too much. To go further: " + "; ".join(hints) + ".")
