@@ -91,6 +91,23 @@ def test_levers_cost_time_where_they_should():
     assert nvme["disk"] > 0 and nvme["total"] > base["total"]
 
 
+def test_the_nvme_tier_pays_its_bytes_and_a_flush_per_file():
+    # master and two moments: three files per trainable tensor, each flushed (msync) each step,
+    # and 12 B per parameter read and written; a flush-blind cost model (bytes only) ranked the
+    # tier near free on the CPU, where 162 flushes took 150 ms of a 370 ms step
+    shape = GPTShape.of(FUSED)
+    assert shape.n_tensors == len(list(FUSED().parameters())) == 4 * 12 + 6
+    cost = CostModel.for_device("cpu")
+    disk = predict_seconds(shape, Candidate(8, offload=True, nvme=True), cost)["disk"]
+    assert disk == pytest.approx(24 * shape.n_params / cost.disk_bandwidth
+                                 + 3 * shape.n_tensors * cost.disk_sync_seconds)
+    lora = predict_seconds(shape, Candidate(8, offload=True, nvme=True, lora_rank=4), cost)
+    assert lora["disk"] == pytest.approx(24 * shape.lora_params(4) / cost.disk_bandwidth
+                                         + 3 * 2 * 4 * 4 * cost.disk_sync_seconds)
+    gpu = CostModel.for_gpu("H100 SXM")
+    assert (gpu.disk_bandwidth, gpu.disk_sync_seconds) == (3e9, 1e-4)
+
+
 def test_lever_validation_says_what_to_do():
     with pytest.raises(ValueError, match="offload=True"):
         Candidate(8, nvme=True)

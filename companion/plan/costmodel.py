@@ -21,14 +21,15 @@ class CostModel:
     per layer and micro-batch of kernel launches (assumed: a CUDA launch costs a few µs and a
     block launches a few). An offloaded AdamW runs on the host at 25 GB/s (assumed: a server's
     DRAM streams 100-200 GB/s at peak; time yours with `companion.cost.calibrate`).
-    `for_device("cuda")` is `for_gpu("A100 40GB")`.
+    `for_device("cuda")` is `for_gpu("A100 40GB")`. The NVMe tier: 3 GB/s each way (assumed: a
+    PCIe 4 NVMe drive writes 3-7 GB/s) and 0.1 ms per file's flush (assumed).
     `for_device("cpu")`: one core of the course's reference CPU (a 2-core AMD EPYC with AVX2,
     one thread, as the CPU notebooks run), measured (`plan.verify` and benchmarks/bench_plan.py
     check the ranking these give): 26 GFLOP/s, the rate a whole training step reaches
     (attention's kernel, GELU and LayerNorm included); 1.7 ms per layer and micro-batch (eager
     PyTorch's operators, forward and backward; more with `track` on, whose ledger sees each); 15
     GB/s memory and copies (host and device are the same RAM); the host AdamW at 12 GB/s; 1
-    GB/s between processes (gloo; assumed). 16 bits as fast as fp32, because CPUs differ most
+    GB/s between processes (gloo; assumed); its disk 0.65 GB/s with 0.75 ms per file flushed. 16 bits as fast as fp32, because CPUs differ most
     there (without bf16 units a bf16 matmul is 10-60x slower: a bf16 autocast step of the
     capstone ran 7.3x the fp32 one on the reference CPU; with AMX several times faster): time
     yours as chapter 05 does and pass half_speedup, or calibrate. Other machines: `from_profile`
@@ -42,6 +43,8 @@ class CostModel:
     host_bandwidth: float         # bytes/s between device and host (offload's copies)
     network_bandwidth: float      # bytes/s a rank sends to the others
     host_memory_bandwidth: float = 10e9   # bytes/s an offloaded optimizer streams on the host
+    disk_bandwidth: float = 3e9   # bytes/s the NVMe tier reads and writes its files
+    disk_sync_seconds: float = 1e-4   # one file's flush (msync) to the disk, beyond its bytes
 
     @classmethod
     def for_gpu(cls, name: str) -> "CostModel":
@@ -72,7 +75,11 @@ class CostModel:
             #   ~9 ms, 1.5 ms per layer
             # - 15e9: calibrate's copy bandwidth, 15.5 GB/s (read + write), host copies alike
             # - 12e9: the host's fused AdamW, 427 M parameters/s x 28 B (from_profile's count)
-            return cls(26e9, 1.0, 1.7e-3, 15e9, 15e9, 1e9, 12e9)
+            # - 0.65e9 and 0.75 ms: the disk under the NVMe tier, a virtual disk: a 4 MiB
+            #   memmap's msync took 6.45 ms (0.65 GB/s); the capstone's tier step ran 150 ms
+            #   over optimizer offload's, with 162 files (3 per tensor) and 20 MB read and
+            #   written: 31 ms of bytes at that rate, the rest 0.73 ms per file's flush
+            return cls(26e9, 1.0, 1.7e-3, 15e9, 15e9, 1e9, 12e9, 0.65e9, 0.75e-3)
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
 
     @classmethod
@@ -81,7 +88,9 @@ class CostModel:
         fp32 where bf16 was timed, copy bandwidth, host copies (pinned), gloo's bandwidth (1/β)
         and the host AdamW rate (28 bytes a parameter); `layer_seconds` defaults to 16x the
         measured tiny layer (a Linear(8, 8) and a ReLU): on the reference CPU a capstone block's
-        forward and backward on 4 tokens cost 1.7 ms, 16x calibrate's 0.106 ms tiny layer."""
+        forward and backward on 4 tokens cost 1.7 ms, 16x calibrate's 0.106 ms tiny layer.
+        The disk is not calibrated: a CPU's profile keeps `for_device("cpu")`'s, a GPU's the
+        defaults."""
         fp32 = profile.peak_flops("float32")
         half = profile.peak_flops("bfloat16") / fp32 if "bfloat16" in profile.matmul else 1.0
         host = (profile.host_to_device or {}).get("pinned")
@@ -89,4 +98,11 @@ class CostModel:
         return cls(fp32, half, 16 * profile.layer_seconds.median if layer_seconds is None
                    else layer_seconds, profile.copy_bandwidth.median,
                    host.median if host else profile.copy_bandwidth.median,
-                   1 / profile.beta.median if profile.beta else 1e9, 28 * rate)
+                   1 / profile.beta.median if profile.beta else 1e9, 28 * rate,
+                   *_disk(profile.device))
+
+
+def _disk(device: str) -> tuple[float, float]:
+    """The NVMe tier's bandwidth and flush time a profile of `device` gets (not measured)."""
+    model = CostModel.for_device("cpu") if device.startswith("cpu") else CostModel(1, 1, 0, 1, 1, 1)
+    return model.disk_bandwidth, model.disk_sync_seconds

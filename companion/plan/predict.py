@@ -32,7 +32,7 @@ optimizer's bytes at the speed of the memory it runs in (the device's, or the ho
 offloaded; `ADAM8BIT_BYTES` for 8-bit states), QLoRA's dequantizations (`DEQUANTIZE_BYTES`
 per base value, in forward, backward and recompute), offload's copies over the host link
 (PCIe), activation offload's (each saved byte down and up), the NVMe tier's 24 B per parameter
-at `DISK_BANDWIDTH`, the chunked loss's second head matmul, and ZeRO's traffic.
+at `disk_bandwidth` and a flush per file (three per trainable tensor: master and moments), the chunked loss's second head matmul, and ZeRO's traffic.
 
 8-bit states and QLoRA (chapter 11): the moments are `estimate.model_states(state_bits=8)` less
 the tensors under 4096 values, which keep fp32 moments; QLoRA's adapted Linear weights are
@@ -70,7 +70,7 @@ ADAM8BIT_BYTES = 290
 DEQUANTIZE_BYTES = 40
 # One NVMe SSD on PCIe 4.0 x4 streams about 7 GB/s at best (the link's 7.9 GB/s); 3 GB/s is
 # assumed for reads and writes mixed (time yours: chapter 08 times the tier through files).
-DISK_BANDWIDTH = 3e9
+DISK_BANDWIDTH = CostModel.disk_bandwidth   # the GPUs' NVMe tier (CostModel's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,7 +282,8 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
         # on the compute stream); the NVMe tier reads and writes 12 B per parameter each step
         "activation offload": (2 * c.accumulation * _activations(s, c, "cuda")[0]
                                / cost.host_bandwidth if c.activation_offload else 0.0),
-        "disk": 2 * 12 * trainable / DISK_BANDWIDTH if c.nvme else 0.0,
+        "disk": (2 * 12 * trainable / cost.disk_bandwidth + 3 * s.trainable_tensors(
+            c.lora_rank) * cost.disk_sync_seconds) if c.nvme else 0.0,
     }
     parts["total"] = sum(parts.values())
     return parts

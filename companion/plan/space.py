@@ -65,6 +65,7 @@ class GPTShape:
     n_params_1d: int     # in 1-D tensors (biases, LayerNorms): ZeRO-3 here keeps those whole
     largest: int         # elements of the largest parameter tensor
     n_params_small: int = 0   # in tensors under 4096 values (Adam8bit keeps their fp32 moments)
+    n_tensors: int = 0        # parameter tensors (the NVMe tier keeps three files for each)
 
     @classmethod
     def of(cls, model_fn: Callable[..., torch.nn.Module]) -> "GPTShape":
@@ -93,12 +94,18 @@ class GPTShape:
                    n_params=sum(p.numel() for p in params),
                    n_params_1d=sum(p.numel() for p in params if p.dim() == 1),
                    largest=max(p.numel() for p in params),
-                   n_params_small=sum(p.numel() for p in params if p.numel() < 4096))
+                   n_params_small=sum(p.numel() for p in params if p.numel() < 4096),
+                   n_tensors=len(params))
 
     def lora_params(self, rank: int) -> int:
         """Trainable parameters of rank-`rank` adapters on every block's four Linear layers:
         r·(in + out) each, so r·(C + 3C + C + C + C + 4C + 4C + C) = 16·r·C per block."""
         return self.depth * 16 * rank * self.width
+
+    def trainable_tensors(self, lora_rank: int = 0) -> int:
+        """Tensors the optimizer steps: every parameter, or two adapter matrices per adapted
+        Linear with LoRA."""
+        return 2 * len(self.lora_linear_weights()) * self.depth if lora_rank else self.n_tensors
 
     def lora_linear_weights(self) -> list[int]:
         """Elements of each Linear weight the adapters sit on, per block: qkv (3C, C), proj
