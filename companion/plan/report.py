@@ -88,6 +88,7 @@ def plot_waterfall(plan, ax=None):
         ax.annotate(f"{s.seconds * 1e3:.0f} ms" if s.seconds < 10 else f"{s.seconds:.1f} s",
                     (i, s.peak / unit), ha="center", va="bottom", fontsize=8)
     ax.axhline(plan.budget / unit, color="k", ls="--", lw=1, label="budget")
+    ax.set_ylim(0, 1.15 * max(max(s.peak for s in steps), plan.budget) / unit)   # room for labels
     ax.set_xticks(range(len(steps)), [s.lever for s in steps], rotation=20, ha="right")
     ax.set(ylabel=f"predicted peak ({name})",
            title="From the plain run to the plan: bytes each lever buys (label: step time)")
