@@ -35,9 +35,11 @@ interpreter lock, so it runs beside forward and backward).
 """
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import math
 import statistics
 import time
@@ -464,14 +466,22 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._wait()                       # host-device sync, for honest timings
                 self._times["copy_up"] += time.perf_counter() - t0  # host clock
 
-    def _host_step(self, group: list[int], grads: list | None = None) -> None:
-        chosen = set(group)
-        for i, master in enumerate(self.master_params):
-            master.grad = (grads or self._grads)[i] if i in chosen else None   # None: skipped
-        with on_host():
-            self.optimizer.step()                  # on the CPU: fused AdamW when available
-        for master in self.master_params:
-            master.grad = None
+    def _host_step(self, indices: list[int], grads: list | None = None) -> None:
+        """Step the host optimizer over the masters in `indices` only. It walks every parameter
+        group it holds in Python, so it is shown only the groups that `indices` fall in: stepping
+        G groups one at a time then costs one walk over the model, not G."""
+        every, starts = self.optimizer.param_groups, _starts(self.param_groups)
+        touched = sorted({bisect.bisect_right(starts, i) - 1 for i in indices})
+        self.optimizer.param_groups = [every[k] for k in touched]
+        for i in indices:                          # the other masters' gradients are None
+            self.master_params[i].grad = (grads or self._grads)[i]
+        try:
+            with on_host():
+                self.optimizer.step()              # on the CPU: fused AdamW when available
+        finally:
+            self.optimizer.param_groups = every
+            for i in indices:
+                self.master_params[i].grad = None
 
     @torch.no_grad()
     def _copy_up(self, group: list[int]) -> None:
@@ -707,8 +717,8 @@ def _on(stream):
 
 
 def _starts(groups: list[dict]) -> list[int]:
-    sizes = [len(g["params"]) for g in groups]
-    return [sum(sizes[:k]) for k in range(len(sizes))]
+    """Index of each group's first parameter in the flat list of every group's parameters."""
+    return list(itertools.accumulate((len(g["params"]) for g in groups), initial=0))[:-1]
 
 
 def _check_params(params: list[torch.Tensor]) -> None:

@@ -402,6 +402,32 @@ def test_the_step_goes_group_by_group_each_copy_up_right_after_its_host_step():
     assert all(a <= b for a, b in zip(ends, starts[1:]))     # in that order, on one host thread
 
 
+def test_each_group_s_host_step_walks_only_that_group_and_restores_the_rest():
+    model = _gpt()
+    opt = CPUOffloadOptimizer(_grouped(model), lr=3e-3)
+    every, seen, step = opt.optimizer.param_groups, [], opt.optimizer.step
+
+    def recording():
+        seen.append([id(g) for g in opt.optimizer.param_groups])
+        return step()
+
+    opt.optimizer.step = recording
+    _train(model, opt, steps=1)
+    assert seen == [[id(g)] for g in every]                   # one group per call, in order
+    assert opt.optimizer.param_groups is every
+    assert all(m.grad is None for m in opt.master_params)
+
+    def broken():
+        raise RuntimeError("broken")
+
+    opt.optimizer.step = broken
+    model.loss(*_data()).backward()
+    with pytest.raises(RuntimeError, match="broken"):
+        opt.step()
+    assert opt.optimizer.param_groups is every               # restored after a failed step
+    assert all(m.grad is None for m in opt.master_params)
+
+
 def test_the_arena_reserves_powers_of_two_and_the_ledger_says_so():
     from companion.offload import HostArena, pinned_reserved
     sizes = [40_960_000, 3, 4096, 1_000_000]
