@@ -267,9 +267,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _host_copies(self, params: list[torch.Tensor]) -> None:
         """Host buffers and a gradient hook for each of `params` (appended to the lists)."""
         # 1. What crosses the link comes from the arena: the buffer each gradient lands in, in the
-        #    weights' dtype, and the weights that go up (the fp32 master itself, or the 16-bit
-        #    landing buffer again, which the master is cast into after the step). The rest (fp32
-        #    masters and gradients of 16-bit weights, the moments) is plain host memory.
+        #    weights' dtype, and the weights that go up (the fp32 master itself, or on CUDA the
+        #    16-bit landing buffer again, which the master is cast into after the step). The rest
+        #    (fp32 masters and gradients of 16-bit weights, the moments) is plain host memory.
         sixteen = [p.dtype != torch.float32 for p in params]
         in_arena = [not s and self._masters_in_arena for s in sixteen]
         requests = [(p.shape, p.dtype) for p in params]
@@ -487,8 +487,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _copy_up(self, group: list[int]) -> None:
         for i in group:
             source = self.master_params[i]
-            if self._landing[i] is not self._grads[i]:   # 16-bit weights: cast on the host
-                source = self._landing[i].copy_(source)
+            if self._landing[i] is not self._grads[i] and self._stream is not None:
+                source = self._landing[i].copy_(source)   # 16-bit weights: cast on the host
+            # without a stream the weights are host memory too: copy_ casts them in one pass
             with _on(self._stream):
                 self._params[i].copy_(source, non_blocking=self._pin)   # host -> device
             self.bytes_up += _nbytes(self._params[i])

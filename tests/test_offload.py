@@ -428,6 +428,14 @@ def test_each_group_s_host_step_walks_only_that_group_and_restores_the_rest():
     assert all(m.grad is None for m in opt.master_params)
 
 
+def test_16_bit_weights_are_the_masters_rounded_after_each_step():
+    model = _gpt(dtype=torch.bfloat16)
+    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2)
+    _train(model, opt, steps=2)
+    assert all(torch.equal(p, m.to(torch.bfloat16))
+               for p, m in zip(model.parameters(), opt.master_params))
+
+
 def test_the_arena_reserves_powers_of_two_and_the_ledger_says_so():
     from companion.offload import HostArena, pinned_reserved
     sizes = [40_960_000, 3, 4096, 1_000_000]
