@@ -58,7 +58,8 @@ class Rotary(nn.Module):
         """x (B, heads, T, d) -> the same, rotated."""
         T, half = x.shape[-2], x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)         # (B, h, T, d)
-        return x * self.cos[:T] + rotated * self.sin[:T]                     # saves cos, sin
+        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)      # x's dtype: under
+        return x * cos + rotated * sin             # autocast q and k stay bf16, as v (SDPA)
 
 
 class LlamaBlock(nn.Module):

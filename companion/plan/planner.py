@@ -27,7 +27,7 @@ from torch import nn
 from torch._subclasses import FakeTensorMode
 
 from companion.memory import format_bytes, parse_bytes
-from companion.models import GPT
+from companion.models import GPT, Llama
 from companion.plan import budget as budgets
 from companion.plan.anymodel import GENERIC, ModelPlan, plan_model
 from companion.plan.budget import Fit
@@ -69,7 +69,7 @@ class Plan:
 
     def table(self, limit: int = 8) -> str:
         """The plain run, then up to `limit` candidates that fit by prediction, fastest first."""
-        head = (f"{'':2}{'plan':<64}{'predicted':>11}{'simulated':>11}{'host':>10}"
+        head = (f"{'':2}{'plan':<64}{'predicted':>11}{'simulated':>11}{'host':>11}"
                 f"{'time/step':>11}")
         lines = [head, "-" * len(head)]
         shown = [self.plain] + [r for r in self.rows if r is not self.plain][:limit]
@@ -79,7 +79,7 @@ class Plan:
             host = format_bytes(r.predicted.host) if r.predicted.host else "-"
             name, *more = textwrap.wrap(r.candidate.describe(), 63)   # whole words per line
             lines.append(f"{mark}{name:<64}"
-                         f"{format_bytes(r.predicted.peak):>11}{sim:>11}{host:>10}"
+                         f"{format_bytes(r.predicted.peak):>11}{sim:>11}{host:>11}"
                          f"{_time(r.seconds['total']):>11}")
             lines += [f"{'':4}{line}" for line in more]
         return "\n".join(lines)
@@ -148,12 +148,13 @@ class Plan:
 
 
 def _course_gpt(model_fn) -> bool:
-    """Whether model_fn(dtype=, device=) builds a companion.models.GPT (on fake tensors)."""
+    """Whether model_fn(dtype=, device=) builds a companion.models.GPT or Llama (on fake
+    tensors): the models the formulas predict."""
     if isinstance(model_fn, nn.Module) or not callable(model_fn):
         return True                          # GPTShape.of says what is wrong
     try:
         with FakeTensorMode():
-            return isinstance(model_fn(dtype=torch.float32, device="cpu"), GPT)
+            return isinstance(model_fn(dtype=torch.float32, device="cpu"), (GPT, Llama))
     except Exception:
         return False
 

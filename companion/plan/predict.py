@@ -11,9 +11,9 @@ for the peak are (per rank, P weights, O optimizer state, G gradients, A activat
 where G' is what gradients hold while the last micro-batch starts: all of G when earlier
 micro-batches left theirs (accumulation), ZeRO-1's flat buffer, else nothing. Weights, gradients
 and state follow `companion.estimate.model_states` (ZeRO-3 here keeps 1-D tensors whole);
-activations follow `companion.estimate.gpt_activations`, with fused attention's (B, heads, T)
-log-sum-exp in place of the (T, T) softmax, checkpoint segments as in
-`companion.checkpointing.predicted_activation_bytes`, and the adapters' (N, r) inputs.
+activations follow `companion.estimate.gpt_activations` (a Llama's `llama_activations`), with
+fused attention's (B, heads, T) log-sum-exp in place of the (T, T) softmax, checkpoint segments
+as in `companion.checkpointing.predicted_activation_bytes`, and the adapters' (N, r) inputs.
 
 Levers beyond those: fp32 main_grad (Megatron's 18 B: bf16 weights 2, fp32 gradients 4 made up
 front, fp32 master and moments 12); the chunked loss (no logits or log-softmax kept; backward
@@ -32,23 +32,27 @@ optimizer's bytes at the speed of the memory it runs in (the device's, or the ho
 offloaded; `ADAM8BIT_BYTES` for 8-bit states), QLoRA's dequantizations (`DEQUANTIZE_BYTES`
 per base value, in forward, backward and recompute), offload's copies over the host link
 (PCIe), activation offload's (each saved byte down and up), the NVMe tier's 24 B per parameter
-at `disk_bandwidth` and a flush per file (three per trainable tensor: master and moments), the chunked loss's second head matmul, and ZeRO's traffic.
+at `disk_bandwidth` and a flush per file (three per trainable tensor), the chunked loss's second
+head matmul, and ZeRO's traffic. A Llama's blocks: its matmul weights for the GPT's 12·C².
 
-8-bit states and QLoRA (chapter 11): the moments are `estimate.model_states(state_bits=8)` less
-the tensors under 4096 values, which keep fp32 moments; QLoRA's adapted Linear weights are
-`estimate.nf4_bytes`, the rest of the base dense and frozen, with two more terms: one base
-weight's dequantization in flight while every activation is alive, and, where host and device
-are one memory (the CPU), the build, which holds the dense model before it is quantized (on a
-GPU the base is quantized on the host and only its codes move; `training.build`).
+8-bit states and QLoRA (chapter 11): the moments are `estimate.model_states(state_bits=8)` less the
+tensors under 4096 values, which keep fp32 moments; QLoRA's adapted Linear weights are
+`estimate.nf4_bytes`, the rest of the base dense and frozen, with two more terms: one base weight's
+dequantization in flight while every activation is alive, and, where host and device are one memory
+(the CPU), the build, which holds the dense model before it is quantized (on a GPU the base is
+quantized on the host and only its codes move; `training.build`).
 
 Simplified vs measurement: the temporaries inside backward are two named terms (the loss's
 gradients, a block's 5·N·C), and ZeRO-2/3's buckets and gathers are rough: on the course's test
-grid single-device predictions land within 6% of the simulated step, ZeRO-2/3 within 20%. The
-cost model assumes no overlap of compute, copies and communication.
+grid single-device predictions land within 6% of the simulated step, ZeRO-2/3 within 20%; the
+Llama's within 1.5% but activation offload (up to 35% high), and on CUDA below the simulation,
+which runs the CPU's RMSNorm with fp32 copies CUDA's fused kernel does not save (up to a fifth in
+bf16; tests/test_plan_llama.py). The cost model assumes no overlap of compute, copies and links.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from companion import estimate
 from companion.checkpointing import predicted_activation_bytes
@@ -62,16 +66,15 @@ BUCKET_BYTES = 25 * 2**20      # ShardedOptimizer's and DDP's default bucket (bu
 # Bytes read and written per value by the course's unfused 8-bit code, counted operator by
 # operator (a GPU is bound by them): `lowbit.Adam8bit`'s step ~290 per parameter (dequantize both
 # moments ~58, Adam's update ~100, quantize both ~120, the weight ~12) where fused AdamW moves 32
-# (bitsandbytes fuses its 8-bit step into one kernel, ~18: 4 + 4 + 2 + 2 + 4 + 2); one NF4
-# dequantization ~40 per value (unpack, index, scale, cast). On this course's 2-core CPU the
-# step ran 125x fused AdamW's, the dequantization at ~400 bytes-equivalent: CPUs are
-# compute-bound there, and the cost model's CPU speeds rank plans, not time them.
+# (bitsandbytes' one kernel ~18); one NF4 dequantization ~40 per value (unpack, index, scale,
+# cast). On the course's CPU, compute-bound there, they ran 125x fused AdamW and ~400 bytes.
 ADAM8BIT_BYTES = 290
 DEQUANTIZE_BYTES = 40
-# One NVMe SSD on PCIe 4.0 x4 streams about 7 GB/s at best (the link's 7.9 GB/s); 3 GB/s is
-# assumed for reads and writes mixed (time yours: chapter 08 times the tier through files).
-DISK_BANDWIDTH = CostModel.disk_bandwidth   # the GPUs' NVMe tier (CostModel's default)
+# the GPUs' NVMe tier (CostModel's default: a PCIe 4.0 x4 SSD streams up to 7 GB/s; 3 assumed)
+DISK_BANDWIDTH = CostModel.disk_bandwidth
 
+
+_KINDS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
@@ -89,13 +92,11 @@ class Prediction:
     @property
     def peak(self) -> int:
         """Bytes at the predicted peak: every kind added up (they are all alive then)."""
-        return (self.parameters + self.gradients + self.optimizer_state + self.activations
-                + self.temporaries)
+        return sum(getattr(self, k) for k in _KINDS)
 
     def kinds(self) -> dict[str, int]:
         """{kind: bytes}, the shape `companion.widgets.memory_bars` draws."""
-        return {k: getattr(self, k) for k in ("parameters", "gradients", "optimizer_state",
-                                               "activations", "temporaries")}
+        return {k: getattr(self, k) for k in _KINDS}
 
 
 def _activations(s: GPTShape, c: Candidate, device_type: str) -> tuple[int, int, int, int]:
@@ -106,12 +107,18 @@ def _activations(s: GPTShape, c: Candidate, device_type: str) -> tuple[int, int,
                  "main_grad": "bf16"}[c.precision]
     if c.zero_stage == 3 and c.precision == "autocast":
         precision = "bf16"                             # FSDP gathers and computes in bf16
-    attention = "fused" if s.fused_attention or c.fused_attention else "written"   # fused: no
-                                                               # (T, T) softmax or mask
-    full = estimate.gpt_activations(B, T, C, L, h, V, precision=precision,
-                                    device_type=device_type, attention=attention)
-    outside = estimate.gpt_activations(B, T, C, 0, h, V, precision=precision,
-                                       device_type=device_type)     # embeddings, final LN, loss
+    if s.llama:                                        # its own formula, exact in fp32, bf16
+        saved = functools.partial(estimate.llama_activations, B, T, C, heads=h,
+                                  kv_heads=s.kv_heads, intermediate=s.intermediate,
+                                  precision=precision, device_type=device_type)
+        full, outside = saved(depth=L, vocab=V), saved(depth=0, vocab=V)
+        loss = outside - saved(depth=0, vocab=0) + 2 * B * T * V * (precision == "bf16")
+    else:
+        attention = "fused" if s.fused_attention or c.fused_attention else "written"  # fused:
+        full = estimate.gpt_activations(B, T, C, L, h, V, precision=precision,   # no (T, T)
+                                        device_type=device_type, attention=attention)
+        outside = estimate.gpt_activations(B, T, C, 0, h, V, precision=precision,
+                                           device_type=device_type)  # embeddings, final LN, loss
     per_block = (full - outside) // L
     if precision == "bf16":
         outside += 2 * B * T * V                       # the loss's log-softmax is fp32 here
@@ -120,7 +127,8 @@ def _activations(s: GPTShape, c: Candidate, device_type: str) -> tuple[int, int,
     if c.nf4_base and precision == "autocast":         # the base is dequantized again in
         per_block -= 24 * C * C                        # backward: no 16-bit weight copies saved
     if c.chunked_loss:                                 # no logits kept: their fp32 log-softmax
-        outside -= 4 * B * T * V + (2 * C * V if precision == "autocast" else 0)  # and the head's
+        outside -= loss if s.llama else 4 * B * T * V + (2 * C * V if precision == "autocast"
+                                                         else 0)   # and the head's
     checkpoint = (2 if _bf16(c) else 4) * B * T * C    # bf16 weight copy go
     blocks = predicted_activation_bytes(L, c.segments, per_block, checkpoint)
     cached = 0                                         # autocast caches casts of trained weights
@@ -210,9 +218,10 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
     # blocks' gradients exist, the first segment's activations are back, and its own gradients
     # flow: the block input's and the (N, 4C) MLP one's, 5·N·C fp32 values
     first = _segment(s.depth, c.segments)[0] if c.segments > 1 else 1
-    block_share = 0 if c.lora_rank else (12 * C * C + 13 * C) / s.n_params
+    block_share = 0 if c.lora_rank else s.block_params() / s.n_params
     lora_share = 1 / s.depth if c.lora_rank else 0
-    early = int(G * (1 - first * (block_share + lora_share) - (s.vocab + s.seq_len) * C
+    embedded = s.vocab + (0 if s.llama else s.seq_len)   # token (and position) embeddings
+    early = int(G * (1 - first * (block_share + lora_share) - embedded * C
                      / s.n_params * (not c.lora_rank)))
     early_acts = first * per_block + (checkpoint if c.segments > 1 else 0)
     if c.activation_offload:
@@ -221,7 +230,8 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
     moving = G if c.offload else 0                     # a gradient on its way to the host
     phases = [("forward", G_before, A, logits + cached),
               ("backward", G_before + moving, A, loss_grads),
-              ("first block's backward", max(G_before, early) + moving, early_acts, 20 * N * C),
+              ("first block's backward", max(G_before, early) + moving, early_acts,
+               4 * N * (C + (2 * s.intermediate if s.llama else 4 * C))),
               ("backward end", G, 0, 0),
               # one base weight dequantized (about 9 bytes per value of the largest in flight,
               # and a block's (N, C) fp32 gradient: fitted to the simulated step)
@@ -246,7 +256,7 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
     s, c = shape, cand
     tokens = c.micro_batch * c.accumulation * s.seq_len            # this rank's, per step
     C, L, V, T = s.width, s.depth, s.vocab, s.seq_len
-    block = 2 * 12 * C * C + 4 * T * C                             # forward FLOPs per token
+    block = 2 * s.block_matmul_params() + 4 * T * C                # forward FLOPs per token
     forward = tokens * (L * block + 2 * C * V)
     backward = forward if c.lora_rank else 2 * forward             # frozen: no weight gradients
     recompute = tokens * block * (L // c.segments) * (c.segments - 1)

@@ -8,9 +8,11 @@ A plan (`Candidate`) sets one value per lever of the course:
 `candidates` lists every combination that can run together; `GPTShape.of` reads the sizes the
 predictions need off the model, built under FakeTensorMode (no memory allocated).
 
-Simplified vs real planners: one model family (`companion.models.GPT`), AdamW only, LoRA on the
-blocks' four Linear layers at one rank, checkpointing by `checkpoint_sequential` segments (no
-selective policies), and ZeRO, offload, LoRA and 8-bit states not combined with each other.
+Simplified vs real planners: two model families (`companion.models.GPT`, and `Llama`: no LoRA
+on it yet, and bf16 autocast only under ZeRO-3, where FSDP computes in bf16, since its autocast
+activations have no formula), AdamW only, LoRA on the GPT blocks' four Linear layers at one
+rank, checkpointing by `checkpoint_sequential` segments (no selective policies), and ZeRO,
+offload, LoRA and 8-bit states not combined with each other.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Callable, Iterable
 import torch
 from torch._subclasses import FakeTensorMode
 
-from companion.models import GPT
+from companion.models import GPT, Llama
 
 __all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS",
            "LOSS_CHUNKS",
@@ -53,7 +55,8 @@ def capstone_model(S, *, seed: int = 0) -> Callable[..., GPT]:
 
 @dataclasses.dataclass(frozen=True)
 class GPTShape:
-    """The sizes of a `companion.models.GPT` that memory and time depend on."""
+    """The sizes of a `companion.models.GPT`, or of a `Llama` (`llama`: RMSNorm, grouped-query
+    attention with `kv_heads`, SwiGLU of width `intermediate`), that memory and time depend on."""
 
     vocab: int
     seq_len: int
@@ -66,6 +69,9 @@ class GPTShape:
     largest: int         # elements of the largest parameter tensor
     n_params_small: int = 0   # in tensors under 4096 values (Adam8bit keeps their fp32 moments)
     n_tensors: int = 0        # parameter tensors (the NVMe tier keeps three files for each)
+    llama: bool = False
+    kv_heads: int = 0         # the Llama's key/value heads
+    intermediate: int = 0     # the Llama's SwiGLU width
 
     @classmethod
     def of(cls, model_fn: Callable[..., torch.nn.Module]) -> "GPTShape":
@@ -81,14 +87,16 @@ class GPTShape:
         except Exception as e:
             raise TypeError(f"model_fn(dtype=torch.float32, device='cpu') raised "
                             f"{type(e).__name__}: {e}. {what[0].upper()}{what[1:]}") from e
-        if not isinstance(model, GPT):
-            raise TypeError(f"the planner predicts the memory of companion.models.GPT; "
-                            f"model_fn built a {type(model).__name__}. Pass a function that "
-                            "takes dtype= and device= and returns a GPT, e.g. "
+        if not isinstance(model, (GPT, Llama)):
+            raise TypeError(f"the planner predicts the memory of companion.models.GPT and "
+                            f"Llama; model_fn built a {type(model).__name__}. Pass a function "
+                            "that takes dtype= and device= and returns a GPT, e.g. "
                             "functools.partial(GPT, vocab, seq_len, width, depth, heads)")
         params = list(model.parameters())
         block = model.blocks[0]
-        return cls(vocab=model.tok.num_embeddings, seq_len=model.seq_len,
+        llama = {"llama": True, "kv_heads": block.kv_heads,
+                 "intermediate": block.gate_proj.out_features} if isinstance(model, Llama) else {}
+        return cls(**llama, vocab=model.tok.num_embeddings, seq_len=model.seq_len,
                    width=model.tok.embedding_dim, depth=len(model.blocks), heads=block.heads,
                    fused_attention=block.fused_attention,
                    n_params=sum(p.numel() for p in params),
@@ -96,6 +104,17 @@ class GPTShape:
                    largest=max(p.numel() for p in params),
                    n_params_small=sum(p.numel() for p in params if p.numel() < 4096),
                    n_tensors=len(params))
+
+    def block_matmul_params(self) -> int:
+        """Weights of one block's matmuls: GPT 12·C²; Llama q, k, v, o, gate, up and down."""
+        C = self.width
+        kv = self.kv_heads * (C // self.heads)
+        return 2 * C * C + 2 * C * kv + 3 * C * self.intermediate if self.llama else 12 * C * C
+
+    def block_params(self) -> int:
+        """Parameters of one block: the matmuls' and GPT's 13·C of biases and LayerNorms, or
+        the Llama's two RMSNorms (q, k, v biases, where there are any, only in n_params)."""
+        return self.block_matmul_params() + (2 if self.llama else 13) * self.width
 
     def lora_params(self, rank: int) -> int:
         """Trainable parameters of rank-`rank` adapters on every block's four Linear layers:
@@ -259,5 +278,7 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
             continue                       # adapters' states are already tiny
         if nf4 and not r or r and not nf4 and "lora" not in allow:
             continue                       # QLoRA is LoRA on an NF4 base
+        if shape.llama and (r or p == "autocast" and z != 3):
+            continue                       # no adapters on its Linears yet; autocast: no formula
         out.append(Candidate(m, per_rank // m, s, p, z, off, r, b, nf4, a, ch, f, d))
     return out
