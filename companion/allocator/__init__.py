@@ -14,9 +14,10 @@ from companion.allocator.rules import (BLOCK, LARGE_REQUEST, LARGE_ROUNDING, LAR
                                        SMALL_REQUEST, SMALL_SEGMENT, CachingAllocator, OutOfMemory,
                                        Replay, block_bytes, cublas_workspace, headroom, replay,
                                        reserved_bytes, segment_bytes)
-from companion.allocator.snapshot import growing_batches, snapshot_report, snapshot_timeline
+from companion.allocator.snapshot import (growing_batches, replay_snapshot, snapshot_report,
+                                          snapshot_timeline)
 
-__all__ = ["snapshot_report", "snapshot_timeline", "growing_batches", "block_bytes",
+__all__ = ["snapshot_report", "snapshot_timeline", "replay_snapshot", "growing_batches", "block_bytes",
            "segment_bytes", "reserved_bytes", "headroom", "cublas_workspace", "CachingAllocator",
            "OutOfMemory", "Replay", "replay", "Overhead", "CONTEXT_BYTES", "context",
            "conversion_temporary", "flash_backward_workspace", "nccl_buffers",
