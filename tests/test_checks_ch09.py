@@ -242,7 +242,11 @@ def test_the_whole_model_checkpointed_passes(monkeypatch):
         "last step skipped", "bf16 weights, last step skipped", "Adam", "no weight decay",
         "pos left out", "no 1/k in backward", "NaN", "bf16 autocast, half the lr",
         "bf16 weights, half the lr", "a checkpointed block's layer left out"])
-def test_known_wrong_answers_fail_with_their_hint(wrong, match, hint):
+def test_known_wrong_answers_fail_with_their_hint(wrong, match, hint, monkeypatch):
+    # one drawn case, the same each run: a fresh draw can leave a budget that the bf16 autocast
+    # plan of every lever passes (a valid plan, not promised to fit every budget), and then the
+    # check rightly says "over the budget" instead of the hint this test is after
+    monkeypatch.setattr(ch09, "fresh_seeds", lambda n: [7 + i for i in range(n)])
     with pytest.raises(CheckFailed, match=match) as failed:
         evaluate("check_train_within_budget", wrong, cases=1)
     assert hint in failed.value.hint

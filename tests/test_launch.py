@@ -157,7 +157,8 @@ def test_a_failure_to_join_the_group_is_retried_on_a_new_port(monkeypatch):
             raise launch._SetupError(1, "RuntimeError: Gloo connectFullMesh failed")
         return real(*args)
     monkeypatch.setattr(launch, "_launch", flaky)
-    assert launch.run(_rank_times_ten, 2, timeout=20) == [0, 10] and len(calls) == 2
+    assert launch.run(_rank_times_ten, 2, timeout=20) == [0, 10]
+    assert len(calls) >= 2       # retried (a busy machine's own gloo failure may add a try)
 
 
 def test_a_group_that_never_forms_fails_after_the_retries_with_the_reason():
