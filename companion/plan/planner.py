@@ -24,10 +24,8 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
-from torch._subclasses import FakeTensorMode
 
 from companion.memory import format_bytes, parse_bytes
-from companion.models import GPT, Llama
 from companion.plan import budget as budgets
 from companion.plan.anymodel import GENERIC, ModelPlan, plan_model
 from companion.plan.budget import Fit
@@ -147,16 +145,16 @@ class Plan:
                         device=self.device, lr=self.lr, seed=seed, world_size=1, rank=0)
 
 
-def _course_gpt(model_fn) -> bool:
-    """Whether model_fn(dtype=, device=) builds a companion.models.GPT or Llama (on fake
-    tensors): the models the formulas predict."""
+def _formula_shape(model_fn) -> GPTShape | None:
+    """The shape of the model `model_fn(dtype=, device=)` builds (on fake tensors) when it is a
+    companion.models.GPT or Llama, the models the formulas predict; else None. Something that is
+    not a function: GPTShape.of says what is wrong."""
     if isinstance(model_fn, nn.Module) or not callable(model_fn):
-        return True                          # GPTShape.of says what is wrong
+        return GPTShape.of(model_fn)                   # raises, saying what to pass
     try:
-        with FakeTensorMode():
-            return isinstance(model_fn(dtype=torch.float32, device="cpu"), (GPT, Llama))
-    except Exception:
-        return False
+        return GPTShape.of(model_fn)
+    except TypeError:
+        return None
 
 
 def _time(seconds: float) -> str:
@@ -233,7 +231,8 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
             next-token loss at `seq_len`), levers `anymodel.GENERIC` of `allow`; see there.
     Raises NothingFits (a ValueError) when no candidate fits, saying by how much.
     """
-    if step is not None or not _course_gpt(model_fn):
+    shape = _formula_shape(model_fn) if step is None else None
+    if shape is None:
         if world_size != 1:
             raise ValueError("for a model other than the course GPT the planner plans one device "
                              "(world_size=1)")
@@ -256,7 +255,6 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
         raise ValueError(f"margin is the share of the budget kept free, from 0 to 1; got {margin}")
     usable = int(budget_bytes * (1 - margin))
     host = parse_bytes(host_budget) if host_budget is not None else None
-    shape = GPTShape.of(model_fn)
     card = _gpu(device, gpu)
     cost = cost or (CostModel.for_gpu(card.name) if card is not None
                     else CostModel.for_device(device.type))
@@ -269,7 +267,8 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
                      key=lambda r: (r.seconds["total"], len(r.candidate.techniques())))
     if not fitting:
         raise nothing_fits(rows, usable, budget_bytes, allow, world_size, host)
-    sim = functools.partial(simulate, model_fn, world_size=world_size, device_type=device.type)
+    sim = functools.partial(simulate, model_fn, world_size=world_size, device_type=device.type,
+                            shape=shape)
     found = functools.partial(Plan, model_fn=model_fn, batch=batch, budget=budget_bytes,
                               usable=usable, device=device, world_size=world_size, shape=shape,
                               rows=fitting, plain=plain, lr=lr, host_budget=host, gpu=card,

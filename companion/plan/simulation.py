@@ -2,9 +2,12 @@
 (`training.build`, `micro_step`, `optimizer_step`) under `FakeTensorMode`, measured by
 `companion.memory.track`; several ranks as rank 0 of a "fake" process group.
 
-No kernel runs: each operator's rule for the shape and dtype of its result does. What it shows
-is that the same ledger of tensors fits; kernels' scratch, the caching allocator's rounding and
-fragmentation are `plan.budget`'s lines.
+No kernel runs: each operator's rule for the shape and dtype of its result does, for the CPU's
+dispatch, except RMSNorm when simulating CUDA: there it runs as CUDA's fused kernel saves
+(`_fused_rms_norm`: its input and fp32 rstd), not as the CPU's composite, which keeps fp32
+copies besides (a Llama block's activations ~1.3x in bf16). What it shows is that the same ledger
+of tensors fits; kernels' scratch, the caching allocator's rounding and fragmentation are
+`plan.budget`'s lines.
 """
 from __future__ import annotations
 
@@ -74,12 +77,50 @@ def _fake_addresses() -> Iterator[None]:
                 setattr(cls, "data_ptr", before)
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm as CUDA dispatches it: `aten._fused_rms_norm`, one kernel that saves its input and
+    the fp32 rstd (N values) for `_fused_rms_norm_backward`, which makes only dx and dw. Forward
+    runs the op's decomposition (no_grad inside forward: nothing else is saved, its fp32
+    temporaries freed at once); backward the op itself, which has no CPU kernel: fake tensors
+    only, where its meta rule makes the two outputs and nothing between."""
+
+    @staticmethod
+    def forward(ctx, x, weight, shape, eps):
+        out, rstd = torch.ops.aten._fused_rms_norm(x, shape, weight, eps)   # (.., C), (.., 1)
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.shape = shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        dx, dw = torch.ops.aten._fused_rms_norm_backward(grad, x, ctx.shape, rstd, weight,
+                                                         [True, weight is not None])
+        return dx, dw, None, None
+
+
+@contextlib.contextmanager
+def _rms_norm_as_on(device_type: str) -> Iterator[None]:
+    """nn.RMSNorm runs as `device_type` dispatches it: on "cuda" the fused kernel's saved
+    tensors (`_FusedRMSNorm`), elsewhere unchanged. Restored when the block ends."""
+    if device_type != "cuda":
+        yield
+        return
+    forward = nn.RMSNorm.forward
+    nn.RMSNorm.forward = lambda self, x: _FusedRMSNorm.apply(
+        x, self.weight, list(self.normalized_shape), self.eps)
+    try:
+        yield
+    finally:
+        nn.RMSNorm.forward = forward
+
+
 def _trainable(setup: Setup) -> list[torch.Tensor]:
     return [p for p in setup.model.parameters() if p.requires_grad]
 
 
 def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: int = 1,
-             device_type: str = "cpu") -> MemoryTracker:
+             device_type: str = "cpu", shape: GPTShape | None = None) -> MemoryTracker:
     """Simulate the plan's training step on fake tensors, measured with `track`.
 
     Nothing is allocated (shapes and dtypes only), so the peak of a model far larger than this
@@ -89,10 +130,13 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size:
     backward, then the optimizer step, whose peak every later step repeats. Several ranks (rank
     0's memory): two real steps, of one micro-batch, then of min(k, 2) (the second micro-batch
     holds what every later one does). QLoRA for a GPU (`device_type="cuda"`): the dense base is
-    made and quantized on the host before the measurement, which counts its copy to the device."""
-    shape, k = GPTShape.of(model_fn), cand.accumulation
+    made and quantized on the host before the measurement, which counts its copy to the device;
+    RMSNorm saves what CUDA's fused kernel does (the module doc). `shape`: `GPTShape.of(model_fn)`,
+    when the caller has it (it builds the model once more, seconds for a 7B)."""
+    shape, k = shape or GPTShape.of(model_fn), cand.accumulation
     batch = (cand.micro_batch, shape.seq_len)
-    with _fake_ranks(world_size), FakeTensorMode(), _fake_addresses():
+    with _fake_ranks(world_size), FakeTensorMode(), _fake_addresses(), \
+            _rms_norm_as_on(device_type):
         x, y = (torch.randint(shape.vocab, (k * batch[0], batch[1])) for _ in range(2))  # the
         # step's data, like a loader's, and QLoRA's host-side model for a GPU: not counted
         host = (_quantized_on_host(model_fn, cand)
