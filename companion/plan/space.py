@@ -8,10 +8,9 @@ A plan (`Candidate`) sets one value per lever of the course:
 `candidates` lists every combination that can run together; `GPTShape.of` reads the sizes the
 predictions need off the model, built under FakeTensorMode (no memory allocated).
 
-Simplified vs real planners: two model families (`companion.models.GPT`, and `Llama`: no LoRA
-on it yet, and bf16 autocast only under ZeRO-3, where FSDP computes in bf16, since its autocast
-activations have no formula), AdamW only, LoRA on the GPT blocks' four Linear layers at one
-rank, checkpointing by `checkpoint_sequential` segments (no selective policies), and ZeRO,
+Simplified vs real planners: two model families (`companion.models.GPT`, and `Llama`, without
+the levers `LLAMA_NOT_SEARCHED` names), AdamW only, LoRA on the GPT blocks' four Linear layers at
+one rank, checkpointing by `checkpoint_sequential` segments (no selective policies), and ZeRO,
 offload, LoRA and 8-bit states not combined with each other.
 """
 from __future__ import annotations
@@ -27,7 +26,7 @@ from torch._subclasses import FakeTensorMode
 from companion.models import GPT, Llama
 
 __all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS",
-           "LOSS_CHUNKS",
+           "LOSS_CHUNKS", "LLAMA_NOT_SEARCHED",
            "GPTShape", "Candidate", "candidates", "capstone_model"]
 
 TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "main_grad", "zero",
@@ -43,6 +42,11 @@ PRECISIONS = ("fp32", "autocast", "mixed", "main_grad")   # "main_grad": bf16 we
                                                # gradients (Megatron's 18 B with Adam)
 LOSS_CHUNKS = 8                                # slices of the chunked cross-entropy
 LORA_TARGETS = ("qkv", "proj", "fc", "out")    # the Linear layers of each block
+LLAMA_NOT_SEARCHED = (                         # for a Llama, and why
+    "LoRA and QLoRA (training.build adapts the GPT's qkv, proj, fc and out Linears; a Llama's "
+    "q, k, v, o, gate, up and down, and their adapters' bytes, are not wired in)",
+    "bf16 autocast but under ZeRO-3 (no formula for what a Llama saves under autocast, whose "
+    "casts differ between the CPU and CUDA; FSDP's bf16 compute is the bf16 model's)")
 
 
 def capstone_model(S, *, seed: int = 0) -> Callable[..., GPT]:
@@ -69,9 +73,11 @@ class GPTShape:
     largest: int         # elements of the largest parameter tensor
     n_params_small: int = 0   # in tensors under 4096 values (Adam8bit keeps their fp32 moments)
     n_tensors: int = 0        # parameter tensors (the NVMe tier keeps three files for each)
-    llama: bool = False
+    llama: bool = False       # a Llama: RMSNorm, rotary positions, GQA, SwiGLU, always SDPA
     kv_heads: int = 0         # the Llama's key/value heads
     intermediate: int = 0     # the Llama's SwiGLU width
+    tied: bool = False        # head and token embedding one tensor (Llama 3.2 1B, Qwen2.5 0.5B)
+    qkv_bias: bool = False    # biases on q, k and v (Qwen2)
 
     @classmethod
     def of(cls, model_fn: Callable[..., torch.nn.Module]) -> "GPTShape":
@@ -95,7 +101,9 @@ class GPTShape:
         params = list(model.parameters())
         block = model.blocks[0]
         llama = {"llama": True, "kv_heads": block.kv_heads,
-                 "intermediate": block.gate_proj.out_features} if isinstance(model, Llama) else {}
+                 "intermediate": block.gate_proj.out_features,
+                 "tied": model.head.weight is model.tok.weight,
+                 "qkv_bias": block.q_proj.bias is not None} if isinstance(model, Llama) else {}
         return cls(**llama, vocab=model.tok.num_embeddings, seq_len=model.seq_len,
                    width=model.tok.embedding_dim, depth=len(model.blocks), heads=block.heads,
                    fused_attention=block.fused_attention,
@@ -113,8 +121,11 @@ class GPTShape:
 
     def block_params(self) -> int:
         """Parameters of one block: the matmuls' and GPT's 13·C of biases and LayerNorms, or
-        the Llama's two RMSNorms (q, k, v biases, where there are any, only in n_params)."""
-        return self.block_matmul_params() + (2 if self.llama else 13) * self.width
+        the Llama's two RMSNorms (and q, k and v's biases with qkv_bias)."""
+        if not self.llama:
+            return self.block_matmul_params() + 13 * self.width
+        bias = (self.heads + 2 * self.kv_heads) * (self.width // self.heads) * self.qkv_bias
+        return self.block_matmul_params() + 2 * self.width + bias
 
     def lora_params(self, rank: int) -> int:
         """Trainable parameters of rank-`rank` adapters on every block's four Linear layers:
@@ -279,6 +290,6 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
         if nf4 and not r or r and not nf4 and "lora" not in allow:
             continue                       # QLoRA is LoRA on an NF4 base
         if shape.llama and (r or p == "autocast" and z != 3):
-            continue                       # no adapters on its Linears yet; autocast: no formula
+            continue                       # LLAMA_NOT_SEARCHED says why
         out.append(Candidate(m, per_rank // m, s, p, z, off, r, b, nf4, a, ch, f, d))
     return out

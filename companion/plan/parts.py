@@ -1,0 +1,131 @@
+"""The bytes each part of a plan's step holds, per rank: weights, gradients and optimizer state
+(`state_bytes`), the activations one micro-batch saves (`activation_bytes`), QLoRA's dense build
+(`qlora_build_bytes`). `companion.plan.predict` puts them together into the step's phases and
+its peak; the formulas are explained there.
+"""
+from __future__ import annotations
+
+import functools
+
+from companion import estimate
+from companion.checkpointing import predicted_activation_bytes
+from companion.plan.space import Candidate, GPTShape
+
+__all__ = ["BUCKET_BYTES", "activation_bytes", "bf16_weights", "segment_sizes", "state_bytes",
+           "qlora_build_bytes", "offloaded_twice"]
+
+BUCKET_BYTES = 25 * 2**20      # ShardedOptimizer's and DDP's default bucket (bucket_cap_mb=25)
+
+
+def activation_bytes(s: GPTShape, c: Candidate,
+                     device_type: str) -> tuple[int, int, int, int, int]:
+    """(bytes one micro-batch saves for backward, of them per block, one checkpoint (a block's
+    input), the bf16 weight copies autocast caches beyond them until the forward ends, of the
+    saved bytes those outside the blocks (embeddings, final norm, loss))."""
+    B, T, C, L, V, h = c.micro_batch, s.seq_len, s.width, s.depth, s.vocab, s.heads
+    precision = {"fp32": "fp32", "autocast": "autocast", "mixed": "bf16",
+                 "main_grad": "bf16"}[c.precision]
+    if c.zero_stage == 3 and c.precision == "autocast":
+        precision = "bf16"                             # FSDP gathers and computes in bf16
+    if s.llama:                                        # its own formula, exact in fp32, bf16
+        saved = functools.partial(estimate.llama_activations, B, T, C, heads=h,
+                                  kv_heads=s.kv_heads, intermediate=s.intermediate,
+                                  precision=precision, device_type=device_type)
+        full, outside = saved(depth=L, vocab=V), saved(depth=0, vocab=V)
+        loss = outside - saved(depth=0, vocab=0) + 2 * B * T * V * (precision == "bf16")
+    else:
+        attention = "fused" if s.fused_attention or c.fused_attention else "written"  # fused:
+        full = estimate.gpt_activations(B, T, C, L, h, V, precision=precision,   # no (T, T)
+                                        device_type=device_type, attention=attention)
+        outside = estimate.gpt_activations(B, T, C, 0, h, V, precision=precision,
+                                           device_type=device_type)  # embeddings, final LN, loss
+    per_block = (full - outside) // L
+    if precision == "bf16":
+        outside += 2 * B * T * V                       # the loss's log-softmax is fp32 here
+    if c.lora_rank:                                    # x·Aᵀ, (N, r), saved for B's gradient
+        per_block += 4 * B * T * c.lora_rank * (2 if c.precision != "fp32" else 4)
+    if c.nf4_base and precision == "autocast":         # the base is dequantized again in
+        per_block -= 24 * C * C                        # backward: no 16-bit weight copies saved
+    if c.chunked_loss:                                 # no logits kept: their fp32 log-softmax
+        outside -= loss if s.llama else 4 * B * T * V + (2 * C * V if precision == "autocast"
+                                                         else 0)   # and the head's
+    checkpoint = (2 if bf16_weights(c) else 4) * B * T * C    # bf16 weight copy go
+    blocks = predicted_activation_bytes(L, c.segments, per_block, checkpoint)
+    cached = 0                                         # autocast caches casts of trained weights
+    if precision == "autocast" and c.segments > 1 and not c.lora_rank:
+        cached = (L - segment_sizes(L, c.segments)[1]) * 24 * C * C
+    return outside + blocks, per_block, checkpoint, cached, outside
+
+
+def bf16_weights(c: Candidate) -> bool:
+    """Whether the plan keeps bf16 weights (with fp32 masters)."""
+    return c.precision in ("mixed", "main_grad")
+
+
+def segment_sizes(depth: int, segments: int) -> tuple[int, int]:
+    """(blocks in the first segment, in the last one) of checkpoint_sequential."""
+    size = depth // segments
+    return (size if segments > 1 else depth), depth - size * (segments - 1)
+
+
+def state_bytes(s: GPTShape, c: Candidate, world_size: int) -> tuple[int, int, int, int, int]:
+    """(weights, gradients, optimizer state, gradients live while a micro-batch starts, host)."""
+    trainable = s.lora_params(c.lora_rank) if c.lora_rank else s.n_params
+    if c.zero_stage == 3:                              # FSDP: matrices sharded, 1-D kept whole
+        share = -(-(s.n_params - s.n_params_1d) // world_size) + s.n_params_1d
+        gathered = 2 * (2 if c.precision == "autocast" else 4) * s.largest
+        return 4 * share, 4 * share + gathered, 8 * share, 4 * share * (c.accumulation > 1), 0
+    precision = "mixed" if bf16_weights(c) else "fp32"
+    states = estimate.model_states(trainable, optimizer="adamw", precision=precision,
+                                   fp32_grads=c.precision == "main_grad",
+                                   zero_stage=c.zero_stage, world_size=world_size)
+    dense = 2 if bf16_weights(c) else 4
+    frozen = dense * s.n_params if c.lora_rank else 0  # the base beside the adapters
+    if c.nf4_base:                                     # its adapted weights in NF4
+        linear = s.lora_linear_weights()
+        frozen += s.depth * sum(estimate.nf4_bytes(n) - dense * n for n in linear)
+    weights = states.params + frozen
+    grads, optimizer = states.grads, states.optimizer
+    if c.state_bits == 8:                              # small tensors keep fp32 moments
+        optimizer = (estimate.model_states(trainable - s.n_params_small, precision=precision,
+                                           state_bits=8).optimizer
+                     + estimate.model_states(s.n_params_small, precision=precision).optimizer)
+    if c.offload:                                      # one gradient at a time on the device
+        host = 16 * trainable + (2 * trainable if bf16_weights(c) else 0)
+        if c.nvme:                                     # masters and moments in files, paged in
+            host = (4 * trainable + 12 * s.largest     # a tensor at a time
+                    + (2 * trainable if bf16_weights(c) else 0))
+        return weights, (weights // max(trainable, 1)) * s.largest, 0, 0, host
+    before = grads if c.accumulation > 1 or world_size > 1 or c.precision == "main_grad" \
+        else 0                           # main_grad: made up front; DDP: gradients live in
+    if c.zero_stage == 1:                                           # buckets across steps
+        grads = before = 4 * trainable                 # one flat buffer, allocated up front
+    if c.zero_stage == 2:                              # full gradients of the buckets in flight
+        grads = before = grads + min(4 * trainable, 2 * BUCKET_BYTES)
+    return weights, grads, optimizer, before, 0
+
+
+def qlora_build_bytes(s: GPTShape, c: Candidate) -> tuple[int, int]:
+    """QLoRA's build where host and device are one memory (the CPU): (the dense model with its
+    adapters, a layer's quantization temporaries (about 21 bytes per value of the first
+    block's qkv weight in fp32, 29 from bf16: fitted to the simulated build))."""
+    dense = 2 if bf16_weights(c) else 4
+    return (dense * (s.n_params + s.lora_params(c.lora_rank)),
+            (29 if dense == 2 else 21) * s.lora_linear_weights()[0])
+
+
+def offloaded_twice(s: GPTShape, c: Candidate, device_type: str) -> int:
+    """Bytes activation offload's hooks copy to the host beyond what one micro-batch saves: a
+    tensor saved by several autograd nodes is copied once for each. The Llama's, per block: the
+    RMSNorm outputs (q, k, v share one, gate and up the other: 3 more copies), SDPA's output (o_proj
+    saves a view of it), the rotary's cos and sin (buffers, copied for q and for k), and on the
+    CPU each RMSNorm's fp32 input and rstd, saved twice by its composite (and the final norm's);
+    checkpointed blocks save only their input. The GPT's are counted once: 0."""
+    if not s.llama:
+        return 0
+    e = 2 if bf16_weights(c) else 4
+    N, C, d = c.micro_batch * s.seq_len, s.width, s.width // s.heads
+    norm = 4 * N * C + 4 * N if device_type == "cpu" else 0
+    block = 2 * norm + 3 * e * N * C + e * N * d * s.heads + 4 * e * s.seq_len * d
+    kept = segment_sizes(s.depth, c.segments)[1] if c.segments > 1 else s.depth   # blocks not
+    return kept * block + norm                        # checkpointed save all of theirs
