@@ -19,6 +19,7 @@ from companion.plan import predict_seconds, simulate
 from companion.plan.costmodel import CostModel
 from companion.plan.named import format_plans, plan_named
 from companion.plan.simulation import _FusedRMSNorm
+from companion.plan.training import build
 
 SMALL = functools.partial(Llama, 256, 64, 64, 4, 4, kv_heads=2, intermediate=160)
 
@@ -49,6 +50,12 @@ def test_the_shape_of_a_llama_counts_its_blocks():
     (Candidate(4, 2, segments=2, activation_offload=True), 0.005),
     (Candidate(8, precision="mixed", activation_offload=True), 0.005),
     (Candidate(8, offload=True, activation_offload=True), 0.005),
+    (Candidate(8, lora_rank=8), 0.02),      # frozen norms and head: less saved, a little high
+    (Candidate(2, 4, segments=2, lora_rank=8), 0.02),
+    (Candidate(8, precision="mixed", lora_rank=8), 0.02),
+    (Candidate(8, lora_rank=8, chunked_loss=8, activation_offload=True), 0.02),
+    (Candidate(8, lora_rank=8, nf4_base=True), 0.02),
+    (Candidate(8, precision="mixed", lora_rank=8, nf4_base=True), 0.02),
 ])
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_each_lever_predicts_the_simulated_llama_step(cand, tolerance, device_type):
@@ -86,6 +93,17 @@ def test_activation_offload_puts_every_copy_on_the_host():
     assert host == pytest.approx(simulate(SMALL, cand).host_peak, rel=0.005)
 
 
+def test_lora_adapts_the_seven_linears_of_each_llama_block():
+    shape, block = GPTShape.of(SMALL), SMALL().blocks[0]
+    linears = (block.q_proj, block.k_proj, block.v_proj, block.o_proj, block.gate_proj,
+               block.up_proj, block.down_proj)
+    assert shape.lora_params(4) == 4 * 4 * sum(m.in_features + m.out_features for m in linears)
+    setup = build(SMALL, Candidate(8, lora_rank=4))
+    trainable = [p for p in setup.model.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == shape.lora_params(4)
+    assert len(trainable) == shape.trainable_tensors(4) == 2 * 7 * 4
+
+
 def test_a_gpt_formula_would_miss_the_llama():
     shape = GPTShape.of(SMALL)
     as_gpt = dataclasses.replace(shape, llama=False)
@@ -121,7 +139,8 @@ def test_the_fused_rms_norm_of_the_simulation_is_torch_s():
 def test_levers_without_a_llama_formula_are_not_offered():
     shape = GPTShape.of(SMALL)
     one = candidates(shape, 8, allow=EXACT + LOW_PRECISION + ("lora", "qlora"))
-    assert one and not any(c.lora_rank or c.precision == "autocast" for c in one)
+    assert one and not any(c.precision == "autocast" for c in one)
+    assert any(c.nf4_base for c in one) and any(c.lora_rank and not c.nf4_base for c in one)
     several = candidates(shape, 8, world_size=2, allow=EXACT + LOW_PRECISION)
     assert all(c.zero_stage == 3 for c in several if c.precision == "autocast")
     assert any(c.precision == "autocast" for c in several)
@@ -185,7 +204,7 @@ def test_the_command_line_plans_llama_3_8b():
     assert text.returncode == 0, text.stderr
     assert "llama-3-8b: 8,030,261,248 parameters" in text.stdout
     assert "ZeRO-3" in text.stdout and "1. " in text.stdout and "CUDA context" in text.stdout
-    assert "Not searched for a Llama:" in text.stdout and "LoRA and QLoRA" in text.stdout
+    assert "Not searched for a Llama:" in text.stdout and "autocast but under" in text.stdout
     data = json.loads(subprocess.run(run + ["--json"], capture_output=True, text=True,
                                      timeout=300).stdout)
     assert data["plans"] and all(r["gpu_bytes"] <= data["budget"] for r in data["plans"])

@@ -8,9 +8,9 @@ does the course GPT's. Each plan that fits is printed with its GPU memory by lin
 tensors, the context, workspaces, NCCL, rounding and fragmentation: `plan.budget`) and its step
 time by part (`predict_seconds`, at the named GPU's speeds). A Llama shape is predicted as the
 course's GPT is (`companion.plan.predict`: its own activations, GQA, SwiGLU, tied embeddings,
-q/k/v biases) with every lever but LoRA, QLoRA and autocast outside ZeRO-3; its simulated step
-runs RMSNorm as CUDA's fused kernel saves. Llama 3 8B on 8 H100s: by formula in ~5 s on this
-course's CPU; the chosen plan's ZeRO-3 step simulated on fake tensors takes ~40 s more.
+q/k/v biases) with every lever but autocast outside ZeRO-3 (LoRA on its seven Linears); its
+simulated step runs RMSNorm as CUDA's fused kernel saves. Llama 3 8B on 8 H100s: by formula in
+~5 s on this course's CPU; the chosen plan's ZeRO-3 step simulated on fake tensors ~40 s more.
 
 Not levers yet: tensor and pipeline parallelism, sequence parallelism and context parallelism
 (a model whose layer does not fit one GPU is out of reach here), expert parallelism.

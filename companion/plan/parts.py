@@ -40,10 +40,15 @@ def activation_bytes(s: GPTShape, c: Candidate,
         outside = estimate.gpt_activations(B, T, C, 0, h, V, precision=precision,
                                            device_type=device_type)  # embeddings, final LN, loss
     per_block = (full - outside) // L
+    if s.llama and c.lora_rank:                        # frozen RMSNorm weights and head: the
+        cpu = device_type == "cpu"                     # CPU's fp32 x·rstd (the weight's
+        per_block -= 2 * 4 * B * T * C * cpu           # product saves it) and the head's input
+        outside -= (4 * cpu + (2 if precision == "bf16" else 4)) * B * T * C   # are not saved
     if precision == "bf16":
         outside += 2 * B * T * V                       # the loss's log-softmax is fp32 here
     if c.lora_rank:                                    # x·Aᵀ, (N, r), saved for B's gradient
-        per_block += 4 * B * T * c.lora_rank * (2 if c.precision != "fp32" else 4)
+        per_block += (len(s.lora_linear_shapes()) * B * T * c.lora_rank
+                      * (2 if c.precision != "fp32" else 4))
     if c.nf4_base and precision == "autocast":         # the base is dequantized again in
         per_block -= 24 * C * C                        # backward: no 16-bit weight copies saved
     if c.chunked_loss:                                 # no logits kept: their fp32 log-softmax

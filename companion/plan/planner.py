@@ -11,9 +11,10 @@ Example:
     >>> print(p)                   # the table, then the choice explained
     >>> report = p.run(10)         # losses, measured peak (under the budget)
 
-Simplified vs real planners (DeepSpeed's autotuner, Colossal-AI's): one model family (the
-course GPT), one optimizer (AdamW), a cost model with assumed speeds (`CostModel`) instead of
-timed trial steps, and ranks that run the course's own ZeRO on one machine.
+Simplified vs real planners (DeepSpeed's autotuner, Colossal-AI's): two model families with
+formulas (the course GPT and the Llama shape; others take `anymodel`'s slower path), one
+optimizer (AdamW), a cost model with assumed speeds (`CostModel`) instead of timed trial steps,
+and ranks that run the course's own ZeRO on one machine.
 """
 from __future__ import annotations
 
@@ -202,8 +203,8 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
 
     Args:
         model_fn: builds the model when called as model_fn(dtype=..., device=...): a
-            `companion.models.GPT`, e.g. functools.partial(GPT, vocab, seq_len, width, depth,
-            heads, fused_attention=True).
+            `companion.models.GPT` or `Llama`, e.g. functools.partial(GPT, vocab, seq_len,
+            width, depth, heads, fused_attention=True) (`plan.configs` builds published ones).
         batch: sequences per optimizer step, over all ranks (the effective batch: every plan
             keeps it, splitting it into micro-batches when it accumulates).
         budget: bytes per device ("24 GiB"), all of it: on CUDA the plan's lines (`budget`:

@@ -29,16 +29,18 @@ The Llama (`companion.models.Llama`: Llama, Mistral, Qwen2 shapes). Its activati
 tensors; always SDPA, so no (T, T) term and fused attention is no lever), on "cuda" with the
 fused RMSNorm's saved tensors. Two phases of its own: the last block's backward (through
 SwiGLU's product: every block's activations but down_proj's input, the head's, final norm's and
-down_proj's gradients, the product's gradient in and two out, 3·e·N·I, the residual's e·N·C: the
-peak when a chunked loss leaves the head small), and with activation offload the first
+down_proj's gradients, the product's gradient in and two out, 3·e·N·I, the residual's e·N·C:
+the peak when a chunked loss leaves the head small), and with activation offload the first
 block's, which brings back one node's tensors at a time, that product's two (N, I) inputs, not
 the whole block's. The host then holds each saved tensor once per node that saved it
 (`parts.offloaded_twice`: the norm outputs q, k and v all save, and more). Tied embeddings
 (the head's gradient is the embedding's) and Qwen2's q, k, v biases are read off the model.
-Searched on it: every lever but LoRA and QLoRA and bf16 autocast outside ZeRO-3
-(`space.LLAMA_NOT_SEARCHED` says why); ZeRO-3's autocast is FSDP computing in bf16, which the
-formula covers. On a small Llama the predictions land within 1.1% of the simulated step for
-every lever, on one rank and two (tests/test_plan_llama.py).
+LoRA and QLoRA adapt its seven Linears (q, k, v, o, gate, up, down); its frozen RMSNorms and
+head then save less (no x·rstd on the CPU, no head input). Searched on it: every lever but bf16
+autocast outside ZeRO-3 (`space.LLAMA_NOT_SEARCHED` says why); ZeRO-3's autocast is FSDP
+computing in bf16, which the formula covers. On a small Llama the predictions land within 1.1%
+of the simulated step for every lever (LoRA's and QLoRA's within 2%, high), on one rank and two
+(tests/test_plan_llama.py).
 
 Time. `CostModel` adds, with no overlap: matmul FLOPs (forward 2·N·(params in matmuls) plus
 attention's 4·N·T·C per block, backward twice that, or once with LoRA's frozen weights, the

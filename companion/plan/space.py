@@ -9,9 +9,9 @@ A plan (`Candidate`) sets one value per lever of the course:
 predictions need off the model, built under FakeTensorMode (no memory allocated).
 
 Simplified vs real planners: two model families (`companion.models.GPT`, and `Llama`, without
-the levers `LLAMA_NOT_SEARCHED` names), AdamW only, LoRA on the GPT blocks' four Linear layers at
-one rank, checkpointing by `checkpoint_sequential` segments (no selective policies), and ZeRO,
-offload, LoRA and 8-bit states not combined with each other.
+the levers `LLAMA_NOT_SEARCHED` names), AdamW only, LoRA on every Linear of each block (the
+GPT's four, the Llama's seven) at one rank, checkpointing by `checkpoint_sequential` segments
+(no selective policies), and ZeRO, offload, LoRA and 8-bit states not combined with each other.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from torch._subclasses import FakeTensorMode
 from companion.models import GPT, Llama
 
 __all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS",
-           "LOSS_CHUNKS", "LLAMA_NOT_SEARCHED",
+           "LOSS_CHUNKS", "LLAMA_NOT_SEARCHED", "LLAMA_LORA_TARGETS",
            "GPTShape", "Candidate", "candidates", "capstone_model"]
 
 TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "main_grad", "zero",
@@ -41,12 +41,11 @@ FEWER_BITS = ("adam8bit", "qlora")             # chapter 11: Adam's moments in 8
 PRECISIONS = ("fp32", "autocast", "mixed", "main_grad")   # "main_grad": bf16 weights, fp32
                                                # gradients (Megatron's 18 B with Adam)
 LOSS_CHUNKS = 8                                # slices of the chunked cross-entropy
-LORA_TARGETS = ("qkv", "proj", "fc", "out")    # the Linear layers of each block
+LORA_TARGETS = ("qkv", "proj", "fc", "out")    # the Linear layers of each GPT block
+LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LLAMA_NOT_SEARCHED = (                         # for a Llama, and why
-    "LoRA and QLoRA (training.build adapts the GPT's qkv, proj, fc and out Linears; a Llama's "
-    "q, k, v, o, gate, up and down, and their adapters' bytes, are not wired in)",
     "bf16 autocast but under ZeRO-3 (no formula for what a Llama saves under autocast, whose "
-    "casts differ between the CPU and CUDA; FSDP's bf16 compute is the bf16 model's)")
+    "casts differ between the CPU and CUDA; FSDP's bf16 compute is the bf16 model's)",)
 
 
 def capstone_model(S, *, seed: int = 0) -> Callable[..., GPT]:
@@ -128,20 +127,25 @@ class GPTShape:
         return self.block_matmul_params() + 2 * self.width + bias
 
     def lora_params(self, rank: int) -> int:
-        """Trainable parameters of rank-`rank` adapters on every block's four Linear layers:
-        r·(in + out) each, so r·(C + 3C + C + C + C + 4C + 4C + C) = 16·r·C per block."""
-        return self.depth * 16 * rank * self.width
+        """Trainable parameters of rank-`rank` adapters on every block's adapted Linears:
+        r·(in + out) each; the GPT's four r·(C + 3C + C + C + C + 4C + 4C + C) = 16·r·C."""
+        return self.depth * rank * sum(i + o for i, o in self.lora_linear_shapes())
 
     def trainable_tensors(self, lora_rank: int = 0) -> int:
         """Tensors the optimizer steps: every parameter, or two adapter matrices per adapted
         Linear with LoRA."""
         return 2 * len(self.lora_linear_weights()) * self.depth if lora_rank else self.n_tensors
 
-    def lora_linear_weights(self) -> list[int]:
-        """Elements of each Linear weight the adapters sit on, per block: qkv (3C, C), proj
-        (C, C), fc (4C, C), out (C, 4C); QLoRA stores these in NF4."""
-        C = self.width
-        return [3 * C * C, C * C, 4 * C * C, 4 * C * C]
+    def lora_linear_weights(self) -> list[int]:    # per block; QLoRA's NF4 ones
+        return [i * o for i, o in self.lora_linear_shapes()]
+
+    def lora_linear_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) features of each Linear LoRA adapts, per block: GPT qkv (C, 3C),
+        proj (C, C), fc (C, 4C), out (4C, C); Llama q, k, v, o, gate, up, down."""
+        C, I, kv = self.width, self.intermediate, self.kv_heads * (self.width // self.heads)
+        if self.llama:
+            return [(C, C), (C, kv), (C, kv), (C, C), (C, I), (C, I), (I, C)]
+        return [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +293,7 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
             continue                       # adapters' states are already tiny
         if nf4 and not r or r and not nf4 and "lora" not in allow:
             continue                       # QLoRA is LoRA on an NF4 base
-        if shape.llama and (r or p == "autocast" and z != 3):
+        if shape.llama and p == "autocast" and z != 3:
             continue                       # LLAMA_NOT_SEARCHED says why
         out.append(Candidate(m, per_rank // m, s, p, z, off, r, b, nf4, a, ch, f, d))
     return out

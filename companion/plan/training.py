@@ -38,7 +38,8 @@ from companion.activation_offload import OffloadActivations
 from companion.chunked_loss import chunked_cross_entropy
 from companion.nvme import NVMeOffloadOptimizer
 from companion.offload import CPUOffloadOptimizer
-from companion.plan.space import LORA_TARGETS, Candidate
+from companion.models import Llama
+from companion.plan.space import LLAMA_LORA_TARGETS, LORA_TARGETS, Candidate
 from companion.zero import FSDP, ShardedOptimizer
 
 __all__ = ["CheckpointedBlocks", "Setup", "build", "micro_step", "optimizer_step", "train_step"]
@@ -104,7 +105,13 @@ def _quantized_on_host(model_fn: Callable[..., nn.Module], cand: Candidate) -> n
     """QLoRA's model as a quantizing loader leaves it: made on the host, each adapted Linear
     weight replaced by its NF4 codes (one layer at a time), ready to move to the device."""
     model = model_fn(dtype=_dtype(cand), device="cpu")
-    return lowbit.apply_qlora(model, cand.lora_rank, targets=LORA_TARGETS)
+    return lowbit.apply_qlora(model, cand.lora_rank, targets=_lora_targets(model))
+
+
+def _lora_targets(model: nn.Module) -> tuple[str, ...]:
+    """The Linear layers LoRA adapts: a Llama's q, k, v, o, gate, up and down; a GPT's qkv,
+    proj, fc and out."""
+    return LLAMA_LORA_TARGETS if isinstance(model, Llama) else LORA_TARGETS
 
 
 def _copy_in(model: nn.Module) -> None:
@@ -146,7 +153,7 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
         model = model_fn(dtype=_dtype(cand), device=device)
     cand.check_depth(len(model.blocks))
     if cand.lora_rank and not cand.nf4_base:
-        lora.apply_lora(model, cand.lora_rank, targets=LORA_TARGETS)   # base frozen
+        lora.apply_lora(model, cand.lora_rank, targets=_lora_targets(model))   # base frozen
     if cand.segments > 1:
         model.blocks = CheckpointedBlocks(model.blocks, cand.segments)
     net, optimizer, master = _optimizer(cand, model, world_size, lr)
