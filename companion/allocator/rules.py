@@ -9,7 +9,8 @@ The rules, from c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.x; the pools are de
 1. every request is rounded up to a multiple of 512 bytes (kMinBlockSize);
 2. a request of at most 1 MiB (kSmallSize) is served from the small pool, a larger one from the
    large pool;
-3. a free cached block of the pool is reused if one is large enough: the smallest such (best fit);
+3. a free cached block of the pool is reused if one is large enough: the smallest such (best fit),
+   of equal ones the lowest address (`BlockComparatorSize` orders by stream, size, then pointer);
    it is split when the rest is worth keeping (small pool: at least 512 bytes; large pool: more
    than 1 MiB), else the whole block is handed out, rest included;
 4. otherwise a new segment is asked from the driver (cudaMalloc): 2 MiB for the small pool
@@ -26,6 +27,10 @@ Example:
     >>> replay(t).peak_reserved                # what the allocator would hold at its peak
     >>> replay(t, cap=8 * 2**30).fits          # does the step run under a cap of 8 GiB?
 
+`validate.replay_snapshot` replays a recorded CUDA trace through these rules: on a real training
+step it makes PyTorch's 7 cudaMallocs and places all 1,935 requests at PyTorch's addresses (see
+there what that trace does and does not exercise).
+
 PyTorch's own `torch.distributed._tools.mem_tracker.MemTracker` rounds each tensor to 512 bytes
 and stops there: no pools, no segments, no fragmentation.
 
@@ -40,7 +45,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 
 from companion.placement import DEVICE
 
@@ -105,22 +109,27 @@ class OutOfMemory(Exception):
 
 
 class CachingAllocator:
-    """The rules of the module docstring, on numbers: `malloc(nbytes) -> handle`, `free(handle)`;
+    """The rules of the module docstring, on numbers: `malloc(nbytes) -> address`, `free(address)`;
     `allocated` (bytes of live blocks, rounded), `reserved` (bytes of segments) and their peaks.
     `cap`: the most bytes of segments it may hold (None: no limit); past it `malloc` raises
-    `OutOfMemory` after releasing the wholly free segments, as PyTorch does."""
+    `OutOfMemory` after releasing the wholly free segments, as PyTorch does.
+
+    Addresses are made up (each new segment right after the last one) unless a subclass's
+    `_segment_address` says otherwise; equal-sized free blocks go by address, as PyTorch's
+    `BlockComparatorSize` orders them. `adopt_segment` takes over a segment that exists already
+    (a recorded snapshot's, with its live blocks)."""
 
     def __init__(self, *, cap: int | None = None):
         self.cap = cap
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
         self._free = {"small": [], "large": []}     # sorted (size, segment, offset) per pool
-        self._segments: dict[int, list[list]] = {}   # segment -> its blocks [offset, size, free]
+        self._segments: dict[int, list[list]] = {}   # address -> blocks [offset, size, free]
         self._pool: dict[int, str] = {}
-        self._live: dict[int, tuple[int, list]] = {}  # handle -> (segment, block)
-        self._ids = itertools.count()
+        self._live: dict[int, tuple[int, list]] = {}  # block address -> (segment, block)
+        self._end = 0                                # the made-up address space's top
 
     def malloc(self, nbytes: int) -> int:
-        """Place a request; its handle for `free`."""
+        """Place a request; its block's address, for `free`."""
         size = block_bytes(max(int(nbytes), 1))
         pool = "small" if size <= SMALL_REQUEST else "large"
         found = self._best_fit(pool, size)
@@ -134,16 +143,11 @@ class CachingAllocator:
             blocks.insert(blocks.index(block) + 1, tail)
             bisect.insort(self._free[pool], (rest, segment, tail[0]))
             block[1] = size
-        block[2] = False
-        handle = next(self._ids)
-        self._live[handle] = (segment, block)
-        self.allocated += block[1]
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        return handle
+        return self._hand_out(segment, block)
 
-    def free(self, handle: int) -> None:
+    def free(self, address: int) -> None:
         """Return a block to its pool, merged with free neighbours (rule 5)."""
-        segment, block = self._live.pop(handle)
+        segment, block = self._live.pop(address)
         self.allocated -= block[1]
         blocks, pool = self._segments[segment], self._free[self._pool[segment]]
         i = blocks.index(block)
@@ -156,13 +160,44 @@ class CachingAllocator:
         block[2] = True
         bisect.insort(pool, (block[1], segment, block[0]))
 
-    def release_cached(self) -> None:
-        """Give every wholly free segment back to the driver (what a failed cudaMalloc does)."""
-        for segment, blocks in list(self._segments.items()):
-            if len(blocks) == 1 and blocks[0][2]:
-                self._free[self._pool[segment]].remove((blocks[0][1], segment, 0))
-                self.reserved -= blocks[0][1]
-                del self._segments[segment], self._pool[segment]
+    def release_cached(self) -> list[int]:
+        """Give every wholly free segment back to the driver (what a failed cudaMalloc and
+        `torch.cuda.empty_cache` do); the addresses of those released."""
+        released = [seg for seg, blocks in self._segments.items()
+                    if len(blocks) == 1 and blocks[0][2]]
+        for segment in released:
+            self._free[self._pool[segment]].remove((self._segments[segment][0][1], segment, 0))
+            self.reserved -= self._segments[segment][0][1]
+            del self._segments[segment], self._pool[segment]
+        return released
+
+    def adopt_segment(self, address: int, nbytes: int, *, small: bool,
+                      live: list[tuple[int, int]] = ()) -> list[int]:
+        """Hold a segment made before this allocator started: `live` blocks as (address, bytes),
+        each freed later by its address; the gaps between them are free blocks. Returns the
+        live blocks' addresses."""
+        pool, blocks, at = "small" if small else "large", [], address
+        for start, size in sorted(live) + [(address + nbytes, 0)]:
+            if start > at:
+                blocks.append([at - address, start - at, True])
+                bisect.insort(self._free[pool], (start - at, address, at - address))
+            if size:
+                blocks.append([start - address, size, False])
+            at = start + size
+        self._add_segment(address, nbytes, pool, blocks)
+        return [self._hand_out(address, block) for block in blocks if not block[2]]
+
+    def segments(self) -> dict[int, list[tuple[int, int, bool]]]:
+        """Each segment's address -> its blocks as (address, bytes, free), in address order."""
+        return {seg: [(seg + b[0], b[1], b[2]) for b in blocks]
+                for seg, blocks in sorted(self._segments.items())}
+
+    def _hand_out(self, segment: int, block: list) -> int:
+        block[2] = False
+        self._live[segment + block[0]] = (segment, block)
+        self.allocated += block[1]
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return segment + block[0]
 
     def _best_fit(self, pool: str, size: int):
         free = self._free[pool]
@@ -173,6 +208,10 @@ class CachingAllocator:
         block = next(b for b in self._segments[segment] if b[0] == offset)
         return segment, block
 
+    def _segment_address(self, nbytes: int) -> int:
+        """Where a new segment of `nbytes` lies: right after the highest one so far."""
+        return self._end
+
     def _new_segment(self, pool: str, size: int):
         nbytes = segment_bytes(size)
         if self.cap is not None and self.reserved + nbytes > self.cap:
@@ -181,12 +220,15 @@ class CachingAllocator:
                 raise OutOfMemory(f"a new {_mib(nbytes)} segment with {_mib(self.reserved)} "
                                   f"reserved ({_mib(self.allocated)} allocated) would pass the "
                                   f"cap of {_mib(self.cap)}")
-        segment = next(self._ids)
-        block = [0, nbytes, True]
-        self._segments[segment], self._pool[segment] = [block], pool
+        segment, block = self._segment_address(nbytes), [0, nbytes, True]
+        self._add_segment(segment, nbytes, pool, [block])
+        return segment, block
+
+    def _add_segment(self, address: int, nbytes: int, pool: str, blocks: list[list]) -> None:
+        self._segments[address], self._pool[address] = blocks, pool
+        self._end = max(self._end, address + nbytes)
         self.reserved += nbytes
         self.peak_reserved = max(self.peak_reserved, self.reserved)
-        return segment, block
 
 
 @dataclasses.dataclass(frozen=True)
