@@ -236,26 +236,3 @@ def test_the_replay_of_a_real_cuda_step_matches_the_allocators_reserve():
     from companion.allocator import cublas_workspace
     modelled = replay(t).peak_reserved + cublas_workspace(torch.cuda.get_device_capability())
     assert abs(modelled / real - 1) < 0.15, (modelled, real)
-
-
-def _snapshot(events, segments):
-    trace = [{"action": a, "addr": addr, "size": size, "stream": 0} for a, addr, size in events]
-    return {"segments": [{"device": 0, "total_size": n} for n in segments],
-            "device_traces": [trace]}
-
-
-def test_a_recorded_trace_replays_to_the_recorded_segments():
-    from companion.allocator import replay_snapshot
-    MiB = 2**20
-    events = [("free_completed", 99, 4 * MiB),            # allocated before the recording: skipped
-              ("alloc", 1, 3 * MiB), ("segment_alloc", 1000, 20 * MiB), ("alloc", 2, 3 * MiB),
-              ("alloc", 3, 100_000), ("segment_alloc", 2000, 2 * MiB),
-              ("alloc", 4, 15 * MiB + 1), ("segment_alloc", 3000, 16 * MiB),   # 14 MiB left
-              ("free_completed", 2, 3 * MiB)]
-    found = replay_snapshot(_snapshot(events, [2 * MiB, 16 * MiB, 20 * MiB]))
-    assert found["same_end"] and found["requests"] == 4 and found["streams"] == 1
-    assert found["modelled_made"] == found["recorded_made"] == [2 * MiB, 16 * MiB, 20 * MiB]
-    # a large request in a 20 MiB segment of its own is not what PyTorch does (from 10 MiB on:
-    # a segment of its size rounded to 2 MiB): a snapshot that says so does not match the model
-    wrong = replay_snapshot(_snapshot(events, [2 * MiB, 20 * MiB, 20 * MiB]))
-    assert not wrong["same_end"]

@@ -4,7 +4,8 @@
 step reserves, fragmentation included, predicted from a simulated step). `overheads`: what a GPU
 holds beyond the tensors a step makes (the CUDA context, cuBLAS's and attention's workspaces,
 NCCL's buffers, a conversion's temporary, `record_stream`'s backlog), each with its source.
-`snapshot`: reading a real run's memory snapshot (`torch.cuda.memory._snapshot`).
+`snapshot`: reading a real run's memory snapshot (`torch.cuda.memory._snapshot`). `validate`:
+that snapshot's trace replayed through `rules`, each cudaMalloc set beside PyTorch's.
 """
 from companion.allocator.overheads import (CONTEXT_BYTES, NCCL_BUFFSIZE, Overhead, context,
                                            conversion_temporary, measure_context,
@@ -14,12 +15,14 @@ from companion.allocator.rules import (BLOCK, LARGE_REQUEST, LARGE_ROUNDING, LAR
                                        SMALL_REQUEST, SMALL_SEGMENT, CachingAllocator, OutOfMemory,
                                        Replay, block_bytes, cublas_workspace, headroom, replay,
                                        reserved_bytes, segment_bytes)
-from companion.allocator.snapshot import (growing_batches, replay_snapshot, snapshot_report,
-                                          snapshot_timeline)
+from companion.allocator.snapshot import growing_batches, snapshot_report, snapshot_timeline
+from companion.allocator.validate import (SegmentEvent, SnapshotReplay, format_replay,
+                                          replay_snapshot)
 
-__all__ = ["snapshot_report", "snapshot_timeline", "replay_snapshot", "growing_batches", "block_bytes",
-           "segment_bytes", "reserved_bytes", "headroom", "cublas_workspace", "CachingAllocator",
-           "OutOfMemory", "Replay", "replay", "Overhead", "CONTEXT_BYTES", "context",
-           "conversion_temporary", "flash_backward_workspace", "nccl_buffers",
-           "record_stream_backlog", "step_overheads", "measure_context", "NCCL_BUFFSIZE", "BLOCK", "SMALL_REQUEST", "SMALL_SEGMENT",
+__all__ = ["snapshot_report", "snapshot_timeline", "growing_batches", "replay_snapshot",
+           "format_replay", "SnapshotReplay", "SegmentEvent", "block_bytes", "segment_bytes",
+           "reserved_bytes", "headroom", "cublas_workspace", "CachingAllocator", "OutOfMemory",
+           "Replay", "replay", "Overhead", "CONTEXT_BYTES", "context", "conversion_temporary",
+           "flash_backward_workspace", "nccl_buffers", "record_stream_backlog", "step_overheads",
+           "measure_context", "NCCL_BUFFSIZE", "BLOCK", "SMALL_REQUEST", "SMALL_SEGMENT",
            "LARGE_SEGMENT", "LARGE_REQUEST", "LARGE_ROUNDING"]

@@ -15,7 +15,8 @@ that made them); `snapshot_timeline` replays its trace into bytes live after eac
 curve `MemoryTracker.timeline()` draws on the CPU. `growing_batches` runs the case the CUDA
 documentation gives for `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (a batch that grows
 step by step) in a fresh process, with and without the setting, and returns peak reserved against
-peak allocated.
+peak allocated. `validate.replay_snapshot` replays a snapshot's trace through the modelled
+allocator and sets each cudaMalloc beside PyTorch's.
 
 Example (on a GPU):
     >>> torch.cuda.memory._record_memory_history(max_entries=100_000)
@@ -36,7 +37,7 @@ import sys
 
 import torch
 
-__all__ = ["snapshot_report", "snapshot_timeline", "replay_snapshot", "growing_batches"]
+__all__ = ["snapshot_report", "snapshot_timeline", "growing_batches"]
 
 def _where(frames: list[dict]) -> str:
     """The innermost Python frame of a block's stack outside PyTorch: "file.py:12 in fn", without
@@ -92,41 +93,6 @@ def snapshot_timeline(snapshot: dict, *, device: int = 0) -> dict[str, list[int]
         out["allocated"].append(allocated)
         out["reserved"].append(reserved)
     return out
-
-
-def replay_snapshot(snapshot: dict, *, device: int = 0) -> dict:
-    """The recorded trace's requests replayed through `rules.CachingAllocator`, set beside what
-    PyTorch's allocator did: its segments at the end (`snapshot["segments"]`, by size) against the
-    model's, and the segments each made during the recording. The model starts empty: segments
-    that existed before the recording began (a trace is a ring buffer) are made by the model too,
-    so their count is the recorded end's less the recorded `segment_alloc`s; frees of blocks
-    allocated before the recording are skipped. One stream is modelled (the trace says how many).
-
-    Checked on a recorded training snapshot (JasperSolt/EoR_NN, snapshot.pickle: 1,935 requests
-    of 32 sizes, 1 B to 8.1 MiB, on one stream): the model ends on the recorded 4 small and 6 large segments,
-    128 MiB, to the byte."""
-    from companion.allocator.rules import CachingAllocator
-
-    trace = (snapshot.get("device_traces") or [[]])[device]
-    model, live = CachingAllocator(), {}
-    made = []
-    for entry in trace:
-        action, addr = entry["action"], entry.get("addr")
-        if action == "alloc":
-            before = set(model._segments)
-            live[addr] = model.malloc(entry["size"])
-            made += [sum(b[1] for b in model._segments[k]) for k in set(model._segments) - before]
-        elif action == "free_completed" and addr in live:
-            model.free(live.pop(addr))
-    recorded = sorted(seg["total_size"] for seg in snapshot.get("segments", [])
-                      if seg.get("device", device) == device)
-    modelled = sorted(sum(b[1] for b in blocks) for blocks in model._segments.values())
-    return {"requests": sum(e["action"] == "alloc" for e in trace),
-            "streams": len({e.get("stream", 0) for e in trace}),
-            "recorded_segments": recorded, "modelled_segments": modelled,
-            "recorded_made": sorted(e["size"] for e in trace if e["action"] == "segment_alloc"),
-            "modelled_made": sorted(made), "same_end": recorded == modelled,
-            "modelled_peak_reserved": model.peak_reserved}
 
 
 def _growing_batches_here(width: int, depth: int, start: int, steps: int) -> dict:
