@@ -1,0 +1,107 @@
+"""companion.session: the threads a chapter's kernel picks, its seeds, and every chapter calling it."""
+import json
+import pathlib
+import random
+
+import pytest
+import torch
+
+from companion import session
+
+COURSE = pathlib.Path(__file__).resolve().parent.parent / "course"
+
+
+@pytest.mark.parametrize("cores, load, threads", [
+    (1, 0.0, 1), (2, 0.0, 1), (2, 3.0, 1),          # 2 cores: one thread, quiet or busy
+    (4, 0.0, 2), (8, 0.0, 4), (16, 0.5, 8),          # quiet: half the cores
+    (8, 6.0, 1), (8, 4.5, 2), (16, 12.0, 3),         # busy: the idle cores less one
+    (8, 20.0, 1),                                    # overloaded: still one
+])
+def test_threads_are_half_the_cores_at_most_and_leave_a_busy_machine_its_cores(cores, load, threads):
+    assert session.choose_threads(cores, load) == threads
+
+
+@pytest.mark.parametrize("cores, load", [(0, 0.0), (2.0, 0.0), (True, 0.0), (2, -1.0),
+                                         (2, float("nan")), (2, "1")])
+def test_threads_refuse_bad_input_with_a_message(cores, load):
+    with pytest.raises(ValueError, match="cores|load"):
+        session.choose_threads(cores, load)
+
+
+def test_usable_cores_are_lowered_to_a_containers_quota(tmp_path, monkeypatch):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")      # 1.5 CPUs -> 2 cores
+    monkeypatch.setattr(session, "_CGROUP_V2", tmp_path / "cpu.max")
+    monkeypatch.setattr(session.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert session.usable_cores() == 2
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert session.usable_cores() == 16
+
+
+def test_usable_cores_read_cgroup_v1_and_survive_no_cgroup(tmp_path, monkeypatch):
+    monkeypatch.setattr(session, "_CGROUP_V2", tmp_path / "absent")
+    monkeypatch.setattr(session, "_CGROUP_V1", tmp_path)
+    monkeypatch.setattr(session.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert session.usable_cores() == 4                          # no files: no quota
+    (tmp_path / "cpu.cfs_quota_us").write_text("100000\n")
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    assert session.usable_cores() == 1
+    (tmp_path / "cpu.cfs_quota_us").write_text("-1\n")         # v1's "no limit"
+    assert session.usable_cores() == 4
+
+
+@pytest.fixture
+def keep_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_start_picks_threads_from_cores_and_load_unless_set(monkeypatch, keep_threads, capsys):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(session, "usable_cores", lambda: 8)
+    monkeypatch.setattr(session, "_load", lambda: 6.0)
+    device, S = session.start(device="cpu")
+    assert torch.get_num_threads() == 1 and device == torch.device("cpu")
+    assert S.width == session.sizes("cpu").width
+    assert "1 thread(s) on 8 core(s), load 6.0" in capsys.readouterr().out
+    monkeypatch.setattr(session, "_load", lambda: 0.0)
+    session.start(device="cpu", quiet=True)
+    assert torch.get_num_threads() == 4                        # 8 idle cores: half
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")                   # what tasks.py test sets: kept
+    torch.set_num_threads(3)
+    session.start(device="cpu", quiet=True)
+    assert torch.get_num_threads() == 3
+    session.start(device="cpu", threads=2, quiet=True)           # an explicit count wins
+    assert torch.get_num_threads() == 2
+    with pytest.raises(ValueError, match="threads"):
+        session.start(threads=0)
+
+
+def test_start_seeds_python_and_torch(keep_threads):
+    session.start(seed=7, quiet=True)
+    a = (random.random(), torch.rand(3))
+    session.start(seed=7, quiet=True)
+    b = (random.random(), torch.rand(3))
+    assert a[0] == b[0] and torch.equal(a[1], b[1])
+    session.start(seed=8, quiet=True)
+    assert not torch.equal(torch.rand(3), a[1])
+
+
+def test_the_plot_style_draws_overlapping_lines_in_different_dashes():
+    import matplotlib as mpl
+    session.plot_style()
+    styles = [p["linestyle"] for p in mpl.rcParams["axes.prop_cycle"]]
+    assert styles[:4] == ["-", "--", ":", "-."]
+
+
+def test_progress_yields_every_item_in_order():
+    assert list(session.progress(range(5), desc="t")) == [0, 1, 2, 3, 4]
+    assert list(session.progress(iter("abc"), desc="t")) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("path", sorted(COURSE.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem)
+def test_every_chapter_starts_with_the_one_setup_call(path):
+    cells = json.loads(path.read_text())["cells"]
+    first = next("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    assert "from companion.session import start" in first and "start(" in first, path.name
+    assert "set_num_threads" not in first, "threads are start()'s to choose"
