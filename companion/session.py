@@ -93,7 +93,7 @@ def plot_style() -> None:
     })
 
 
-def start(*, seed: int = 0, device: str | torch.device | None = None,
+def start(chapter: str | None = None, *, seed: int = 0, device: str | torch.device | None = None,
           threads: int | None = None, quiet: bool = False) -> tuple[torch.device, Sizes]:
     """Set up a chapter's kernel and return `(device, S)`: the device to run on and its sizes.
 
@@ -102,7 +102,8 @@ def start(*, seed: int = 0, device: str | torch.device | None = None,
     2. Seeds Python's `random` and torch (every device) with `seed`.
     3. The device (`pick_device(device)`: CUDA when present) and its sizes (`device.sizes`).
     4. The plotting style (`plot_style`).
-    It prints one line saying what it chose, unless `quiet`.
+    It prints one line saying what it chose, unless `quiet`, and for `chapter` ("05") which
+    recorded GPU runs ship with the course (`results.recorded`): none yet, or their GPUs.
     """
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
@@ -120,7 +121,23 @@ def start(*, seed: int = 0, device: str | torch.device | None = None,
         print(f"{device.type} ({describe(device)['name']}) | torch {torch.__version__} | "
               f"{torch.get_num_threads()} thread(s) on {cores} core(s), load {load:.1f} | "
               f"seed {seed}")
+        if chapter is not None:
+            print(_recorded_line(chapter))
     return device, sizes(device)
+
+
+def _recorded_line(chapter: str) -> str:
+    """Which recorded GPU runs the chapter's last section will show beside this machine's."""
+    from companion.results import recorded
+
+    runs = recorded(chapter)
+    if not runs:
+        return (f"Recorded GPU runs for chapter {chapter}: none ships with the course yet, so its "
+                "last section shows only your numbers; every figure in the chapter is measured "
+                "here.")
+    return (f"Recorded GPU runs for chapter {chapter}: "
+            + ", ".join(f"{run['machine']} ({run['date']})" for run in runs)
+            + "; the chapter's last section sets them beside your numbers.")
 
 
 def progress(items: Iterable, *, desc: str, total: int | None = None) -> Iterator:

@@ -103,5 +103,21 @@ def test_progress_yields_every_item_in_order():
 def test_every_chapter_starts_with_the_one_setup_call(path):
     cells = json.loads(path.read_text())["cells"]
     first = next("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-    assert "from companion.session import start" in first and "start(" in first, path.name
+    assert "from companion.session import start" in first, path.name
+    assert f"start(\"{path.name[:2]}\")" in first, "start(chapter) says which GPU runs are recorded"
     assert "set_num_threads" not in first, "threads are start()'s to choose"
+
+
+def test_start_says_once_which_recorded_gpu_runs_the_chapter_has(tmp_path, monkeypatch, capsys,
+                                                                 keep_threads):
+    from companion import results
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
+    session.start("05", quiet=False)
+    assert "chapter 05: none ships with the course yet" in capsys.readouterr().out
+    (tmp_path / "h100.json").write_text(json.dumps({
+        "machine": "NVIDIA H100 80GB HBM3", "device": "cuda", "torch": "2.13.0", "cuda": "12.8",
+        "date": "2026-12-01", "chapters": {"05": {"experiment": "amp"}}}))
+    session.start("05")
+    assert "chapter 05: NVIDIA H100 80GB HBM3 (2026-12-01)" in capsys.readouterr().out
+    session.start("04")
+    assert "chapter 04: none" in capsys.readouterr().out
