@@ -20,17 +20,26 @@ def _workbook(args) -> int:
 
 
 def _reset(args) -> int:
-    from companion.notebooks import reset_workbook
+    from companion.notebooks import find_chapter, reset_workbook
 
-    for chapter in args.chapters:
+    sources, errors = [], []
+    for chapter in args.chapters:           # every argument checked before anything is moved
         try:
-            backup, fresh = reset_workbook(chapter, args.source, args.dest)
+            sources.append(find_chapter(chapter, args.source))
         except ValueError as e:
-            print(e, file=sys.stderr)
-            return 2
+            errors.append(str(e))
+    if errors:
+        print("\n".join(errors) + "\nnothing was reset", file=sys.stderr)
+        return 2
+    for chapter, src in zip(args.chapters, sources):
+        existed = (args.dest / src.name).exists()
+        backup, fresh = reset_workbook(chapter, args.source, args.dest)
         if backup is not None:
             print(f"moved   {fresh} -> {backup} (your old work, kept)")
-        print(f"created {fresh} (fresh, exercises blank)")
+        if backup is None and existed:
+            print(f"kept    {fresh} (already fresh: no backup needed)")
+        else:
+            print(f"created {fresh} (fresh, exercises blank)")
     return 0
 
 

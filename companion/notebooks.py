@@ -10,7 +10,8 @@ Source notebooks in course/ hold the solutions between nbgrader's markers:
 A learner's workbook is the same notebook with each solution replaced by a stub that raises
 NotImplementedError (with a hint of the solution's size) and all outputs cleared. `make_workbooks`
 creates only the workbooks that do not exist yet: a learner's work is never overwritten.
-`reset_workbook` gives a learner a fresh copy of one chapter after moving theirs to a backup.
+`reset_workbook` gives a learner a fresh copy of one chapter after moving theirs to a backup
+(`find_chapter` checks a chapter's name first).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import re
 
 import nbformat
 
-__all__ = ["strip_solutions", "make_workbooks", "reset_workbook", "execute", "SolutionMarkerError"]
+__all__ = ["strip_solutions", "make_workbooks", "find_chapter", "reset_workbook", "execute",
+           "SolutionMarkerError"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 _MARKER = re.compile(r"^(\s*)(### (?:BEGIN|END) SOLUTION)\s*$")
@@ -74,6 +76,17 @@ def strip_solutions(nb: nbformat.NotebookNode, *, name: str = "notebook") -> nbf
     return nb
 
 
+def _fresh_text(src: pathlib.Path) -> str:
+    """The text of a fresh workbook for source notebook `src`, as make_workbooks writes it."""
+    text = nbformat.writes(strip_solutions(nbformat.read(src, as_version=4), name=src.name))
+    return text if text.endswith("\n") else text + "\n"
+
+
+def _create(path: pathlib.Path, text: str) -> None:
+    with open(path, "x", encoding="utf-8", newline="\n") as f:   # "x": never replace a file
+        f.write(text)
+
+
 def make_workbooks(source_dir: str | pathlib.Path, dest_dir: str | pathlib.Path) -> dict[str, list]:
     """Write a workbook for each source notebook that has none yet in `dest_dir`.
 
@@ -86,11 +99,23 @@ def make_workbooks(source_dir: str | pathlib.Path, dest_dir: str | pathlib.Path)
         if dest.exists():
             report["kept"].append(dest)
             continue
-        workbook = strip_solutions(nbformat.read(src, as_version=4), name=src.name)
-        with open(dest, "x", encoding="utf-8") as f:    # "x": never replace a file
-            nbformat.write(workbook, f)
+        _create(dest, _fresh_text(src))
         report["created"].append(dest)
     return report
+
+
+def find_chapter(chapter: str, source_dir: str | pathlib.Path) -> pathlib.Path:
+    """The source notebook of chapter `chapter` ("01", "1" or "01_gradient_descent").
+
+    Raises ValueError naming `chapter` and the chapters that exist when it matches none."""
+    chapters = sorted(pathlib.Path(source_dir).glob("[0-9][0-9]_*.ipynb"))
+    key = chapter.removesuffix(".ipynb")
+    key = f"{int(key):02d}" if key.isdigit() else key
+    found = [p for p in chapters if p.stem == key or p.stem.split("_", 1)[0] == key]
+    if len(found) != 1:
+        names = ", ".join(p.stem.split("_", 1)[0] for p in chapters)
+        raise ValueError(f"no chapter {chapter!r}: choose one of {names}")
+    return found[0]
 
 
 def reset_workbook(chapter: str, source_dir: str | pathlib.Path, dest_dir: str | pathlib.Path, *,
@@ -98,17 +123,13 @@ def reset_workbook(chapter: str, source_dir: str | pathlib.Path, dest_dir: str |
     """Give chapter `chapter` ("01", "1" or "01_gradient_descent") a fresh workbook.
 
     The learner's file, if any, is first *moved* to dest_dir/backups/NN_name.<time>.ipynb (a name
-    that does not exist yet: a backup is never overwritten either). Returns (backup or None, new
-    workbook). Raises ValueError naming the chapters when `chapter` matches none."""
-    source_dir, dest_dir = pathlib.Path(source_dir), pathlib.Path(dest_dir)
-    chapters = sorted(source_dir.glob("[0-9][0-9]_*.ipynb"))
-    key = chapter.removesuffix(".ipynb")
-    key = f"{int(key):02d}" if key.isdigit() else key
-    found = [p for p in chapters if p.stem == key or p.stem.split("_", 1)[0] == key]
-    if len(found) != 1:
-        names = ", ".join(p.stem.split("_", 1)[0] for p in chapters)
-        raise ValueError(f"no chapter {chapter!r}: choose one of {names}")
-    src, mine = found[0], dest_dir / found[0].name
+    that does not exist yet: a backup is never overwritten either), unless it is byte for byte a
+    fresh workbook already: then nothing is moved or written. Returns (backup or None, workbook).
+    Raises ValueError naming the chapters when `chapter` matches none (see find_chapter)."""
+    src, dest_dir = find_chapter(chapter, source_dir), pathlib.Path(dest_dir)
+    mine, text = dest_dir / src.name, _fresh_text(src)
+    if mine.exists() and mine.read_bytes() == text.encode("utf-8"):
+        return None, mine                       # untouched: a backup would be a copy of nothing
     dest_dir.mkdir(parents=True, exist_ok=True)
     backup = None
     if mine.exists():
@@ -120,9 +141,7 @@ def reset_workbook(chapter: str, source_dir: str | pathlib.Path, dest_dir: str |
             n += 1
             backup = backup.with_name(f"{src.stem}.{stamp}-{n}.ipynb")
         mine.rename(backup)                     # same folder tree: a move, never a copy-and-delete
-    workbook = strip_solutions(nbformat.read(src, as_version=4), name=src.name)
-    with open(mine, "x", encoding="utf-8") as f:
-        nbformat.write(workbook, f)
+    _create(mine, text)
     return backup, mine
 
 

@@ -112,15 +112,16 @@ def _chapter_dir(tmp_path):
 def test_reset_keeps_the_old_workbook_as_a_backup_and_writes_a_fresh_one(tmp_path):
     source, dest = _chapter_dir(tmp_path), tmp_path / "workbook"
     make_workbooks(source, dest)
-    mine = dest / "01_a.ipynb"
-    nbformat.write(new_notebook(cells=[new_code_cell("x = 42  # my own work")]), mine)
-    work = mine.read_bytes()
-    when = datetime.datetime(2026, 1, 2, 3, 4, 5)
-    backups = [reset_workbook("1", source, dest, now=when)[0] for _ in range(3)]   # same second
+    mine, when = dest / "01_a.ipynb", datetime.datetime(2026, 1, 2, 3, 4, 5)
+    backups, works = [], []
+    for _ in range(3):                                    # three resets in the same second
+        nbformat.write(new_notebook(cells=[new_code_cell("x = 42  # my own work")]), mine)
+        works.append(mine.read_bytes())
+        backups.append(reset_workbook("1", source, dest, now=when)[0])
     assert [b.name for b in backups] == ["01_a.20260102-030405.ipynb",
                                          "01_a.20260102-030405-2.ipynb",
                                          "01_a.20260102-030405-3.ipynb"]
-    assert backups[0].read_bytes() == work               # the learner's work, byte for byte
+    assert [b.read_bytes() for b in backups] == works     # the learner's work, byte for byte
     assert "my own work" not in mine.read_text() and "NotImplementedError" in mine.read_text()
     assert (dest / "02_b.ipynb").exists()                 # other chapters untouched
 
@@ -138,15 +139,32 @@ def test_reset_of_an_unknown_chapter_names_the_chapters(tmp_path, chapter):
         reset_workbook(chapter, source, tmp_path / "workbook")
 
 
+def test_reset_of_an_untouched_workbook_makes_no_backup(tmp_path):
+    source, dest = _chapter_dir(tmp_path), tmp_path / "workbook"
+    make_workbooks(source, dest)
+    fresh = (dest / "01_a.ipynb").read_bytes()
+    assert [reset_workbook("01", source, dest)[0] for _ in range(2)] == [None, None]
+    assert (dest / "01_a.ipynb").read_bytes() == fresh and not (dest / "backups").exists()
+    (dest / "01_a.ipynb").write_bytes(fresh + b" ")       # one byte more is the learner's: kept
+    backup, _ = reset_workbook("01", source, dest)
+    assert backup.read_bytes() == fresh + b" " and (dest / "01_a.ipynb").read_bytes() == fresh
+
+
 def test_reset_command(tmp_path):
     source, dest = _chapter_dir(tmp_path), tmp_path / "workbook"
     make_workbooks(source, dest)
+    nbformat.write(new_notebook(cells=[new_code_cell("x = 42  # my own work")]), dest / "01_a.ipynb")
     args = [sys.executable, "-m", "companion", "reset", "--source", str(source), "--dest", str(dest)]
-    done = subprocess.run([*args, "01"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and "your old work, kept" in done.stdout, done.stderr
+    done = subprocess.run([*args, "01", "02"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "your old work, kept" in done.stdout and "02_b.ipynb (already fresh" in done.stdout
     assert len(list((dest / "backups").iterdir())) == 1
-    bad = subprocess.run([*args, "09"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "no chapter '09'" in bad.stderr
+    (dest / "01_a.ipynb").write_text("my work again")
+    before = {p: p.read_bytes() for p in dest.rglob("*.ipynb")}
+    bad = subprocess.run([*args, "01", "09", "x"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert "no chapter '09': choose one of 01, 02" in bad.stderr and "no chapter 'x'" in bad.stderr
+    assert {p: p.read_bytes() for p in dest.rglob("*.ipynb")} == before    # nothing moved
 
 
 HEADING = re.compile(r"^#{2,4} Exercise (\d+) · .+ \((\d+) points?\)$", re.MULTILINE)
