@@ -10,10 +10,10 @@
 skipped, with the reason, where /usr/bin/chromium is missing.
 
 Setup makes a virtual environment in .venv, installs PyTorch there if it has none (a torch you
-installed yourself, e.g. a CUDA build, is kept), then the companion package: `lab` and `reset` with
-what the course needs, `test` also with the test tools (pytest, hypothesis, Playwright, PEFT,
-bitsandbytes, and Triton on Linux). Every command is safe to re-run; the second time, setup only
-checks that nothing changed.
+installed yourself, e.g. a CUDA build, is kept; setup says so when its version is not TORCH's),
+then the companion package: `lab` and `reset` with what the course needs, `test` also with the
+test tools (pytest, hypothesis, Playwright, PEFT, bitsandbytes, and Triton on Linux). Every
+command is safe to re-run; the second time, setup only checks that nothing changed.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import venv
 ROOT = pathlib.Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".setup-stamp"
-TORCH = "torch==2.13.0"
+TORCH = "torch==2.13.0"         # the notebooks' stored outputs were made with it; README pins it
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
 
@@ -48,13 +48,30 @@ def _has(*modules: str) -> bool:
                           capture_output=True).returncode == 0
 
 
+def _torch_version() -> str | None:
+    """The version of the torch installed in .venv ("2.13.0+cpu"), or None if there is none."""
+    code = "import importlib.metadata as m; print(m.version('torch'))"
+    done = subprocess.run([str(PYTHON), "-c", code], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _torch_kept(version: str) -> None:
+    """Say that the torch in .venv is kept, and how to switch when it is not TORCH's version."""
+    _say(f"2/3 PyTorch {version} is already in .venv: kept as it is")
+    wanted = TORCH.split("==")[1]
+    if version.split("+")[0] != wanted:
+        pip = f"{VENV.name}/{BIN.name}/pip install {TORCH}"
+        print(f"   The notebooks' stored outputs were made with PyTorch {wanted}. To switch, run\n"
+              f"   {pip} with the --index-url the README gives for your hardware.", flush=True)
+
+
 def _torch_note() -> None:
     """On Linux without an NVIDIA driver, say what PyPI's default torch wheel will download."""
     if platform.system() == "Linux" and shutil.which("nvidia-smi") is None:
         print("   No NVIDIA GPU found. On Linux, PyPI's torch wheel bundles the CUDA libraries\n"
               "   (several GB). If this download is not served from a local cache, stop now\n"
               "   (Ctrl+C) and install the CPU build first, as the README says:\n"
-              "   .venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu",
+              f"   .venv/bin/pip install {TORCH} --index-url https://download.pytorch.org/whl/cpu",
               flush=True)
 
 
@@ -71,8 +88,9 @@ def setup(*, dev: bool) -> None:
         _say(f"1/3 creating the virtual environment {VENV.name}/")
         venv.create(VENV, with_pip=True)
     pip = [PYTHON, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "on"]
-    if _has("torch"):
-        _say("2/3 PyTorch is already in .venv: kept as it is")
+    version = _torch_version()
+    if version is not None:
+        _torch_kept(version)
     else:
         _say(f"2/3 installing PyTorch ({TORCH}): the CPU build is a 190 MB download (750 MB\n"
              "   installed); a CUDA build is several GB")
