@@ -11,9 +11,10 @@ skipped, with the reason, where /usr/bin/chromium is missing.
 
 Setup makes a virtual environment in .venv, installs PyTorch there if it has none (a torch you
 installed yourself, e.g. a CUDA build, is kept; setup says so when its version is not TORCH's),
-then the companion package: `lab` and `reset` with what the course needs, `test` also with the
-test tools (pytest, hypothesis, Playwright, PEFT, bitsandbytes, and Triton on Linux). Every
-command is safe to re-run; the second time, setup only checks that nothing changed.
+then the companion package: `lab` and `reset` with what the course needs (Triton too, on Linux
+x86_64, for chapter 10's kernels), `test` also with the test tools (pytest, hypothesis,
+Playwright, PEFT, bitsandbytes). Every command is safe to re-run; the second time, setup only
+checks that nothing changed.
 """
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def setup(*, dev: bool) -> None:
         _torch_note()
         _run(*pip, TORCH)
     extras = "[dev]" if dev else ""
-    _say("3/3 installing the course's packages (JupyterLab, ipywidgets, matplotlib, nbval"
+    _say("3/3 installing the course's packages (JupyterLab, ipywidgets, matplotlib, nbval,\n"
+         "   Triton on Linux: about 250 MB to download, 1 GB installed"
          + (", and the test tools: pytest, hypothesis, Playwright, PEFT, bitsandbytes)" if dev
             else ")"))
     _run(*pip, "-e", f"{ROOT}{extras}")

@@ -1,5 +1,5 @@
 """tasks.py's setup: the README's torch commands pin the version setup installs, a torch of another
-version in .venv is kept and named."""
+version in .venv is kept and named, and `lab` installs Triton where a wheel exists."""
 import pathlib
 import re
 import sys
@@ -54,3 +54,10 @@ def test_setup_installs_the_pinned_torch_into_a_venv_without_one(setup_runs, mon
     tasks.setup(dev=False)
     assert [run[-1] for run in setup_runs][0] == tasks.TORCH
 
+
+def test_lab_installs_triton_where_a_wheel_exists():
+    tomllib = pytest.importorskip("tomllib")                 # Python 3.11+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    triton = [d for d in project["dependencies"] if d.startswith("triton")]
+    assert triton and "platform_system == 'Linux'" in triton[0], (
+        "Triton belongs in the base dependencies (what `lab` installs), with its Linux marker")
