@@ -7,23 +7,27 @@ __all__ = ["memory_bars", "memory_calculator"]
 def memory_bars(rows: dict, ax=None, *, limit: float | None = None, title: str = ""):
     """Horizontal stacked bars of bytes by kind, one bar per row: {label: {kind: bytes}}.
 
-    `limit` (bytes) draws a dashed line, e.g. a GPU's memory. Returns the matplotlib Axes."""
+    `limit` (bytes) draws a dashed line, e.g. a GPU's memory. The axis is in GB (10⁹ bytes), or in
+    MiB when the largest bar is under 0.1 GB (a small model's states). Returns the Axes."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 0.6 + 0.45 * len(rows)))
     colours = {"parameters": "#1f77b4", "gradients": "#ff7f0e", "optimizer_state": "#2ca02c",
                "activations": "#d62728", "temporaries": "#9467bd"}
+    largest = max([sum(r.get(k, 0) for k in colours) for r in rows.values()] + [limit or 0])
+    scale, unit = (1e9, "GB per device (10⁹ bytes)") if largest >= 1e8 else (2**20, "MiB")
     labels = list(rows)[::-1]
     left = [0.0] * len(labels)
     for kind, colour in colours.items():
-        widths = [rows[label].get(kind, 0) / 1e9 for label in labels]
+        widths = [rows[label].get(kind, 0) / scale for label in labels]
         if any(widths):
             ax.barh(labels, widths, left=left, color=colour, label=kind.replace("_", " "))
             left = [a + b for a, b in zip(left, widths)]
     if limit is not None:
-        ax.axvline(limit / 1e9, color="k", ls="--", lw=1, label=f"{limit / 1e9:g} GB")
-    ax.set(xlabel="GB per device (10⁹ bytes)", title=title)
+        shown = f"{limit / 1e9:g} GB" if scale == 1e9 else f"{limit / 2**20:g} MiB"
+        ax.axvline(limit / scale, color="k", ls="--", lw=1, label=shown)
+    ax.set(xlabel=unit, title=title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")   # beside the bars
     return ax
 
