@@ -130,7 +130,8 @@ def triton_interpreted(timeout: float = 300.0) -> str:
     import subprocess
     import sys
     if not _has_triton():
-        return "Triton is not installed here (a Linux-only extra: pip install triton)."
+        return ("Triton is not installed here: `tasks.py lab` installs it on Linux x86_64, where "
+                "its wheels exist; elsewhere the Triton cells have nothing to run.")
     done = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "TRITON_INTERPRET": "1"})
     if done.returncode:
