@@ -118,6 +118,8 @@ class LabServer(_OwnedProcess):
                    JUPYTERLAB_SETTINGS_DIR=str(dirs["settings"]),
                    JUPYTERLAB_WORKSPACES_DIR=str(dirs["workspaces"]))
         env.pop("MPLBACKEND", None)             # the kernel picks its inline backend itself
+        env.pop("OMP_NUM_THREADS", None)        # a learner's kernel: the default threads, which
+                                                # the first cell's session.start() lowers
         return env
 
     def start(self, *, timeout: float = 120.0) -> "LabServer":
