@@ -14,8 +14,9 @@ Techniques: `gd`, `optim` (Adam from scratch, the step fused into backward), `fl
 (ZeRO stages 1-3), `offload` (ZeRO-Offload, activation offload), `nvme` (the NVMe tier), `train`
 (the `python -m companion train` launcher), `plan` (the techniques that fit a memory budget,
 chosen, proved by a simulated step, and run).
-The course itself: `widgets`, `results`, `record` (`python -m companion record`: GPU runs for
-`results`), `checks`, `notebooks`, `grading` (its parts in `grader`).
+The course itself: `session` (the one call that starts a chapter: threads, seed, device, plot
+style; progress for long cells), `widgets`, `results`, `record` (`python -m companion record`:
+GPU runs for `results`), `checks`, `notebooks`, `grading` (its parts in `grader`).
 """
 __all__ = [
     "accumulation",
@@ -47,6 +48,7 @@ __all__ = [
     "plan",
     "record",
     "results",
+    "session",
     "train",
     "widgets",
     "zero",

@@ -167,7 +167,7 @@ def test_reset_command(tmp_path):
     assert {p: p.read_bytes() for p in dest.rglob("*.ipynb")} == before    # nothing moved
 
 
-HEADING = re.compile(r"^#{2,4} Exercise (\d+) · .+ \((\d+) points?\)$", re.MULTILINE)
+HEADING = re.compile(r"^#{2,4} Exercise (\d+) · .+ \((?:optional, )?(\d+) points?\)$", re.MULTILINE)
 CHECK_CALL = re.compile(r"^(check_\w+)\(", re.MULTILINE)
 
 
