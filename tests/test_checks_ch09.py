@@ -188,7 +188,10 @@ def test_the_cases_are_not_the_notebooks_and_need_a_decision():
     _activations_offloaded,
 ], ids=["at least two micro-batches", "every lever", "bf16 autocast",
         "bf16 weights, fp32 masters on the host", "numpy floats", "activation offload"])
-def test_other_plans_that_keep_the_training_pass_too(legit):
+def test_other_plans_that_keep_the_training_pass_too(legit, monkeypatch):
+    # one drawn case, the same each run, as for the known-wrong answers below: the bf16 autocast
+    # plan of every lever is valid but not promised to fit every budget a fresh draw leaves
+    monkeypatch.setattr(ch09, "fresh_seeds", lambda n: [7 + i for i in range(n)])
     assert "under" in evaluate("check_train_within_budget", legit, cases=1)
 
 
