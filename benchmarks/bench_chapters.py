@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime as dt
 import json
 import os
 import pathlib
@@ -33,39 +32,41 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CELL_GOAL, CHAPTER_GOAL = 60.0, 300.0
 
 
-def _cell_seconds(cell: dict) -> float | None:
-    """A cell's execution time from the timing nbclient records in its metadata."""
-    timing = cell.get("metadata", {}).get("execution", {})
-    try:
-        began = dt.datetime.fromisoformat(timing["iopub.execute_input"].replace("Z", "+00:00"))
-        ended = dt.datetime.fromisoformat(timing["shell.execute_reply"].replace("Z", "+00:00"))
-    except (KeyError, ValueError):
-        return None
-    return (ended - began).total_seconds()
-
-
 def run_one(path: pathlib.Path, timeout: int) -> dict:
-    """Execute one notebook in a kernel started in its folder; its cells' times and errors."""
+    """Execute one notebook in a kernel started in its folder; each cell's wall time (from the
+    moment the client sends it to the moment its reply and output are in: what a learner waits),
+    the kernel's start, and the errors."""
     import nbclient
     import nbformat
 
     nb = nbformat.read(path, as_version=4)
+    began, seconds = time.perf_counter(), {}
+    first = []
+
+    def on_start(cell, cell_index, **_):
+        first.append(time.perf_counter()) if not first else None
+        seconds[cell_index] = -time.perf_counter()
+
+    def on_done(cell, cell_index, **_):
+        seconds[cell_index] += time.perf_counter()
+
     client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                                     resources={"metadata": {"path": str(path.parent)}})
-    began, stopped = time.perf_counter(), None
+                                     resources={"metadata": {"path": str(path.parent)}},
+                                     on_cell_start=on_start, on_cell_executed=on_done)
+    stopped = None
     try:
         client.execute()
     except Exception as e:                                  # a cell past its timeout, a dead kernel
         stopped = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     wall = time.perf_counter() - began
-    code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-    cells = [(i, _cell_seconds(c)) for i, c in code]
-    errors = [i for i, c in code for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    ran = [i for i, c in code if c.get("execution_count") is not None]
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    errors = [i for i in code for o in nb.cells[i].get("outputs", [])
+              if o.get("output_type") == "error"]
+    ran = [i for i in code if nb.cells[i].get("execution_count") is not None]
     return {"chapter": path.stem, "wall": wall, "stopped": stopped, "errors": errors,
-            "reached_end": stopped is None and bool(code) and ran[-1:] == [code[-1][0]],
-            "cells": [(i, s) for i, s in cells if s is not None],
-            "threads": os.environ.get("OMP_NUM_THREADS", "default")}
+            "reached_end": stopped is None and bool(code) and ran[-1:] == code[-1:],
+            "startup": (first[0] - began) if first else wall,
+            "cells": [(i, s) for i, s in seconds.items() if s > 0]}
 
 
 def _run_in_process(path: pathlib.Path, timeout: int) -> dict:
@@ -77,7 +78,7 @@ def _run_in_process(path: pathlib.Path, timeout: int) -> dict:
     except (IndexError, ValueError):
         return {"chapter": path.stem, "wall": float("nan"), "stopped": "the runner failed: "
                 + (done.stderr.strip().splitlines() or ["no output"])[-1][:200],
-                "errors": [], "reached_end": False, "cells": [], "threads": "default"}
+                "errors": [], "reached_end": False, "cells": [], "startup": float("nan")}
 
 
 def _workbooks(chapters: list[str], source: bool, folder: pathlib.Path) -> list[pathlib.Path]:
@@ -95,11 +96,13 @@ def _workbooks(chapters: list[str], source: bool, folder: pathlib.Path) -> list[
 
 
 def report(results: list[dict]) -> str:
-    lines = [f"{'chapter':28} {'wall':>8} {'end':>4} {'errors':>7}  slowest cells (index: seconds)"]
+    lines = [f"{'chapter':28} {'wall':>8} {'start':>6} {'end':>4} {'errors':>7}  "
+             "slowest cells (index: seconds)"]
     for r in sorted(results, key=lambda r: r["chapter"]):
         slow = sorted(r["cells"], key=lambda c: -c[1])[:4]
         flag = " <- over 5 min" if r["wall"] > CHAPTER_GOAL else ""
-        lines.append(f"{r['chapter']:28} {r['wall']:7.0f}s {'yes' if r['reached_end'] else 'NO':>4} "
+        lines.append(f"{r['chapter']:28} {r['wall']:7.0f}s {r['startup']:5.0f}s "
+                     f"{'yes' if r['reached_end'] else 'NO':>4} "
                      f"{len(r['errors']):>7}  " + ", ".join(
                          f"[{i}] {s:.0f}s" + (" (over 60 s)" if s > CELL_GOAL else "")
                          for i, s in slow) + flag)
