@@ -147,8 +147,9 @@ def progress(items: Iterable, *, desc: str, total: int | None = None) -> Iterato
 
     total = total if total is not None else (len(items) if hasattr(items, "__len__") else None)
     bar = tqdm(items, desc=desc, total=total)
-    began = time.perf_counter()
+    began = time.perf_counter()          # host clock: the learner's wait, device work included
     for i, item in enumerate(bar):
         yield item
         if i == 0 and total:
-            bar.set_postfix_str(f"about {(time.perf_counter() - began) * total:.0f} s in all")
+            first = time.perf_counter() - began       # host clock, as above
+            bar.set_postfix_str(f"about {first * total:.0f} s in all")
