@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 VIEWPORT = {"width": 1280, "height": 900}
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 _PANEL = "window.jupyterapp.shell.currentWidget"
+_OUTER = "document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer')"
 _DONE_PROMPT = re.compile(r"^\[\d+\]:?$")
 
 
@@ -160,22 +161,25 @@ class LabPage:
         """A PNG of the whole notebook: the window is made as tall as the notebook, then put
         back."""
         size = self.page.viewport_size
-        extra = self.page.evaluate("""() => {
-            const outer = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer');
-            if (!outer) return 0;
-            outer.scrollTop = 0;
-            return outer.scrollHeight - outer.clientHeight;
-        }""")
-        height = min(size["height"] + max(extra, 0), max_height)
-        self.page.set_viewport_size({"width": size["width"], "height": height})
-        try:
-            try:        # a notebook taller than max_height never fits: take its top part
-                self.page.wait_for_function("""() => {
-                    const outer = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer');
-                    return !outer || outer.scrollHeight <= outer.clientHeight + 1;
-                }""", timeout=10_000)
+        height = size["height"]
+        for _ in range(4):          # a taller window makes the notebook a little taller: again
+            client, scroll = self.page.evaluate(f"""() => {{
+                const outer = {_OUTER};
+                if (!outer) return [0, 0];
+                outer.scrollTop = 0;
+                return [outer.clientHeight, outer.scrollHeight];
+            }}""")
+            if scroll - client <= 1 or height >= max_height:    # fits; or too tall: its top part
+                break
+            grown = min(height + scroll - client, max_height)
+            self.page.set_viewport_size({"width": size["width"], "height": grown})
+            try:                    # until the notebook's panel has grown with the window
+                self.page.wait_for_function(f"h => {_OUTER}.clientHeight >= h",
+                                            arg=client + grown - height, timeout=10_000)
             except Exception:
-                pass
+                break
+            height = grown
+        try:
             self.page.screenshot(path=str(path))
         finally:
             self.page.set_viewport_size(size)
