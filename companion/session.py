@@ -29,15 +29,26 @@ __all__ = ["start", "usable_cores", "choose_threads", "plot_style", "progress"]
 
 _CGROUP_V2 = pathlib.Path("/sys/fs/cgroup/cpu.max")
 _CGROUP_V1 = pathlib.Path("/sys/fs/cgroup/cpu")
+_SELF_CGROUP = pathlib.Path("/proc/self/cgroup")
+_CPUS = pathlib.Path("/sys/devices/system/cpu")
+MAX_THREADS = 4        # the course's models are small: past 4 threads nothing runs faster
 
 
 def _cgroup_cores() -> float | None:
     """The CPU quota of this process's cgroup in cores (a container limited to 1.5 CPUs: 1.5), or
-    None where there is no quota or no cgroup file to read (macOS, Windows, no limit)."""
+    None where there is no quota or no cgroup file to read (macOS, Windows, no limit). cgroup v2
+    reads this process's own group (a systemd slice, a container) before the root's."""
     try:
-        if _CGROUP_V2.exists():
-            quota, period = _CGROUP_V2.read_text().split()[:2]
-            return None if quota == "max" else int(quota) / int(period)
+        own = [line.split("::", 1)[1] for line in _SELF_CGROUP.read_text().splitlines()
+               if line.startswith("0::")]
+    except OSError:
+        own = []
+    try:
+        mine = [_CGROUP_V2.parent / own[0].lstrip("/") / "cpu.max"] if own else []
+        for path in mine + [_CGROUP_V2]:
+            if path.exists():
+                quota, period = path.read_text().split()[:2]
+                return None if quota == "max" else int(quota) / int(period)
         quota = int((_CGROUP_V1 / "cpu.cfs_quota_us").read_text())
         period = int((_CGROUP_V1 / "cpu.cfs_period_us").read_text())
         return None if quota <= 0 else quota / period
@@ -45,37 +56,62 @@ def _cgroup_cores() -> float | None:
         return None
 
 
+def _physical(cpus: set[int]) -> int | None:
+    """How many physical cores the logical CPUs `cpus` sit on (two hyper-threads of one core count
+    once), from Linux's topology files, else psutil's count; None where neither answers."""
+    try:
+        cores = {((_CPUS / f"cpu{c}" / "topology" / "physical_package_id").read_text().strip(),
+                  (_CPUS / f"cpu{c}" / "topology" / "core_id").read_text().strip()) for c in cpus}
+        return len(cores)
+    except OSError:
+        pass
+    try:
+        import psutil
+        return psutil.cpu_count(logical=False)
+    except (ImportError, AttributeError):
+        return None
+
+
 def usable_cores() -> int:
-    """The cores this process may run on: its CPU affinity (or the machine's count), lowered to a
-    container's CPU quota when there is one."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    """The physical cores this process may run on: those under its CPU affinity (or the machine's),
+    lowered to a container's CPU quota when there is one."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(
+        range(os.cpu_count() or 1))
+    cores = min(len(cpus), _physical(cpus) or len(cpus))
     quota = _cgroup_cores()
     if quota is not None:
-        cores = min(cores or 1, max(1, math.ceil(quota)))
-    return max(1, cores or 1)
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
 
 
 def choose_threads(cores: int, load: float) -> int:
-    """The intra-op threads for the course's CPU work on `cores` cores with a 1-minute load average
-    of `load`: half the cores at most (the kernel, the browser and the rest of the machine keep the
-    others), and no more than the cores left idle, less one; never fewer than one.
+    """The intra-op threads for the course's CPU work on `cores` physical cores with a 1-minute load
+    average of `load`: half the cores at most (the kernel, the browser and the rest of the machine
+    keep the others), no more than the cores left idle, less one, and MAX_THREADS at most; never
+    fewer than one.
 
     The course's models are small: a second thread saves little on a quiet machine and costs 7-11x
-    on a busy one, so on 2 cores this is always 1.
+    on a busy one, so on 2 cores (a laptop's 2 cores with 4 hyper-threads too) this is always 1.
     """
     if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
         raise ValueError(f"cores must be a positive int, got {cores!r}")
     if not isinstance(load, (int, float)) or math.isnan(load) or load < 0:
         raise ValueError(f"load must be a non-negative number, got {load!r}")
     idle = cores - load
-    return max(1, min(cores // 2, math.floor(idle) - 1))
+    return max(1, min(cores // 2, math.floor(idle) - 1, MAX_THREADS))
 
 
 def _load() -> float:
-    """The 1-minute load average, or 0 where the system does not report one (Windows)."""
+    """The 1-minute load average (psutil's estimate on Windows), or 0 where none is known. It is
+    read once, when the chapter starts: a machine that gets busier later keeps the count."""
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
+        pass
+    try:
+        import psutil
+        return psutil.getloadavg()[0]
+    except (ImportError, AttributeError, OSError):
         return 0.0
 
 
@@ -133,8 +169,7 @@ def _recorded_line(chapter: str) -> str:
     runs = recorded(chapter)
     if not runs:
         return (f"Recorded GPU runs for chapter {chapter}: none ships with the course yet, so its "
-                "last section shows only your numbers; every figure in the chapter is measured "
-                "here.")
+                "last section shows only your numbers.")
     return (f"Recorded GPU runs for chapter {chapter}: "
             + ", ".join(f"{run['machine']} ({run['date']})" for run in runs)
             + "; the chapter's last section sets them beside your numbers.")

@@ -113,10 +113,14 @@ _COMMON = (torch.Tensor, list, dict, str, tuple, set, int, float, torch.nn.Modul
            torch.Size, torch.optim.Optimizer)
 
 
-def _shown(attr: str, before: str) -> bool:
-    """`attr` appears in what the learner has read: as `.attr`, or in backticks (`attr` or a
-    call such as `attr(...)`)."""
-    return re.search(rf"\.{attr}\b|`{attr}\b", before) is not None
+def _shown(attr: str, prose: str, code: str) -> bool:
+    """`attr` appears in what the learner has read: in prose as `.attr` or in backticks (`attr`,
+    or a call `attr(...)`); in code as an attribute read or a keyword (`x.attr`, `attr=...`),
+    import lines left out (`from companion.offload import ...` shows no `.offload` attribute)."""
+    code = "\n".join(line for line in code.splitlines()
+                     if not line.lstrip().startswith(("import ", "from ")))
+    return (re.search(rf"\.{attr}\b|`{attr}\b", prose) is not None
+            or re.search(rf"\.{attr}\b|\b{attr}=", code) is not None)
 
 
 def _exercises():
@@ -130,10 +134,12 @@ def _exercises():
 @pytest.mark.parametrize("path, index", list(_exercises()))
 def test_every_name_an_exercise_needs_is_defined_or_shown_before_it(path, index):
     cells = _cells(path)
-    defined, read = set(), ""
+    defined, prose, code = set(), "", ""
     for cell in cells[:index]:
-        read += _src(cell) + "\n"
+        if cell["cell_type"] == "markdown":
+            prose += _src(cell) + "\n"
         if cell["cell_type"] == "code":
+            code += _src(cell) + "\n"
             defined |= _bound_at_top(ast.parse(_python(_src(cell))))
     tree = ast.parse(_python(_src(cells[index])))
     defined |= _bound_at_top(tree)
@@ -141,6 +147,6 @@ def test_every_name_an_exercise_needs_is_defined_or_shown_before_it(path, index)
         free, attrs = _needs(fn)
         assert free <= defined, f"{path.name} cell {index}: {sorted(free - defined)} never defined"
         unshown = sorted(f"{obj}.{attr}" for obj, attr in attrs
-                         if not any(hasattr(t, attr) for t in _COMMON) and not _shown(attr, read))
+                         if not any(hasattr(t, attr) for t in _COMMON) and not _shown(attr, prose, code))
         assert not unshown, (f"{path.name} cell {index}: {fn.name} reads {unshown}, which nothing "
                              "before it shows the learner")

@@ -14,7 +14,8 @@ COURSE = pathlib.Path(__file__).resolve().parent.parent / "course"
 
 @pytest.mark.parametrize("cores, load, threads", [
     (1, 0.0, 1), (2, 0.0, 1), (2, 3.0, 1),          # 2 cores: one thread, quiet or busy
-    (4, 0.0, 2), (8, 0.0, 4), (16, 0.5, 8),          # quiet: half the cores
+    (4, 0.0, 2), (8, 0.0, 4), (6, 0.0, 3),           # quiet: half the cores,
+    (16, 0.5, 4), (64, 0.0, 4),                      # and 4 at most
     (8, 6.0, 1), (8, 4.5, 2), (16, 12.0, 3),         # busy: the idle cores less one
     (8, 20.0, 1),                                    # overloaded: still one
 ])
@@ -29,25 +30,58 @@ def test_threads_refuse_bad_input_with_a_message(cores, load):
         session.choose_threads(cores, load)
 
 
-def test_usable_cores_are_lowered_to_a_containers_quota(tmp_path, monkeypatch):
-    (tmp_path / "cpu.max").write_text("150000 100000\n")      # 1.5 CPUs -> 2 cores
-    monkeypatch.setattr(session, "_CGROUP_V2", tmp_path / "cpu.max")
+@pytest.fixture
+def no_cgroup(tmp_path, monkeypatch):
+    """No cgroup files and no topology files: the tests below add what each needs."""
+    monkeypatch.setattr(session, "_CGROUP_V2", tmp_path / "absent" / "cpu.max")
+    monkeypatch.setattr(session, "_CGROUP_V1", tmp_path / "absent")
+    monkeypatch.setattr(session, "_SELF_CGROUP", tmp_path / "absent" / "cgroup")
+    monkeypatch.setattr(session, "_CPUS", tmp_path / "absent")
+    monkeypatch.setattr(session, "_physical", lambda cpus: None)
+    return tmp_path
+
+
+def test_usable_cores_are_lowered_to_a_containers_quota(no_cgroup, monkeypatch):
+    root = no_cgroup / "fs"
+    (root / "user.slice").mkdir(parents=True)
+    monkeypatch.setattr(session, "_CGROUP_V2", root / "cpu.max")
     monkeypatch.setattr(session.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    (root / "cpu.max").write_text("150000 100000\n")             # 1.5 CPUs -> 2 cores
     assert session.usable_cores() == 2
-    (tmp_path / "cpu.max").write_text("max 100000\n")
+    (root / "cpu.max").write_text("max 100000\n")
     assert session.usable_cores() == 16
+    (no_cgroup / "cgroup").write_text("0::/user.slice\n")          # this process's own group
+    monkeypatch.setattr(session, "_SELF_CGROUP", no_cgroup / "cgroup")
+    (root / "user.slice" / "cpu.max").write_text("300000 100000\n")
+    assert session.usable_cores() == 3
 
 
-def test_usable_cores_read_cgroup_v1_and_survive_no_cgroup(tmp_path, monkeypatch):
-    monkeypatch.setattr(session, "_CGROUP_V2", tmp_path / "absent")
-    monkeypatch.setattr(session, "_CGROUP_V1", tmp_path)
+def test_usable_cores_read_cgroup_v1_and_survive_no_cgroup(no_cgroup, monkeypatch):
+    v1 = no_cgroup / "v1"
+    v1.mkdir()
+    monkeypatch.setattr(session, "_CGROUP_V1", v1)
     monkeypatch.setattr(session.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     assert session.usable_cores() == 4                          # no files: no quota
-    (tmp_path / "cpu.cfs_quota_us").write_text("100000\n")
-    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
     assert session.usable_cores() == 1
-    (tmp_path / "cpu.cfs_quota_us").write_text("-1\n")         # v1's "no limit"
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")               # v1's "no limit"
     assert session.usable_cores() == 4
+
+
+def test_two_hyper_threads_of_one_core_count_once(tmp_path, monkeypatch):
+    for cpu, core in enumerate((0, 1, 0, 1)):                   # a 2-core laptop, 4 threads
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text("0\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    monkeypatch.setattr(session, "_CPUS", tmp_path)
+    assert session._physical({0, 1, 2, 3}) == 2
+    assert session._physical({0, 2}) == 1                       # affinity to one core's threads
+    monkeypatch.setattr(session.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(session, "_cgroup_cores", lambda: None)
+    assert session.usable_cores() == 2
+    assert session.choose_threads(session.usable_cores(), 0.0) == 1
 
 
 @pytest.fixture
