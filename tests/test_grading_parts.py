@@ -1,6 +1,7 @@
 """The grader's parts, without running notebooks: what it expects of a notebook, what it reads back
 from a sandbox, how it writes reports, what it reverts."""
 import csv
+import dataclasses
 import hashlib
 import io
 import json
@@ -300,3 +301,20 @@ def test_the_sandbox_runs_as_another_user_under_limits_it_cannot_raise():
         assert child.proc is None                    # killed, with its process group
     finally:
         child.kill()
+
+
+def test_a_deep_dives_exercise_is_read_as_optional_and_totalled_apart():
+    """Chapter 05's FP8 exercises sit in a deep dive: the report marks them, the table gives the
+    core's total beside theirs, and the CSV carries the column."""
+    chapter = read_chapter(gn.source("05"))
+    optional = {ex.name for ex in chapter.exercises if ex.optional}
+    assert optional == {"to_e4m3", "choose_scaling"}, optional
+    rows = [Row("w.ipynb", ex.name, False, 0, ex.points, "not done yet", "not done", "",
+                "05", ex.optional) for ex in chapter.exercises]
+    rows[0] = dataclasses.replace(rows[0], passed=True, points=rows[0].max_points)
+    core = sum(ex.points for ex in chapter.exercises if not ex.optional)
+    table = format_table(rows)
+    assert (f"w.ipynb (05): {rows[0].points}/11 (core {rows[0].points}/{core}, optional deep "
+            f"dives 0/4)") in table
+    assert table.count("(optional)") == 2
+    assert "a.ipynb: 2/3\n" in format_table([Row("a.ipynb", "x", True, 2, 3, "ok", "passed")]) + "\n"

@@ -246,7 +246,7 @@ class Batch:
             passed = status == "passed" and r.get("passed") is True
             message = str(r.get("message", f"not graded: {reason or 'no result'}"))
             rows.append(Row(str(path), ex.name, passed, ex.points if passed else 0, ex.points,
-                            message, status, "; ".join(flags), chapter.path.name))
+                            message, status, "; ".join(flags), chapter.path.name, ex.optional))
         return rows
 
     def _fallback(self, path, flags, reason, chapter=None, *, status="not graded") -> list[Row]:
@@ -254,7 +254,7 @@ class Batch:
         if chapter is None or not chapter.exercises:
             return [Row(str(path), "-", False, 0, 0, reason, status, flags, "")]
         return [Row(str(path), ex.name, False, 0, ex.points, reason, status, flags,
-                    chapter.path.name) for ex in chapter.exercises]
+                    chapter.path.name, ex.optional) for ex in chapter.exercises]
 
     def _ran_as(self, job: _Job) -> str:
         cap = "" if self.spec["limits"]["memory"] else "; no memory cap"

@@ -35,6 +35,7 @@ class Exercise:
     solution_cell_id: str      # the cell holding the solution (the same one, or the one before)
     references: tuple[str, ...]
     timeout: float
+    optional: bool = False     # under "### Exercise N · ... (optional, P points)": a deep dive's
 
     @property
     def name(self) -> str:
@@ -106,8 +107,13 @@ def read_chapter(path: str | pathlib.Path) -> Chapter:
         registry = _registry(nb.cells)
     except Exception as e:
         return Chapter(path, [], ids, f"its checks do not import ({type(e).__name__}: {e})")
-    exercises, solution_id = [], ""
+    exercises, solution_id, optional = [], "", False
     for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("#") and " Exercise " in line:
+                    optional = "(optional," in line     # the heading the next check is under
+            continue
         if cell.cell_type != "code":
             continue
         if "### BEGIN SOLUTION" in cell.source:
@@ -118,7 +124,7 @@ def read_chapter(path: str | pathlib.Path) -> Chapter:
             exercises.append(Exercise(
                 name, info.points, arg.id if isinstance(arg, ast.Name) else "", cell.get("id", ""),
                 ast.dump(node.value), ast.unparse(node.value), solution_id, info.reference,
-                info.timeout))
+                info.timeout, optional))
     return Chapter(path, exercises, ids)
 
 

@@ -26,6 +26,7 @@ class Row:
     status: str = ""       # passed, failed, not done, tampered, reference, not graded, ...
     flags: str = ""        # for the instructor: how it ran, what to look at
     chapter: str = ""
+    optional: bool = False  # a deep dive's exercise: counted in the total, and shown apart
 
 
 def escape_csv(value):
@@ -77,11 +78,17 @@ def format_table(rows: list[Row], *, columns: int = 100) -> str:
     for notebook in dict.fromkeys(r.notebook for r in rows):
         mine = [r for r in rows if r.notebook == notebook]
         chapter = f" ({mine[0].chapter})" if mine[0].chapter else ""
+        core = [r for r in mine if not r.optional]
+        apart = (f" (core {sum(r.points for r in core)}/{sum(r.max_points for r in core)}, "
+                 f"optional deep dives {sum(r.points for r in mine if r.optional)}/"
+                 f"{sum(r.max_points for r in mine if r.optional)})"
+                 if len(core) < len(mine) else "")
         lines.append(f"{notebook}{chapter}: {sum(r.points for r in mine)}/"
-                     f"{sum(r.max_points for r in mine)}")
+                     f"{sum(r.max_points for r in mine)}{apart}")
         for r in mine:
             mark = "pass" if r.passed else (r.status or "failed").upper()
-            head = f"  {mark:<10}  {r.exercise:<{width}}  {r.points}/{r.max_points}  "
+            head = (f"  {mark:<10}  {r.exercise:<{width}}  {r.points}/{r.max_points}  "
+                    + ("(optional) " if r.optional else ""))
             text = [piece for line in (r.message or "").splitlines()
                     for piece in textwrap.wrap(line, max(columns - len(head), 30)) or [""]]
             lines.append(head + (text[0] if text else ""))
