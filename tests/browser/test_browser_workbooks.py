@@ -21,7 +21,9 @@ from labdriver import course_notebooks
 from labpage import VIEWPORT, LabPage
 from widget_interactions import DISPLAY_JS, FALLBACK, INTERACTIONS
 
-pytestmark = pytest.mark.browser
+# pyproject's 300 s a test would count a notebook's Run All (the first test's setup: 105 s for
+# 06_data_parallel on a busy 2-core machine) before run_all's own limit of 900 s
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(1200)]
 
 STUB = 'raise NotImplementedError("Exercise:'
 CHECK_CALL = re.compile(r"^check_\w+\(", re.MULTILINE)
