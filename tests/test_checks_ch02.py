@@ -225,7 +225,7 @@ def test_a_hang_fails_within_the_time_limit(check):
     start = time.monotonic()
     with pytest.raises(CheckFailed, match="did not finish"):
         check(_hang, timeout=0.3)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30        # stopped at the limit: slack for a loaded machine
 
 
 def test_checks_draw_fresh_inputs(monkeypatch):

@@ -392,7 +392,7 @@ def test_bad_input_fails_clearly_and_in_time(name, garbage, match):
     start = time.monotonic()
     with pytest.raises(CheckFailed, match=match):
         evaluate(name, garbage, timeout=3)
-    assert time.monotonic() - start < 3 + 5
+    assert time.monotonic() - start < 3 + 30    # the garbage that never returns sleeps 10,000 s
 
 
 def test_the_checks_give_up_on_an_answer_at_the_courses_limit():
@@ -409,4 +409,4 @@ def test_an_answer_that_never_returns_fails_at_the_real_limit_once():
     start = time.monotonic()
     with pytest.raises(CheckFailed, match="did not finish within 60 s"):
         evaluate("check_train_within_budget", _sleeps)
-    assert time.monotonic() - start < 65
+    assert time.monotonic() - start < 90        # once at 60 s: a limit per case would be 120+

@@ -62,7 +62,7 @@ def test_every_bad_answer_fails_cleanly_and_quickly(name):
     start = time.monotonic()
     with pytest.raises(CheckFailed) as info:
         check_double_for_tests(BAD[name])
-    assert time.monotonic() - start < 3.0
+    assert time.monotonic() - start < 30        # the 1 s limit, not the 60 s sleep, ended it
     assert str(info.value).startswith("check_double_for_tests: ")
     assert isinstance(info.value, AssertionError)
 

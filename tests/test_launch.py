@@ -60,7 +60,7 @@ def _assert_gone(folder, n):
     pids = [int(open(os.path.join(folder, f"{r}.pid")).read()) for r in range(n)
             if os.path.exists(os.path.join(folder, f"{r}.pid"))]
     assert pids, "the workers never started"
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30        # they are killed already: this only polls for it
     while time.monotonic() < deadline:
         alive = [pid for pid in pids if _alive(pid)]
         if not alive:
@@ -90,8 +90,8 @@ def test_results_come_back_in_rank_order_and_arguments_are_copied():
 def test_a_rank_that_raises_is_named_with_its_traceback_and_all_ranks_end(tmp_path):
     start = time.monotonic()
     with pytest.raises(launch.WorkerError) as info:
-        launch.run(_raise_on_rank_one, 3, str(tmp_path), timeout=20)
-    assert time.monotonic() - start < 15
+        launch.run(_raise_on_rank_one, 3, str(tmp_path), timeout=120)
+    assert time.monotonic() - start < 60    # ended by the error, not at the deadline (0.2 s here)
     assert info.value.rank == 1
     assert "rank one is broken" in str(info.value) and "_raise_on_rank_one" in str(info.value)
     _assert_gone(tmp_path, 3)
@@ -101,7 +101,7 @@ def test_a_hanging_rank_is_ended_at_the_deadline_with_its_stack(tmp_path):
     start = time.monotonic()
     with pytest.raises(launch.WorkerTimeout) as info:
         launch.run(_hang_on_rank_zero, 2, str(tmp_path), timeout=2)
-    assert time.monotonic() - start < 8
+    assert time.monotonic() - start < 40    # at the deadline, not after the 60 s hang (2.3 s here)
     assert 0 in info.value.ranks
     assert "_hang_on_rank_zero" in info.value.stacks[0]
     _assert_gone(tmp_path, 2)
