@@ -16,6 +16,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """Each test leaves torch's thread count as it found it. One that left 2 threads made every
+    later test on its xdist worker 4-40x slower (on 2 cores, two workers' OpenMP threads wait for
+    each other)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def repo() -> pathlib.Path:
     return REPO

@@ -245,11 +245,12 @@ def _tied_all(rank, world):
 
 
 def test_param_groups_frozen_and_tied_parameters_and_consolidated_state():
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         params, state, _, _, _ = launch.run(_tied_run, 1, "torch", 1, timeout=30)[0]
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
     results = launch.run(_tied_all, 2, timeout=60)
     for rank, by_kind in enumerate(results):
         for kind, (got, consolidated, shard, launched, frozen_untouched) in by_kind.items():
