@@ -262,3 +262,16 @@ def test_a_layout_answer_off_by_a_little_fails():
     """Exact comparison: an answer off in the last place for one layout does not pass."""
     with pytest.raises(CheckFailed):
         ch02.check_max_finite(lambda e, m, fn: max_finite(e, m, fn) * (1 + 2.0**-40 if e == 3 else 1))
+
+
+@pytest.mark.parametrize("hint, answer", [
+    ("stops shrinking", lambda w, e, m: 2.0 ** (math.floor(math.log2(w)) - m - 1)),
+    ("not w itself", lambda w, e, m: w * 2.0 ** (-m - 1)),
+])
+def test_the_subnormal_case_names_one_mistake_in_every_draw(hint, answer):
+    """A subnormal that is a power of two made both answers return the same wrong number, and
+    the hint named whichever came first (failed CI once): the case is an odd multiple now."""
+    for _ in range(20):
+        with pytest.raises(CheckFailed) as failure:
+            ch02.check_rounding_threshold(answer)
+        assert hint in str(failure.value)
