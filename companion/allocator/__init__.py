@@ -11,7 +11,8 @@ from companion.allocator.overheads import (CONTEXT_BYTES, NCCL_BUFFSIZE, Overhea
                                            conversion_temporary, measure_context,
                                            flash_backward_workspace, nccl_buffers,
                                            record_stream_backlog, step_overheads)
-from companion.allocator.rules import (BLOCK, LARGE_REQUEST, LARGE_ROUNDING, LARGE_SEGMENT,
+from companion.allocator.rules import (BLOCK, CUBLAS_DEFAULT, CUBLAS_LARGE, LARGE_REQUEST,
+                                       LARGE_ROUNDING, LARGE_SEGMENT, AllocatorConfig,
                                        SMALL_REQUEST, SMALL_SEGMENT, CachingAllocator, OutOfMemory,
                                        Replay, block_bytes, cublas_workspace, headroom, replay,
                                        reserved_bytes, segment_bytes)
@@ -21,7 +22,8 @@ from companion.allocator.validate import (SegmentEvent, SnapshotReplay, format_r
 
 __all__ = ["snapshot_report", "snapshot_timeline", "growing_batches", "replay_snapshot",
            "format_replay", "SnapshotReplay", "SegmentEvent", "block_bytes", "segment_bytes",
-           "reserved_bytes", "headroom", "cublas_workspace", "CachingAllocator", "OutOfMemory",
+           "reserved_bytes", "headroom", "cublas_workspace", "CUBLAS_DEFAULT", "CUBLAS_LARGE",
+           "AllocatorConfig", "CachingAllocator", "OutOfMemory",
            "Replay", "replay", "Overhead", "CONTEXT_BYTES", "context", "conversion_temporary",
            "flash_backward_workspace", "nccl_buffers", "record_stream_backlog", "step_overheads",
            "measure_context", "NCCL_BUFFSIZE", "BLOCK", "SMALL_REQUEST", "SMALL_SEGMENT",

@@ -7,7 +7,8 @@ holds:
   in pytorch/pytorch#86509); "around 400MB" (pytorch/pytorch#109888, PyTorch's CUDA maintainer);
   426 MiB on an RTX 6000 Ada with torch 2.10 and CUDA 13 (unslothai/unsloth-zoo#1053). The plan
   counts `CONTEXT_BYTES` = 512 MiB, above all three, until a GPU measures its own (`context`);
-- cuBLAS's workspace, through the allocator (`rules.cublas_workspace`);
+- cuBLAS's workspace, through the allocator: 8,519,680 bytes, or 32 MiB on compute capabilities
+  9 to 12 (`rules.cublas_workspace`, read from PyTorch's CublasHandlePool.cpp);
 - FlashAttention-2's backward scratch, through the allocator: an fp32 dq accumulator
   (B, T rounded up to 128, heads, head size rounded up to 32) and the fp32 softmax_d (B, heads,
   T rounded): mha_bwd in flash_api.cpp (Dao-AILab/flash-attention, vendored by PyTorch in
@@ -119,8 +120,8 @@ def step_overheads(gpu=None, *, world_size: int = 1, attention: tuple[int, int, 
                   else (9, 0))
     lines = [context(measured=context_bytes),
              Overhead("cuBLAS workspace", cublas_workspace(capability),
-                      "cublasSetWorkspace's recommendation for compute capability "
-                      f"{capability[0]}.{capability[1]}")]
+                      "PyTorch's default for compute capability "
+                      f"{capability[0]}.{capability[1]} (CublasHandlePool.cpp)")]
     if attention is not None:
         lines.append(flash_backward_workspace(*attention))
     if world_size > 1:

@@ -56,7 +56,7 @@ def mlp_step_peak(d_in: int, width: int, depth: int, d_out: int, *, batch: int,
     Adam's temporaries, two of the largest weight in the CPU's per-tensor loop, 4 bytes per
     parameter with foreach (CUDA's default). On CUDA every tensor is also rounded up to the
     allocator's 512-byte blocks (`companion.allocator.block_bytes`). cuBLAS's workspace is not
-    in it: measure after a warm-up matmul (its size is an estimate, `allocator.cublas_workspace`).
+    in it: measure after a warm-up matmul (its size: `allocator.cublas_workspace`).
     """
     from companion.allocator import block_bytes
     shapes = [(width, d_in), (width,)] + [(width, width), (width,)] * (depth - 1) + \
