@@ -177,3 +177,16 @@ def test_replay_with_settings_on_a_tracked_run_of_growing_batches():
     for r in (plain, grown):
         assert sum(n for seg in r.layout.values() for _, n, _ in seg) == r.peak_reserved
         assert r.stats["reserved_bytes.all.peak"] == r.peak_reserved
+
+
+def test_the_growing_batches_trace_replays_without_a_gpu():
+    from companion.allocator import growing_batches_trace
+    trace = growing_batches_trace(width=256, depth=2, start=3000, steps=4)
+    # weights and gradients 2 x (256 x 256 + 256 + 10 x 256 + 10) fp32 at least, and the largest
+    # batch's (3003, 256) activations
+    assert trace.peak >= 2 * 4 * (256 * 256 + 256 + 2570) + 4 * 3003 * 256
+    plain, grown = replay(trace), replay(trace, config="expandable_segments:True")
+    assert plain.peak_allocated == grown.peak_allocated
+    assert grown.peak_reserved <= plain.peak_reserved
+    with pytest.raises(ValueError, match="positive whole number"):
+        growing_batches_trace(steps=0)

@@ -16,11 +16,13 @@ from companion.allocator.rules import (BLOCK, CUBLAS_DEFAULT, CUBLAS_LARGE, LARG
                                        SMALL_REQUEST, SMALL_SEGMENT, CachingAllocator, OutOfMemory,
                                        Replay, block_bytes, cublas_workspace, headroom, replay,
                                        reserved_bytes, segment_bytes)
-from companion.allocator.snapshot import growing_batches, snapshot_report, snapshot_timeline
+from companion.allocator.snapshot import (growing_batches, growing_batches_trace, snapshot_report,
+                                          snapshot_timeline)
 from companion.allocator.validate import (SegmentEvent, SnapshotReplay, format_replay,
                                           replay_snapshot)
 
-__all__ = ["snapshot_report", "snapshot_timeline", "growing_batches", "replay_snapshot",
+__all__ = ["snapshot_report", "snapshot_timeline", "growing_batches", "growing_batches_trace",
+           "replay_snapshot",
            "format_replay", "SnapshotReplay", "SegmentEvent", "block_bytes", "segment_bytes",
            "reserved_bytes", "headroom", "cublas_workspace", "CUBLAS_DEFAULT", "CUBLAS_LARGE",
            "AllocatorConfig", "CachingAllocator", "OutOfMemory",

@@ -37,7 +37,7 @@ import sys
 
 import torch
 
-__all__ = ["snapshot_report", "snapshot_timeline", "growing_batches"]
+__all__ = ["snapshot_report", "snapshot_timeline", "growing_batches", "growing_batches_trace"]
 
 def _where(frames: list[dict]) -> str:
     """The innermost Python frame of a block's stack outside PyTorch: "file.py:12 in fn", without
@@ -130,3 +130,30 @@ def growing_batches(*, expandable: bool, width: int = 4096, depth: int = 8, star
     if done.returncode != 0:
         raise RuntimeError(f"the measuring process failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def growing_batches_trace(*, width: int = 4096, depth: int = 8, start: int = 1024,
+                          steps: int = 16):
+    """The allocations and frees of `_growing_batches_here`'s steps (the model built, then one
+    forward and backward per batch size start, start + 1, ...), recorded by `track` on fake
+    tensors: shapes and dtypes, no memory, so it runs on any machine in a second or two. Replay it
+    through the modelled allocator (`rules.replay(trace, config=...)`) to see, without a GPU,
+    what `growing_batches` measures on one."""
+    from torch._subclasses import FakeTensorMode
+
+    from companion.memory import track
+    from companion.models import MLP
+    from companion.plan.simulation import _fake_addresses
+    for name, value in (("width", width), ("depth", depth), ("start", start), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} is a positive whole number, got {value!r}")
+    with FakeTensorMode(), _fake_addresses():
+        with track("cpu") as tracker:
+            model = MLP(width, width, depth, 10)
+            for batch in range(start, start + steps):
+                x = torch.randn(batch, width)                                # (batch, width)
+                model.loss(x, torch.zeros(batch, dtype=torch.long)).backward()
+                model.zero_grad(set_to_none=True)
+                del x
+            del model
+    return tracker
