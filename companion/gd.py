@@ -10,7 +10,9 @@ numbers each; what grows with the batch size is the batch itself and what the fo
 for backward (m numbers of residuals here, b·width per layer in an MLP; chapter 01 measures those
 with `companion.memory.track`). `steps_to_loss` measures the updates a batch size needs,
 `fit_pareto_front` turns those counts into the critical batch size, `noise_scale` predicts it, and
-`max_stable_lr` is the learning rate above which full-batch descent diverges.
+`max_stable_lr` is the learning rate above which full-batch descent diverges. `best_lr` finds the
+learning rate that serves a batch size best, with SGD or Adam, and `scaling_exponent` fits how it
+grows with the batch (the linear and square-root rules).
 
 Example:
     >>> X, y, w_true, b_true = make_regression(256, 4)
@@ -19,6 +21,9 @@ Example:
     ...     w, b, losses = train_epoch(X, y, w, b, lr=0.1, batch_size=32)
 """
 from __future__ import annotations
+
+import math
+import statistics
 
 import torch
 
@@ -33,8 +38,13 @@ __all__ = [
     "train",
     "steps_to_loss",
     "noise_scale",
+    "mse_hessian",
     "fit_pareto_front",
     "max_stable_lr",
+    "least_squares_loss",
+    "excess_loss",
+    "best_lr",
+    "scaling_exponent",
     "explore",
 ]
 
@@ -144,16 +154,33 @@ def steps_to_loss(X: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: in
     return None
 
 
-def noise_scale(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> float:
-    """The simple gradient noise scale B = tr(Σ) / |G|² at (w, b) (McCandlish et al., 2018, "An
-    Empirical Model of Large-Batch Training", eq. 2.8): G the full-batch gradient, Σ the covariance
-    of the per-example gradients. A batch of B examples has gradient noise tr(Σ)/B, as large as
-    |G|² at B = B_simple: much smaller batches are dominated by noise, much larger ones add
-    examples that barely change the step. It predicts the critical batch size to within a factor."""
+def noise_scale(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor, *,
+                hessian: bool = False) -> float:
+    """The gradient noise scale at (w, b) (McCandlish et al., 2018, "An Empirical Model of
+    Large-Batch Training", section 2), G the full-batch gradient, Σ the covariance of the
+    per-example gradients, H the Hessian of the loss.
+
+    hessian=False: B_simple = tr(Σ) / |G|², what the paper measures (it needs no Hessian). A batch
+    of B examples has gradient noise tr(Σ)/B, as large as |G|² at B = B_simple. hessian=True:
+    B_noise = tr(HΣ) / GᵀHG, the batch at which the best step improves the loss half as much as a
+    noiseless one; the two are equal when H is a multiple of the identity. Either predicts the
+    critical batch size to within a factor."""
     r = X @ w + b - y                                       # (m,)
     per_example = torch.cat([2 * X * r[:, None], 2 * r[:, None]], dim=1)   # (m, d + 1)
     G = per_example.mean(dim=0)
-    return float(per_example.var(dim=0).sum() / (G @ G))
+    if not hessian:
+        return float(per_example.var(dim=0).sum() / (G @ G))
+    H = mse_hessian(X).to(X.dtype)                          # (d + 1, d + 1)
+    sigma = per_example.T.cov()                             # (d + 1, d + 1), like var: 1/(m − 1)
+    return float(torch.trace(H @ sigma) / (G @ H @ G))
+
+
+def mse_hessian(X: torch.Tensor) -> torch.Tensor:
+    """The Hessian of the MSE of ŷ = Xw + b over (w, b), in float64: (2/m)·X̃ᵀX̃ with X̃ = [X, 1]
+    (the bias is a parameter too). It does not depend on y, w or b: the loss is quadratic."""
+    m = X.shape[0]
+    Xt = torch.cat([X, torch.ones(m, 1, dtype=X.dtype)], dim=1).double()   # (m, d + 1)
+    return 2.0 / m * Xt.T @ Xt                                              # (d + 1, d + 1)
 
 
 def fit_pareto_front(batch_sizes, steps) -> tuple[float, float]:
@@ -180,10 +207,78 @@ def max_stable_lr(X: torch.Tensor) -> float:
     too). Along the eigenvector of λ_max each step multiplies the error by (1 − η·λ_max), which
     stays within ±1 only for η < 2/λ_max (LeCun, Bottou, Orr and Müller, 1998, "Efficient
     BackProp", section 5: twice the optimal 1/λ_max)."""
-    m = X.shape[0]
-    Xt = torch.cat([X, torch.ones(m, 1, dtype=X.dtype)], dim=1).double()   # (m, d + 1)
-    hessian = 2.0 / m * Xt.T @ Xt                                           # (d + 1, d + 1)
-    return 2.0 / float(torch.linalg.eigvalsh(hessian)[-1])
+    return 2.0 / float(torch.linalg.eigvalsh(mse_hessian(X))[-1])
+
+
+def least_squares_loss(X: torch.Tensor, y: torch.Tensor) -> float:
+    """The lowest MSE any (w, b) reaches on (X, y), in float64: the floor training aims at."""
+    Xt = torch.cat([X, torch.ones(X.shape[0], 1, dtype=X.dtype)], dim=1).double()   # (m, d + 1)
+    solution = torch.linalg.lstsq(Xt, y.double()[:, None]).solution                 # (d + 1, 1)
+    return float(((Xt @ solution).flatten() - y.double()).square().mean())
+
+
+def excess_loss(X: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: int, epochs: int = 1,
+                seed: int = 0, optimizer: type[torch.optim.Optimizer] = torch.optim.SGD) -> float:
+    """MSE on all the data above `least_squares_loss` after `epochs` of mini-batch training from
+    zero parameters, shuffled each epoch as `train` does; inf if the run diverged.
+
+    `optimizer` is a torch.optim class with its default options (torch.optim.SGD takes the same
+    steps as `sgd_step`; torch.optim.Adam keeps two moments per parameter); it steps on the
+    hand-written gradient."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.zeros(X.shape[1], dtype=X.dtype, requires_grad=True)
+    b = torch.zeros((), dtype=X.dtype, requires_grad=True)
+    opt = optimizer([w, b], lr=lr)
+    for _ in range(epochs):
+        for idx in batches(X.shape[0], batch_size, generator=g):
+            w.grad, b.grad = mse_gradient(X[idx], y[idx], w.detach(), b.detach())
+            opt.step()
+    loss = float(mse_loss(X.double(), y.double(), w.detach().double(), b.detach().double()))
+    return loss - least_squares_loss(X, y) if math.isfinite(loss) else math.inf
+
+
+def best_lr(X: torch.Tensor, y: torch.Tensor, *, batch_size: int, lrs, epochs: int = 1,
+            seeds=range(5), optimizer: type[torch.optim.Optimizer] = torch.optim.SGD
+            ) -> tuple[float, float]:
+    """(lr, loss): the learning rate at which runs end lowest after `epochs`, and the
+    `excess_loss` of the best rate of the grid `lrs`, averaged over the shuffles `seeds` (a
+    diverged shuffle rules a rate out). The rate is the grid's best refined by a parabola through
+    log-loss against log-rate at it and its two neighbours, so it can fall between grid points.
+
+    Every batch size sees the same examples, the setting of the scaling rules (Goyal et al., 2017,
+    "Accurate, Large Minibatch SGD", section 2; Malladi et al., 2022, "On the SDEs and Scaling
+    Rules for Adaptive Gradient Algorithms"). Raises ValueError if the best rate is at an end of
+    the grid: the optimum may lie beyond it."""
+    lrs = sorted(lrs)
+    if len(lrs) < 3:
+        raise ValueError(f"give at least three learning rates to search, got {lrs}")
+    scores = [statistics.fmean(excess_loss(X, y, lr=lr, batch_size=batch_size, epochs=epochs,
+                                           seed=seed, optimizer=optimizer) for seed in seeds)
+              for lr in lrs]
+    i = min(range(len(lrs)), key=scores.__getitem__)
+    if i in (0, len(lrs) - 1):
+        raise ValueError(f"batch {batch_size}: the best learning rate is {lrs[i]:g}, at an end of "
+                         f"the grid {lrs[0]:g}..{lrs[-1]:g}; widen the grid on that side")
+    x = [math.log(lr) for lr in lrs[i - 1:i + 2]]
+    f = [math.log(max(v, 1e-300)) for v in scores[i - 1:i + 2]]
+    if not all(math.isfinite(v) for v in f):           # a neighbour diverged: keep the grid's rate
+        return lrs[i], scores[i]
+    # vertex of the parabola through the three points (x, f), kept between the neighbours
+    d1, d2 = (f[1] - f[0]) / (x[1] - x[0]), (f[2] - f[1]) / (x[2] - x[1])
+    curvature = (d2 - d1) / (x[2] - x[0])
+    vertex = (x[0] + x[1]) / 2 - d1 / (2 * curvature) if curvature > 0 else x[1]
+    return math.exp(min(max(vertex, x[0]), x[2])), scores[i]
+
+
+def scaling_exponent(batch_sizes, lrs) -> float:
+    """α of lr ∝ B^α, fitted by least squares on log-log axes: 1 is the linear rule for SGD
+    (Goyal et al., 2017), 0.5 the square-root rule for Adam (Malladi et al., 2022)."""
+    log_b = torch.log(torch.as_tensor(batch_sizes, dtype=torch.float64))
+    if len(set(log_b.tolist())) < 2:
+        raise ValueError(f"need at least two different batch sizes to fit an exponent, got {batch_sizes}")
+    log_lr = torch.log(torch.as_tensor(lrs, dtype=torch.float64))
+    A = torch.stack([log_b, torch.ones_like(log_b)], dim=1)                 # (n, 2)
+    return float(torch.linalg.lstsq(A, log_lr[:, None]).solution[0, 0])
 
 
 def explore(X: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: int, epochs: int,

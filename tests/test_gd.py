@@ -157,3 +157,104 @@ def test_max_stable_lr_is_the_edge_of_divergence(m, d, shift):
         return float(gd.mse_loss(X.double(), y.double(), w, b))
     assert final_loss(0.97 * lr) < float(gd.mse_loss(X, y, torch.zeros(d), torch.zeros(())))
     assert not final_loss(1.03 * lr) < 1e6
+
+
+def _hadamard_features(m: int, d: int) -> torch.Tensor:
+    """Columns of a Sylvester-Hadamard matrix but the first (all ones): zero mean, orthogonal to
+    each other and to the bias column, so the MSE Hessian is 2·I."""
+    H = torch.ones(1, 1)
+    while H.shape[0] < m:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+    return H[:, 1:d + 1]
+
+
+def test_mse_hessian_matches_torch_func_hessian(problem):
+    X, y, _, _ = problem
+    Xt = torch.cat([X, torch.ones(len(y), 1)], 1).double()
+    expected = torch.func.hessian(lambda p: ((Xt @ p - y.double()) ** 2).mean())(
+        torch.zeros(X.shape[1] + 1, dtype=torch.float64))
+    torch.testing.assert_close(gd.mse_hessian(X), expected)
+
+
+def test_b_noise_weighs_the_noise_by_the_hessian(problem):
+    X, y, w, b = problem
+    X = X * torch.tensor([1.0, 3.0, 0.3, 1.0, 2.0])                  # anisotropic: H is not c·I
+    r = X @ w + b - y
+    per_example = torch.cat([2 * X * r[:, None], 2 * r[:, None]], 1).double()
+    G, sigma = per_example.mean(0), per_example.T.cov()
+    H = torch.func.hessian(lambda p: ((torch.cat([X, torch.ones(len(y), 1)], 1).double() @ p
+                                       - y.double()) ** 2).mean())(torch.zeros(6, dtype=torch.float64))
+    expected = float(torch.trace(H @ sigma) / (G @ H @ G))
+    assert gd.noise_scale(X, y, w, b, hessian=True) == pytest.approx(expected, rel=1e-4)
+    assert gd.noise_scale(X, y, w, b, hessian=True) != pytest.approx(gd.noise_scale(X, y, w, b),
+                                                                     rel=0.05)
+
+
+def test_b_noise_equals_b_simple_when_the_hessian_is_a_multiple_of_the_identity():
+    X = _hadamard_features(64, 5)
+    torch.testing.assert_close(gd.mse_hessian(X), 2 * torch.eye(6, dtype=torch.float64))
+    g = torch.Generator().manual_seed(0)
+    y = X @ torch.randn(5, generator=g) + torch.randn(64, generator=g)
+    w, b = torch.zeros(5), torch.zeros(())
+    assert gd.noise_scale(X, y, w, b, hessian=True) == pytest.approx(gd.noise_scale(X, y, w, b),
+                                                                     rel=1e-5)
+
+
+def test_least_squares_loss_is_the_floor_of_the_mse(problem):
+    X, y, _, _ = problem
+    X, y = X.double(), y.double()
+    w, b = torch.zeros(X.shape[1], dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for _ in range(3000):                                           # full-batch descent to the bottom
+        w, b = gd.sgd_step(w, b, *gd.mse_gradient(X, y, w, b), 0.5 * gd.max_stable_lr(X))
+    assert gd.least_squares_loss(X, y) == pytest.approx(float(gd.mse_loss(X, y, w, b)), rel=1e-9)
+    assert gd.least_squares_loss(X, y) < float(gd.mse_loss(X, y, w + 0.01, b))
+
+
+def test_excess_loss_with_sgd_takes_the_hand_written_steps(problem):
+    X, y, _, _ = problem
+    run = gd.train(X, y, lr=0.05, batch_size=8, epochs=2, seed=3)
+    expected = float(gd.mse_loss(X.double(), y.double(), run["w"].double(), run["b"].double()))
+    got = gd.excess_loss(X, y, lr=0.05, batch_size=8, epochs=2, seed=3)
+    assert got == pytest.approx(expected - gd.least_squares_loss(X, y), rel=1e-4)
+    assert gd.excess_loss(X, y, lr=50.0, batch_size=len(y), epochs=30) == float("inf")
+
+
+def test_excess_loss_with_adam_is_torch_adam_on_autograd(problem):
+    X, y, _, _ = problem
+    g = torch.Generator().manual_seed(5)
+    w = torch.zeros(X.shape[1], requires_grad=True)
+    b = torch.zeros((), requires_grad=True)
+    opt = torch.optim.Adam([w, b], lr=0.03)
+    for _ in range(2):
+        for idx in torch.randperm(len(y), generator=g).split(4):  # the shuffles gd.batches makes
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(X[idx] @ w + b, y[idx]).backward()
+            opt.step()
+    expected = float(gd.mse_loss(X.double(), y.double(), w.detach().double(), b.detach().double()))
+    got = gd.excess_loss(X, y, lr=0.03, batch_size=4, epochs=2, seed=5, optimizer=torch.optim.Adam)
+    assert got == pytest.approx(expected - gd.least_squares_loss(X, y), rel=1e-4)
+
+
+def test_best_lr_picks_the_lowest_mean_and_refines_between_its_neighbours(problem):
+    X, y, _, _ = problem
+    lrs = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
+    lr, loss = gd.best_lr(X, y, batch_size=4, lrs=lrs, seeds=[0, 1])
+    scores = [sum(gd.excess_loss(X, y, lr=r, batch_size=4, seed=s) for s in (0, 1)) / 2 for r in lrs]
+    i = scores.index(min(scores))
+    assert loss == pytest.approx(scores[i], rel=1e-12)
+    assert lrs[i - 1] <= lr <= lrs[i + 1]
+    assert gd.max_stable_lr(X) > lr                                 # a diverging rate never wins
+
+
+def test_best_lr_refuses_an_optimum_at_the_end_of_the_grid(problem):
+    X, y, _, _ = problem
+    with pytest.raises(ValueError, match="widen the grid"):
+        gd.best_lr(X, y, batch_size=8, lrs=[1e-4, 2e-4, 4e-4], seeds=[0])
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5, 0.0])
+def test_scaling_exponent_recovers_a_power_law(alpha):
+    B = [1, 2, 4, 8, 32]
+    assert gd.scaling_exponent(B, [0.01 * b ** alpha for b in B]) == pytest.approx(alpha, abs=1e-9)
+    with pytest.raises(ValueError, match="two different batch sizes"):
+        gd.scaling_exponent([4, 4], [0.1, 0.2])
