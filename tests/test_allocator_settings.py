@@ -29,6 +29,8 @@ def test_the_cublas_workspace_config_adds_its_pairs():
     assert cublas_workspace((9, 0), config=":16:8") == 16 * 1024 * 8
     assert cublas_workspace((8, 0), config=":4096:2:16:8") == 8_519_680
     assert cublas_workspace((9, 0), config="nonsense") == 32 * MiB      # PyTorch: the default
+    with pytest.raises(ValueError, match="64-bit"):
+        cublas_workspace((9, 0), config=":99999999999999999999:1")
 
 
 @pytest.mark.parametrize("bad", [(9,), "9.0", (9.0, 0), (True, 0), (9, -1), None, 9])
@@ -50,7 +52,8 @@ def test_settings_are_read_as_pytorch_spells_them():
     ("max_split_size_mb:10", "above 20"), ("roundup_power2_divisions:3", "power of two"),
     ("garbage_collection_threshold:1.5", "between 0 and 1"), ("expandable_segments:yes", "cannot"),
     ("pinned_num_register_threads:8", "not a setting"), ("backend:cudaMallocAsync", "not modelled"),
-    ("max_split_size_mb:lots", "cannot read")])
+    ("max_split_size_mb:lots", "cannot read"),
+    ("roundup_power2_divisions:[256:1,512:2]", "one number for all sizes")])
 def test_settings_that_pytorch_or_the_model_refuses_say_why(text, message):
     with pytest.raises(ValueError, match=message):
         AllocatorConfig.parse(text)
@@ -111,20 +114,39 @@ def test_max_split_size_keeps_oversize_blocks_whole_by_hand():
     assert capped.reserved == 80 * MiB and capped.allocated == 80 * MiB
 
 
-def test_garbage_collection_releases_the_longest_unused_segments_first():
+def test_garbage_collection_releases_segments_older_than_the_mean_by_hand():
     def run(config, cap):
         a = CachingAllocator(cap=cap, config=config)
-        first, second = a.malloc(30 * MiB), a.malloc(30 * MiB)
-        a.free(first), a.free(second)
-        a.malloc(40 * MiB)
+        first, second = a.malloc(30 * MiB), a.malloc(40 * MiB)
+        a.free(first)                                    # freed at large request 2
+        third = a.malloc(50 * MiB)                       # request 3: fits in no free block
+        a.free(second), a.free(third)                    # freed at request 3
+        a.malloc(60 * MiB)                               # request 4: ages 2, 1, 1; mean 4/3
         return a
-    collected = run("garbage_collection_threshold:0.5", 100 * MiB)
-    assert collected.reserved == 70 * MiB                # 60 > 50: the first released, 30 + 40
-    assert [n for seg in collected.segments().values() for _, n, _ in seg] == [30 * MiB, 40 * MiB]
+    collected = run("garbage_collection_threshold:0.5", 200 * MiB)
+    # 120 MiB reserved > 100: only the 30 MiB segment is as old as the mean; 30 >= the 20 asked
+    assert collected.reserved == 150 * MiB
+    assert sorted(n for seg in collected.segments().values() for _, n, _ in seg) == \
+        [40 * MiB, 50 * MiB, 60 * MiB]
     assert collected.memory_stats()["num_alloc_retries"] == 0
-    assert run(None, 100 * MiB).reserved == 100 * MiB  # under the cap: nothing released
-    tight = run(None, 90 * MiB)                          # over it: both released, one retry
-    assert tight.reserved == 40 * MiB and tight.memory_stats()["num_alloc_retries"] == 1
+    assert run(None, 200 * MiB).reserved == 180 * MiB   # under the cap: nothing released
+    tight = run(None, 150 * MiB)                          # over it: all released, one retry
+    assert tight.reserved == 60 * MiB and tight.memory_stats()["num_alloc_retries"] == 1
+    same_age = CachingAllocator(cap=100 * MiB, config="garbage_collection_threshold:0.5")
+    blocks = [same_age.malloc(20 * MiB) for _ in range(3)]
+    for b in blocks:
+        same_age.free(b)
+    same_age.malloc(30 * MiB)                            # a pass frees all three, not one
+    assert same_age.reserved == 30 * MiB
+
+
+def test_max_split_releases_an_oversize_segment_without_a_retry():
+    a = CachingAllocator(cap=100 * MiB, config="max_split_size_mb:32")
+    a.free(a.malloc(64 * MiB))                           # an oversize block, cached
+    a.malloc(40 * MiB)                                   # 64 + 40 > 100: the 64 MiB one goes
+    stats = a.memory_stats()
+    assert a.reserved == 40 * MiB and stats["num_alloc_retries"] == 0
+    assert stats["num_device_free"] == 1
 
 
 def test_an_oom_counts_one_retry_and_one_oom():
@@ -137,9 +159,33 @@ def test_an_oom_counts_one_retry_and_one_oom():
     assert stats["num_device_alloc"] == 1 and stats["reserved_bytes.all.peak"] == 30 * MiB
     e = CachingAllocator(cap=50 * MiB, config="expandable_segments:True")
     e.malloc(30 * MiB)                                   # 40 MiB mapped
-    with pytest.raises(OutOfMemory, match="pages"):
-        e.malloc(30 * MiB)
+    with pytest.raises(OutOfMemory, match="a request of 30"):
+        e.malloc(30 * MiB)                               # 40 + the request's 30 > 50
     assert e.memory_stats()["num_ooms"] == 1
+
+
+def test_expandable_segments_under_a_cap_test_the_whole_request():
+    a = CachingAllocator(cap=100 * MiB, config="expandable_segments:True")
+    a.free(a.malloc(60 * MiB))                           # 60 mapped, free
+    a.malloc(70 * MiB)                                   # 60 + 70 > 100: a retry unmaps, 80 mapped
+    assert a.reserved == 80 * MiB and a.memory_stats()["num_alloc_retries"] == 1
+    b = CachingAllocator(cap=75 * MiB, config="expandable_segments:True")
+    b.free(b.malloc(60 * MiB))
+    b.malloc(70 * MiB)              # once crashed after the unmap; PyTorch tests the request's
+    assert b.reserved == 80 * MiB   # 70 MiB against the cap, then maps whole 20 MiB pages
+    assert b.memory_stats()["num_alloc_retries"] == 1
+
+
+@pytest.mark.parametrize("bad", [-5, 2.7, True, None, "1G"])
+def test_a_request_is_a_whole_number_of_bytes(bad):
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        CachingAllocator().malloc(bad)
+
+
+@pytest.mark.parametrize("cap", [float("nan"), -1, "1G", True, float("inf")])
+def test_a_cap_is_a_number_of_bytes(cap):
+    with pytest.raises(ValueError, match="cap is a number of bytes"):
+        CachingAllocator(cap=cap)
 
 
 def test_inactive_split_bytes_are_free_pieces_beside_live_blocks():

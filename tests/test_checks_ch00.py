@@ -199,6 +199,16 @@ def test_activation_bytes_wrong_answers_fail(wrong, hint):
         check_activation_bytes(wrong)
 
 
+@pytest.mark.parametrize("blind", [
+    lambda B, W, L, K, e: (L * B * W + B * K) * 4,                    # 4 bytes whatever the dtype
+    lambda B, W, L, K, e: (L * B * W + B * K) * 2,                    # 2 bytes whatever the dtype
+])
+def test_a_dtype_blind_activation_count_fails_every_run(blind):
+    for _ in range(20):                  # one case of each dtype in every run, not by luck
+        with pytest.raises(CheckFailed):
+            check_activation_bytes(blind)
+
+
 # ---------------------------------------------------------------- exercise 4: any transformer
 
 def transformer_reference(b, s, h, L, a, V, dropout):
@@ -242,6 +252,16 @@ def test_transformer_activations_known_mistakes_get_their_hint(wrong, hint):
 def test_transformer_activations_reference_and_a_hand_count_pass():
     check_transformer_activations(transformer_reference)
     check_transformer_activations(_transformer())
+
+
+def test_the_chapters_formula_written_with_true_division_passes():
+    def with_slash(b, s, h, L, a, V, dropout):            # float rounding: 99366120.00000001
+        layer = s * b * h * ((34 + 5 * a * s / h) if dropout else (32 + 2 * a * s / h))
+        return L * layer + 4 * s * b * h + s * b * h * dropout + 4 * s * b * V
+    for _ in range(20):
+        check_transformer_activations(with_slash)
+    with pytest.raises(CheckFailed, match="whole number"):
+        check_transformer_activations(lambda *args: transformer_reference(*args) + 0.25)
 
 
 # ---------------------------------------------------------------- under the grader

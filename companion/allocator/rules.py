@@ -45,15 +45,16 @@ The settings of PYTORCH_ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF before PyTorch 2.8),
 - `roundup_power2_divisions:D`: a request is rounded up to the next of D equal steps between two
   powers of two (not to 512 bytes) once it exceeds 512·D bytes;
 - `garbage_collection_threshold:t` (with a cap): before asking for a new segment when more than
-  t of the cap is reserved, wholly free large segments are released, the longest unused first,
-  until the reserve is under t of the cap (PyTorch releases those older than the average first,
-  then repeats).
+  t of the cap is reserved, the wholly free large segments at least as old as their average age
+  (counted in requests to the large pool since each was freed) are released, in passes, until
+  the reserve is under t of the cap; a pass is never stopped halfway.
 `backend:cudaMallocAsync` replaces this allocator with CUDA's own stream-ordered pool: not modelled.
 
 Simplified vs PyTorch: one stream (a block freed while another stream still uses it waits for
-`record_stream`'s event: the plan adds that backlog as its own line); when a cudaMalloc fails,
-every wholly free segment is released (PyTorch first tries to release just enough of the oversize
-ones); an expandable segment only unmaps pages at its end (PyTorch also unmaps whole pages inside
+`record_stream`'s event: the plan adds that backlog as its own line); a cudaMalloc that fails
+(passes the cap) first releases oversize free segments when `max_split_size_mb` is set, then
+every wholly free segment, counting one retry, as PyTorch does; an expandable segment only unmaps
+pages at its end (PyTorch also unmaps whole pages inside
 free blocks); the allocation order is the simulated step's, which matches eager PyTorch's for one
 step; blocks are placed at the lowest free address of their segment, as the allocator's splitting
 does. The counters follow `torch.cuda.memory_stats()`'s names (`Stats`).
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 
 from companion.placement import DEVICE
 
@@ -116,10 +118,13 @@ CUBLAS_LARGE = 4096 * 8 * 1024                           # 32 MiB
 
 def cublas_workspace(capability: tuple[int, int], *, config: str | None = None,
                      since: str = "2026-07") -> int:
-    """The bytes of cuBLAS's workspace that PyTorch allocates through the caching allocator, once
-    per (device, stream), on that stream's first matmul, and keeps (with the cuBLASLt workspace
-    unified into it by default): `parseChosenWorkspaceSize` in aten/src/ATen/cuda/
-    CublasHandlePool.cpp. `capability`: the card's (major, minor) compute capability.
+    """The bytes of cuBLAS's workspace that PyTorch allocates through the caching allocator:
+    `parseChosenWorkspaceSize` in aten/src/ATen/cuda/CublasHandlePool.cpp. `capability`: the
+    card's (major, minor) compute capability. Its lifetime changed: until August 2026 one was
+    allocated per (handle, stream) on that stream's first matmul and kept (the cuBLASLt workspace
+    unified into it); from pytorch/pytorch#194311 on, each matmul allocates it and frees it back to
+    the cache when done, unless TORCH_CUBLAS_WORKSPACE_CACHE=1. Either way a matmul at a step's
+    peak holds it.
 
     By default ":4096:2:16:8", two 4,096 KiB pieces and eight 16 KiB ones: 8,519,680 bytes
     (8.125 MiB; NVIDIA's cuBLAS guide recommends at least 4 MiB, cublasSetWorkspace), and 32 MiB
@@ -137,7 +142,11 @@ def cublas_workspace(capability: tuple[int, int], *, config: str | None = None,
         import re
         pairs = re.findall(r":([0-9]+):([0-9]+)", str(config))
         if pairs:
-            return sum(int(size) * 1024 * int(count) for size, count in pairs)
+            total = sum(int(size) * 1024 * int(count) for size, count in pairs)
+            if any(int(x) >= 2**64 for pair in pairs for x in pair) or total >= 2**64:
+                raise ValueError(f"CUBLAS_WORKSPACE_CONFIG {config!r} asks for more bytes than "
+                                 "PyTorch can read (its sizes are 64-bit)")
+            return total
     large = {"2022-11": lambda major, minor: (major, minor) == (9, 0),
              "2026-02": lambda major, minor: major in (9, 10, 12),
              "2026-07": lambda major, minor: 9 <= major <= 12}
@@ -208,6 +217,10 @@ class AllocatorConfig:
                     if value not in ("True", "False"):
                         raise ValueError
                     found[key] = value == "True"
+                elif key == "roundup_power2_divisions" and value.startswith("["):
+                    raise ValueError(f"roundup_power2_divisions as a list per size, {value}..., "
+                                     "is PyTorch's too, but the model takes one number for all "
+                                     "sizes")
                 elif key in ("max_split_size_mb", "roundup_power2_divisions"):
                     found[key] = int(value)
                 elif key == "garbage_collection_threshold":
@@ -217,7 +230,9 @@ class AllocatorConfig:
             except KeyError:
                 raise ValueError(f"{key!r} is not a setting the model follows; it knows "
                                  f"{', '.join(_SETTINGS)} and backend") from None
-            except ValueError:
+            except ValueError as e:
+                if "model takes one number" in str(e):
+                    raise
                 raise ValueError(f"cannot read {item!r}: expected {key}:<value>") from None
         return cls(**found)
 
@@ -252,6 +267,10 @@ class CachingAllocator:
     (a recorded snapshot's, with its live blocks)."""
 
     def __init__(self, *, cap: int | None = None, config: AllocatorConfig | str | None = None):
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                                or not math.isfinite(cap) or cap < 0):
+            raise ValueError(f"cap is a number of bytes, 0 or more (or None: no cap), got "
+                             f"{cap!r}")
         self.cap = cap
         if isinstance(config, str):
             config = AllocatorConfig.parse(config)
@@ -271,6 +290,7 @@ class CachingAllocator:
         self._end = 0                                # the made-up address space's top
         self._requests = 0                           # mallocs so far: the clock of `_unused`
         self._unused: dict[int, int] = {}            # wholly free segment -> when it became so
+        self._pool_requests = {"small": 0, "large": 0}   # the clock of garbage collection
         self._expandable: dict[str, int] = {}        # pool -> its one growing segment
 
     @property
@@ -289,9 +309,12 @@ class CachingAllocator:
 
     def malloc(self, nbytes: int) -> int:
         """Place a request; its block's address, for `free`."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"a request is a whole number of bytes, 0 or more, got {nbytes!r}")
         size = self.round(nbytes)
         pool = "small" if size <= SMALL_REQUEST else "large"
         self._requests += 1
+        self._pool_requests[pool] += 1
         found = self._best_fit(pool, size)
         if found is None:
             if self.config.garbage_collection_threshold is not None:
@@ -324,7 +347,7 @@ class CachingAllocator:
         block[2] = True
         bisect.insort(pool, (block[1], segment, block[0]))
         if len(blocks) == 1:
-            self._unused[segment] = self._requests
+            self._unused[segment] = self._pool_requests[self._pool[segment]]
 
     def release_cached(self) -> list[int]:
         """Give every wholly free segment back to the driver (what a failed cudaMalloc and
@@ -405,14 +428,37 @@ class CachingAllocator:
         """Where a new segment of `nbytes` lies: right after the highest one so far."""
         return self._end
 
-    def _over_cap(self, nbytes: int) -> bool:
-        """Whether `nbytes` more would pass the cap even after releasing what is cached (a
-        failed cudaMalloc: PyTorch counts one retry, then, if it fails again, one OOM)."""
+    def _over_cap(self, nbytes: int, size: int) -> bool:
+        """Whether `nbytes` more would pass the cap even after releasing what is cached, as
+        PyTorch does when a cudaMalloc fails: with `max_split_size_mb` set, first the smallest
+        oversize free segment of at least `size` bytes (or the largest ones until `size` is
+        freed), without counting a retry; then every wholly free segment, counted in
+        `num_alloc_retries`."""
         if self.cap is None or self.reserved + nbytes <= self.cap:
+            return False
+        if self._release_oversize(size) and self.reserved + nbytes <= self.cap:
             return False
         self.stats["num_alloc_retries"] += 1
         self.release_cached()
         return self.reserved + nbytes > self.cap
+
+    def _release_oversize(self, size: int) -> bool:
+        if self.max_split == float("inf"):
+            return False
+        oversize = sorted((blocks[0][1], seg) for seg, blocks in self._segments.items()
+                          if len(blocks) == 1 and blocks[0][2] and blocks[0][1] >= self.max_split
+                          and self._pool[seg] == "large" and seg not in _EXPANDABLE_AT.values())
+        enough = [seg for n, seg in oversize if n >= max(size, self.max_split)]
+        if enough:
+            self._release(enough[0])
+            return True
+        freed = 0
+        for n, seg in reversed(oversize):
+            if freed >= size:
+                break
+            self._release(seg)
+            freed += n
+        return freed >= size
 
     def _oom(self, what: str) -> OutOfMemory:
         self.stats["num_ooms"] += 1
@@ -421,7 +467,7 @@ class CachingAllocator:
 
     def _new_segment(self, pool: str, size: int):
         nbytes = segment_bytes(size)
-        if self._over_cap(nbytes):
+        if self._over_cap(nbytes, size):
             raise self._oom(f"a new {_mib(nbytes)} segment")
         segment, block = self._segment_address(nbytes), [0, nbytes, True]
         self._add_segment(segment, nbytes, pool, [block])
@@ -436,14 +482,13 @@ class CachingAllocator:
         if segment is None:
             segment = self._expandable[pool] = _EXPANDABLE_AT[pool]
             self._segments[segment], self._pool[segment] = [], pool
+        # PyTorch tests the whole request's segment size against the cap (alloc_block), not the
+        # pages still to map
+        if self._over_cap(segment_bytes(size), size):
+            raise self._oom(f"a request of {_mib(size)}")
         blocks = self._segments[segment]
         have = blocks[-1][1] if blocks and blocks[-1][2] else 0
         need = -(-(size - have) // page) * page
-        if self._over_cap(need):
-            have = blocks[-1][1] if blocks and blocks[-1][2] else 0      # its end was unmapped
-            need = -(-(size - have) // page) * page
-            if self.reserved + need > self.cap:
-                raise self._oom(f"{_mib(need)} more pages")
         if have:
             tail = blocks[-1]
             self._free[pool].remove((tail[1], segment, tail[0]))
@@ -485,19 +530,24 @@ class CachingAllocator:
         self.stats["num_device_free"] += 1
 
     def _collect(self) -> None:
-        """garbage_collection_threshold: past that share of the cap, release wholly free large
-        segments, the longest unused first, until the reserve is back under it."""
+        """garbage_collection_threshold: past that share of the cap, release the wholly free large
+        segments at least as old as their mean age, pass after pass, until the reserve is back
+        under it (`garbage_collect_cached_blocks`: a pass is not stopped at the target)."""
         limit = self.config.garbage_collection_threshold * self.cap
         if self.reserved <= limit:
             return
         target, reclaimed = self.reserved - limit, 0
-        for segment in sorted(self._unused, key=self._unused.get):
-            if self._pool[segment] != "large" or segment in _EXPANDABLE_AT.values():
-                continue
-            reclaimed += self._segments[segment][0][1]
-            self._release(segment)
-            if reclaimed >= target:
-                break
+        clock = self._pool_requests["large"]
+        while reclaimed < target:
+            ages = {seg: clock - at for seg, at in self._unused.items()
+                    if self._pool[seg] == "large" and seg not in _EXPANDABLE_AT.values()}
+            if not ages:
+                return
+            mean = sum(ages.values()) / len(ages)
+            for segment, age in ages.items():
+                if age >= mean:
+                    reclaimed += self._segments[segment][0][1]
+                    self._release(segment)
 
     def _add_segment(self, address: int, nbytes: int, pool: str, blocks: list[list]) -> None:
         self._segments[address], self._pool[address] = blocks, pool
