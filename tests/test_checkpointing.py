@@ -1,4 +1,5 @@
 """companion.checkpointing against plain autograd and torch.utils.checkpoint."""
+import functools
 import itertools
 import math
 import random
@@ -511,3 +512,29 @@ def test_checkpoint_plan_is_the_brute_force_optimum(seed):
     else:
         peak, recompute = ck.plan_cost(plan, saved, inputs, cost)
         assert peak <= budget and recompute == min(r for _, r in fits)
+
+
+@pytest.mark.parametrize("copies", [[12, 1, 1, 1, 1, 1], [1, 1, 12, 1, 1, 1], [3, 5, 2, 7, 1, 4]])
+@pytest.mark.parametrize("checkpoint_fn", [ck.checkpoint,
+                                           functools.partial(tuc.checkpoint, use_reentrant=True)])
+def test_plan_cost_is_the_measured_peak_and_the_bound_is_above_it(copies, checkpoint_fn):
+    layers = [ck.UnevenLayer(c) for c in copies]
+    x = torch.randn(8, 16, requires_grad=True)
+    unit = x.numel() * x.element_size()                        # one (8, 16) fp32 tensor
+    saved, inputs, cost = [c * unit for c in copies], [unit] * len(copies), [1.0] * len(copies)
+    over = 0
+    for starts in ([0], [0, 1], [0, 1, 2], [0, 2, 4], [0, 3], [0, 1, 2, 3, 4, 5]):
+        measured = ck.measure_plan(layers, starts, x, checkpoint_fn=checkpoint_fn)
+        assert ck.plan_cost(starts, saved, inputs, cost)[0] == measured, starts
+        bound = ck.plan_cost(starts, saved, inputs, cost, bound=True)[0]
+        assert bound >= measured
+        over += bound > measured
+    assert over > 0                                            # the bound is not the peak
+
+
+def test_the_bound_is_exact_on_equal_layers():
+    saved, inputs, cost = [5] * 9, [2] * 9, [1.0] * 9
+    for s in range(1, 10):
+        starts = [i * (9 // s) for i in range(s)]
+        assert (ck.plan_cost(starts, saved, inputs, cost)
+                == ck.plan_cost(starts, saved, inputs, cost, bound=True))

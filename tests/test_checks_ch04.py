@@ -148,18 +148,71 @@ def test_checkpoint_plan_reference_passes():
     check_checkpoint_plan(ck.checkpoint_plan)
 
 
+def _exhaustive(saved, inputs, cost, budget, fits=int.__le__):
+    """A learner's answer: every plan by bit mask, the exact peak written out, ties to fewer
+    segments (the notebook's solution)."""
+    n, best = len(saved), None
+    for mask in range(2 ** (n - 1)):
+        starts = [0] + [i + 1 for i in range(n - 1) if mask >> i & 1]
+        ends = starts[1:] + [n]
+        kept = [sum(inputs[a] for a in starts[:j + 1]) for j in range(len(starts) - 1)]
+        kept.append(sum(inputs[a] for a in starts[:-1]))
+        peak = max(k + sum(saved[a:b]) for k, (a, b) in zip(kept, zip(starts, ends)))
+        recompute = sum(sum(cost[a:b]) for a, b in zip(starts[:-1], ends[:-1]))
+        if fits(peak, budget) and (best is None or (recompute, len(starts)) < best[0]):
+            best = ((recompute, len(starts)), starts)
+    return None if best is None else best[1]
+
+
+def test_an_exhaustive_search_with_the_exact_peak_passes_every_draw():
+    for seed in range(100):
+        for case in ch04._plan_cases(seed):
+            assert ch04._accepted(_exhaustive(*case), ck.checkpoint_plan(*case), *case), case
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_an_exhaustive_search_passes_the_check(run):
+    check_checkpoint_plan(_exhaustive)
+
+
+def test_the_fixed_cases_hold_plans_the_bound_gets_wrong():
+    fixed = ch04._plan_cases(0)[:11]
+    changed = [c for c in fixed
+               if not ch04._accepted(ck.checkpoint_plan(*c, bound=True), ck.checkpoint_plan(*c), *c)]
+    assert len(changed) >= 2
+    assert any(ck.checkpoint_plan(*c, bound=True) is None for c in changed)
+    assert any(ck.checkpoint_plan(*c, bound=True) is not None for c in changed)
+
+
+@pytest.mark.parametrize("run", range(3))
 @pytest.mark.parametrize("wrong, hint", ch04._PLAN_HINTS)
-def test_checkpoint_plan_wrong_rules_fail_with_their_own_hint(wrong, hint):
+def test_checkpoint_plan_wrong_rules_fail_with_their_own_hint(wrong, hint, run):
     with pytest.raises(CheckFailed) as failure:
         check_checkpoint_plan(wrong)
     assert failure.value.hint == hint
 
 
+@pytest.mark.parametrize("run", range(3))
+def test_a_strict_fits_gets_the_boundary_hint_whatever_its_tie_break(run):
+    with pytest.raises(CheckFailed) as failure:
+        check_checkpoint_plan(lambda *case: _exhaustive(*case, fits=int.__lt__))
+    assert failure.value.hint == dict((w, h) for w, h in ch04._PLAN_HINTS)[ch04._strict]
+    assert "not checkpointed" not in failure.value.hint
+
+
+def test_the_bound_search_fails_on_a_fixed_case():
+    with pytest.raises(CheckFailed, match="Chen et al.'s upper bound") as failure:
+        check_checkpoint_plan(lambda *case: ck.checkpoint_plan(*case, bound=True))
+    assert "[0, 2, 3]" not in failure.value.hint and "[0, 1, 2]" not in failure.value.hint
+
+
 @pytest.mark.parametrize("wrong, hint", [
-    (lambda *a: [0], "no plan fits this budget"),                     # never checkpoints
-    (lambda saved, *a: list(range(len(saved))), "expected None"),     # a checkpoint per layer
+    (lambda *a: [0], "over the budget"),                              # never checkpoints
+    (lambda saved, *a: list(range(len(saved))), "recomputes"),        # a checkpoint per layer
     (lambda *a: None, "None only when no plan fits"),
-    (lambda saved, *a: (0,), "expected None"),
+    (lambda saved, *a: (0,), "list of increasing"),
+    (lambda saved, *a: [0] if len(saved) == 3 and sum(saved) == 9 else
+     ck.checkpoint_plan(saved, *a), "no plan fits this budget"),      # wrong only where none fits
 ])
 def test_checkpoint_plan_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
@@ -172,11 +225,15 @@ def test_checkpoint_plan_rejects_a_plan_that_is_not_starts():
                               [3, 0] if ck.checkpoint_plan(saved, inputs, cost, budget) else None)
 
 
-def test_plan_cost_counts_the_checkpoints_and_the_largest_segment():
+def test_plan_cost_pairs_each_segment_with_the_checkpoints_alive_at_its_backward():
     saved, inputs, cost = [4, 1, 1, 6], [9, 2, 3, 5], [1.0, 2.0, 3.0, 4.0]
     assert ck.plan_cost([0], saved, inputs, cost) == (12, 0.0)
-    assert ck.plan_cost([0, 2], saved, inputs, cost) == (9 + 7, 3.0)        # max(5, 7)
-    assert ck.plan_cost([0, 1, 3], saved, inputs, cost) == (9 + 2 + 6, 6.0)
+    assert ck.plan_cost([0, 2], saved, inputs, cost) == (max(9 + 5, 9 + 7), 3.0)
+    assert ck.plan_cost([0, 1, 3], saved, inputs, cost) == (max(9 + 4, 11 + 2, 11 + 6), 6.0)
+    assert ck.plan_cost([0, 1, 3], saved, inputs, cost, bound=True) == (9 + 2 + 6, 6.0)
+    # the largest segment first: the bound counts checkpoints already freed by then
+    assert ck.plan_cost([0, 1, 2], [12, 1, 1], [1, 1, 1], cost[:3]) == (13, 3.0)
+    assert ck.plan_cost([0, 1, 2], [12, 1, 1], [1, 1, 1], cost[:3], bound=True) == (14, 3.0)
 
 
 def _hangs(*args):

@@ -14,9 +14,9 @@ Two designs, as in PyTorch's `torch.utils.checkpoint`:
 - `hooks`: saved-tensor hooks that recompute the block the first time backward unpacks a tensor
   (non-reentrant; `checkpoint(fn, x, use_reentrant=False)` or `checkpoint_hooks`), with an optional
   selective policy that keeps some operators' outputs.
-`saved` lists what autograd saves; `segments` predicts and measures the √n trade-off and plans
-uneven segments for a budget; `selective` is Korthikanti et al.'s selective recomputation (only the
-attention core).
+`saved` lists what autograd saves; `segments` predicts and measures the √n trade-off, and plans
+uneven segments for a budget and measures a plan's peak; `selective` is Korthikanti et al.'s
+selective recomputation (only the attention core).
 
 Example:
     >>> layers = [torch.nn.Linear(64, 64) for _ in range(16)]
@@ -30,7 +30,7 @@ from companion.checkpointing.saved import SavedTensor, activation_bytes, saved_f
 from companion.checkpointing.segments import (SegmentRun, predicted_activation_bytes,
                                               predicted_activation_units, predicted_time_ratio,
                                               profile_segments, segments_for_budget, sqrt_segments,
-                                              plan_cost, checkpoint_plan)
+                                              plan_cost, checkpoint_plan, UnevenLayer, measure_plan)
 from companion.checkpointing.selective import (attention_core, attention_core_policy,
                                                block_activation_bytes, megatron_activation_bytes,
                                                selective_block)
@@ -54,6 +54,8 @@ __all__ = [
     "profile_segments",
     "plan_cost",
     "checkpoint_plan",
+    "UnevenLayer",
+    "measure_plan",
     "attention_core",
     "selective_block",
     "attention_core_policy",

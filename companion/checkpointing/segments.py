@@ -9,13 +9,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from companion.checkpointing.function import checkpoint
 from companion.memory import track
 from companion.cost.clock import now
 from companion.cost.stats import interleave
 
 __all__ = ["predicted_activation_units", "predicted_activation_bytes", "segments_for_budget",
            "sqrt_segments", "predicted_time_ratio", "SegmentRun", "profile_segments", "plan_cost",
-           "checkpoint_plan"]
+           "checkpoint_plan", "UnevenLayer", "measure_plan"]
 
 
 def predicted_activation_units(n_layers: int, segments: int) -> int:
@@ -112,31 +113,88 @@ def _saved_peak(timeline: dict[str, list]) -> int:
 
 
 def plan_cost(starts: Sequence[int], saved: Sequence[int], inputs: Sequence[int],
-              cost: Sequence[float]) -> tuple[int, float]:
+              cost: Sequence[float], *, bound: bool = False) -> tuple[int, float]:
     """(peak bytes, recompute cost) of cutting layers 0..n-1 into segments that begin at `starts`.
 
     Every segment but the last is checkpointed: its input (`inputs[start]` bytes) is kept, and its
-    layers' saved tensors (`saved[i]` bytes each) are dropped and recomputed in backward, costing
-    the sum of their `cost[i]`. The last segment runs plainly. The peak is the kept inputs plus the
-    largest segment's saved bytes: the last segment's are held from forward, each other's while it
-    is recomputed (the bound Chen et al. 2016, arXiv:1604.06174, §4 use)."""
+    layers' saved tensors (`saved[i]` bytes each; a layer's input is not among them) are dropped
+    and recomputed in backward, costing the sum of their `cost[i]`. The last segment runs plainly.
+    Backward runs the segments last to first and frees each checkpoint when its segment is done, so
+    the peak is the largest of:
+    - the last segment: its saved bytes, beside every checkpoint;
+    - checkpointed segment j, while recomputed: its saved bytes, beside the checkpoints of
+      segments 0..j (its own input included, the recomputation starts from it); the later
+      segments' checkpoints are already freed.
+    That is the peak measured for the reentrant design (`checkpoint(fn, x)`, `measure_plan`).
+    `bound=True` gives instead Chen et al.'s count (2016, arXiv:1604.06174, §4.1: the kept
+    checkpoints plus the largest segment), an upper bound, equal when the largest segment is the
+    last (`checkpoint_sequential` on equal layers).
+
+    Example:
+        >>> plan_cost([0, 1], [12, 1, 1], [1, 1, 1], [3.0, 1.0, 1.0])   # (max(1 + 12, 1 + 2), 3.0)
+        (13, 3.0)
+    """
     ends = list(starts[1:]) + [len(saved)]
-    kept = sum(inputs[start] for start in starts[:-1])
-    largest = max(sum(saved[a:b]) for a, b in zip(starts, ends))
-    return kept + largest, sum(sum(cost[a:b]) for a, b in zip(starts[:-1], ends[:-1]))
+    # 1. The checkpoints alive while segment j runs backward: inputs of segments 0..j.
+    alive = list(itertools.accumulate(inputs[start] for start in starts[:-1]))
+    alive.append(alive[-1] if alive else 0)           # the last segment: every checkpoint
+    held = [sum(saved[a:b]) for a, b in zip(starts, ends)]
+    # 2. Chen et al.'s bound adds all checkpoints to the largest segment; the exact peak pairs each
+    #    segment with the checkpoints alive at its backward.
+    peak = alive[-1] + max(held) if bound else max(a + h for a, h in zip(alive, held))
+    return peak, sum(sum(cost[a:b]) for a, b in zip(starts[:-1], ends[:-1]))
 
 
 def checkpoint_plan(saved: Sequence[int], inputs: Sequence[int], cost: Sequence[float],
-                    budget: int) -> list[int] | None:
-    """The segment starts (0 first) whose `plan_cost` peak fits `budget` with the least recompute
-    (fewest segments among equals), or None if no plan fits. Tries every plan: 2^(n-1) of them,
-    fine for the few dozen layers of a notebook; a dynamic program over (start, largest segment)
-    does it in polynomial time."""
+                    budget: int, *, bound: bool = False) -> list[int] | None:
+    """The segment starts (0 first) whose `plan_cost` peak fits `budget` (peak <= budget) with the
+    least recompute (fewest segments among equals), or None if no plan fits. `bound=True` plans
+    with Chen et al.'s upper bound instead of the exact peak: a plan that fits, but sometimes not
+    the cheapest one, and None when only the exact peak fits. Tries every plan: 2^(n-1) of them,
+    fine for the few dozen layers of a notebook; Checkmate (Jain et al., MLSys 2020) solves the
+    general graph as an integer program."""
     n, best = len(saved), None
     for k in range(n):
         for cuts in itertools.combinations(range(1, n), k):
             starts = [0, *cuts]
-            peak, recompute = plan_cost(starts, saved, inputs, cost)
+            peak, recompute = plan_cost(starts, saved, inputs, cost, bound=bound)
             if peak <= budget and (best is None or recompute < best[0]):
                 best = (recompute, starts)
     return None if best is None else best[1]
+
+
+class UnevenLayer(torch.nn.Module):
+    """A layer that saves `copies` tensors the size of its input for backward, and not its input:
+    tanh of the input repeated `copies` times, summed back to the input's shape (B, W) -> (B, W).
+    A stack of them has uneven `saved` and equal `inputs`, as `plan_cost` counts them."""
+
+    def __init__(self, copies: int):
+        super().__init__()
+        self.copies = copies
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.tanh(x.repeat(1, self.copies))            # (B, copies·W): tanh saves it
+        return wide.view(x.shape[0], self.copies, x.shape[1]).sum(1)   # (B, W): saves nothing
+
+
+def measure_plan(layers: Sequence[Callable], starts: Sequence[int], x: torch.Tensor, *,
+                 checkpoint_fn: Callable = checkpoint) -> int:
+    """The most bytes saved for backward at once (`SegmentRun.activation_bytes`' measure) when
+    `layers` run on `x` as the plan `starts`: every segment but the last under `checkpoint_fn`
+    (the reentrant `checkpoint`; PyTorch's is `partial(torch.utils.checkpoint.checkpoint,
+    use_reentrant=True)`), then backward. `x` must require grad; the step works on its own copy of
+    it, so the first checkpoint is counted as `plan_cost` counts `inputs[0]`."""
+    def segment(a: int, b: int) -> Callable:
+        def run(h):
+            for layer in layers[a:b]:
+                h = layer(h)
+            return h
+        return run
+
+    bounds = list(zip(starts, list(starts[1:]) + [len(layers)]))
+    with track(x.device) as tracker:
+        h = x.clone()                                          # the step's input: counted
+        for a, b in bounds[:-1]:
+            h = checkpoint_fn(segment(a, b), h)
+        segment(*bounds[-1])(h).sum().backward()
+    return _saved_peak(tracker.timeline())
