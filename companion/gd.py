@@ -9,10 +9,11 @@ from the parameters the previous batch left. Memory: the parameters and their gr
 numbers each; what grows with the batch size is the batch itself and what the forward pass keeps
 for backward (m numbers of residuals here, b·width per layer in an MLP; chapter 01 measures those
 with `companion.memory.track`). `steps_to_loss` measures the updates a batch size needs,
-`fit_pareto_front` turns those counts into the critical batch size, `noise_scale` predicts it, and
-`max_stable_lr` is the learning rate above which full-batch descent diverges. `best_lr` finds the
-learning rate that serves a batch size best, with SGD or Adam, and `scaling_exponent` fits how it
-grows with the batch (the linear and square-root rules).
+`fit_pareto_front` turns those counts into the critical batch size, `noise_scale` predicts it;
+`max_stable_lr` is the learning rate above which full-batch descent diverges, `noiseless_lr` the
+best rate of one full-batch step. `best_lr` finds the learning rate that serves a batch size best,
+with SGD or Adam, and `scaling_exponent` fits how it grows with the batch (the linear and
+square-root rules).
 
 Example:
     >>> X, y, w_true, b_true = make_regression(256, 4)
@@ -41,6 +42,7 @@ __all__ = [
     "mse_hessian",
     "fit_pareto_front",
     "max_stable_lr",
+    "noiseless_lr",
     "least_squares_loss",
     "excess_loss",
     "best_lr",
@@ -165,6 +167,9 @@ def noise_scale(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tens
     B_noise = tr(HΣ) / GᵀHG, the batch at which the best step improves the loss half as much as a
     noiseless one; the two are equal when H is a multiple of the identity. Either predicts the
     critical batch size to within a factor."""
+    if X.shape[0] < 2:
+        raise ValueError(f"the noise scale needs the gradients of at least 2 examples to measure "
+                         f"their spread, got {X.shape[0]}")
     r = X @ w + b - y                                       # (m,)
     per_example = torch.cat([2 * X * r[:, None], 2 * r[:, None]], dim=1)   # (m, d + 1)
     G = per_example.mean(dim=0)
@@ -179,6 +184,9 @@ def mse_hessian(X: torch.Tensor) -> torch.Tensor:
     """The Hessian of the MSE of ŷ = Xw + b over (w, b), in float64: (2/m)·X̃ᵀX̃ with X̃ = [X, 1]
     (the bias is a parameter too). It does not depend on y, w or b: the loss is quadratic."""
     m = X.shape[0]
+    if m == 0:
+        raise ValueError("X has no rows: an empty batch has no loss and no Hessian; "
+                         "pass at least one example")
     Xt = torch.cat([X, torch.ones(m, 1, dtype=X.dtype)], dim=1).double()   # (m, d + 1)
     return 2.0 / m * Xt.T @ Xt                                              # (d + 1, d + 1)
 
@@ -210,8 +218,31 @@ def max_stable_lr(X: torch.Tensor) -> float:
     return 2.0 / float(torch.linalg.eigvalsh(mse_hessian(X))[-1])
 
 
+def noiseless_lr(X: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> float:
+    """η_max = |G|² / GᵀHG: the learning rate of the full-batch step −η·G from (w, b) that lowers
+    the MSE most (McCandlish et al., 2018, section 2, the best rate of a noiseless step; a batch
+    of B examples has best rate η_max / (1 + B_noise / B)). Exact here, since the loss is
+    quadratic: L(θ − ηG) = L(θ) − η|G|² + ½η²·GᵀHG. It lies between 1/λ_max and 1/λ_min of H, and
+    changes as (w, b) moves, unlike the edge of stability 2/λ_max."""
+    G = torch.cat([g.reshape(-1) for g in mse_gradient(X, y, w, b)]).double()   # (d + 1,)
+    curvature = float(G @ mse_hessian(X) @ G)
+    if curvature == 0.0:
+        raise ValueError("the gradient is zero (or along a flat direction) at (w, b): no step "
+                         "improves the loss, so there is no best learning rate")
+    return float(G @ G) / curvature
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} has NaN or infinite entries: clean the data before fitting it")
+
+
 def least_squares_loss(X: torch.Tensor, y: torch.Tensor) -> float:
     """The lowest MSE any (w, b) reaches on (X, y), in float64: the floor training aims at."""
+    _check_finite("X", X)
+    _check_finite("y", y)
+    if X.shape[0] == 0:
+        raise ValueError("X has no rows: pass at least one example")
     Xt = torch.cat([X, torch.ones(X.shape[0], 1, dtype=X.dtype)], dim=1).double()   # (m, d + 1)
     solution = torch.linalg.lstsq(Xt, y.double()[:, None]).solution                 # (d + 1, 1)
     return float(((Xt @ solution).flatten() - y.double()).square().mean())
@@ -249,9 +280,13 @@ def best_lr(X: torch.Tensor, y: torch.Tensor, *, batch_size: int, lrs, epochs: i
     "Accurate, Large Minibatch SGD", section 2; Malladi et al., 2022, "On the SDEs and Scaling
     Rules for Adaptive Gradient Algorithms"). Raises ValueError if the best rate is at an end of
     the grid: the optimum may lie beyond it."""
-    lrs = sorted(lrs)
+    lrs, seeds = sorted(_positive("learning rates", lrs)), list(seeds)   # a generator runs once
     if len(lrs) < 3:
         raise ValueError(f"give at least three learning rates to search, got {lrs}")
+    if len(set(lrs)) < len(lrs):
+        raise ValueError(f"the grid repeats a learning rate: {lrs}; give each rate once")
+    if not seeds:
+        raise ValueError("give at least one shuffle seed (seeds=range(5), say)")
     scores = [statistics.fmean(excess_loss(X, y, lr=lr, batch_size=batch_size, epochs=epochs,
                                            seed=seed, optimizer=optimizer) for seed in seeds)
               for lr in lrs]
@@ -273,12 +308,25 @@ def best_lr(X: torch.Tensor, y: torch.Tensor, *, batch_size: int, lrs, epochs: i
 def scaling_exponent(batch_sizes, lrs) -> float:
     """α of lr ∝ B^α, fitted by least squares on log-log axes: 1 is the linear rule for SGD
     (Goyal et al., 2017), 0.5 the square-root rule for Adam (Malladi et al., 2022)."""
-    log_b = torch.log(torch.as_tensor(batch_sizes, dtype=torch.float64))
+    batch_sizes, lrs = _positive("batch sizes", batch_sizes), _positive("learning rates", lrs)
+    if len(batch_sizes) != len(lrs):
+        raise ValueError(f"got {len(batch_sizes)} batch sizes but {len(lrs)} learning rates; "
+                         "give one rate per batch size")
+    log_b = torch.log(torch.tensor(batch_sizes, dtype=torch.float64))
     if len(set(log_b.tolist())) < 2:
         raise ValueError(f"need at least two different batch sizes to fit an exponent, got {batch_sizes}")
-    log_lr = torch.log(torch.as_tensor(lrs, dtype=torch.float64))
+    log_lr = torch.log(torch.tensor(lrs, dtype=torch.float64))
     A = torch.stack([log_b, torch.ones_like(log_b)], dim=1)                 # (n, 2)
     return float(torch.linalg.lstsq(A, log_lr[:, None]).solution[0, 0])
+
+
+def _positive(name: str, values) -> list[float]:
+    """The values as a list of floats, each finite and above zero (a log axis needs them so)."""
+    values = [float(v) for v in values]
+    bad = [v for v in values if not (0 < v < math.inf)]
+    if bad:
+        raise ValueError(f"{name} must be finite and above zero, got {bad[0]!r} in {values}")
+    return values
 
 
 def explore(X: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: int, epochs: int,

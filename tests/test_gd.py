@@ -258,3 +258,86 @@ def test_scaling_exponent_recovers_a_power_law(alpha):
     assert gd.scaling_exponent(B, [0.01 * b ** alpha for b in B]) == pytest.approx(alpha, abs=1e-9)
     with pytest.raises(ValueError, match="two different batch sizes"):
         gd.scaling_exponent([4, 4], [0.1, 0.2])
+
+
+def test_noiseless_lr_is_the_best_full_batch_step(problem):
+    X, y, w, b = problem
+    X, y, w, b = X.double(), y.double(), w.double(), b.double()
+    eta = gd.noiseless_lr(X, y, w, b)
+
+    def after_step(rate):
+        return float(gd.mse_loss(X, y, *gd.sgd_step(w, b, *gd.mse_gradient(X, y, w, b), rate)))
+    assert after_step(eta) < min(after_step(0.99 * eta), after_step(1.01 * eta))
+    w1, b1 = gd.sgd_step(w, b, *gd.mse_gradient(X, y, w, b), eta)   # exact line search: the new
+    G0 = torch.cat([t.reshape(-1) for t in gd.mse_gradient(X, y, w, b)])   # gradient is orthogonal
+    G1 = torch.cat([t.reshape(-1) for t in gd.mse_gradient(X, y, w1, b1)])  # to the old one
+    assert float(G0 @ G1) == pytest.approx(0.0, abs=1e-9 * float(G0 @ G0))
+    lam = torch.linalg.eigvalsh(gd.mse_hessian(X))
+    assert 1 / float(lam[-1]) <= eta <= 1 / float(lam[0])
+
+
+def test_noiseless_lr_refuses_a_zero_gradient():
+    X = _hadamard_features(8, 2)
+    with pytest.raises(ValueError, match="gradient is zero"):
+        gd.noiseless_lr(X, X @ torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]), torch.zeros(()))
+
+
+def test_best_lr_takes_the_seeds_from_a_generator(problem):
+    X, y, _, _ = problem
+    lrs = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
+    from_list = gd.best_lr(X, y, batch_size=4, lrs=lrs, seeds=[0, 1])
+    assert gd.best_lr(X, y, batch_size=4, lrs=lrs, seeds=(s for s in (0, 1))) == from_list
+    assert gd.best_lr(X, y, batch_size=4, lrs=iter(lrs), seeds=[0, 1]) == from_list
+    with pytest.raises(ValueError, match="at least one shuffle seed"):
+        gd.best_lr(X, y, batch_size=4, lrs=lrs, seeds=[])
+
+
+@pytest.mark.parametrize("lrs, match", [([0.01, 0.02, 0.02, 0.04], "repeats"),
+                                        ([0.0, 0.01, 0.02], "above zero"),
+                                        ([-0.01, 0.01, 0.02], "above zero"),
+                                        ([float("nan"), 0.01, 0.02], "above zero"),
+                                        ([0.01, 0.02, float("inf")], "above zero")])
+def test_best_lr_refuses_a_bad_grid(problem, lrs, match):
+    X, y, _, _ = problem
+    with pytest.raises(ValueError, match=match):
+        gd.best_lr(X, y, batch_size=4, lrs=lrs, seeds=[0])
+
+
+@pytest.mark.parametrize("batch_sizes, lrs, match", [([1, 2, 4], [0.1, -0.2, 0.4], "above zero"),
+                                                     ([1, 2, 4], [0.1, float("nan"), 0.4], "above zero"),
+                                                     ([0, 2, 4], [0.1, 0.2, 0.4], "above zero"),
+                                                     ([1, 2, float("inf")], [0.1, 0.2, 0.4], "above zero"),
+                                                     ([1, 2, 4], [0.1, 0.2], "one rate per batch")])
+def test_scaling_exponent_refuses_bad_input(batch_sizes, lrs, match):
+    with pytest.raises(ValueError, match=match):
+        gd.scaling_exponent(batch_sizes, lrs)
+
+
+def test_least_squares_loss_refuses_nan_and_empty_data(problem):
+    X, y, _, _ = problem
+    y_nan = y.clone()
+    y_nan[3] = float("nan")
+    with pytest.raises(ValueError, match="y has NaN"):
+        gd.least_squares_loss(X, y_nan)
+    X_inf = X.clone()
+    X_inf[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="X has NaN or infinite"):
+        gd.least_squares_loss(X_inf, y)
+    with pytest.raises(ValueError, match="no rows"):
+        gd.least_squares_loss(X[:0], y[:0])
+
+
+def test_mse_hessian_refuses_an_empty_batch(problem):
+    X, _, _, _ = problem
+    with pytest.raises(ValueError, match="no rows"):
+        gd.mse_hessian(X[:0])
+    with pytest.raises(ValueError, match="no rows"):
+        gd.max_stable_lr(X[:0])
+
+
+@pytest.mark.parametrize("hessian", [False, True])
+def test_noise_scale_needs_two_examples(problem, hessian):
+    X, y, w, b = problem
+    with pytest.raises(ValueError, match="at least 2 examples"):
+        gd.noise_scale(X[:1], y[:1], w, b, hessian=hessian)
+    assert gd.noise_scale(X[:2], y[:2], w, b, hessian=hessian) > 0
