@@ -126,9 +126,9 @@ def plan_cost(starts: Sequence[int], saved: Sequence[int], inputs: Sequence[int]
       segments 0..j (its own input included, the recomputation starts from it); the later
       segments' checkpoints are already freed.
     That is the peak measured for the reentrant design (`checkpoint(fn, x)`, `measure_plan`).
-    `bound=True` gives instead Chen et al.'s count (2016, arXiv:1604.06174, §4.1: the kept
-    checkpoints plus the largest segment), an upper bound, equal when the largest segment is the
-    last (`checkpoint_sequential` on equal layers).
+    `bound=True` gives instead Chen et al.'s count (2016, arXiv:1604.06174: the kept checkpoints
+    plus the largest segment, their O(k) + O(n/k) for k segments), an upper bound, equal when the
+    largest segment is the last (`checkpoint_sequential` on equal layers).
 
     Example:
         >>> plan_cost([0, 1], [12, 1, 1], [1, 1, 1], [3.0, 1.0, 1.0])   # (max(1 + 12, 1 + 2), 3.0)
