@@ -69,10 +69,42 @@ def _watched(model, seed: int, lr: float) -> tuple:
     for p, g in zip(model.parameters(), _stale(model, seed)):
         p.grad = g
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    seen, steps = [], []
-    model.register_forward_pre_hook(lambda module, inputs: seen.append(len(inputs[0])))
+    seen, steps, order = [], [], []
+
+    def forward(module, inputs):
+        seen.append(len(inputs[0]))
+        order.append("forward")
+
+    model.register_forward_pre_hook(forward)
+    # a gradient reaching the first weight: one per backward pass, however many forwards it spans
+    next(model.parameters()).register_hook(lambda grad: order.append("backward"))
     opt.register_step_post_hook(lambda *args: steps.append(1))
-    return opt, seen, steps
+    return opt, seen, steps, order
+
+
+def _interleaved(order: list[str], k: int) -> None:
+    """Each micro-batch's backward must run before the next micro-batch's forward: otherwise
+    every micro-batch's graph, and its saved activations, lives until the one backward."""
+    forwards = order.count("forward")
+    require(order == ["forward", "backward"] * k,
+            f"forward and backward passes ran in the order {_runs(order)}; expected {k} times "
+            f"forward then backward",
+            hint=("call backward on each micro-batch's loss inside the loop: adding the losses up "
+                  "and calling backward once keeps the graphs, and the activations, of every "
+                  "micro-batch alive until then, as much memory as the whole batch.")
+            if forwards == k and order.count("backward") < k else
+            "each micro-batch's backward belongs before the next micro-batch's forward.")
+
+
+def _runs(order: list[str]) -> str:
+    """["forward", "forward", "backward"] -> "forward x2, backward"."""
+    out: list[str] = []
+    for name in order:
+        if out and out[-1][0] == name:
+            out[-1][1] += 1
+        else:
+            out.append([name, 1])
+    return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in out) or "none"
 
 
 @harness
@@ -80,9 +112,9 @@ def _accumulation_run(answer, seed: int, k: int, b: int) -> tuple:
     """Run the answer on the seed's model (stale gradients in .grad, SGD with momentum); return
     (its parameters after, how many optimizer steps ran, the batch sizes the model saw)."""
     model, x, y = _setup(seed, k * b)
-    opt, seen, steps = _watched(model, seed, lr=0.1)
+    opt, seen, steps, order = _watched(model, seed, lr=0.1)
     call(answer, model, F.cross_entropy, opt, x.clone(), y.clone(), k)
-    return tuple(p.detach() for p in model.parameters()), len(steps), seen
+    return tuple(p.detach() for p in model.parameters()), len(steps), seen, order
 
 
 @exercise(points=2, timeout=30.0, reference=("companion.accumulation.accumulation_step",
@@ -95,13 +127,14 @@ def check_accumulation_step(answer) -> str:
     for seed, (k, b) in zip(fresh_seeds(3), [(4, 6), (3, 7), (5, 1)]):
         model, x, y = _setup(seed, k * b)
         stale = _stale(model, seed)
-        got, steps, seen = _accumulation_run(answer, seed, k, b)
+        got, steps, seen, order = _accumulation_run(answer, seed, k, b)
         require(steps == 1, f"optimizer.step() ran {steps} times; expected once",
                 hint="accumulate the gradients of all micro-batches, then step once, after the loop.")
         require(max(seen, default=len(x)) <= b and len(seen) == k,
                 f"the model saw batches of sizes {seen}; expected {k} micro-batches of {b}",
                 hint="split x and y into accum_steps pieces (x.chunk(k)) and run the model on each: "
                      "that is what keeps the activations small.")
+        _interleaved(order, k)
         expected = _step_params(model, x, y, k)
         if not all(torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(got, expected)):
             _reject_known_wrong(got, {
@@ -168,9 +201,9 @@ def _token_variant(seed: int, rows: tuple, variant: str = "reference") -> tuple:
 def _token_run(answer, seed: int, rows: tuple) -> tuple:
     """Run the answer (stale gradients in .grad); (its parameters, optimizer steps, rows seen)."""
     model, micro = _token_setup(seed, rows)
-    opt, seen, steps = _watched(model, seed, lr=0.5)
+    opt, seen, steps, order = _watched(model, seed, lr=0.5)
     call(answer, model, opt, [(x.clone(), y.clone()) for x, y in micro])
-    return tuple(p.detach() for p in model.parameters()), len(steps), seen
+    return tuple(p.detach() for p in model.parameters()), len(steps), seen, order
 
 
 @exercise(points=2, timeout=30.0, reference="companion.accumulation.token_normalized_step")
@@ -178,7 +211,7 @@ def check_token_normalized_step(answer) -> str:
     """answer(model, optimizer, micro_batches): one optimizer step on token micro-batches
     [(x, y), ...] (y is -100 on padding) equal to the step on all of them at once."""
     for seed, rows in zip(fresh_seeds(3), [(3, 1, 4), (2, 5), (1, 1, 1, 6)]):
-        got, steps, seen = _token_run(answer, seed, rows)
+        got, steps, seen, order = _token_run(answer, seed, rows)
         require(steps == 1, f"optimizer.step() ran {steps} times; expected once",
                 hint="accumulate the gradients of every micro-batch, then step once, after the "
                      "loop.")
@@ -186,6 +219,7 @@ def check_token_normalized_step(answer) -> str:
                 f"micro-batches one by one, {list(rows)}",
                 hint="run the model on each micro-batch in turn: concatenating them first would "
                      "hold the activations of the whole batch.")
+        _interleaved(order, len(rows))
         expected = _token_variant(seed, rows)
         if not all(torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(got, expected)):
             _reject_known_wrong(got, {
