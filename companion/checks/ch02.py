@@ -77,8 +77,9 @@ def check_decode_bf16(answer) -> str:
     """answer(bits: int) -> float: the value of a 16-bit bf16 pattern, every kind of pattern."""
     # normals first, then subnormals, then the zeros, then the specials: the first failure
     # comes from the simplest pattern that shows the mistake, so its hint fits
+    # NaNs of every kind: quiet, signalling (quiet bit 0), negative
     fixed = [0x3F80, 0xC000, 0x3DCD, 0x0080, 0x7F7F, 0x0001, 0x807F, 0x0000, 0x8000, 0x7F80,
-             0xFF80, 0x7FC0]
+             0xFF80, 0x7FC0, 0x7F81, 0x7FBF, 0xFF81, 0xFFC0]
     rng = random.Random(fresh_seeds(1)[0])
     drawn = [rng.randrange(2**16) for _ in range(24)]
     drawn += [rng.randrange(1, 0x80) | sign for sign in (0, 0x8000)]    # two subnormals
