@@ -532,6 +532,43 @@ def test_plan_cost_is_the_measured_peak_and_the_bound_is_above_it(copies, checkp
     assert over > 0                                            # the bound is not the peak
 
 
+class _SavesItsInput(torch.nn.Module):
+    """An UnevenLayer that also saves its own input (h * h saves h), as Linear does."""
+
+    def __init__(self, copies: int):
+        super().__init__()
+        self.inner = ck.UnevenLayer(copies)
+
+    def forward(self, h):
+        return self.inner(h) + h * h
+
+
+def _peak_when_layers_save_their_input(starts, saved, inputs):
+    """The peak with each input counted in saved[i]: a recomputed segment's own checkpoint is its
+    first layer's saved input, so only the checkpoints before it are added."""
+    ends = starts[1:] + [len(saved)]
+    held = [sum(saved[a:b]) for a, b in zip(starts, ends)]
+    before = [sum(inputs[a] for a in starts[:j]) for j in range(len(starts))]
+    return max([b + h for b, h in zip(before[:-1], held[:-1])]
+               + [sum(inputs[a] for a in starts[:-1]) + held[-1]])
+
+
+@pytest.mark.parametrize("checkpoint_fn", [ck.checkpoint,
+                                           functools.partial(tuc.checkpoint, use_reentrant=True)])
+def test_measure_plan_counts_layers_that_save_their_input_once(checkpoint_fn):
+    copies = [12, 1, 1, 1, 1, 1]
+    layers = [_SavesItsInput(c) for c in copies]
+    x = torch.randn(8, 16, requires_grad=True)
+    unit = x.numel() * x.element_size()
+    saved, inputs = [(c + 1) * unit for c in copies], [unit] * len(copies)
+    for starts in ([0], [0, 1], [0, 1, 2], [0, 3], [0, 5], [0, 1, 2, 3, 4, 5]):
+        measured = ck.measure_plan(layers, starts, x, checkpoint_fn=checkpoint_fn)
+        assert measured == _peak_when_layers_save_their_input(starts, saved, inputs), starts
+        assert ck.measure_plan(layers, starts, x, checkpoint_fn=checkpoint_fn,
+                               step_peak=True) > measured
+    assert ck.measure_plan(layers, [0, 1], x, checkpoint_fn=checkpoint_fn) == 13 * unit
+
+
 def test_the_bound_is_exact_on_equal_layers():
     saved, inputs, cost = [5] * 9, [2] * 9, [1.0] * 9
     for s in range(1, 10):

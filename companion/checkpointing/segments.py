@@ -129,6 +129,9 @@ def plan_cost(starts: Sequence[int], saved: Sequence[int], inputs: Sequence[int]
     `bound=True` gives instead Chen et al.'s count (2016, arXiv:1604.06174: the kept checkpoints
     plus the largest segment, their O(k) + O(n/k) for k segments), an upper bound, equal when the
     largest segment is the last (`checkpoint_sequential` on equal layers).
+    Exact for layers that do not save their own input (`UnevenLayer`). A layer that does (Linear)
+    saves, as the first layer of a recomputed segment, the checkpoint itself: count each input in
+    `saved[i]`, and then a segment's own checkpoint must not be added again (this function adds it).
 
     Example:
         >>> plan_cost([0, 1], [12, 1, 1], [1, 1, 1], [3.0, 1.0, 1.0])   # (max(1 + 12, 1 + 2), 3.0)
@@ -178,12 +181,14 @@ class UnevenLayer(torch.nn.Module):
 
 
 def measure_plan(layers: Sequence[Callable], starts: Sequence[int], x: torch.Tensor, *,
-                 checkpoint_fn: Callable = checkpoint) -> int:
+                 checkpoint_fn: Callable = checkpoint, step_peak: bool = False) -> int:
     """The most bytes saved for backward at once (`SegmentRun.activation_bytes`' measure) when
     `layers` run on `x` as the plan `starts`: every segment but the last under `checkpoint_fn`
     (the reentrant `checkpoint`; PyTorch's is `partial(torch.utils.checkpoint.checkpoint,
     use_reentrant=True)`), then backward. `x` must require grad; the step works on its own copy of
-    it, so the first checkpoint is counted as `plan_cost` counts `inputs[0]`."""
+    it, so the first checkpoint is counted as `plan_cost` counts `inputs[0]`. `step_peak=True`
+    gives instead the whole step's peak (`SegmentRun.peak_bytes`' measure: saved tensors, and
+    backward's temporaries and the gradients flowing back, which `plan_cost` does not count)."""
     def segment(a: int, b: int) -> Callable:
         def run(h):
             for layer in layers[a:b]:
@@ -191,10 +196,14 @@ def measure_plan(layers: Sequence[Callable], starts: Sequence[int], x: torch.Ten
             return h
         return run
 
-    bounds = list(zip(starts, list(starts[1:]) + [len(layers)]))
-    with track(x.device) as tracker:
+    def loss() -> torch.Tensor:
+        # Inside a function, so no name here keeps a segment's input alive through backward.
         h = x.clone()                                          # the step's input: counted
         for a, b in bounds[:-1]:
             h = checkpoint_fn(segment(a, b), h)
-        segment(*bounds[-1])(h).sum().backward()
-    return _saved_peak(tracker.timeline())
+        return segment(*bounds[-1])(h).sum()
+
+    bounds = list(zip(starts, list(starts[1:]) + [len(layers)]))
+    with track(x.device) as tracker:
+        loss().backward()
+    return tracker.peak if step_peak else _saved_peak(tracker.timeline())
