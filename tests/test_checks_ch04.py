@@ -1,5 +1,11 @@
 """Chapter 04's checks pass on the reference and fail on known-wrong answers."""
 
+import itertools
+import pathlib
+import re
+import sys
+import types
+
 import pytest
 import torch
 
@@ -7,7 +13,9 @@ from companion import checkpointing as ck
 from companion.checks import ch04
 from companion.checks.ch04 import (check_checkpoint_function, check_checkpoint_plan,
                                    check_saved_bytes)
-from companion.checks.core import CheckFailed
+from companion.checks.core import REGISTRY, CheckFailed
+from companion.grader.child import _Monitor
+from companion.grader.withhold import MARK, Withheld, withheld_sources
 
 
 def _saved_bytes(fn, x):
@@ -125,9 +133,42 @@ def _no_grad_at_all(fn, x):
         return fn(x)
 
 
+class _NoAutocast(_NoForkRng):
+    """Known wrong: right in every other detail (random state replayed inside fork_rng), but the
+    recomputation runs at whatever precision is on when backward runs."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            return _NoRng.backward(ctx, grad)
+
+
 def test_checkpoint_function_reference_passes():
     check_checkpoint_function(ck.checkpoint)
     check_checkpoint_function(lambda fn, x: ck.Checkpoint.apply(fn, torch.empty(0), x))
+    check_checkpoint_function(lambda fn, x: torch.utils.checkpoint.checkpoint(
+        fn, x, use_reentrant=True))
+
+
+def test_the_autocast_case_sets_apart_a_recomputation_in_another_precision():
+    for seed in range(20):
+        plain = ch04._autocast_gradients(None, seed, 10)
+        assert plain[0].dtype == torch.bfloat16                  # forward ran under autocast
+        replayed = ch04._autocast_gradients(ck.checkpoint, seed, 10)
+        assert all(torch.equal(a, b) for a, b in zip(replayed[1], plain[1]))
+        drifted = ch04._autocast_gradients(lambda fn, x: _NoAutocast.apply(fn, x), seed, 10)
+        assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-5)
+                       for a, b in zip(drifted[1], plain[1]))
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_a_checkpoint_without_the_autocast_replay_fails_with_the_precision_hint(run):
+    with pytest.raises(CheckFailed, match="under bf16 autocast") as failure:
+        check_checkpoint_function(lambda fn, x: _NoAutocast.apply(fn, x))
+    assert "autocast settings" in failure.value.hint
+    assert "is_autocast_enabled" not in failure.value.hint and "torch.autocast(" not in \
+        failure.value.hint
 
 
 @pytest.mark.parametrize("wrong, hint", [
@@ -176,7 +217,7 @@ def test_an_exhaustive_search_passes_the_check(run):
 
 
 def test_the_fixed_cases_hold_plans_the_bound_gets_wrong():
-    fixed = ch04._plan_cases(0)[:11]
+    fixed = ch04._plan_cases(0)[:12]
     changed = [c for c in fixed
                if not ch04._accepted(ck.checkpoint_plan(*c, bound=True), ck.checkpoint_plan(*c), *c)]
     assert len(changed) >= 2
@@ -225,6 +266,59 @@ def test_checkpoint_plan_rejects_a_plan_that_is_not_starts():
                               [3, 0] if ck.checkpoint_plan(saved, inputs, cost, budget) else None)
 
 
+def _delegates(saved, inputs, cost, budget):
+    """An answer that lets the reference compute every plan's peak and recompute."""
+    plans = [[0, *c] for k in range(len(saved)) for c in itertools.combinations(range(1, len(saved)), k)]
+    fits = [p for p in plans if ck.plan_cost(p, saved, inputs, cost)[0] <= budget]
+    return min(fits, key=lambda p: ck.plan_cost(p, saved, inputs, cost)[1]) if fits else None
+
+
+def test_an_answer_that_calls_plan_cost_is_caught_as_a_reference_use():
+    references = REGISTRY["check_checkpoint_plan"].reference
+    assert {"companion.checkpointing.plan_cost", "companion.checkpointing.checkpoint_plan"} <= \
+        set(references)
+    case = ch04._plan_cases(0)[0]
+    with _Monitor(references) as delegated:                   # what the grader's sandbox counts
+        _delegates(*case)
+    with _Monitor(references) as written_out:
+        _exhaustive(*case)
+    assert [name for name in delegated.hits if name.endswith(".plan_cost")]
+    assert written_out.hits == {}
+
+
+def test_in_the_clean_room_an_answer_that_calls_plan_cost_fails(monkeypatch):
+    path = pathlib.Path(ck.__file__).parent / "segments.py"
+    withheld = Withheld()
+    withheld.add("companion.checkpointing.plan_cost")
+    rel = "companion/checkpointing/segments.py"
+    text = withheld_sources({rel: path.read_bytes()}, withheld)[rel]
+    module = types.ModuleType("segments_copy")                # as the clean room imports it
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(text, "segments_copy", "exec"), module.__dict__)
+    copy = module.__dict__
+    with pytest.raises(RuntimeError, match=re.escape(MARK)):
+        copy["plan_cost"]([0], [1], [1], [1.0])
+
+    def delegates_to_the_copy(saved, inputs, cost, budget):
+        best = None
+        for k in range(len(saved)):
+            for cuts in itertools.combinations(range(1, len(saved)), k):
+                peak, recompute = copy["plan_cost"]([0, *cuts], saved, inputs, cost)
+                if peak <= budget and (best is None or recompute < best[0]):
+                    best = (recompute, [0, *cuts])
+        return None if best is None else best[1]
+
+    with pytest.raises(CheckFailed, match="withheld"):
+        check_checkpoint_plan(delegates_to_the_copy)
+
+
+def test_a_rule_that_keeps_the_later_checkpoints_gets_its_own_hint():
+    with pytest.raises(CheckFailed) as failure:
+        check_checkpoint_plan(ch04._later_alive)
+    assert "from the last to the first" in failure.value.hint
+    assert "own checkpoint is still alive" not in failure.value.hint
+
+
 def test_plan_cost_pairs_each_segment_with_the_checkpoints_alive_at_its_backward():
     saved, inputs, cost = [4, 1, 1, 6], [9, 2, 3, 5], [1.0, 2.0, 3.0, 4.0]
     assert ck.plan_cost([0], saved, inputs, cost) == (12, 0.0)
@@ -270,18 +364,43 @@ _core = ck.attention_core_policy
 
 @pytest.mark.parametrize("wrong, hint", [
     (lambda op: True, "keeping everything saves nothing"),
-    (lambda op: False, "runs outside the attention core"),
-    (ck.save_linear_outputs, "LayerNorm runs outside"),
+    (lambda op: False, "recomputes a product with a weight matrix"),
+    (ck.save_linear_outputs, "recomputes a normalisation"),
     (lambda op: op.overloadpacket in (_aten.addmm, _aten.native_layer_norm, _aten.add),
-     "GELU belongs to the MLP"),
+     "recomputes an element-wise activation"),
+    (lambda op: op.overloadpacket in (_aten.addmm, _aten.native_layer_norm, _aten.gelu),
+     "recomputes a residual sum"),
     (lambda op: op.overloadpacket not in (_aten.bmm, _aten._softmax), "grows faster than T"),
     (lambda op: op.overloadpacket is not _aten._softmax, "grows faster than T"),
     (lambda op: _core(op) or op.overloadpacket in (_aten.view, _aten.expand, _aten._unsafe_view),
      "a kept view"),
-    (lambda op: _core(op) or op.overloadpacket is _aten.clone, "aten.clone"),
+    (lambda op: _core(op) or op.overloadpacket is _aten.clone, "contiguous copies"),
     (lambda op: 1, "return a bool"),
     (lambda op: op.name(), "return a bool"),
 ])
 def test_selective_policy_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
         ch04.check_selective_policy(wrong)
+
+
+_KEPT_NAMES = re.compile(r"aten\.|addmm|\bmm\b|layer_?norm|gelu|\badd\b", re.IGNORECASE)
+
+
+def test_selective_policy_failures_teach_the_criterion_without_naming_an_operator_to_keep():
+    """Adding whatever operator each failure names (from lambda op: False) must not converge: no
+    failure names one, and each says what recomputing it costs or frees."""
+    kept = set()
+    for _ in range(6):
+        with pytest.raises(CheckFailed) as failure:
+            ch04.check_selective_policy(lambda op: op.overloadpacket in kept)
+        text = str(failure.value)
+        assert not _KEPT_NAMES.search(text), text
+        assert "Korthikanti et al. weigh what an output costs to recompute" in failure.value.hint
+        assert re.search(r"matmul FLOPs|frees [\d,]+ bytes", failure.value.summary)
+        kept |= {getattr(_aten, name.split(".")[1]) for name in re.findall(r"aten\.\w+", text)}
+    assert not kept
+    for wrong in (lambda op: op.overloadpacket in (_aten.addmm, _aten.native_layer_norm),
+                  ck.save_linear_outputs, lambda op: _core(op) or op.overloadpacket is _aten.clone):
+        with pytest.raises(CheckFailed) as failure:
+            ch04.check_selective_policy(wrong)
+        assert not _KEPT_NAMES.search(str(failure.value)), str(failure.value)

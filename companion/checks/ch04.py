@@ -102,11 +102,14 @@ def check_saved_bytes(answer) -> str:
     return "you can see what autograd keeps: the inputs of each layer, not the weights"
 
 
-def _gradients(fn_wrapper, block, x, seed):
+def _gradients(fn_wrapper, block, x, seed, *, autocast: bool = False):
+    """(output, parameter and input gradients) of fn_wrapper(block, x); with `autocast`, forward
+    runs under CPU bf16 autocast and backward after its block has closed, as a training step does."""
     block.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
     torch.manual_seed(seed)
-    y = fn_wrapper(block, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = fn_wrapper(block, x)
     if not isinstance(y, torch.Tensor) or not y.requires_grad:
         raise CheckFailed(f"expected a tensor that requires grad, got {type(y).__name__}"
                           + (" without grad" if isinstance(y, torch.Tensor) else ""),
@@ -142,6 +145,14 @@ def _checkpoint_backward(answer, seed: int, width: int, p: float) -> tuple[tuple
 
 
 @harness
+def _autocast_gradients(answer, seed: int, width: int) -> tuple:
+    """(output, gradients) of a block through the answer (plain autograd when answer is None),
+    forward under CPU bf16 autocast, backward outside it."""
+    run = (lambda m, t: m(t)) if answer is None else (lambda m, t: call(answer, m, t))
+    return _gradients(run, _block(seed, width, 0.0), _input(seed, width), seed, autocast=True)
+
+
+@harness
 def _random_after_backward(answer, seed: int, width: int) -> torch.Tensor:
     """torch.rand after a backward through two stacked checkpointed blocks with dropout (the
     answer's, or plain autograd's when answer is None): a checkpoint must leave the caller's
@@ -162,7 +173,7 @@ def _random_after_backward(answer, seed: int, width: int) -> torch.Tensor:
                                              "torch.utils.checkpoint.CheckpointFunction"))
 def check_checkpoint_function(answer) -> str:
     """answer(fn, x) -> fn(x), keeping only x for backward and recomputing fn inside backward.
-    x requires grad; fn may use dropout."""
+    x requires grad; fn may use dropout; forward may run under autocast."""
     saved_plain = saved_mine = 0
     seeds = fresh_seeds(3)
     for seed, width, p in zip(seeds, [6, 11, 16], [0.0, 0.5, 0.3]):
@@ -198,7 +209,13 @@ def check_checkpoint_function(answer) -> str:
             name="torch.rand(8) after backward through two stacked checkpoints",
             hint="restore the saved random state inside `with torch.random.fork_rng():`, so the "
                  "recomputation does not rewind the random stream of the code around backward.")
-    return (f"same gradients as plain autograd, random stream left as it was; saved for backward "
+    compare(_autocast_gradients(answer, seeds[1], 10), _autocast_gradients(None, seeds[1], 10),
+            name="(output, parameter and input gradients) under bf16 autocast",
+            hint="forward ran inside an autocast block and backward after it closed, so your "
+                 "recomputation ran at another precision than forward did: remember forward's "
+                 "autocast settings and recompute under them.")
+    return (f"same gradients as plain autograd (with dropout, and under autocast), random stream "
+            f"left as it was; saved for backward "
             f"{format_bytes(saved_plain)} -> {format_bytes(saved_mine)}")
 
 
@@ -218,14 +235,40 @@ class _Operators(TorchDispatchMode):
 
 
 aten = torch.ops.aten
-_OUTSIDE_HINTS = {
-    aten.addmm: "aten.addmm is a Linear layer, the expensive part of a block: Korthikanti et al. "
-                "keep its output, and redo only what attention computes from q, k and v.",
-    aten.native_layer_norm: "LayerNorm runs outside the attention core: keep its output (the "
-                            "paper keeps both LayerNorms' inputs and outputs).",
-    aten.gelu: "GELU belongs to the MLP, outside the attention core: keep its output.",
-    aten.add: "the residual adds run outside the attention core: keep their outputs.",
-}
+# The operators that compute outside the attention core, by kind: a hint names the kind and what
+# recomputing it costs and frees, never the operator (finding it is the exercise).
+_OUTSIDE_KINDS = [("a product with a weight matrix", (aten.addmm, aten.mm)),
+                  ("a normalisation", (aten.native_layer_norm,)),
+                  ("an element-wise activation", (aten.gelu,)),
+                  ("a residual sum", (aten.add,))]
+_CRITERION = ("Korthikanti et al. weigh what an output costs to recompute against the bytes it "
+              "frees: the attention core's (T, T) tensors are large and cheap to redo, so they "
+              "recompute the core and keep every output outside it.")
+
+
+def _outside_failure(block, xs, table) -> CheckFailed | None:
+    """A failure for the first kind of operator outside the core that the policy recomputes, with
+    what recomputing that kind (alone, beside the core) costs in matmul FLOPs or frees in bytes."""
+    core = checkpointing.attention_core_policy
+    for kind, ops in _OUTSIDE_KINDS:
+        if all(keep for op, keep in table.items() if op.overloadpacket in ops):
+            continue
+        summary = f"your policy recomputes {kind} outside the attention core"
+        redo = lambda op: core(op) and op.overloadpacket not in ops
+        if aten.addmm in ops:
+            plain, mine, ref = (_recompute_flops(block, xs[0], p) for p in (False, redo, core))
+            return CheckFailed(f"{summary}: recomputing it too takes the step's matmul FLOPs from "
+                               f"{ref / plain:.3f}x plain autograd's to {mine / plain:.3f}x",
+                               hint="that is the block's costliest work per byte it outputs, and "
+                                    "its output grows only like T. " + _CRITERION)
+        freed = [_kept_bytes(block, x, core) - _kept_bytes(block, x, redo) for x in xs]
+        by_core = [_kept_bytes(block, x, False) - _kept_bytes(block, x, core) for x in xs]
+        T = xs[0].shape[1]
+        return CheckFailed(f"{summary}: recomputing it too frees {freed[0]:,} bytes at T = {T} "
+                           f"and {freed[1]:,} at T = {2 * T}; the core frees {by_core[0]:,} and "
+                           f"{by_core[1]:,}", hint="cheap to redo, but what it frees grows only "
+                           "like T, as everything outside the core does. " + _CRITERION)
+    return None
 
 
 def _block_gradients(block, x, policy):
@@ -281,10 +324,9 @@ def check_selective_policy(answer) -> str:
         table = _policy_table(answer, block, xs[0]) | _policy_table(answer, block, xs[1])
         require(not all(table.values()), "your policy keeps every operator's output",
                 hint="keeping everything saves nothing: it is plain autograd with extra steps.")
-        for op, keep in table.items():
-            if op.overloadpacket in _OUTSIDE_HINTS and not keep:
-                raise CheckFailed(f"your policy recomputes {op}", expected=True, got=False,
-                                  hint=_OUTSIDE_HINTS[op.overloadpacket])
+        failure = _outside_failure(block, xs, table)
+        if failure is not None:
+            raise failure
         policy = lambda op: table.get(op, False)
         # 2. Same gradients as without checkpointing.
         compare(_block_gradients(block, xs[0], policy), _block_gradients(block, xs[0], False),
@@ -299,9 +341,9 @@ def check_selective_policy(answer) -> str:
         # 4. No more than the reference keeps.
         want = _kept_bytes(block, xs[0], checkpointing.attention_core_policy)
         compare(short, want, name=f"bytes kept by one block (width {width}, T = {T})",
-                hint="you keep more than the core's recomputation needs: matmul's contiguous "
-                     "copies of q, k and v (aten.clone) duplicate the qkv output it already "
-                     "keeps." if short > want else "")
+                hint="you keep more than the core's recomputation needs: the contiguous copies "
+                     "of q, k and v that the core's products make duplicate the output it "
+                     "already keeps, and cost nothing to redo." if short > want else "")
     x = torch.randn(2, 96, width, requires_grad=True)                     # a longer sequence
     plain, mine = _kept_bytes(block, x, False), _kept_bytes(block, x, policy)
     flops = _recompute_flops(block, x, policy) / _recompute_flops(block, x, False)
@@ -366,6 +408,16 @@ def _own_input_dropped(saved, inputs, cost, budget):
     return _search(saved, inputs, cost, budget, peak)
 
 
+def _later_alive(saved, inputs, cost, budget):
+    """Known wrong: backward read first to last, so a recomputed segment sits beside its own
+    checkpoint and the later ones, the earlier ones freed."""
+    def peak(st):
+        kept = [inputs[a] for a in st[:-1]]
+        alive = [sum(kept[j:]) for j in range(len(kept))] + [sum(kept)]
+        return max(k + h for k, h in zip(alive, _held(st, saved)))
+    return _search(saved, inputs, cost, budget, peak)
+
+
 def _all_inputs(saved, inputs, cost, budget):
     """Known wrong (off by one): the last segment's input counted as a kept checkpoint too."""
     return _search(saved, inputs, cost, budget,
@@ -414,6 +466,9 @@ _PLAN_HINTS = [
     (_own_input_dropped, "a segment's own checkpoint is still alive while it is recomputed (the "
                          "recomputation starts from it): count it beside the segment's saved "
                          "bytes."),
+    (_later_alive, "backward runs the segments from the last to the first: while a segment is "
+                   "recomputed, the checkpoints of the segments after it are already freed, and "
+                   "its own and those before it are still alive."),
     (_all_inputs, "the last segment is not checkpointed: its input is not a kept checkpoint "
                   "(count inputs[start] for every segment but the last)."),
     (_strict, "a plan fits when its peak is at most the budget: look at plans whose peak equals "
@@ -427,15 +482,16 @@ _PLAN_HINTS = [
 
 
 def _plan_cases(seed: int) -> list[tuple[list, list, list, int]]:
-    """Fixed cases, in an order where each wrong rule above first fails with its own hint (two of
-    them where Chen et al.'s bound changes the best plan or finds none), then random uneven layers
-    and budgets."""
+    """Fixed cases (the first 12), in an order where each wrong rule above first fails with its own
+    hint (two of them where Chen et al.'s bound changes the best plan or finds none), then random
+    uneven layers and budgets."""
     cases = [([5, 2, 2, 1], [1, 1, 3, 2], [1, 4, 3, 5], 7),
              ([1, 2, 3], [1, 1, 1], [5, 1, 2], 5),
              ([5, 4, 5], [1, 1, 1], [5, 4, 2], 8),
              ([1, 3, 4], [1, 1, 3], [5, 3, 2], 6),
              ([2, 4, 2, 3], [1, 1, 1, 1], [3, 4, 4, 1], 7),
              ([3, 1, 2], [1, 1, 1], [5, 2, 1], 5),
+             ([3, 3, 8, 5], [3, 2, 1, 1], [3, 4, 1, 5], 13),            # later checkpoints alive
              ([5, 6, 5, 2, 7], [3, 1, 2, 2, 2], [5, 3, 1, 2, 2], 14),    # the bound: a dearer plan
              ([3, 2, 2], [3, 1, 1], [1, 1, 3], 6),                       # the bound: none fits
              ([11, 1, 4, 3, 10], [1, 3, 1, 1, 2], [2, 4, 3, 4, 4], 15),
@@ -478,7 +534,9 @@ def _signature(plan, case) -> tuple | None:
 
 
 @exercise(points=2, timeout=60.0, reference=("companion.checkpointing.checkpoint_plan",
-                                             "companion.checkpointing.segments.checkpoint_plan"))
+                                             "companion.checkpointing.segments.checkpoint_plan",
+                                             "companion.checkpointing.plan_cost",
+                                             "companion.checkpointing.segments.plan_cost"))
 def check_checkpoint_plan(answer) -> str:
     """answer(saved, inputs, cost, budget) -> the starts of the segments (0 first) that fit the
     budget with the least recompute, or None when no plan fits."""
