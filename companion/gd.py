@@ -287,6 +287,10 @@ def best_lr(X: torch.Tensor, y: torch.Tensor, *, batch_size: int, lrs, epochs: i
         raise ValueError(f"the grid repeats a learning rate: {lrs}; give each rate once")
     if not seeds:
         raise ValueError("give at least one shuffle seed (seeds=range(5), say)")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or \
+            not 1 <= batch_size <= len(X):
+        raise ValueError(f"batch_size is a whole number from 1 to the {len(X)} examples, got "
+                         f"{batch_size!r}")
     scores = [statistics.fmean(excess_loss(X, y, lr=lr, batch_size=batch_size, epochs=epochs,
                                            seed=seed, optimizer=optimizer) for seed in seeds)
               for lr in lrs]

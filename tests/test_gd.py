@@ -252,6 +252,13 @@ def test_best_lr_refuses_an_optimum_at_the_end_of_the_grid(problem):
         gd.best_lr(X, y, batch_size=8, lrs=[1e-4, 2e-4, 4e-4], seeds=[0])
 
 
+@pytest.mark.parametrize("batch_size", [0, 2.5, True, 10**6])
+def test_best_lr_refuses_a_batch_size_it_cannot_use(problem, batch_size):
+    X, y, _, _ = problem
+    with pytest.raises(ValueError, match="batch_size is a whole number"):
+        gd.best_lr(X, y, batch_size=batch_size, lrs=[0.01, 0.02, 0.04], seeds=[0])
+
+
 @pytest.mark.parametrize("alpha", [1.0, 0.5, 0.0])
 def test_scaling_exponent_recovers_a_power_law(alpha):
     B = [1, 2, 4, 8, 32]

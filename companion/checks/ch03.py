@@ -84,15 +84,19 @@ def _watched(model, seed: int, lr: float) -> tuple:
 
 def _interleaved(order: list[str], k: int) -> None:
     """Each micro-batch's backward must run before the next micro-batch's forward: otherwise
-    every micro-batch's graph, and its saved activations, lives until the one backward."""
-    forwards = order.count("forward")
+    every micro-batch's graph, and its saved activations, lives until the one backward. An
+    answer whose gradients reach the weight through no backward pass (torch.func.grad over a
+    functional call) cannot be watched this way and is judged by its step alone."""
+    forwards, backwards = order.count("forward"), order.count("backward")
+    if backwards == 0:
+        return      # gradients without autograd's backward (torch.func.grad): nothing to watch
     require(order == ["forward", "backward"] * k,
             f"forward and backward passes ran in the order {_runs(order)}; expected {k} times "
             f"forward then backward",
             hint=("call backward on each micro-batch's loss inside the loop: adding the losses up "
                   "and calling backward once keeps the graphs, and the activations, of every "
                   "micro-batch alive until then, as much memory as the whole batch.")
-            if forwards == k and order.count("backward") < k else
+            if forwards == k and backwards < k else
             "each micro-batch's backward belongs before the next micro-batch's forward.")
 
 

@@ -213,7 +213,8 @@ def check_checkpoint_function(answer) -> str:
             name="(output, parameter and input gradients) under bf16 autocast",
             hint="forward ran inside an autocast block and backward after it closed, so your "
                  "recomputation ran at another precision than forward did: remember forward's "
-                 "autocast settings and recompute under them.")
+                 "autocast settings for the tensors' device (here the CPU, not CUDA) and "
+                 "recompute under them.")
     return (f"same gradients as plain autograd (with dropout, and under autocast), random stream "
             f"left as it was; saved for backward "
             f"{format_bytes(saved_plain)} -> {format_bytes(saved_mine)}")
