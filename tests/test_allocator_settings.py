@@ -22,6 +22,8 @@ def test_the_cublas_workspace_is_pytorchs_default_by_compute_capability():
     assert cublas_workspace((11, 0), since="2026-02") == 8_519_680
     assert cublas_workspace((12, 1), since="2026-02") == 32 * MiB
     assert cublas_workspace((13, 0)) == 8_519_680
+    assert cublas_workspace((10, 0), since="2026-01") == 8_519_680      # any date: its era
+    assert cublas_workspace((11, 0), since="2026-09") == 32 * MiB
 
 
 def test_the_cublas_workspace_config_adds_its_pairs():
@@ -37,8 +39,9 @@ def test_the_cublas_workspace_config_adds_its_pairs():
 def test_the_cublas_workspace_refuses_what_is_not_a_capability(bad):
     with pytest.raises(ValueError, match="major, minor"):
         cublas_workspace(bad)
-    with pytest.raises(ValueError, match="since"):
-        cublas_workspace((9, 0), since="2025")
+    for since in ("2025", "2022-10", 2026, "July 2026"):
+        with pytest.raises(ValueError, match="since"):
+            cublas_workspace((9, 0), since=since)
 
 
 def test_settings_are_read_as_pytorch_spells_them():
@@ -138,6 +141,15 @@ def test_garbage_collection_releases_segments_older_than_the_mean_by_hand():
         same_age.free(b)
     same_age.malloc(30 * MiB)                            # a pass frees all three, not one
     assert same_age.reserved == 30 * MiB
+
+
+def test_a_small_request_releases_no_oversize_segment_first():
+    a = CachingAllocator(cap=61 * MiB, config="max_split_size_mb:32")
+    big = a.malloc(40 * MiB)
+    a.malloc(20 * MiB)
+    a.free(big)
+    a.malloc(1000)                  # a new 2 MiB small segment: 62 > 61, release all, one retry
+    assert a.memory_stats()["num_alloc_retries"] == 1
 
 
 def test_max_split_releases_an_oversize_segment_without_a_retry():

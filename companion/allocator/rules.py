@@ -128,7 +128,8 @@ def cublas_workspace(capability: tuple[int, int], *, config: str | None = None,
 
     By default ":4096:2:16:8", two 4,096 KiB pieces and eight 16 KiB ones: 8,519,680 bytes
     (8.125 MiB; NVIDIA's cuBLAS guide recommends at least 4 MiB, cublasSetWorkspace), and 32 MiB
-    on the cards the source names, which changed over time (`since`, the source's date):
+    on the cards the source names, which changed over time (`since`, the source's date, any
+    "YYYY-MM" from 2022-11 on):
     "2022-11" only compute capability 9.0 (pytorch/pytorch#89027, PyTorch 2.0 on); "2026-02"
     majors 9, 10 and 12 (#175344, Hopper and Blackwell); "2026-07" majors 9 to 12 (#189312,
     adding Thor's 11.0). `config`: the CUBLAS_WORKSPACE_CONFIG environment variable, whose
@@ -150,9 +151,12 @@ def cublas_workspace(capability: tuple[int, int], *, config: str | None = None,
     large = {"2022-11": lambda major, minor: (major, minor) == (9, 0),
              "2026-02": lambda major, minor: major in (9, 10, 12),
              "2026-07": lambda major, minor: 9 <= major <= 12}
-    if since not in large:
-        raise ValueError(f"since is one of {sorted(large)}, got {since!r}")
-    return CUBLAS_LARGE if large[since](*capability) else CUBLAS_DEFAULT
+    import re
+    if not isinstance(since, str) or not re.fullmatch(r"\d{4}-\d{2}", since) or since < "2022-11":
+        raise ValueError(f"since is the source's date as 'YYYY-MM', from 2022-11 (PyTorch 2.0) on, "
+                         f"got {since!r}")
+    era = max(date for date in large if date <= since)
+    return CUBLAS_LARGE if large[era](*capability) else CUBLAS_DEFAULT
 
 
 def _mib(n: int) -> str:
@@ -443,8 +447,8 @@ class CachingAllocator:
         return self.reserved + nbytes > self.cap
 
     def _release_oversize(self, size: int) -> bool:
-        if self.max_split == float("inf"):
-            return False
+        if self.max_split == float("inf") or size <= SMALL_REQUEST:   # the request's own pool:
+            return False                                   # the small one holds no oversize block
         oversize = sorted((blocks[0][1], seg) for seg, blocks in self._segments.items()
                           if len(blocks) == 1 and blocks[0][2] and blocks[0][1] >= self.max_split
                           and self._pool[seg] == "large" and seg not in _EXPANDABLE_AT.values())
