@@ -295,3 +295,16 @@ def test_the_subnormal_case_names_one_mistake_in_every_draw(hint, answer):
         with pytest.raises(CheckFailed) as failure:
             ch02.check_rounding_threshold(answer)
         assert hint in str(failure.value)
+
+
+def _values_added_unrounded(values, dtype):
+    total = torch.zeros((), dtype=dtype)
+    for v in values:
+        total += v                  # the fp32 value as given, the sum rounded to dtype
+    return total
+
+
+def test_values_added_unrounded_fail_every_run_on_the_double_rounding_case():
+    for _ in range(5):
+        with pytest.raises(CheckFailed, match="round each value to the dtype before adding"):
+            ch02.check_low_precision_sum(_values_added_unrounded)

@@ -188,12 +188,23 @@ def check_largest_exact_integer(answer) -> str:
 
 # ---------------------------------------------------------------- summing in low precision
 
+def _added_unrounded(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Every addition rounded to dtype, but each value added as given (fp32)."""
+    total = torch.zeros((), dtype=dtype)
+    for v in values:
+        total = (total.float() + v).to(dtype)
+    return total
+
+
 @exercise(points=2, timeout=10.0, reference=("companion.floats.running_sum",
                                              "companion.floats.running_totals"))
 def check_low_precision_sum(answer) -> str:
     """answer(values, dtype) -> 0-d tensor of dtype: values added one at a time in dtype."""
     seeds = fresh_seeds(2)
+    # a double rounding case: 1 + 2^-11 + 2^-22 (exact in fp32) rounds up to fp16's next number,
+    # but 2^-11 + 2^-22 stored in fp16 is 2^-11 (a tie, to even), and 1 + 2^-11 rounds to 1
     cases = [(torch.full((1000,), 0.01), torch.float16),
+             (torch.tensor([1.0, 2.0**-11 + 2.0**-22]), torch.float16),
              (torch.rand(357, generator=torch.Generator().manual_seed(seeds[0])), torch.bfloat16),
              (torch.rand(611, generator=torch.Generator().manual_seed(seeds[1])) * 0.1,
               torch.float16)]
@@ -204,6 +215,9 @@ def check_low_precision_sum(answer) -> str:
                 known_wrong={
                     ".sum() adds in a wider accumulator (fp32) and rounds once at the end; add "
                     "one value at a time in the low-precision dtype.": values.to(dtype).sum(),
+                    "round each value to the dtype before adding it, as a tensor of that dtype "
+                    "would hold it: added as given, a value can round the sum twice differently.":
+                        _added_unrounded(values, dtype),
                     "cast each value to the dtype first: the sum must round after every "
                     "addition.": values.sum().to(dtype),
                     "keep the accumulator in the low-precision dtype, not fp32.":
