@@ -262,6 +262,8 @@ def test_the_chapters_formula_written_with_true_division_passes():
         check_transformer_activations(with_slash)
     with pytest.raises(CheckFailed, match="whole number"):
         check_transformer_activations(lambda *args: transformer_reference(*args) + 0.25)
+    with pytest.raises(CheckFailed, match="whole number"):      # large, but half a byte off
+        check_transformer_activations(lambda *args: transformer_reference(*args) + 0.5)
 
 
 # ---------------------------------------------------------------- under the grader

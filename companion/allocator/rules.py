@@ -292,9 +292,8 @@ class CachingAllocator:
         self._pool: dict[int, str] = {}
         self._live: dict[int, tuple[int, list]] = {}  # block address -> (segment, block)
         self._end = 0                                # the made-up address space's top
-        self._requests = 0                           # mallocs so far: the clock of `_unused`
         self._unused: dict[int, int] = {}            # wholly free segment -> when it became so
-        self._pool_requests = {"small": 0, "large": 0}   # the clock of garbage collection
+        self._pool_requests = {"small": 0, "large": 0}   # requests per pool: the clock of `_unused`
         self._expandable: dict[str, int] = {}        # pool -> its one growing segment
 
     @property
@@ -317,7 +316,6 @@ class CachingAllocator:
             raise ValueError(f"a request is a whole number of bytes, 0 or more, got {nbytes!r}")
         size = self.round(nbytes)
         pool = "small" if size <= SMALL_REQUEST else "large"
-        self._requests += 1
         self._pool_requests[pool] += 1
         found = self._best_fit(pool, size)
         if found is None:

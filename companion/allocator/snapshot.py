@@ -95,16 +95,21 @@ def snapshot_timeline(snapshot: dict, *, device: int = 0) -> dict[str, list[int]
     return out
 
 
-def _growing_batches_here(width: int, depth: int, start: int, steps: int) -> dict:
-    """In this process (on CUDA): one training step per batch size start, start + 1, ...;
-    peak allocated and reserved over all of them."""
+def _growing_steps(width: int, depth: int, start: int, steps: int, device=None) -> None:
+    """The case: an MLP built, then one forward and backward per batch size start, start + 1, ..."""
     from companion.models import MLP
-    model = MLP(width, width, depth, 10, device="cuda")
-    torch.cuda.reset_peak_memory_stats()
+    model = MLP(width, width, depth, 10, device=device)
     for batch in range(start, start + steps):
-        x = torch.randn(batch, width, device="cuda")                     # (batch, width)
-        model.loss(x, torch.zeros(batch, dtype=torch.long, device="cuda")).backward()
+        x = torch.randn(batch, width, device=device)                     # (batch, width)
+        model.loss(x, torch.zeros(batch, dtype=torch.long, device=device)).backward()
         model.zero_grad(set_to_none=True)
+        del x
+
+
+def _growing_batches_here(width: int, depth: int, start: int, steps: int) -> dict:
+    """In this process (on CUDA): `_growing_steps`; peak allocated and reserved over them."""
+    torch.cuda.reset_peak_memory_stats()
+    _growing_steps(width, depth, start, steps, device="cuda")
     torch.cuda.synchronize()
     return {"max_allocated": torch.cuda.max_memory_allocated(),
             "max_reserved": torch.cuda.max_memory_reserved(),
@@ -134,26 +139,18 @@ def growing_batches(*, expandable: bool, width: int = 4096, depth: int = 8, star
 
 def growing_batches_trace(*, width: int = 4096, depth: int = 8, start: int = 1024,
                           steps: int = 16):
-    """The allocations and frees of `_growing_batches_here`'s steps (the model built, then one
-    forward and backward per batch size start, start + 1, ...), recorded by `track` on fake
-    tensors: shapes and dtypes, no memory, so it runs on any machine in a second or two. Replay it
-    through the modelled allocator (`rules.replay(trace, config=...)`) to see, without a GPU,
-    what `growing_batches` measures on one."""
+    """The allocations and frees of `_growing_steps` (what `growing_batches` runs on a GPU),
+    recorded by `track` on fake tensors: shapes and dtypes, no memory, so it runs on any machine
+    in a second or two. Replay it through the modelled allocator (`rules.replay(trace,
+    config=...)`) to see, without a GPU, what `growing_batches` measures on one."""
     from torch._subclasses import FakeTensorMode
 
     from companion.memory import track
-    from companion.models import MLP
     from companion.plan.simulation import _fake_addresses
     for name, value in (("width", width), ("depth", depth), ("start", start), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} is a positive whole number, got {value!r}")
     with FakeTensorMode(), _fake_addresses():
         with track("cpu") as tracker:
-            model = MLP(width, width, depth, 10)
-            for batch in range(start, start + steps):
-                x = torch.randn(batch, width)                                # (batch, width)
-                model.loss(x, torch.zeros(batch, dtype=torch.long)).backward()
-                model.zero_grad(set_to_none=True)
-                del x
-            del model
+            _growing_steps(width, depth, start, steps)
     return tracker

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from companion.checkpointing.function import checkpoint
+from companion.checkpointing.function import _run, checkpoint
 from companion.memory import track
 from companion.cost.clock import now
 from companion.cost.stats import interleave
@@ -189,19 +189,13 @@ def measure_plan(layers: Sequence[Callable], starts: Sequence[int], x: torch.Ten
     it, so the first checkpoint is counted as `plan_cost` counts `inputs[0]`. `step_peak=True`
     gives instead the whole step's peak (`SegmentRun.peak_bytes`' measure: saved tensors, and
     backward's temporaries and the gradients flowing back, which `plan_cost` does not count)."""
-    def segment(a: int, b: int) -> Callable:
-        def run(h):
-            for layer in layers[a:b]:
-                h = layer(h)
-            return h
-        return run
-
     def loss() -> torch.Tensor:
         # Inside a function, so no name here keeps a segment's input alive through backward.
         h = x.clone()                                          # the step's input: counted
         for a, b in bounds[:-1]:
-            h = checkpoint_fn(segment(a, b), h)
-        return segment(*bounds[-1])(h).sum()
+            h = checkpoint_fn(_run(layers[a:b]), h)
+        a, b = bounds[-1]
+        return _run(layers[a:b])(h).sum()
 
     bounds = list(zip(starts, list(starts[1:]) + [len(layers)]))
     with track(x.device) as tracker:

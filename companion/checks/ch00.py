@@ -33,7 +33,7 @@ def _number(got, name: str) -> int:
         return operator.index(got)                           # np.int64(96) -> 96
     if math.isnan(got):
         raise CheckFailed(f"{name} is NaN", got=got, hint="count bytes with integers.")
-    if math.isfinite(got) and abs(got - round(got)) <= 1e-9 * max(1.0, abs(got)):
+    if math.isfinite(got) and abs(got - round(got)) <= 16 * math.ulp(got):
         return int(round(got))                               # / left a rounding error behind
     if not math.isfinite(got) or not float(got).is_integer():
         raise CheckFailed(f"{name}: expected a whole number of bytes, got {got!r}", got=got,
