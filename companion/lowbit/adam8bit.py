@@ -40,8 +40,8 @@ def adam_direction(m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, t: int,
     beta1, beta2 = betas
     m.lerp_(grad, 1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
-    return m / (1 - beta1**t) / denom
+    denom = v.sqrt().div_((1 - beta2**t) ** 0.5).add_(eps)      # √v̂ + ε
+    return torch.div(m, 1 - beta1**t).div_(denom)                 # m̂ / (√v̂ + ε)
 
 
 def direction_error(m: torch.Tensor, v: torch.Tensor, blocksize: int, *, signed: torch.Tensor,

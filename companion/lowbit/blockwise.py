@@ -80,9 +80,13 @@ def _blocks(flat: torch.Tensor, blocksize: int) -> torch.Tensor:
 
 @lru_cache(maxsize=16)
 def _bin_table(levels: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For a sorted map: (how many midpoints lie below each of the 65536 bf16 bins, the midpoints
-    padded with +inf), or None when some bin holds two midpoints."""
+    """For a sorted map of at most 256 levels, per bf16 bin (the top 16 bits of an fp32 value):
+    (uint8: the rank of the level nearest the bin's smallest value, fp32: the first midpoint at
+    or above that value, past which the next level is nearer; +inf above the last), or None when
+    some bin holds two midpoints."""
     ranked = torch.tensor(levels, dtype=torch.float32)
+    if ranked.numel() > 256:
+        return None
     middles = (ranked[1:] + ranked[:-1]) / 2
     top = torch.arange(1 << 16, dtype=torch.int32) << 16               # each bin's fp32 pattern
     low = torch.where(top < 0, top | 0xFFFF, top).view(torch.float32)  # the bin's smallest value
@@ -92,20 +96,24 @@ def _bin_table(levels: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor] |
     finite = torch.isfinite(low) & torch.isfinite(high)
     if bool((within[finite] > 1).any()):
         return None
-    return below, torch.cat([middles, torch.tensor([float("inf")])])
+    middles = torch.cat([middles, torch.tensor([float("inf")])])
+    return below.to(torch.uint8), middles[below]
 
 
 def _nearest(scaled: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
-    """Index into the sorted levels `ranked` of the level nearest each value (ties: the lower)."""
+    """Index into the sorted levels `ranked` of the level nearest each value (ties: the lower);
+    uint8 from the bin table, int64 from the binary search."""
     table = (_bin_table(tuple(ranked.tolist())) if scaled.device.type == "cpu"
              and not is_fake(scaled) else None)          # fake tensors (a simulation) have
                                                         # no values to build a table from
     if table is None:
         return torch.bucketize(scaled, (ranked[1:] + ranked[:-1]) / 2)
-    below, middles = table
-    bins = (scaled.view(torch.int32) >> 16) & 0xFFFF                  # the bf16 bin
-    index = below[bins]
-    return index + (middles[index] < scaled)                         # one comparison left
+    ranks, thresholds = table
+    flat = scaled.reshape(-1)
+    bins = (flat.view(torch.int32) >> 16).bitwise_and_(0xFFFF)         # the bf16 bin, (n,) int32
+    index = ranks.index_select(0, bins)          # index_select: a faster gather than [bins]
+    index += thresholds.index_select(0, bins) < flat                   # one comparison left
+    return index.view(scaled.shape)
 
 
 def _levels(code: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -125,10 +133,11 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int = 256
     absmax = block_absmax(x, blocksize)                                  # (blocks,) fp32
     blocks = _blocks(x.detach().reshape(-1).float(), blocksize)          # (blocks, size)
     scaled = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax)).unsqueeze(1)
-    levels = _levels(code, x)
-    ranked, order = levels.sort()
-    index = _nearest(scaled, ranked)                  # the nearest level (ties: the lower one)
-    codes = order[index].to(torch.uint8).reshape(-1)[:x.numel()]
+    ranked, order = _levels(code, x).sort()
+    index = _nearest(scaled, ranked)        # rank of the nearest level (ties: the lower one)
+    if is_fake(order) or not torch.equal(order, torch.arange(order.numel(), device=order.device)):
+        index = order[index.long()]         # rank -> index into the map (a map not sorted)
+    codes = index.to(torch.uint8).reshape(-1)[:x.numel()]
     return codes.view(x.shape), absmax
 
 
@@ -142,5 +151,6 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.
     if absmax.numel() != -(-n // blocksize):
         raise ValueError(f"{absmax.numel()} absmax values cover {absmax.numel() * blocksize} "
                          f"values, not {n}: pass the blocksize used to quantize")
-    levels = _levels(code, codes)[_blocks(codes.reshape(-1), blocksize).long()]
-    return (levels * absmax.float().unsqueeze(1)).reshape(-1)[:n].view(codes.shape)
+    blocks = _blocks(codes.reshape(-1), blocksize)                      # (blocks, size) uint8
+    levels = _levels(code, codes).index_select(0, blocks.reshape(-1).int()).view(blocks.shape)
+    return levels.mul_(absmax.float().unsqueeze(1)).reshape(-1)[:n].view(codes.shape)
