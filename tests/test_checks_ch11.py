@@ -147,6 +147,15 @@ def _linear_levels(w):
     return ((flat[0::2] << 4) | flat[1::2]).to(torch.uint8), absmax
 
 
+def _pad_with_zero_level(w):
+    """Known wrong: an odd block padded with code 7 (the level 0), not the code 0 asked for."""
+    packed, absmax = _nf4(w)
+    if w.numel() % 2:
+        packed = packed.clone()
+        packed[-1] = packed[-1] | 7
+    return packed, absmax
+
+
 def test_nf4_block_reference_passes():
     check_nf4_block(_nf4)
 
@@ -155,6 +164,7 @@ def test_nf4_block_reference_passes():
     (_low_nibble_first, "high four bits"),
     (_linear_levels, "nearest of the 16 NF4 levels"),
     (lambda w: (_nf4(w)[0], w.abs().mean()), "largest"),
+    (_pad_with_zero_level, "code 0"),
 ])
 def test_nf4_block_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
@@ -167,36 +177,62 @@ def test_nf4_levels_in_the_check_are_the_packages():
 
 # ---------------------------------------------------------------- exercise 5
 
-def _ignores_absmax(n, n_linear, n_adapter, gpu, other):
-    per = {"bf16+master": 16, "fp32+adam8bit": 10, "bf16+kahan": 10, "bf16": 8}
-    for c in CHOICES[:-1]:
-        if per[c] * n + other <= gpu:
-            return c
-    return pick_layout(n, n_linear, n_adapter, gpu, other)
+def _counts(model, rank):
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return (sum(p.numel() for p in model.parameters()), sum(m.weight.numel() for m in linears),
+            rank * sum(m.in_features + m.out_features for m in linears),
+            [p.numel() for p in model.parameters()])
 
 
-def _qlora_free_base(n, n_linear, n_adapter, gpu, other):
-    got = pick_layout(n, n_linear, n_adapter, gpu, other)
-    if got is None and 16 * n_adapter + other <= gpu:
-        return "qlora"
-    return got
+def _pick(need, gpu, other):
+    return next((c for c in CHOICES if need[c] + other <= gpu), None)
 
 
-def _cheapest(n, n_linear, n_adapter, gpu, other):
-    """Known wrong: the layout that saves the most, not the most precise one that fits."""
-    fits = [c for c in CHOICES if layout_bytes(c, n, n_linear, n_adapter) + other <= gpu]
-    return min(fits, key=lambda c: layout_bytes(c, n, n_linear, n_adapter)) if fits else None
+def _counted(nf4=0.5 + 1 / 64 + 4 / (64 * 256), rest=4, adapter=16, absmax=4 / 256,
+             small_fp32=True):
+    """A learner's count with one of its parts changed (the defaults are right up to rounding)."""
+    def answer(model, rank, gpu, other):
+        n, dense, adapters, sizes = _counts(model, rank)
+        moments = sum(8 * k if small_fp32 and k < 4096 else 2 * k * (1 + absmax) for k in sizes)
+        need = {"bf16+master": 16 * n, "fp32+adam8bit": 8 * n + moments, "bf16+kahan": 10 * n,
+                "bf16": 8 * n, "bf16+adam8bit": 4 * n + moments,
+                "qlora": nf4 * dense + rest * (n - dense) + adapter * adapters}
+        return _pick(need, gpu, other)
+    return answer
 
 
-def test_pick_layout_reference_passes():
+def _cheapest(model, rank, gpu, other):
+    """Known wrong: the layout that saves the most, not the first of the order that fits."""
+    fits = [c for c in CHOICES if layout_bytes(c, model, rank) + other <= gpu]
+    return min(fits, key=lambda c: layout_bytes(c, model, rank)) if fits else None
+
+
+def test_pick_layout_counts_what_layouts_predict_counts():
+    from companion.lowbit import layouts
+    from companion.checks.ch11 import _fixed_cases
+    for model, rank, *_ in _fixed_cases():
+        for c in CHOICES:
+            assert layout_bytes(c, model, rank) == layouts.predict(model, c, rank=rank).total
+
+
+@pytest.mark.parametrize("repeat", range(5))
+def test_pick_layout_reference_and_rounded_counts_pass(repeat):
     check_pick_layout(pick_layout)
+    check_pick_layout(_counted())                 # bits per weight instead of whole bytes
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (_ignores_absmax, "absmax per block"),
-    (_qlora_free_base, "not free"),
+    (_counted(nf4=0.5), "QLoRA's bytes"),                         # no block scales
+    (_counted(nf4=0.5 + 4 / 64), "QLoRA's bytes"),                # no double quantization
+    (_counted(rest=2), "QLoRA's bytes"),                          # the rest in bf16
+    (_counted(adapter=0), "QLoRA's bytes"),                       # the adapters free
+    (_counted(adapter=4), "QLoRA's bytes"),                       # the adapters' weights only
+    (_counted(nf4=0.52), "QLoRA's bytes"),                        # "about 0.52" as a constant
+    (_counted(absmax=0), "8-bit Adam's bytes"),                   # 10 and 6 bytes
+    (_counted(small_fp32=False), "8-bit Adam's bytes"),           # 10.03 and 6.03 bytes
     (_cheapest, "first choice"),
 ])
-def test_pick_layout_wrong_answers_fail(wrong, hint):
+@pytest.mark.parametrize("repeat", range(3))
+def test_pick_layout_wrong_answers_fail_every_run(wrong, hint, repeat):
     with pytest.raises(CheckFailed, match=hint):
         check_pick_layout(wrong)
