@@ -1,5 +1,8 @@
 """Chapter 10's checks pass on the reference and fail on the wrong answers a learner writes."""
+import importlib.util
 import math
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -7,8 +10,10 @@ import torch
 from companion.attention import flash_forward, merge
 from companion.attention.tiles import choose_tiles, fitting_tiles
 from companion.checks.ch10 import (check_choose_tiles, check_forward_tiles, check_merge,
-                                   check_tile_backward, tile_backward)
-from companion.checks.core import CheckFailed
+                                   check_tile_backward, check_triton_forward, tile_backward)
+from companion.checks.core import CheckFailed, NotDone, evaluate
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _merge_no_guard(m1, l1, o1, m2, l2, o2):
@@ -98,9 +103,61 @@ def _loop(q, k, v, causal, bq, bk, *, top_left=False, rescale=True, lse_with_m=T
     return o, lse
 
 
+def _query_chunks_full_softmax(q, k, v, causal, bq, bk):
+    """Known wrong: tiles the queries only, an ordinary softmax over every key of a query tile
+    ((B, block_q, Nk) scores at once; review finding 1)."""
+    nq, nk = q.shape[1], k.shape[1]
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:2])
+    for i in range(0, nq, bq):
+        s = q[:, i:i + bq] @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
+        if causal:
+            rows, cols = torch.arange(i, i + s.shape[1]), torch.arange(nk)
+            s = s.masked_fill(cols[None] > rows[:, None] + nk - nq, float("-inf"))
+        lse[:, i:i + bq] = s.logsumexp(-1)
+        p = torch.exp(s - lse[:, i:i + bq].masked_fill(lse[:, i:i + bq] == float("-inf"),
+                                                       float("inf"))[..., None])
+        o[:, i:i + bq] = p @ v
+    return o, lse
+
+
+def _loop_with_one_mask(q, k, v, causal, bq, bk):
+    """A correct tile loop that builds one (Nq, Nk) bool causal mask up front and slices it."""
+    nq, nk, scale = q.shape[1], k.shape[1], 1 / math.sqrt(q.shape[-1])
+    hidden = torch.ones(nq, nk, dtype=torch.bool).triu(1 + nk - nq)
+    o, lse = torch.zeros_like(q), torch.empty(q.shape[:2])
+    for i in range(0, nq, bq):
+        qi = q[:, i:i + bq]
+        m = torch.full(qi.shape[:2], float("-inf"))
+        l, acc = torch.zeros(qi.shape[:2]), torch.zeros_like(qi)
+        for j in range(0, nk, bk):
+            s = qi @ k[:, j:j + bk].transpose(1, 2) * scale
+            if causal:
+                s = s.masked_fill(hidden[i:i + bq, j:j + bk], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            safe = m_new.masked_fill(m_new == float("-inf"), 0)
+            p = torch.exp(s - safe[..., None])
+            a = torch.exp(m - safe)
+            l, acc, m = a * l + p.sum(-1), a[..., None] * acc + p @ v[:, j:j + bk], m_new
+        o[:, i:i + bq] = acc / l.masked_fill(l == 0, 1)[..., None]
+        lse[:, i:i + bq] = m + torch.log(l)
+    return o, lse
+
+
 def test_forward_tiles_reference_and_a_correct_loop_pass():
     check_forward_tiles(_forward)
     check_forward_tiles(_loop)
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_forward_tiles_fails_a_softmax_over_all_keys_of_a_query_tile_every_run(run):
+    with pytest.raises(CheckFailed, match="a block of rows over every key"):
+        check_forward_tiles(_query_chunks_full_softmax)
+
+
+def test_forward_tiles_names_a_whole_causal_mask_made_once():
+    with pytest.raises(CheckFailed, match="a mask over more than one tile") as failed:
+        check_forward_tiles(_loop_with_one_mask)
+    assert "bool tensor" in failed.value.summary
 
 
 @pytest.mark.parametrize("wrong, hint", [
@@ -165,29 +222,74 @@ def test_tile_backward_wrong_answers_fail(wrong, hint):
 SIZES = (16, 32, 64, 128, 256)
 
 
-def _tiles(sram, d, e, *, score_bytes=4, acc=True, v_tile=True, order="q"):
+def _tiles(sram, d, e, p, mk, *, score_bytes=4, acc=True, v_tile=True, order="q", share=True,
+           bound=True, bound_q=False):
+    budget = sram // p if share else sram
     fits = [(bq, bk) for bq in SIZES for bk in SIZES
             if (bq + (2 if v_tile else 1) * bk) * d * e + score_bytes * bq * bk
-            + (4 * bq * d if acc else 0) + 8 * bq <= sram]
+            + (4 * bq * d if acc else 0) + 8 * bq <= budget
+            and (bk >= mk or not bound) and (bq >= mk or not bound_q)]
     if not fits:
         return None
-    return max(fits) if order == "q" else max(fits, key=lambda p: (p[1], p[0]))
+    return max(fits) if order == "q" else max(fits, key=lambda t: (t[1], t[0]))
 
 
 def test_choose_tiles_reference_passes():
-    check_choose_tiles(choose_tiles)
+    check_choose_tiles(lambda s, d, e, p, m: choose_tiles(s, d, e, programs_per_sm=p,
+                                                           min_block_k=m))
     check_choose_tiles(_tiles)
     assert choose_tiles(6_000, 128, 4) is None and fitting_tiles(6_000, 128, 4) == []
 
 
+@pytest.mark.parametrize("run", range(2))
 @pytest.mark.parametrize("wrong, hint", [
-    (lambda s, d, e: _tiles(s, d, e, score_bytes=e), "the scores are fp32"),
-    (lambda s, d, e: _tiles(s, d, e, acc=False), "accumulator stays on chip"),
-    (lambda s, d, e: _tiles(s, d, e, v_tile=False), "a tile of V"),
-    (lambda s, d, e: _tiles(s, d, e, order="k"), "maximize block_q first"),
-    (lambda s, d, e: (16, 16), None),
-    (lambda s, d, e: (128, 64), None),
+    (lambda *a: _tiles(*a, share=False), "share its SRAM"),
+    (lambda *a: _tiles(*a, bound=False), "a lower bound on block_k"),
+    (lambda *a: _tiles(*a, bound_q=True), "on block_k only"),
+    (lambda *a: _tiles(*a, score_bytes=a[2]), "the scores are fp32"),
+    (lambda *a: _tiles(*a, acc=False), "accumulator stays on chip"),
+    (lambda *a: _tiles(*a, v_tile=False), "a tile of V"),
+    (lambda *a: _tiles(*a, order="k"), "maximize block_q first"),
+    (lambda s, d, e, p, m: choose_tiles(s, d, e), None),           # the model of the text alone
+    (lambda s, d, e, p, m: (128, 64), None),
 ])
-def test_choose_tiles_wrong_answers_fail(wrong, hint):
+def test_choose_tiles_wrong_answers_fail_every_run(wrong, hint, run):
     with pytest.raises(CheckFailed, match=hint):
         check_choose_tiles(wrong)
+
+
+# ---------------------------------------------------------------- the Triton kernel (exercise 4)
+
+def _kernels():
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import attention_kernels
+    return attention_kernels
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (a Linux-only extra)")
+def test_triton_forward_passes_the_reference_kernel():
+    message = evaluate("check_triton_forward", _kernels().reference)
+    assert "causal tiles skipped: 12 of 48" in message
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (a Linux-only extra)")
+@pytest.mark.parametrize("run", range(2))
+@pytest.mark.parametrize("name, hint", [
+    ("no_rescale", "rescale both the running sum l and the accumulator"),
+    ("top_left", "align the causal mask bottom-right"),
+    ("no_key_mask", "mask the scores of columns >= n_k"),
+    ("lse_without_m", r"m \+ log\(l\)"),
+    ("no_skipping", "stop its loop at the first key tile"),
+    ("unmasked_loads", "the launcher fills memory past the last key"),
+])
+def test_triton_forward_fails_the_wrong_kernels_every_run(name, hint, run):
+    with pytest.raises(CheckFailed, match=hint):
+        evaluate("check_triton_forward", getattr(_kernels(), name))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (a Linux-only extra)")
+def test_triton_forward_says_a_stub_is_not_done_and_a_plain_function_is_not_a_kernel():
+    with pytest.raises(NotDone):
+        evaluate("check_triton_forward", _kernels().not_written)
+    with pytest.raises(CheckFailed, match="@triton.jit"):
+        evaluate("check_triton_forward", _kernels().reference.fn)

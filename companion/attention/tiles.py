@@ -17,15 +17,23 @@ read once per query tile, so larger query tiles mean fewer passes over K and V.
 cited table, `companion.cost.gpus` (`GPU.shared_memory_per_sm`, from the NVIDIA CUDA C++
 Programming Guide's "Compute Capabilities"; `GPU.sram_per_sm` is the combined L1/shared size).
 
-Simplified vs a real kernel: registers are a second limit (the accumulator lives in registers on
-NVIDIA GPUs), two programs often share an SM to hide latency, and tensor-core shapes round tiles
-to multiples of 16; autotuners (Triton's, FlashAttention's tables) settle the rest by timing.
+`choose_tiles` takes two levers the shipped kernels use: `programs_per_sm` programs share one
+SM's shared memory (so that one's loads overlap another's arithmetic), and `min_block_k` keeps
+each step's matrix products wide enough for the tensor cores. `SHIPPED` lists what FlashAttention-2
+and -3 actually launch at head dimension 128, from their source, to hold the model against.
+
+Simplified vs a real kernel: FlashAttention keeps S and the output accumulator in registers, not
+shared memory (FA2's "128 x 32 (48 KB smem)" counts only the Q, K and V tiles), so registers are a
+second budget this model folds into the first; the number of warps, the pipelining stages (FA3
+double-buffers K and V) and occupancy are not modelled; tensor-core shapes round tiles to
+multiples of 16; autotuners and hand-made tables settle the rest by timing.
 """
 from __future__ import annotations
 
 from companion.cost.gpus import GPUS
 
-__all__ = ["SRAM_PER_SM", "tile_sram_bytes", "forward_hbm_bytes", "fitting_tiles", "choose_tiles"]
+__all__ = ["SRAM_PER_SM", "SHIPPED", "tile_sram_bytes", "forward_hbm_bytes", "fitting_tiles",
+           "choose_tiles"]
 
 _ENTRIES = {"V100": "V100", "T4": "T4", "A100": "A100 40GB", "A10": "A10", "RTX 4090": "RTX 4090",
             "L4": "L4", "H100": "H100 SXM", "H200": "H200", "B200": "B200"}   # one per SM design
@@ -34,6 +42,21 @@ SRAM_PER_SM: dict[str, dict] = {
     short: {"bytes": GPUS[key].shared_memory_per_sm, "cc": GPUS[key].compute_capability,
             "source": GPUS[key].source("sram")}
     for short, key in _ENTRIES.items()}
+
+_FA2 = ("flash-attention csrc/flash_attn/src/flash_fwd_launch_template.h, run_mha_fwd_hdim128 "
+        "(commit 01afd16d, FlashAttention-2)")
+_FA3 = ("flash-attention hopper/tile_size.h, tile_size_fwd_sm90 (commit 07602adc, "
+        "FlashAttention-3)")
+# What the kernels launch for 16-bit inputs at head dimension 128, without dropout:
+# (kernel, GPU, causal, (block_q, block_k), why the source gives, source)
+SHIPPED: list[tuple[str, str, bool | None, tuple[int, int], str, str]] = [
+    ("FA2", "A100", None, (128, 64), "sm80: one tile for causal and not", _FA2),
+    ("FA2", "H100", None, (128, 64), "sm90 runs FA2's sm80 path", _FA2),
+    ("FA2", "A10", False, (128, 32), "48 KB of smem: 2 CTAs per SM", _FA2),
+    ("FA2", "A10", True, (64, 64), "square tiles for causal", _FA2),
+    ("FA3", "H100", True, (128, 128), "warp-specialized, K and V double-buffered", _FA3),
+    ("FA3", "H100", False, (128, 176), "block_k need not be a power of two", _FA3),
+]
 
 
 def tile_sram_bytes(block_q: int, block_k: int, head_dim: int, dtype_bytes: int) -> int:
@@ -57,8 +80,11 @@ def fitting_tiles(sram_bytes: int, head_dim: int, dtype_bytes: int, *,
             if tile_sram_bytes(bq, bk, head_dim, dtype_bytes) <= sram_bytes]
 
 
-def choose_tiles(sram_bytes: int, head_dim: int, dtype_bytes: int) -> tuple[int, int] | None:
-    """The fitting tiles with the least forward HBM traffic, then the fewest key-tile steps;
-    None when not even 16 x 16 fits."""
-    fits = fitting_tiles(sram_bytes, head_dim, dtype_bytes)
+def choose_tiles(sram_bytes: int, head_dim: int, dtype_bytes: int, *, programs_per_sm: int = 1,
+                 min_block_k: int = 16) -> tuple[int, int] | None:
+    """The tiles with the least forward HBM traffic, then the fewest key-tile steps, among those
+    whose program fits when `programs_per_sm` programs share the SM and whose block_k is at least
+    `min_block_k`; None when none does."""
+    fits = [(bq, bk) for bq, bk in fitting_tiles(sram_bytes // programs_per_sm, head_dim,
+                                                 dtype_bytes) if bk >= min_block_k]
     return max(fits) if fits else None

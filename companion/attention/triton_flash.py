@@ -12,7 +12,10 @@ atomics (FlashAttention-2 uses atomics; Triton's tutorial recomputes, as here). 
 is one PyTorch reduction before the backward kernels.
 
 On a CUDA GPU the kernels compile natively: 16-bit tiles go into `tl.dot` as they are, with fp32
-accumulation, and P is cast to 16 bits for P·V as FlashAttention-2 does. On CPU tensors they run
+accumulation, and P is cast to 16 bits for P·V as FlashAttention-2 does; fp32 tiles ask `tl.dot`
+for IEEE fp32 products (Triton's default for fp32 is TF32). Program ids are cast to int64 before
+they multiply a head's size, so offsets past 2³¹ elements (B·H·T·d, e.g. 16·32·32k·128) do not
+wrap. On CPU tensors they run
 only under Triton's interpreter (`TRITON_INTERPRET=1` in the environment before triton is
 imported, in that process only). The interpreter emulates bit patterns, not 16-bit arithmetic,
 so there every tile is cast to fp32 inside the kernel and the outputs are written in fp32 and
@@ -71,9 +74,9 @@ def _store_tile(ptr, base, idx, dims, n, d, row_stride, value):
 
 
 @triton.jit
-def _scores(q, k, rows, cols, n_k, offset, scale, CAUSAL: tl.constexpr):
+def _scores(q, k, rows, cols, n_k, offset, scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     """S = q kᵀ · scale of one tile (fp32), −inf past n_k and where the causal mask hides a key."""
-    s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     seen = cols[None, :] < n_k
     if CAUSAL:
         seen = seen & (cols[None, :] <= rows[:, None] + offset)
@@ -81,17 +84,20 @@ def _scores(q, k, rows, cols, n_k, offset, scale, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _probs(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL: tl.constexpr):
+def _probs(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL: tl.constexpr,
+           PRECISION: tl.constexpr):
     """P = exp(S − L) of one tile: 0 where masked, and in rows whose query saw no key."""
     lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)
-    return tl.exp(_scores(q, k, rows, cols, n_k, offset, scale, CAUSAL) - lse_safe[:, None])
+    return tl.exp(_scores(q, k, rows, cols, n_k, offset, scale, CAUSAL, PRECISION)
+                  - lse_safe[:, None])
 
 
 @triton.jit
 def _forward(Q, K, V, O, L, n_q, n_k, d, offset, scale, heads, kv_heads, group,
              o_batch, o_head, o_row, CAUSAL: tl.constexpr, FP32: tl.constexpr,
-             BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    tile, bh = tl.program_id(0), tl.program_id(1)
+             PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+    tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)      # int64: bh·Nq·d can pass 2³¹
     kvh = (bh // heads) * kv_heads + (bh % heads) // group          # this head's k, v head
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     dims = tl.arange(0, BLOCK_D)
@@ -106,13 +112,13 @@ def _forward(Q, K, V, O, L, n_q, n_k, d, offset, scale, heads, kv_heads, group,
         cols = start + tl.arange(0, BLOCK_K)
         k = _load_tile(K, kvh * n_k * d, cols, dims, n_k, d, FP32)
         v = _load_tile(V, kvh * n_k * d, cols, dims, n_k, d, FP32)
-        s = _scores(q, k, rows, cols, n_k, offset, scale, CAUSAL)   # (BLOCK_Q, BLOCK_K) fp32
+        s = _scores(q, k, rows, cols, n_k, offset, scale, CAUSAL, PRECISION)   # (BQ, BK) fp32
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)       # rows with no key yet
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     # O is laid out (..., Nq, heads, d), as SDPA's output: (B, T, H·d) is then a view
     _store_tile(O, (bh // heads) * o_batch + (bh % heads) * o_head, rows, dims, n_q, d, o_row,
@@ -123,9 +129,9 @@ def _forward(Q, K, V, O, L, n_q, n_k, d, offset, scale, heads, kv_heads, group,
 
 @triton.jit
 def _backward_kv(Q, K, V, DO, L, D, DK, DV, n_q, n_k, d, offset, scale, heads, kv_heads,
-                 group, CAUSAL: tl.constexpr, FP32: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    tile, bkv = tl.program_id(0), tl.program_id(1)
+                 group, CAUSAL: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    tile, bkv = tl.program_id(0), tl.program_id(1).to(tl.int64)
     cols = tile * BLOCK_K + tl.arange(0, BLOCK_K)
     dims = tl.arange(0, BLOCK_D)
     k = _load_tile(K, bkv * n_k * d, cols, dims, n_k, d, FP32)
@@ -143,19 +149,20 @@ def _backward_kv(Q, K, V, DO, L, D, DK, DV, n_q, n_k, d, offset, scale, heads, k
             do = _load_tile(DO, bh * n_q * d, rows, dims, n_q, d, FP32)
             lse = tl.load(L + bh * n_q + rows, mask=rows < n_q, other=float("-inf"))
             delta = tl.load(D + bh * n_q + rows, mask=rows < n_q, other=0.0)
-            p = _probs(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])     # P ∘ (dP − D)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q) * scale
+            p = _probs(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL, PRECISION)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])                          # P ∘ (dP − D)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * scale
     _store_tile(DK, bkv * n_k * d, cols, dims, n_k, d, d, dk)
     _store_tile(DV, bkv * n_k * d, cols, dims, n_k, d, d, dv)
 
 
 @triton.jit
 def _backward_q(Q, K, V, DO, L, D, DQ, n_q, n_k, d, offset, scale, heads, kv_heads, group,
-                CAUSAL: tl.constexpr, FP32: tl.constexpr, BLOCK_Q: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    tile, bh = tl.program_id(0), tl.program_id(1)
+                CAUSAL: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     kvh = (bh // heads) * kv_heads + (bh % heads) // group
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     dims = tl.arange(0, BLOCK_D)
@@ -171,10 +178,17 @@ def _backward_q(Q, K, V, DO, L, D, DQ, n_q, n_k, d, offset, scale, heads, kv_hea
         cols = start + tl.arange(0, BLOCK_K)
         k = _load_tile(K, kvh * n_k * d, cols, dims, n_k, d, FP32)
         v = _load_tile(V, kvh * n_k * d, cols, dims, n_k, d, FP32)
-        p = _probs(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])         # P ∘ (dP − D)
-        dq += tl.dot(ds.to(k.dtype), k) * scale
+        p = _probs(q, k, lse, rows, cols, n_k, offset, scale, CAUSAL, PRECISION)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])  # P∘(dP−D)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
     _store_tile(DQ, bh * n_q * d, rows, dims, n_q, d, d, dq)
+
+
+def _precision(fp32: bool) -> str:
+    """tl.dot's input precision: "ieee" for fp32 tiles, since Triton's default for fp32 inputs
+    on NVIDIA GPUs is TF32 (10-bit mantissa: errors near 1e-3; triton 3.9's tl.dot docstring,
+    "Default: tf32"); 16-bit tiles ignore it."""
+    return "ieee" if fp32 else "tf32"
 
 
 def _default_blocks(d: int) -> tuple[int, int]:
@@ -225,8 +239,9 @@ class FlashAttentionTriton(torch.autograd.Function):
         lse = torch.empty(q3.shape[:2], device=q.device, dtype=torch.float32)
         grid = (triton.cdiv(n_q, block_q), q3.shape[0])
         _forward[grid](q3, k3, v3, out, lse, n_q, n_k, d, visible_keys(n_q, n_k), scale, heads,
-                       kv_heads, group, *o_strides, CAUSAL=is_causal, FP32=fp32, BLOCK_Q=block_q,
-                       BLOCK_K=block_k, BLOCK_D=max(16, triton.next_power_of_2(d)))
+                       kv_heads, group, *o_strides, CAUSAL=is_causal, FP32=fp32,
+                       PRECISION=_precision(fp32), BLOCK_Q=block_q, BLOCK_K=block_k,
+                       BLOCK_D=max(16, triton.next_power_of_2(d)))
         out = out.to(q.dtype)                                 # keeps the (..., Nq, H, d) layout
         lse = lse.reshape(q.shape[:-1])
         ctx.save_for_backward(q, k, v, out, lse)
@@ -247,8 +262,8 @@ class FlashAttentionTriton(torch.autograd.Function):
         dk = torch.empty(k3.shape, device=q.device, dtype=store)
         dv = torch.empty(v3.shape, device=q.device, dtype=store)
         fp32 = interpreted() or q.dtype == torch.float32
-        common = dict(CAUSAL=is_causal, FP32=fp32, BLOCK_Q=block_q, BLOCK_K=block_k,
-                      BLOCK_D=max(16, triton.next_power_of_2(d)))
+        common = dict(CAUSAL=is_causal, FP32=fp32, PRECISION=_precision(fp32), BLOCK_Q=block_q,
+                      BLOCK_K=block_k, BLOCK_D=max(16, triton.next_power_of_2(d)))
         args = (n_q, n_k, d, visible_keys(n_q, n_k), scale, heads, kv_heads, group)
         _backward_kv[(triton.cdiv(n_k, block_k), k3.shape[0])](
             q3, k3, v3, do3, lse3, delta, dk, dv, *args, **common)

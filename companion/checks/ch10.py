@@ -1,18 +1,20 @@
 """Checks for chapter 10, attention without the T×T matrix."""
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from companion.attention import naive_attention
+from companion.attention import causal_mask, naive_attention
 from companion.attention.tiles import SRAM_PER_SM, choose_tiles, tile_sram_bytes
-from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
-                                   require)
+from companion.checks.core import (CheckFailed, NotDone, call, compare, exercise, fresh_seeds,
+                                   harness, learner_frames, require, require_function)
 
-__all__ = ["check_merge", "check_forward_tiles", "check_tile_backward", "check_choose_tiles"]
+__all__ = ["check_merge", "check_forward_tiles", "check_tile_backward", "check_triton_forward",
+           "check_choose_tiles"]
 
 NEG_INF = float("-inf")
 
@@ -88,17 +90,17 @@ def check_merge(answer) -> str:
 # ---------------------------------------------------------------- exercise 2: the forward loop
 
 class _Largest(TorchDispatchMode):
-    """The largest number of elements of any tensor an operator creates."""
+    """The largest tensor an operator creates: (elements, dtype name, shape)."""
 
     def __init__(self):
         super().__init__()
-        self.largest = 0
+        self.largest = (0, "", [])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest[0]:
+                self.largest = (t.numel(), str(t.dtype).removeprefix("torch."), list(t.shape))
         return out
 
 
@@ -111,7 +113,7 @@ def _qkv(seed: int, b: int, nq: int, nk: int, d: int):
 @harness
 def _forward_run(answer, seed: int, b: int, nq: int, nk: int, d: int, causal: bool, bq: int,
                  bk: int):
-    """(the answer's result, the largest tensor its operators made, in elements)."""
+    """(the answer's result, the largest tensor its operators made: (elements, dtype, shape))."""
     q, k, v = _qkv(seed, b, nq, nk, d)
     with _Largest() as seen:
         got = call(answer, q, k, v, causal, bq, bk)
@@ -149,13 +151,14 @@ def _forward_wrong(q, k, v, causal) -> dict:
 def check_forward_tiles(answer) -> str:
     """answer(q, k, v, is_causal, block_q, block_k) -> (o, lse): attention over tiles, for q
     (B, Nq, d) and k, v (B, Nk, d), never holding all the scores at once."""
-    seeds = fresh_seeds(4)
+    seeds = fresh_seeds(5)
     cases = [(2, 45, 61, 8, False, 8, 16), (1, 37, 37, 16, True, 16, 8),
-             (2, 29, 50, 8, True, 8, 8), (3, 50, 23, 4, True, 16, 16)]  # last: rows see nothing
+             (2, 29, 50, 8, True, 8, 8), (3, 50, 23, 4, True, 16, 16),   # rows that see nothing
+             (2, 40, 150, 4, True, 16, 8)]     # Nk >> block_k: (B, block_q, Nk) is 4x a K
     biggest = 0
     for seed, (b, nq, nk, d, causal, bq, bk) in zip(seeds, cases):
         q, k, v = _qkv(seed, b, nq, nk, d)
-        got, largest = _forward_run(answer, seed, b, nq, nk, d, causal, bq, bk)
+        got, (largest, dtype, shape) = _forward_run(answer, seed, b, nq, nk, d, causal, bq, bk)
         o, lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
         label = (f"(o, lse) for B={b}, Nq={nq}, Nk={nk}, d={d}, causal={causal}, "
                  f"tiles {bq}x{bk}")
@@ -165,14 +168,31 @@ def check_forward_tiles(answer) -> str:
                      "accumulator by exp(m − m_new), add the tile's exp(S − m_new); at the end "
                      "o = acc / l and lse = m + log(l). Queries that see no key: o = 0, lse = "
                      "−inf.")
-        require(largest < b * nq * nk // 2,
-                f"{label}: an operator made a tensor of {largest} elements; all the scores are "
-                f"{b * nq * nk}, one tile is {b * bq * bk}",
-                hint="compute the scores one (block_q, block_k) tile at a time inside the loops, "
-                     "never q @ k.transpose(-2, -1) over every key at once.")
+        whole = lambda n, t: -(-n // t) * t * d                 # a sequence padded to whole tiles
+        allowed = b * max(whole(nq, bq), whole(nk, bk), bq * bk)
+        require(largest <= allowed,
+                f"{label}: an operator made a {dtype} tensor of shape {tuple(shape)} ({largest} "
+                f"elements); the inputs and output hold at most {allowed // b} per batch, one "
+                f"tile of scores {bq * bk}, all the scores {nq * nk}",
+                hint=_too_large_hint(dtype, shape, nq, nk))
         biggest = max(biggest, largest)
     return (f"exact to the written-out attention; the largest tensor you made had {biggest} "
-            "elements, a tile's worth, not the whole score matrix")
+            "elements, no more than the inputs or a tile of scores")
+
+
+def _too_large_hint(dtype: str, shape: list, nq: int, nk: int) -> str:
+    """What the too-large tensor most likely is: a mask, a row block of scores, or all of them."""
+    if dtype == "bool":
+        return ("that is a mask over more than one tile: a (Nq, Nk) causal mask holds T² "
+                "values, the size tiling is there to avoid (the written-out attention keeps it "
+                "for backward). Build each tile's mask inside the loop, from that tile's row and "
+                "column indices.")
+    if nk in shape and nq not in shape:
+        return ("that is a block of rows over every key: a softmax over all the keys of a query "
+                "tile is not tiling. Loop over key tiles too, and merge them with the online "
+                "softmax (m, l and the accumulator).")
+    return ("compute the scores one (block_q, block_k) tile at a time inside the loops, never "
+            "q @ k.transpose(-2, -1) over every key at once.")
 
 
 # ---------------------------------------------------------------- exercise 3: one tile's backward
@@ -242,36 +262,219 @@ def check_tile_backward(answer) -> str:
     return "one tile's backward: summed over every tile, it is autograd's gradient"
 
 
-# ---------------------------------------------------------------- exercise 4: tile sizes
+# ---------------------------------------------------------------- exercise 4: the kernel in Triton
+
+# (heads, Nq, Nk, d, causal, block_q, block_k), fixed: each is where one likely mistake shows.
+_KERNEL_CASES = [
+    (2, 37, 53, 24, False, 16, 16),   # keys past Nk in the last tile; d = 24 pads to 32
+    (2, 37, 53, 24, True, 16, 16),    # Nq < Nk: bottom-right is not top-left; tiles to skip
+    (3, 53, 37, 16, True, 16, 32),    # Nq > Nk: the first 16 queries see no key
+    (1, 5, 70, 8, False, 16, 32),     # one query tile, partly filled; three key tiles
+]
+
+
+@contextlib.contextmanager
+def _counting_dots():
+    """[number of tl.dot calls] while the block runs under Triton's interpreter; None when this
+    Triton's interpreter has no `InterpreterBuilder.create_dot` to count (then nothing is)."""
+    from triton.runtime import interpreter
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None:
+        yield None
+        return
+    count = [0]
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return original(self, *args, **kwargs)
+    builder.create_dot = counted
+    try:
+        yield count
+    finally:
+        builder.create_dot = original
+
+
+@harness
+def _kernel_run(answer, seed: int, heads: int, nq: int, nk: int, d: int, causal: bool, bq: int,
+                bk: int):
+    """(o, lse, tl.dot calls or -1) of the answer's kernel launched on CPU tensors, interpreted."""
+    from triton.runtime.errors import InterpreterError
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from companion.attention.triton_launch import launch_forward
+    require_function(answer)
+    q, k, v = _qkv(seed, heads, nq, nk, d)
+    if not isinstance(answer, (JITFunction, InterpretedFunction)):
+        try:
+            call(answer, q, k, v)
+        except NotDone:
+            raise                                     # a stub without its decorator
+        except CheckFailed:
+            pass
+        raise CheckFailed(f"expected a @triton.jit kernel, got {answer!r}",
+                          hint="decorate your kernel with @triton.jit and pass the kernel "
+                               "itself: check_triton_forward(flash_fwd_kernel).")
+    try:
+        with _counting_dots() as dots:
+            o, lse = launch_forward(answer, q, k, v, causal, bq, bk)
+    except InterpreterError as error:
+        cause = error.__cause__ or error
+        if isinstance(cause, NotImplementedError):
+            raise NotDone(f"not done yet: your kernel raises NotImplementedError ({cause})")
+        raise CheckFailed(f"your kernel raised {type(cause).__name__}: {cause}",
+                          hint="run it on one small case (the launcher cell) and print "
+                               "(tl.device_print, or print under the interpreter) the shapes "
+                               "of the tiles you combine.",
+                          where=learner_frames(cause)) from None
+    return o, lse, dots[0] if dots is not None else -1
+
+
+def _loop64(q, k, v, causal, bq, bk, *, rescale_l=True, rescale_acc=True):
+    """(o, lse) of the tile loop in fp64, with the running sum or the accumulator left
+    unrescaled on request: what a kernel that forgets them returns."""
+    n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    q, k, v = q.double(), k.double(), v.double()
+    o, lse = torch.zeros_like(q), torch.empty(q.shape[:-1], dtype=torch.float64)
+    for i in range(0, n_q, bq):
+        rows = torch.arange(i, min(i + bq, n_q))
+        m = torch.full((q.shape[0], len(rows)), NEG_INF, dtype=torch.float64)
+        l, acc = torch.zeros_like(m), torch.zeros(q.shape[0], len(rows), d, dtype=torch.float64)
+        for j in range(0, n_k, bk):
+            cols = torch.arange(j, min(j + bk, n_k))
+            s = q[:, rows] @ k[:, cols].transpose(-2, -1) / math.sqrt(d)
+            if causal:
+                s = s.masked_fill(cols[None, :] > rows[:, None] + n_k - n_q, NEG_INF)
+            m_new = torch.maximum(m, s.amax(-1))
+            shift = m_new.masked_fill(m_new == NEG_INF, 0.0)
+            p = torch.exp(s - shift[..., None])
+            alpha = torch.exp(m - shift)
+            l = (alpha if rescale_l else 1.0) * l + p.sum(-1)
+            acc = (alpha[..., None] if rescale_acc else 1.0) * acc + p @ v[:, cols]
+            m = m_new
+        o[:, rows] = acc / l.masked_fill(l == 0, 1.0)[..., None]
+        lse[:, rows] = torch.where(l > 0, m + torch.log(l.masked_fill(l == 0, 1.0)), NEG_INF)
+    return o.float(), lse.float()
+
+
+def _kernel_wrong(q, k, v, causal, bq, bk) -> dict:
+    """What the likely wrong kernels return, by hint."""
+    o, lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
+    s = q.double() @ k.double().transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(causal_mask(q.shape[-2], k.shape[-2]), NEG_INF)
+    m = s.amax(-1)
+    wrong = {
+        "after each key tile, rescale the output accumulator by alpha = exp(m − m_new) before "
+        "adding the tile's p @ v: it was summed against the old maximum.":
+            _loop64(q, k, v, causal, bq, bk, rescale_acc=False),
+        "rescale both the running sum l and the accumulator by exp(m − m_new) after each key "
+        "tile.": _loop64(q, k, v, causal, bq, bk, rescale_l=False, rescale_acc=False),
+        "L is the log-sum-exp of the row, m + log(l): log(l) alone is taken against the running "
+        "maximum.": (o.float(), torch.where(lse == NEG_INF, NEG_INF, lse - m).float()),
+    }
+    if causal and q.shape[-2] != k.shape[-2]:
+        top = naive_attention(q.double(), k.double(), v.double(), True, align="top_left",
+                              return_lse=True)
+        wrong["align the causal mask bottom-right: query i sees key j when j <= i + (n_k − "
+              "n_q), as in Exercise 2; the loop's end moves by the same offset."] = tuple(
+                  t.float() for t in top)
+    if not causal and k.shape[-2] % bk:
+        pad = -k.shape[-2] % bk
+        padded = [torch.cat([t.double(), t.new_zeros(t.shape[0], pad, t.shape[-1]).double()], 1)
+                  for t in (k, v)]
+        zeros = naive_attention(q.double(), *padded, False, return_lse=True)
+        wrong["the last key tile runs past n_k: loading it with other=0.0 gives those columns a "
+              "score of 0, not −inf; mask the scores of columns >= n_k."] = tuple(
+                  t.float() for t in zeros)
+    return wrong
+
+
+@exercise(points=3, timeout=60.0, reference=("companion.attention.triton_flash._forward",
+                                             "companion.attention.triton_flash._scores",
+                                             "companion.attention.triton_flash._probs",
+                                             "companion.attention.FlashAttentionTriton"))
+def check_triton_forward(answer) -> str:
+    """answer: a @triton.jit kernel with the signature `launch_forward` launches (see
+    companion.attention.triton_launch); it writes O and L for one query tile of one head."""
+    seeds = fresh_seeds(len(_KERNEL_CASES))
+    dots = {}
+    for seed, (heads, nq, nk, d, causal, bq, bk) in zip(seeds, _KERNEL_CASES):
+        q, k, v = _qkv(seed, heads, nq, nk, d)
+        o, lse, dots[(heads, nq, nk, d, causal, bq, bk)] = _kernel_run(
+            answer, seed, heads, nq, nk, d, causal, bq, bk)
+        label = (f"(O, L) of {heads} head(s), Nq={nq}, Nk={nk}, d={d}, causal={causal}, "
+                 f"tiles {bq}x{bk}")
+        if bool(torch.isnan(o).any() or torch.isnan(lse).any()):
+            raise CheckFailed(
+                f"{label}: NaN in {'O' if bool(torch.isnan(o).any()) else 'L'}",
+                hint="the launcher fills memory past the last key and past d with NaN: load "
+                     "with a mask (keys < n_k, dims < d) and set the scores of keys >= n_k to "
+                     "−inf; and a row that has seen no key yet has m = −inf, where exp(s − m) "
+                     "is NaN: subtract 0 instead. O is written where its own strides say.")
+        want = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
+        compare((o, lse), tuple(t.float() for t in want), name=label, rtol=1e-4, atol=1e-5,
+                known_wrong=_kernel_wrong(q, k, v, causal, bq, bk),
+                hint="for each key tile: S = q kᵀ · scale, masked; m_new = max(m, rowmax(S)); "
+                     "alpha = exp(m − m_new); l = alpha·l + rowsum(P); acc = alpha·acc + P v. "
+                     "At the end O = acc / l and L = m + log(l); a query that sees no key "
+                     "writes O = 0 and L = −inf.")
+    full, causal = dots[_KERNEL_CASES[0]], dots[_KERNEL_CASES[1]]
+    heads, nq, nk, _, _, bq, bk = _KERNEL_CASES[1]
+    tiles = -(-nq // bq) * -(-nk // bk)
+    seen = sum(max(0, -(-min(nk, (t + 1) * bq + nk - nq) // bk)) for t in range(-(-nq // bq)))
+    if full > 0:
+        require(causal * tiles <= full * seen,
+                f"causal, Nq={nq}, Nk={nk}, tiles {bq}x{bk}: your kernel computed {causal} "
+                f"tl.dot products where the non-causal run computed {full}; only {seen} of its "
+                f"{tiles} (query tile, key tile) pairs hold a key a query can see",
+                hint="a causal program can stop its loop at the first key tile that lies wholly "
+                     "right of its last query's diagonal, (tile + 1)·BLOCK_Q + (n_k − n_q): "
+                     "about half the work.")
+        skipped = f"; causal tiles skipped: {full - causal} of {full} products"
+    else:
+        skipped = " (this Triton's interpreter cannot count tl.dot calls: tile skipping unchecked)"
+    return ("your kernel writes O and L exactly, on odd lengths, Nq ≠ Nk both ways and d = 24"
+            + skipped)
+
+
+# ---------------------------------------------------------------- exercise 5: tile sizes
 
 _SHOWN = ("A100", "H100")         # the notebook works these two; the check tries the others
-
-
 _SIZES = (16, 32, 64, 128, 256)
 
 
-def _pick(sram: int, cost, key=max):
-    fits = [(bq, bk) for bq in _SIZES for bk in _SIZES if cost(bq, bk) <= sram]
+def _pick(sram: int, cost, key=max, *, min_bk: int = 16, min_bq: int = 16):
+    fits = [(bq, bk) for bq in _SIZES for bk in _SIZES
+            if cost(bq, bk) <= sram and bk >= min_bk and bq >= min_bq]
     return key(fits) if fits else None
 
 
-# The likely wrong rules, each as a function of (sram, d, e), with its hint.
+_TILE = tile_sram_bytes
+# The likely wrong rules, each as a function of (sram, d, e, programs, min_block_k), with its hint.
 _TILE_MISTAKES = {
+    "programs that share an SM share its SRAM: each of them gets only its part.":
+        lambda sram, d, e, p, m: _pick(sram, lambda bq, bk: _TILE(bq, bk, d, e), min_bk=m),
+    "min_block_k is a lower bound on block_k: narrower key tiles are out, whatever they save.":
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: _TILE(bq, bk, d, e)),
+    "the lower bound is on block_k only: block_q may be smaller than min_block_k.":
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: _TILE(bq, bk, d, e),
+                                       min_bk=m, min_bq=m),
     "the scores are fp32 whatever the inputs: the S tile takes block_q·block_k·4 bytes.":
-        lambda sram, d, e: _pick(sram, lambda bq, bk: (bq + 2 * bk) * d * e + e * bq * bk
-                                 + 4 * bq * d + 8 * bq),
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: (bq + 2 * bk) * d * e
+                                       + e * bq * bk + 4 * bq * d + 8 * bq, min_bk=m),
     "the output accumulator stays on chip too, in fp32: block_q·d·4 bytes.":
-        lambda sram, d, e: _pick(sram, lambda bq, bk: (bq + 2 * bk) * d * e + 4 * bq * bk
-                                 + 8 * bq),
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: (bq + 2 * bk) * d * e
+                                       + 4 * bq * bk + 8 * bq, min_bk=m),
     "a program holds a tile of V beside the tile of K: 2·block_k·d·e bytes.":
-        lambda sram, d, e: _pick(sram, lambda bq, bk: (bq + bk) * d * e + 4 * bq * bk
-                                 + 4 * bq * d + 8 * bq),
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: (bq + bk) * d * e
+                                       + 4 * bq * bk + 4 * bq * d + 8 * bq, min_bk=m),
     "HBM traffic falls with block_q (K and V are read once per query tile); block_k only sets "
     "the number of steps: maximize block_q first.":
-        lambda sram, d, e: _pick(sram, lambda bq, bk: tile_sram_bytes(bq, bk, d, e),
-                                 key=lambda fits: max(fits, key=lambda p: (p[1], p[0]))),
-    "the smallest tiles fit, but read K and V the most times: the goal is the least traffic.":
-        lambda sram, d, e: _pick(sram, lambda bq, bk: tile_sram_bytes(bq, bk, d, e), key=min),
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: _TILE(bq, bk, d, e),
+                                       key=lambda fits: max(fits, key=lambda t: (t[1], t[0])),
+                                       min_bk=m),
 }
 
 
@@ -284,36 +487,55 @@ def _as_pair(got, label: str):
     return tuple(got)
 
 
+def _tile_cases(rng: random.Random) -> list[tuple]:
+    """(sram, d, e, programs, min_block_k, name): the SRAM budgets of the GPUs the notebook does
+    not work through, made-up ones, fixed ones where each likely mistake changes the answer, and
+    one too small for any tile."""
+    budgets = {}
+    for name, entry in SRAM_PER_SM.items():
+        if name not in _SHOWN:
+            budgets.setdefault(entry["bytes"], []).append(name)
+    cases = [(sram, rng.choice([32, 64, 80, 96, 128, 256]), e, rng.choice([1, 2, 3]),
+              rng.choice([16, 32, 64]), " / ".join(names))
+             for sram, names in budgets.items() for e in (2, 4)]
+    cases += [(rng.randrange(8_000, 300_000), rng.choice([40, 64, 96, 128, 160]),
+               rng.choice([2, 4]), rng.choice([1, 2]), rng.choice([16, 32, 64]),
+               "a made-up GPU") for _ in range(6)]
+    cases += [(233_472, 96, 2, 2, 32, "an H200"), (98_304, 64, 4, 1, 64, "a V100"),
+              (233_472, 64, 2, 1, 128, "a B200"), (102_400, 128, 2, 2, 16, "an L4"),
+              (65_536, 32, 2, 1, 64, "a T4"), (102_400, 64, 2, 1, 64, "an RTX 4090"),
+              (6_000, 128, 4, 1, 16, "a GPU too small for any tile")]
+    return cases
+
+
 @exercise(points=2, reference=("companion.attention.tiles.choose_tiles",
                                "companion.attention.tiles.fitting_tiles",
                                "companion.attention.tiles.tile_sram_bytes"))
 def check_choose_tiles(answer) -> str:
-    """answer(sram_bytes, head_dim, dtype_bytes) -> (block_q, block_k) or None."""
-    rng = random.Random(fresh_seeds(1)[0])
-    gpus = [name for name in SRAM_PER_SM if name not in _SHOWN]
-    cases = [(SRAM_PER_SM[name]["bytes"], rng.choice([32, 64, 80, 96, 128, 256]), e, name)
-             for name in gpus for e in (2, 4)]
-    cases += [(rng.randrange(8_000, 300_000), rng.choice([40, 64, 96, 128, 160]),
-               rng.choice([2, 4]), "a made-up GPU") for _ in range(6)]
-    cases += [(6_000, 128, 4, "a GPU too small for any tile")]
+    """answer(sram_bytes, head_dim, dtype_bytes, programs_per_sm, min_block_k) -> (block_q,
+    block_k) or None."""
+    cases = _tile_cases(random.Random(fresh_seeds(1)[0]))
+    want = lambda case: choose_tiles(*case[:3], programs_per_sm=case[3], min_block_k=case[4])
     answers = []
-    for sram, d, e, name in cases:
-        label = f"tiles for {name} ({sram:,} B of SRAM per SM), d = {d}, {e}-byte inputs"
-        answers.append(_as_pair(call(answer, sram, d, e), label))
-    wrong = [i for i, (got, case) in enumerate(zip(answers, cases))
-             if got != choose_tiles(*case[:3])]
+    for sram, d, e, p, m, name in cases:
+        label = (f"tiles for {name} ({sram:,} B of SRAM per SM), d = {d}, {e}-byte inputs, "
+                 f"{p} program(s) per SM, block_k >= {m}")
+        answers.append(_as_pair(call(answer, sram, d, e, p, m), label))
+    wrong = [i for i, (got, case) in enumerate(zip(answers, cases)) if got != want(case)]
     if wrong:
         # One rule that gives every answer the learner gave names the mistake.
         hints = [hint for hint, rule in _TILE_MISTAKES.items()
-                 if all(rule(*case[:3]) == got for got, case in zip(answers, cases))]
-        sram, d, e, name = cases[wrong[0]]
-        want = choose_tiles(sram, d, e)
+                 if all(rule(*case[:5]) == got for got, case in zip(answers, cases))]
+        sram, d, e, p, m, name = cases[wrong[0]]
         raise CheckFailed(
-            f"tiles for {name} ({sram:,} B of SRAM per SM), d = {d}, {e}-byte inputs: expected "
-            f"{want}, got {answers[wrong[0]]} ({len(wrong)} of {len(cases)} budgets wrong)",
-            expected=want, got=answers[wrong[0]],
-            hint=hints[0] if hints else "list the power-of-two pairs from 16 to 256 that fit "
-            "(None if none does), then pick by the forward pass's HBM traffic, then by its "
-            "number of steps.")
-    return ("your tiles fit every GPU tried, with the fewest passes over K and V "
-            f"({len(cases)} budgets, {len(gpus)} GPUs not named in the exercise)")
+            f"tiles for {name} ({sram:,} B of SRAM per SM), d = {d}, {e}-byte inputs, {p} "
+            f"program(s) per SM, block_k >= {m}: expected {want(cases[wrong[0]])}, got "
+            f"{answers[wrong[0]]} ({len(wrong)} of {len(cases)} settings wrong)",
+            expected=want(cases[wrong[0]]), got=answers[wrong[0]],
+            hint=hints[0] if hints else "list the power-of-two pairs from 16 to 256 whose "
+            "program fits in its share of the SRAM and whose block_k is wide enough (None if "
+            "none is), then pick by the forward pass's HBM traffic, then by its number of steps.")
+    budgets = len({case[0] for case in cases})
+    return (f"your tiles fit every setting tried, with the fewest passes over K and V "
+            f"({len(cases)} settings over {budgets} distinct SRAM budgets, with 1 to 3 programs "
+            "per SM)")
