@@ -13,6 +13,24 @@ parameter (weights 2, gradients 2, moments 2 + 2):
 - `compensation="kahan"`: keep what rounding dropped in a bf16 buffer and add it to the next
   update (Kahan summation; Zamirai et al., 2020): 2 more bytes per parameter.
 
+The moments stall the same way. Adam's second moment v decays by 1 - β2 = 0.1% per step, while
+bf16's spacing is 2^-8 to 2^-7 of a value: written back to nearest, a v that changes by less
+than half a spacing (0.2% to 0.4%) per step comes back unchanged, so after the gradients shrink it stays at their old size and the steps
+stay too small. `moments` says how the two moments are written back:
+
+- `"stochastic"` (the default): with `round_stochastic`, so v decays as fp32's does on average;
+  2 + 2 bytes. Public optimizers for pure bf16 do this, e.g. lodestone-rock/compass_optimizer
+  (experimental/compass_experimental_sr_bf16.py, 2024-09-14: `copy_stochastic_` on both EMAs
+  and on the weight);
+- `"nearest"`: round to nearest, 2 + 2 bytes, and the stall. What torchao's `_AdamW` does
+  (torchao 0.19.0, source of 2026-08-21: bf16 moments written with `copy_`; its
+  `bf16_stochastic_round`, since 2024-10-23 (pytorch/ao #1124), rounds only the weights), and
+  torchdistx's `AnyPrecisionAdamW` with `momentum_dtype=variance_dtype=torch.bfloat16`, its
+  recipe for pure bf16 (source of 2022-09-08; it updates the states in place in bf16);
+- `"fp32"`: the moments kept in fp32, 4 + 4 bytes: 4 more per parameter (12 in all, 14 with
+  Kahan). `AnyPrecisionAdamW`'s dtypes allow it; its defaults keep the first moment in fp32
+  and the second in bf16.
+
 `fp32_products()` computes the matrix products of 16-bit tensors as fp32 products of the same
 values, rounded back: what a bf16 GEMM that accumulates in fp32 returns (to the order of the
 sums), at fp32's speed on a CPU without bf16 matrix instructions, where PyTorch's own bf16 GEMM
@@ -24,8 +42,8 @@ Example:
     >>> with fp32_products():
     ...     model.loss(x, y).backward()
 
-Simplified vs torch.optim.AdamW: the moments are stored in the parameter's dtype (bf16), and the
-update is computed in fp32 from them; no amsgrad, no maximize.
+Simplified vs torch.optim.AdamW: the moments are stored in bf16 (or fp32, `moments="fp32"`) and
+the update is computed in fp32 from them; no amsgrad, no maximize.
 """
 from __future__ import annotations
 
@@ -65,6 +83,7 @@ class fp32_products(TorchFunctionMode):
         return out.to(dtype)
 
 _MODES = ("none", "stochastic", "kahan")
+_MOMENTS = ("stochastic", "nearest", "fp32")
 
 
 def round_stochastic(x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -83,15 +102,22 @@ def round_stochastic(x: torch.Tensor, *, generator: torch.Generator | None = Non
 
 class BF16AdamW(torch.optim.Optimizer):
     """AdamW for bf16 parameters, no fp32 master; `compensation` "none", "stochastic" or
-    "kahan" (see the module docstring). Other arguments as torch.optim.AdamW's."""
+    "kahan" says how the weights take their update, `moments` "stochastic", "nearest" or "fp32"
+    how the moments are stored (see the module docstring). Other arguments as
+    torch.optim.AdamW's."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, *, compensation: str = "none"):
+                 weight_decay: float = 0.01, *, compensation: str = "none",
+                 moments: str = "stochastic"):
         if compensation not in _MODES:
             raise ValueError(f"compensation is one of {_MODES}, got {compensation!r}")
+        if moments not in _MOMENTS:
+            raise ValueError(f"moments is one of {_MOMENTS} (how Adam's moments are written "
+                             f"back), got {moments!r}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
-                                  "weight_decay": weight_decay, "compensation": compensation})
+                                  "weight_decay": weight_decay, "compensation": compensation,
+                                  "moments": moments})
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.bfloat16:
@@ -107,21 +133,44 @@ class BF16AdamW(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
+                    dtype = torch.float32 if group["moments"] == "fp32" else torch.bfloat16
                     state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)                    # bf16: 2 bytes
-                    state["exp_avg_sq"] = torch.zeros_like(p)                 # bf16: 2 bytes
+                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)       # 2 bytes (fp32: 4)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)    # 2 bytes (fp32: 4)
                     if group["compensation"] == "kahan":
                         state["compensation"] = torch.zeros_like(p)           # bf16: 2 bytes
                 state["step"] += 1
                 m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()  # 1. fp32 update
                 direction = adam_direction(m, v, p.grad.float(), state["step"], group["betas"],
                                            group["eps"])
-                state["exp_avg"].copy_(m)
-                state["exp_avg_sq"].copy_(v)
+                self._store(state, m, v, group["moments"])                    # 2. moments back
                 w = p.float()
                 delta = -group["lr"] * (direction + group["weight_decay"] * w)
-                self._apply(p, w, delta, group["compensation"], state)        # 2. into bf16
+                self._apply(p, w, delta, group["compensation"], state)        # 3. into bf16
         return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, which casts every state tensor to its parameter's dtype (bf16): fp32
+        moments (`moments="fp32"`) are taken back from `state_dict` as they were saved."""
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for p, i in zip(params, saved):
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = state_dict["state"].get(i, {}).get(key)
+                if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                    self.state[p][key] = value.to(p.device, copy=True)
+
+    @staticmethod
+    def _store(state: dict, m: torch.Tensor, v: torch.Tensor, moments: str) -> None:
+        if moments == "fp32":
+            state["exp_avg"], state["exp_avg_sq"] = m, v     # fp32 already (also after a load)
+        elif moments == "stochastic":
+            state["exp_avg"].copy_(round_stochastic(m))      # unbiased: v decays on average
+            state["exp_avg_sq"].copy_(round_stochastic(v))
+        else:
+            state["exp_avg"].copy_(m)                        # round to nearest: v can stall
+            state["exp_avg_sq"].copy_(v)
 
     @staticmethod
     def _apply(p: torch.Tensor, w: torch.Tensor, delta: torch.Tensor, mode: str,
