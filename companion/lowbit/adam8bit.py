@@ -15,6 +15,14 @@ Example:
     >>> opt = Adam8bit(model.parameters(), lr=1e-3)          # a drop-in for torch.optim.Adam
     >>> model.loss(x, y).backward(); opt.step(); opt.zero_grad()
 
+On bf16 weights (the 6-byte layout: weights 2, gradients 2, moments 1 + 1 and the absmax values)
+the update meets the stall of pure bf16 (`bf16`): added to the weight and rounded to nearest,
+an update under half of bf16's spacing is lost. `stochastic_round=True` computes the new weight
+in fp32 and rounds it to bf16 with `round_stochastic`, unbiased, as torchao's 8-bit optimizers
+do with `bf16_stochastic_round=True` (torchao 0.19.0; the flag since 2024-10-23, pytorch/ao
+#1124). It adds no bytes. Weights in fp32 take their update exactly and ignore the flag (as
+torchao's does); fp16 weights with it raise, since `round_stochastic` makes bf16.
+
 Simplified vs bitsandbytes: the update is torch.optim.Adam's (weight decay added to the gradient,
 as Adam's L2 does; `decoupled_weight_decay=True` decays the weight itself first, as AdamW and
 bitsandbytes' `AdamW8bit` do); no paged states, no percentile clipping, no stable-embedding
@@ -57,12 +65,13 @@ def direction_error(m: torch.Tensor, v: torch.Tensor, blocksize: int, *, signed:
 
 
 class Adam8bit(torch.optim.Optimizer):
-    """torch.optim.Adam whose moments are stored as block-wise 8-bit codes between steps."""
+    """torch.optim.Adam whose moments are stored as block-wise 8-bit codes between steps;
+    `stochastic_round=True` rounds bf16 weights stochastically (see the module docstring)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, blocksize: int = 256, min_8bit_size: int = 4096,
-                 decoupled_weight_decay: bool = False):
+                 decoupled_weight_decay: bool = False, *, stochastic_round: bool = False):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"need lr, eps, weight_decay >= 0 and 0 <= betas < 1; got lr={lr}, "
                              f"betas={betas}, eps={eps}, weight_decay={weight_decay}")
@@ -70,7 +79,14 @@ class Adam8bit(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay, "blocksize": blocksize,
                                   "min_8bit_size": min_8bit_size,
-                                  "decoupled_weight_decay": bool(decoupled_weight_decay)})
+                                  "decoupled_weight_decay": bool(decoupled_weight_decay),
+                                  "stochastic_round": bool(stochastic_round)})
+        for group in self.param_groups:
+            if group["stochastic_round"] and any(p.dtype == torch.float16
+                                                 for p in group["params"]):
+                raise TypeError("stochastic_round=True rounds bf16 weights; fp16 ones would be "
+                                "rounded to nearest: model.to(torch.bfloat16) first, or leave "
+                                "stochastic_round off")
         self._maps = {"signed": dynamic_map(True), "unsigned": dynamic_map(False)}
 
     def _moments(self, p: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,13 +126,18 @@ class Adam8bit(torch.optim.Optimizer):
                 state["step"] = state.get("step", 0) + 1
                 t = state["step"]
                 grad = p.grad.float()
+                rounding = group.get("stochastic_round") and p.dtype == torch.bfloat16
+                w = p.float() if rounding else p       # the weight the update lands on
                 if group["weight_decay"] and group.get("decoupled_weight_decay"):
-                    p.mul_(1 - group["lr"] * group["weight_decay"])      # AdamW's decay
+                    w.mul_(1 - group["lr"] * group["weight_decay"])      # AdamW's decay
                 elif group["weight_decay"]:
-                    grad = grad.add(p.float(), alpha=group["weight_decay"])
+                    grad = grad.add(w.float(), alpha=group["weight_decay"])
                 m, v = self._moments(p, group)                       # 1. codes -> fp32
                 direction = adam_direction(m, v, grad, t, group["betas"], group["eps"])
-                p.add_(direction.to(p.dtype), alpha=-group["lr"])    # 2. Adam's update, fp32
+                w.add_(direction.to(w.dtype), alpha=-group["lr"])    # 2. Adam's update
+                if rounding:
+                    from companion.lowbit.bf16 import round_stochastic   # (bf16 imports us)
+                    p.copy_(round_stochastic(w))                     #    fp32 -> bf16, unbiased
                 self._store(p, group, m, v)                          # 3. fp32 -> codes
         return loss
 

@@ -12,10 +12,13 @@ optimizer's moments and, where the weights are 16-bit, an fp32 master copy. With
 | pure bf16               | 2       | 2         | -      | 2 + 2   | 8     | `BF16AdamW`                   |
 | pure bf16 + Kahan       | 2       | 2         | -      | 2+2 + 2 | 10    | `BF16AdamW(kahan)`            |
 | fp32 + 8-bit Adam       | 4       | 4         | -      | 1+1 + ε | ~10   | bitsandbytes, `Adam8bit`      |
-| bf16 + 8-bit Adam       | 2       | 2         | -      | 1+1 + ε | ~6    | `Adam8bit` on a bf16 model    |
+| bf16 + 8-bit Adam       | 2       | 2         | -      | 1+1 + ε | ~6    | `Adam8bit`, stochastic round  |
 | QLoRA                   | ~0.5    | adapters  | -      | adapters| ~0.5+ | bitsandbytes + PEFT, `lowbit` |
 
-(ε: one fp32 absmax per block of 256 values, 0.016 B per moment.) Where the bf16 rows come from:
+(ε: one fp32 absmax per block of 256 values, 0.016 B per moment.) The pure bf16 rows write the
+moments back with stochastic rounding (`BF16AdamW`'s default `moments`), and bf16 + 8-bit Adam
+rounds its weights stochastically (`stochastic_round=True`): without it, updates under half of
+bf16's spacing are lost, as in plain pure bf16. Where the bf16 rows come from:
 16 B is the ZeRO paper's count (Rajbhandari et al., 2020, section 3.1), what Megatron-LM keeps for
 bf16 only with `--grad-reduce-in-bf16`. By default Megatron-LM's bf16 training accumulates and
 all-reduces gradients in fp32 (megatron/training/arguments.py sets
@@ -106,7 +109,7 @@ def _setup(model: nn.Module, layout: str, rank: int, lr: float):
         opt = BF16AdamW(params, lr=lr, weight_decay=0.0,
                         compensation="kahan" if layout == "bf16+kahan" else "none")
     elif layout.endswith("adam8bit"):
-        opt = Adam8bit(params, lr=lr)
+        opt = Adam8bit(params, lr=lr, stochastic_round=layout == "bf16+adam8bit")
     else:
         opt = torch.optim.Adam(params, lr=lr)
     return model, opt.step, opt, []
