@@ -1,6 +1,7 @@
-"""Checks for chapter 09, the capstone: train a GPT that does not fit its memory budget, under it,
-with the same effective batch and the same losses as the unconstrained run (exercise 1), on GPTs
-and budgets the notebook does not show; and search the levers for the fastest plan that fits
+"""Checks for chapter 09, the capstone: decide a plan and train a GPT that does not fit its memory
+budget under it, with the same effective batch and the same losses as the unconstrained run
+(exercise 1), on GPTs and budgets the notebook does not show, pulling no lever further than the
+budget needs; and search the levers for the fastest plan that fits
 without predicting the peaks the promise already decides (exercise 2)."""
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from companion.checks.core import CheckFailed, call, exercise, fresh_seeds, harn
 from companion.device import Sizes, pick_device, sizes
 from companion.memory import format_bytes, memory_budget, track
 from companion.models import GPT
+from companion.models.gpt import Block
 from companion.plan import (LOW_PRECISION, Candidate, CostModel, GPTShape, build, candidates,
                             capstone_model, predict_memory, predict_seconds, token_batches,
                             train_step)
@@ -66,20 +68,23 @@ CLEAR = 1.04       # no plan of PARTS is predicted within 4% under a case's budg
 
 
 def training_case(S: Sizes, seed: int, device_type: str, *, offload_needed: bool) -> Sizes:
-    """A GPT and budget the notebook does not show: S with other cap_width, cap_depth, cap_batch
-    and a cap_budget that the plain run exceeds at least twice over (by a quarter on CUDA, where
-    a small GPU's batch is 2 sequences), that the plan with every lever (offload, micro-batches
-    of 1, every block checkpointed, fp32) fits with 15% to spare (40% on CUDA, whose allocator
-    reserves more than the tensors), below the model states' 16 B per parameter when
-    `offload_needed`, and clear of every plan's predicted peak (`CLEAR`), so that a plan chosen
-    by `predict_memory` fits when measured."""
+    """A GPT and budget the notebook does not show: S with other cap_width, cap_depth (3 or 5),
+    cap_batch and a cap_budget clear of every plan's predicted peak (`CLEAR`), so that a plan
+    chosen by `predict_memory` fits when measured. Two kinds, so that no fixed plan passes both:
+    `offload_needed`: below the model states' 16 B per parameter, the plain run at least twice
+    over it (by a quarter on CUDA, where a small GPU's batch is 2 sequences), and the plan with
+    every lever (offload, micro-batches of 1, every block checkpointed, fp32) fitting with 15% to
+    spare (40% on CUDA, whose allocator reserves more than the tensors); else the plain run a
+    quarter over it, and a plan with the states on the device, at most 4 micro-batches and no
+    checkpointing fitting with that spare: any plan that offloads and runs as many micro-batches
+    pulls a lever the budget does not need."""
     rng = random.Random(seed)
     for _ in range(20):
-        if device_type == "cpu":
-            width, depth, batch = rng.choice((96, 112)), rng.choice((3, 5)), rng.choice((8, 12))
+        depth = rng.choice((3, 5))                 # checkpointing's recompute grows with its
+        if device_type == "cpu":                   # segments up to 5 blocks (see _recomputed)
+            width, batch = rng.choice((96, 112)), rng.choice((8, 12))
         else:                                      # smaller than the notebook's: it must train
             width = S.cap_width * rng.choice((2, 3)) // 4       # in the check's time on any GPU
-            depth = max(2, S.cap_depth * rng.choice((1, 2)) // 3)
             batch = rng.choice(sorted({max(2, S.cap_batch // 2), S.cap_batch}))
         case = dataclasses.replace(S, cap_width=width, cap_depth=depth, cap_batch=batch)
         budget = _clear_budget(GPTShape.of(capstone_model(case)), case, rng, device_type,
@@ -97,10 +102,14 @@ def _clear_budget(shape: GPTShape, S: Sizes, rng: random.Random, device_type: st
 
     peaks = [peak(c) for c in candidates(shape, S.cap_batch, allow=PARTS)]
     spare = 1.15 if device_type == "cpu" else 1.4      # CUDA: the allocator reserves beyond
-    low = spare * peak(Candidate(1, S.cap_batch, shape.depth, offload=True))    # the tensors
-    high = peak(Candidate(S.cap_batch)) / (2 if device_type == "cpu" else 1.25)
-    if offload_needed:
+    if offload_needed:                                 # the tensors
+        low = spare * peak(Candidate(1, S.cap_batch, shape.depth, offload=True))
+        high = peak(Candidate(S.cap_batch)) / (2 if device_type == "cpu" else 1.25)
         high = min(high, 16 * shape.n_params / 1.1)
+    else:
+        low = spare * min(peak(Candidate(S.cap_batch // k, k)) for k in range(2, 5)
+                          if S.cap_batch % k == 0)
+        high = peak(Candidate(S.cap_batch)) / 1.25
     if device_type == "cuda":
         high = min(high, S.cap_budget)
     for _ in range(100 if low < high else 0):
@@ -133,15 +142,22 @@ def _precision(model: torch.nn.Module, autocast: bool) -> str:
 
 class _Watch:
     """What the check sees of a training run: every forward of a GPT (not the recomputes inside
-    backward), every optimizer step, and the gradient norm each step begins with. Allocates
-    nothing per forward (version counters, no copies), so the budget measures the answer."""
+    backward), the blocks recomputed inside backward, every optimizer step, whether it updates
+    the model's own parameters (not masters elsewhere), and the gradient norm each step begins
+    with. Allocates nothing per forward (version counters, no copies), so the budget measures the
+    answer."""
 
     def __init__(self, device: torch.device):
         self.device, self.model, self.steps = device, None, 0
         self.seen: list[tuple] = []        # (sequences, weights' fingerprint, autocast on)
         self.norms: list[float] = []       # gradient norm at each optimizer step, when any
+        self.recomputed = 0                # blocks run forward again inside backward
+        self.own_params = True             # every step updated the model's parameters
 
     def forward(self, module, inputs) -> None:
+        if isinstance(module, Block) and torch._C._current_graph_task_id() != -1:
+            self.recomputed += 1           # a checkpoint's recompute, inside backward
+            return
         if not isinstance(module, GPT) or not inputs:
             return
         if torch._C._current_graph_task_id() != -1:
@@ -155,8 +171,11 @@ class _Watch:
         self.seen.append((int(inputs[0].shape[0]), version, autocast))
 
     def before_step(self, optimizer, *args) -> None:
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"]
-                 if p.grad is not None]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self.model is not None:         # masters elsewhere (offload) are not the model's
+            mine = {id(p) for p in self.model.parameters()}
+            self.own_params &= all(id(p) in mine for p in params)
+        grads = [p.grad for p in params if p.grad is not None]
         if grads:                          # one scalar per gradient; a host-device sync
             norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
             self.norms.append(float(torch.stack(norms).norm()))
@@ -222,7 +241,8 @@ def _train_under_budget(answer, seed: int, steps: int, device_name: str, case: t
             handle.remove()
     out = {"losses": _as_floats(losses), "peak": tracker.peak, "host_peak": tracker.host_peak,
            "seen": [(rows, hash(version), low) for rows, version, low in watch.seen],
-           "norms": watch.norms, "weights_on_device": 0, "params": 0, "precision": "fp32"}
+           "norms": watch.norms, "weights_on_device": 0, "params": 0, "precision": "fp32",
+           "recomputed": watch.recomputed, "own_params": watch.own_params}
     model, watch.model = watch.model, None
     if model is not None:
         kinds = tracker.breakdown(at="current")
@@ -356,6 +376,51 @@ def _check_behaviour(got: dict, S: Sizes, steps: int) -> None:
             hint="give the optimizer every parameter of the model: model.parameters().")
 
 
+def _recomputed(depth: int, segments: int) -> int:
+    """Blocks checkpoint_sequential runs again per micro-batch: every segment's but the last's
+    (depth // segments each). Never fewer for more segments up to 5 blocks (training_case's)."""
+    return depth // segments * (segments - 1)
+
+
+def _observed(got: dict) -> tuple[bool, int, float]:
+    """(states offloaded, micro-batches per step, blocks recomputed per micro-batch) of the run:
+    offloaded when the optimizer updated other tensors than the model's parameters (masters)
+    and the host held at least AdamW's two moments (8 B per parameter)."""
+    offloaded = not got["own_params"] and got["host_peak"] >= 8 * got["params"]
+    forwards = len(got["seen"])
+    return offloaded, round(forwards / len(_steps(got["seen"]))), got["recomputed"] / forwards
+
+
+def _check_decision(got: dict, S: Sizes, device_type: str) -> None:
+    """The plan trained pulls no lever further than the budget needs: no plan of the chapter's
+    parts in the answer's precision is predicted to fit with less of one lever (offload, micro-
+    batches, blocks recomputed) and no more of the others."""
+    offloaded, micro, recomputed = _observed(got)
+    shape = GPTShape.of(capstone_model(S))
+    mine = (offloaded, micro, recomputed)
+    for c in candidates(shape, S.cap_batch, allow=PARTS):
+        if c.precision != got["precision"]:
+            continue
+        theirs = (c.offload, c.accumulation, _recomputed(shape.depth, c.segments))
+        if (all(t <= m + 1e-9 for t, m in zip(theirs, mine)) and theirs != mine
+                and predict_memory(shape, c, device_type=device_type).peak <= S.cap_budget):
+            what = ("the model states on the device" if offloaded and not c.offload else
+                    f"{c.accumulation} micro-batch{'es' if c.accumulation > 1 else ''}"
+                    if c.accumulation < micro else
+                    f"{theirs[2]} block{'s' if theirs[2] != 1 else ''} recomputed")
+            raise CheckFailed(
+                f"your plan ({'optimizer offload' if offloaded else 'states on the device'}, "
+                f"{micro} micro-batch{'es' if micro > 1 else ''}, {recomputed:g} blocks "
+                f"recomputed per micro-batch) pulls a lever further than this budget needs: a "
+                f"plan with {what} and no more of the others is predicted to fit "
+                f"({c.describe()})",
+                hint="decide from the model and the budget you are given: predict_memory says "
+                     "which plans fit this budget, and every lever costs time (offload: the "
+                     "host's AdamW and the copies; a micro-batch: fixed costs per layer; "
+                     "checkpointing: blocks run forward again). A plan that fits with less of "
+                     "one lever and no more of the others is the better choice.")
+
+
 def _check_against(got: dict, want: dict, steps: int) -> tuple[float, float]:
     """The answer's losses, gradients and trained model against the reference run's."""
     precision = got["precision"]
@@ -411,7 +476,9 @@ def check_train_within_budget(answer, *, cases: int = 2) -> str:
     """answer(model_fn, batches, lr, budget) -> one loss per batch: build the GPT with
     model_fn(dtype=..., device=...), take one AdamW(lr) step per (x, y) in batches within
     `budget` bytes of device memory, and return each step's mean loss over its whole batch.
-    Tried on `cases` GPTs and budgets the notebook does not show (the first needs offload)."""
+    Tried on `cases` GPTs and budgets the notebook does not show (the first needs offload, the
+    second does not); the plan it trains must pull no lever further than the budget needs
+    (`_check_decision`), so that no plan fixed in advance passes both."""
     device = pick_device()
     S = sizes(device)
     seeds, lines = fresh_seeds(cases), []
@@ -423,6 +490,7 @@ def check_train_within_budget(answer, *, cases: int = 2) -> str:
             _check_behaviour(got, case, STEPS)
             want = _reference(case, seed, STEPS, device, got["precision"])
             worst, final = _check_against(got, want, STEPS)
+            _check_decision(got, case, device.type)     # the training right first, then the plan
         except CheckFailed as failure:
             failure.summary = (f"{_described(case)}, budget {format_bytes(case.cap_budget)}: "
                                f"{failure.summary}")
@@ -444,6 +512,14 @@ def _divisors(n: int) -> list[int]:
     return [m for m in range(1, n + 1) if n % m == 0]
 
 
+def _accumulating(batch: int) -> list[int]:
+    """The exercise's micro-batch sizes: those that split `batch` into two or more micro-batches.
+    The whole batch at once is the one exception to the promise in the planner's predictions (it
+    keeps no gradients between micro-batches: 10 of the 64 grids of `_planner_case`'s sizes
+    have a setting where it needs less than the largest size below it), so it is left out."""
+    return _divisors(batch)[:-1]
+
+
 def _table_case(seed: int, at_boundary: bool) -> dict:
     """Levers the notebook does not show, with peaks that follow the course's formulas (states,
     then activations per sequence times the micro-batch, checkpoint_sequential's uneven segments)
@@ -456,7 +532,7 @@ def _table_case(seed: int, at_boundary: bool) -> dict:
     rng = random.Random(seed)
     while True:
         batch, depth = rng.choice((24, 36, 48)), rng.choice((5, 6, 7))
-        levers = {MONOTONE: _divisors(batch), "segments": list(range(1, depth + 1)),
+        levers = {MONOTONE: _accumulating(batch), "segments": list(range(1, depth + 1)),
                   "offload": [False, True]}
         if rng.random() < 0.5:
             levers["precision"] = ["fp32", "bf16"]
@@ -498,27 +574,25 @@ def _table_budget(peaks: dict, times: dict, rng: random.Random, at_boundary: boo
 
 def _planner_case(seed: int) -> dict:
     """The course GPT at sizes the notebook does not show, its peaks and times from the planner's
-    own `predict_memory` and `predict_seconds` (the CPU's cost model), over micro-batches,
-    segments, offload and precision; drawn where the promise holds (see `search`'s docstring)."""
+    own `predict_memory` and `predict_seconds` (the CPU's cost model), over the micro-batches that
+    accumulate, segments, offload and precision, taken as drawn: over those micro-batches the
+    promise holds on every grid of these sizes (a test checks all 64)."""
     rng = random.Random(seed)
-    while True:
-        width, depth = rng.choice((80, 96, 144, 176)), rng.choice((3, 5, 6, 7))
-        batch = rng.choice((12, 18, 24, 30))
-        shape = GPTShape.of(functools.partial(GPT, 128, 64, width, depth, 4, fused_attention=True))
-        levers = {MONOTONE: _divisors(batch), "segments": list(range(1, depth + 1)),
-                  "offload": [False, True], "precision": ["fp32", "autocast", "mixed"]}
-        cost = CostModel.for_device("cpu")
-        peaks, times = {}, {}
-        for plan in search.all_plans(levers):
-            c = Candidate(plan[MONOTONE], batch // plan[MONOTONE], plan["segments"],
-                          plan["precision"], offload=plan["offload"])
-            peaks[_key(levers, plan)] = predict_memory(shape, c).peak
-            times[_key(levers, plan)] = predict_seconds(shape, c, cost)["total"]
-        ordered = sorted(peaks.values())
-        budget = rng.uniform(ordered[len(ordered) // 4], ordered[3 * len(ordered) // 4]) // 1
-        case = {"levers": levers, "peaks": peaks, "times": times, "budget": budget + 0.5}
-        if _promise_holds(case):
-            return case
+    width, depth = rng.choice((80, 96, 144, 176)), rng.choice((3, 5, 6, 7))
+    batch = rng.choice((12, 18, 24, 30))
+    shape = GPTShape.of(functools.partial(GPT, 128, 64, width, depth, 4, fused_attention=True))
+    levers = {MONOTONE: _accumulating(batch), "segments": list(range(1, depth + 1)),
+              "offload": [False, True], "precision": ["fp32", "autocast", "mixed"]}
+    cost = CostModel.for_device("cpu")
+    peaks, times = {}, {}
+    for plan in search.all_plans(levers):
+        c = Candidate(plan[MONOTONE], batch // plan[MONOTONE], plan["segments"],
+                      plan["precision"], offload=plan["offload"])
+        peaks[_key(levers, plan)] = predict_memory(shape, c).peak
+        times[_key(levers, plan)] = predict_seconds(shape, c, cost)["total"]
+    ordered = sorted(peaks.values())
+    budget = rng.uniform(ordered[len(ordered) // 4], ordered[3 * len(ordered) // 4]) // 1
+    return {"levers": levers, "peaks": peaks, "times": times, "budget": budget + 0.5}
 
 
 def _promise_holds(case: dict) -> bool:
