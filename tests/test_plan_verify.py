@@ -56,6 +56,38 @@ def test_the_ranking_math_on_a_fake_clock(monkeypatch):
         [PLANS[0], PLANS[2], PLANS[3]]
 
 
+def test_shuffled_rounds_run_every_plan_once_a_round_in_new_orders(monkeypatch):
+    cost = CostModel.for_device("cpu")
+    measured = {c: 0.1 * (i + 1) for i, c in enumerate(PLANS)}
+    clock, calls = _fake_steps(monkeypatch, measured)
+    check = rank_check(TINY, 4, PLANS, cost=cost, rounds=6, warmup=1, shuffle=3, clock=clock)
+    rounds = [calls[i:i + len(PLANS)] for i in range(0, len(calls), len(PLANS))]
+    assert len(rounds) == 7 and all(sorted(map(PLANS.index, r)) == [0, 1, 2, 3] for r in rounds)
+    rotations = [PLANS[k:] + PLANS[:k] for k in range(len(PLANS))]
+    assert any(r not in rotations for r in rounds)               # not a rotation: shuffled
+    assert [check.timing(c).measured for c in PLANS] == pytest.approx(list(measured.values()))
+    assert [len(r.samples) for r in check.rows] == [6] * len(PLANS)
+    clock2, calls2 = _fake_steps(monkeypatch, measured)
+    rank_check(TINY, 4, PLANS, cost=cost, rounds=6, warmup=1, shuffle=3, clock=clock2)
+    assert calls2 == calls                                       # the seed fixes the orders
+
+
+def test_agreement_ranks_one_runs_medians_against_anothers(monkeypatch):
+    cost = CostModel.for_device("cpu")
+    first = {c: 0.1 * (i + 1) for i, c in enumerate(PLANS)}
+    runs = []
+    for seconds in (first, {c: 1.0 - t for c, t in first.items()}, first):
+        clock, _ = _fake_steps(monkeypatch, seconds)
+        runs.append(rank_check(TINY, 4, PLANS, cost=cost, rounds=2, clock=clock))
+    assert runs[0].agreement(runs[2]) == pytest.approx(1.0)
+    assert runs[0].agreement(runs[1]) == pytest.approx(-1.0)
+    fewer = runs[0].subset(lambda c: c.accumulation == 1)
+    with pytest.raises(ValueError, match="same plans"):
+        runs[0].agreement(fewer)
+    with pytest.raises(ValueError, match="was not timed"):
+        fewer.timing(Candidate(1, 4))
+
+
 def test_a_perfect_order_and_a_reversed_one(monkeypatch):
     cost = CostModel.for_device("cpu")
     shape = GPTShape.of(TINY)
@@ -106,6 +138,14 @@ def test_default_plans_pull_many_levers_and_keep_the_batch():
 def test_bad_input_says_what_to_do(cands, batch, rounds, match):
     with pytest.raises(ValueError, match=match):
         rank_check(TINY, batch, cands, rounds=rounds)
+
+
+@pytest.mark.parametrize("options, match", [({"shuffle": "yes"}, "shuffle is a seed"),
+                                            ({"shuffle": True}, "shuffle is a seed"),
+                                            ({"warmup": -1}, "warmup")])
+def test_bad_orders_say_what_to_do(options, match):
+    with pytest.raises(ValueError, match=match):
+        rank_check(TINY, 4, PLANS, rounds=2, **options)
 
 
 def test_a_subset_needs_two_plans_and_an_interval_a_confidence():

@@ -15,7 +15,11 @@ a shared machine lands on every plan), and sets the median of each plan's steps 
                  and `scaled_error` the median error once that factor is taken out.
 
 `RankCheck.interval` is a bootstrap interval of ρ from the timings' own spread (each plan's
-steps resampled, its median taken again): how much ρ could move in another run. `default_plans`
+steps resampled, its median taken again): how far the scatter within this run moves ρ. It does not
+see what changes from one run to the next (another load on a shared machine, other builds): for
+that, time the plans again in an independent check and rank one run's medians against the other's
+(`RankCheck.agreement`). `shuffle=seed` orders each round at random instead of rotating it, so
+that no plan always follows the same one. `default_plans`
 picks ten plans that pull different levers (on the course's CPU their steps take 1x to 7.5x the
 plain step's); `with_cost` ranks the same timings by another cost model, `subset` some of the
 plans (the fp32 ones, say).
@@ -113,12 +117,29 @@ class RankCheck:
         machine (one factor for every plan) does not explain, the one that can misrank."""
         return statistics.median(abs(r.ratio / self.scale - 1) for r in self.rows)
 
+    def timing(self, cand: Candidate) -> PlanTiming:
+        """The row of plan `cand` (ValueError when it was not timed)."""
+        for r in self.rows:
+            if r.candidate == cand:
+                return r
+        raise ValueError(f"plan '{cand.describe()}' was not timed in this check")
+
+    def agreement(self, other: "RankCheck") -> float:
+        """Spearman's ρ of this check's measured medians against `other`'s, over the same plans:
+        how well one run's measured order predicts another's (1: the same order)."""
+        if {r.candidate for r in self.rows} != {r.candidate for r in other.rows}:
+            raise ValueError("agreement compares two checks of the same plans; these timed "
+                             "different ones")
+        return stats.spearman([r.measured for r in self.rows],
+                              [other.timing(r.candidate).measured for r in self.rows])
+
     def interval(self, *, confidence: float = 0.95, resamples: int = 1000,
                  seed: int = 0) -> tuple[float, float]:
         """A percentile-bootstrap interval of ρ: each plan's timed steps resampled with
         replacement, their medians ranked against the predictions again. It says how far the
-        timings' noise could move ρ; an order already right can mostly only lose swaps, so the
-        interval often ends at ρ itself."""
+        scatter of this run's timings moves ρ (with 3 steps a plan, each resampled median is one
+        of the 3 steps), not how far another run could (`agreement`); an order already right can
+        mostly only lose swaps, so the interval often ends at ρ itself."""
         if not 0 < confidence < 1:
             raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
         rng = random.Random(seed)
@@ -182,17 +203,24 @@ def _check_plans(cands: Sequence[Candidate], batch: int) -> list[Candidate]:
 def rank_check(model_fn: Callable[..., nn.Module], batch: int, cands: Sequence[Candidate], *,
                cost: CostModel | None = None, rounds: int = 5, warmup: int = 1,
                device: torch.device | str = "cpu", lr: float = 1e-3,
-               progress: bool | None = None,
+               progress: bool | None = None, shuffle: int | None = None,
                clock: Callable[[], float] | None = None) -> RankCheck:
     """Time one optimizer step of each plan in `cands` (each training `batch` sequences of the
     course's tokens) in `rounds` interleaved rounds after `warmup` untimed ones, and compare
     their medians with `predict_seconds(shape, cand, cost)["total"]` (`cost`: default
-    `CostModel.for_device(device.type)`). `progress=True` draws a tqdm bar; `clock`: seconds
-    now (default `clock.now(device)`, which waits for the device; a test passes a fake one)."""
+    `CostModel.for_device(device.type)`). Each round runs every plan once, in an order rotated
+    by one plan a round, or, with `shuffle=seed`, shuffled by `random.Random(seed)`.
+    `progress=True` draws a tqdm bar; `clock`: seconds now (default `clock.now(device)`, which
+    waits for the device; a test passes a fake one)."""
     cands = _check_plans(cands, batch)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 2:
         raise ValueError(f"rounds must be an int of at least 2 (a median of one step is one "
                          f"step's noise), got {rounds!r}")
+    if shuffle is not None and (isinstance(shuffle, bool) or not isinstance(shuffle, int)):
+        raise ValueError(f"shuffle is a seed (an int) for each round's random order, or None for "
+                         f"rotated rounds, got {shuffle!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative int (untimed rounds), got {warmup!r}")
     device = torch.device(device)
     cost = CostModel.for_device(device.type) if cost is None else cost
     shape = GPTShape.of(model_fn)
@@ -213,7 +241,10 @@ def rank_check(model_fn: Callable[..., nn.Module], batch: int, cands: Sequence[C
                 bar.update()
         steps[i] = step
     try:
-        times = stats.interleave(steps, rounds=rounds, warmup=warmup, clock=clock)
+        if shuffle is None:
+            times = stats.interleave(steps, rounds=rounds, warmup=warmup, clock=clock)
+        else:
+            times = _shuffled(steps, rounds, warmup, clock, random.Random(shuffle))
     finally:
         if bar is not None:
             bar.close()
@@ -223,6 +254,21 @@ def rank_check(model_fn: Callable[..., nn.Module], batch: int, cands: Sequence[C
         rows.append(PlanTiming(cand, predict_seconds(shape, cand, cost)["total"], median, low,
                                high, tuple(times[i])))
     return RankCheck(tuple(rows), shape, cost, rounds)
+
+
+def _shuffled(steps: dict, rounds: int, warmup: int, clock: Callable[[], float],
+              rng: random.Random) -> dict[int, list[float]]:
+    """Seconds of each step function, `rounds` rounds after `warmup`, each round in a new order."""
+    times: dict[int, list[float]] = {i: [] for i in steps}
+    for r in range(warmup + rounds):
+        order = list(steps)
+        rng.shuffle(order)
+        for i in order:
+            start = clock()
+            steps[i]()
+            if r >= warmup:
+                times[i].append(clock() - start)
+    return times
 
 
 def default_plans(shape: GPTShape, batch: int, *, lora_rank: int = 8) -> list[Candidate]:
