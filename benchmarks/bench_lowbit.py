@@ -1,12 +1,13 @@
 """Fewer bits: companion.lowbit against bitsandbytes on the CPU, as ratios measured in one run.
 
+Parts 1-3 are `companion.lowbit.versus.against_bitsandbytes` (chapter 11 runs it at small sizes):
 1. Optimizer state bytes of `Adam8bit` over a model of `--params` parameters (8 weight matrices)
    against bitsandbytes' `Adam8bit`. Goal: ours / theirs <= 1.0.
 2. One optimizer step of each, interleaved, `--repeats` rounds. Goal: ours / theirs <= 2x.
 3. A QLoRA layer's forward + backward (`QLoRALinear`, NF4 base with double quantization and a
-   rank-`--rank` adapter) against bitsandbytes' `Linear4bit` (NF4, the same blocks) with the same
-   adapter, on a (`--tokens`, `--width`) input: time, and the peak bytes of the step (tracked).
-   Reported, no goal.
+   rank-`--rank` adapter) against bitsandbytes' `Linear4bit` (NF4, the same blocks, bias frozen)
+   with the same adapter, on a (`--tokens`, `--width`) input: the peak bytes of one step
+   (`companion.memory.track`) and the time. Goals: peak <= 1.1x, time <= 2x.
 4. The course GPT's bf16 training step (chapter 11's pure-bf16 runs) with `fp32_products` against
    PyTorch's own bf16 GEMMs, and the fp32 step beside them. Goal on a CPU without bf16 matrix
    instructions: ours / PyTorch's bf16 <= 0.5; the losses of the two agree to bf16 rounding.
@@ -26,70 +27,22 @@ import torch
 
 from companion import lowbit
 from companion.cost.stats import compare, interleave
-from companion.memory import format_bytes, track
+from companion.lowbit.versus import against_bitsandbytes
+
+GOALS = {"QLoRA peak": 1.1, "QLoRA time": 2.0, "Adam8bit state bytes": 1.0, "Adam8bit step": 2.0}
 
 
-def _weights(n_params: int, seed: int = 0) -> list[torch.nn.Parameter]:
-    side = int((n_params // 8) ** 0.5)
-    g = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(side, side, generator=g) * 0.02) for _ in range(8)]
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
-    return params
-
-
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(t.numel() * t.element_size() for s in optimizer.state.values()
-               for t in s.values() if torch.is_tensor(t))
-
-
-def optimizers(n_params: int, repeats: int, bnb) -> None:
-    ours_params, theirs_params = _weights(n_params), _weights(n_params)
-    ours = lowbit.Adam8bit(ours_params, lr=1e-3)
-    theirs = bnb.optim.Adam8bit(theirs_params, lr=1e-3)
-    ours.step()
-    theirs.step()                                        # states exist after the first step
-    n = sum(p.numel() for p in ours_params)
-    ratio = _state_bytes(ours) / _state_bytes(theirs)
-    print(f"state bytes, {n:,} parameters: ours {format_bytes(_state_bytes(ours))} "
-          f"({_state_bytes(ours) / n:.3f} B/param), bitsandbytes "
-          f"{format_bytes(_state_bytes(theirs))}: ratio {ratio:.3f} (goal <= 1.0)")
-    times = interleave({"ours": ours.step, "bitsandbytes": theirs.step}, rounds=repeats)
-    result = compare(times["ours"], times["bitsandbytes"])
-    print(f"optimizer step: ours {statistics.median(times['ours']) * 1e3:.1f} ms, bitsandbytes "
-          f"{statistics.median(times['bitsandbytes']) * 1e3:.1f} ms: "
-          f"{result.sentence('ours', 'bitsandbytes')} (goal <= 2x)")
-
-
-def qlora(width: int, tokens: int, rank: int, repeats: int, bnb) -> None:
-    torch.manual_seed(0)
-    dense = torch.nn.Linear(width, width)
-    ours = lowbit.QLoRALinear.from_linear(dense, rank=rank, double_quant=True)
-    base = bnb.nn.Linear4bit(width, width, quant_type="nf4", compress_statistics=True)
-    base.load_state_dict(dense.state_dict())
-    base = base.to("cpu")                                # quantizes the weight, as .cuda() does
-    A, B = (torch.nn.Parameter(t.detach().clone()) for t in (ours.A, ours.B))
-
-    def theirs(x):
-        return base(x) + (x @ A.T @ B.T) * ours.scale
-
-    x = torch.randn(tokens, width, requires_grad=True)
-    steps = {"ours": lambda: ours(x).sum().backward(), "bitsandbytes": lambda: theirs(x).sum()
-             .backward()}
-    peaks = {}
-    for name, step in steps.items():
-        step()                                           # warm-up
-        with track("cpu") as t:
-            step()
-        peaks[name] = t.peak
-    times = interleave(steps, rounds=repeats)
-    result = compare(times["ours"], times["bitsandbytes"])
-    print(f"QLoRA layer {width}x{width}, rank {rank}, {tokens} tokens, forward + backward: ours "
-          f"{statistics.median(times['ours']) * 1e3:.1f} ms (peak {format_bytes(peaks['ours'])}), "
-          f"bitsandbytes Linear4bit + the same adapter "
-          f"{statistics.median(times['bitsandbytes']) * 1e3:.1f} ms (peak "
-          f"{format_bytes(peaks['bitsandbytes'])}): {result.sentence('ours', 'bitsandbytes')}")
-    print(f"  base weight: ours {ours.base.bits_per_value():.3f} bits per value")
+def goals(v) -> None:
+    """One line per goal: the measured ratio, met or not (a time's at its median, its interval
+    beside it)."""
+    measured = {"QLoRA peak": (v.qlora_peak_ratio, None), "QLoRA time": (v.qlora_time.ratio,
+                                                                         v.qlora_time),
+                "Adam8bit state bytes": (v.state_bytes_ratio, None),
+                "Adam8bit step": (v.adam_time.ratio, v.adam_time)}
+    for name, (ratio, c) in measured.items():
+        interval = f" (95% interval {c.low:.2f}-{c.high:.2f})" if c is not None else ""
+        print(f"  {name}: {ratio:.3f}x{interval}, goal <= {GOALS[name]}x: "
+              f"{'met' if ratio <= GOALS[name] else 'NOT met'}")
 
 
 def bf16_products(repeats: int) -> None:
@@ -129,11 +82,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rank", type=int, default=16)
     args = parser.parse_args()
-    import bitsandbytes as bnb
-    print(f"torch {torch.__version__}, bitsandbytes {bnb.__version__}, "
-          f"{torch.get_num_threads()} threads")
-    optimizers(args.params, args.repeats, bnb)
-    qlora(args.width, args.tokens, args.rank, args.repeats, bnb)
+    print(f"torch {torch.__version__}")
+    v = against_bitsandbytes(width=args.width, tokens=args.tokens, rank=args.rank,
+                             params=args.params, rounds=args.repeats)
+    if v is not None:
+        print(v)
+        goals(v)
     bf16_products(args.repeats)
 
 

@@ -1,11 +1,13 @@
 """companion.lowbit against bitsandbytes (CPU backend; a test-only dependency): the same maps, the
 nearest codes, NF4's levels, packing and dequantized values, and the bytes stored."""
 import copy
+import importlib.metadata
 
 import pytest
 import torch
 
 from companion import lowbit
+from companion.memory import format_bytes, track
 
 F = pytest.importorskip("bitsandbytes.functional")
 
@@ -284,6 +286,113 @@ def test_apply_qlora_replaces_linears_and_says_when_there_are_none():
         lowbit.QLoRALinear.from_linear(torch.nn.Conv1d(2, 2, 1), rank=1)
     with pytest.raises(ValueError, match="power of two"):
         lowbit.QLoRALinear.from_linear(torch.nn.Linear(8, 8), rank=1, blocksize=48)
+
+
+@pytest.mark.parametrize("shape, blocksize, dtype", [
+    ((300, 200), 64, torch.float32), ((77, 33), 64, torch.bfloat16), ((5, 3), 4, torch.float32),
+    ((64 * 50 + 3,), 64, torch.float16)])
+def test_nf4_dequantizes_in_blocks_exactly_as_in_one_piece(shape, blocksize, dtype, monkeypatch):
+    from companion.lowbit import nf4
+    g = torch.Generator().manual_seed(len(shape))
+    q = lowbit.quantize_nf4((torch.randn(shape, generator=g) * 0.02).to(dtype), blocksize,
+                            double_quant=True)
+    codes = torch.stack([q.packed >> 4, q.packed & 15], 1).reshape(-1)[:q.numel].long()
+    scale = nf4._absmax(q).repeat_interleave(blocksize)[:q.numel]
+    naive = (lowbit.NF4[codes] * scale).to(dtype).view(shape)          # the whole weight at once
+    monkeypatch.setattr(nf4, "BLOCK_VALUES", 3 * blocksize)            # many blocks, odd ends
+    whole = lowbit.dequantize_nf4(q)
+    assert whole.dtype == dtype and torch.equal(whole, naive)
+    assert torch.equal(lowbit.dequantize_nf4(q, torch.bfloat16), naive.to(torch.bfloat16))
+    if len(shape) == 1:
+        with pytest.raises(ValueError, match="2-D"):
+            next(nf4.nf4_row_blocks(q))
+        return
+    for block_values in (1, 250, 10**6):                # a row, a few, the fewest (4)
+        for out_dtype in (None, torch.float32, torch.bfloat16):
+            blocks = [(r0, r1, rows.clone()) for r0, r1, rows in
+                      nf4.nf4_row_blocks(q, out_dtype, block_values=block_values)]
+            assert [b[0] for b in blocks] == [0] + [b[1] for b in blocks[:-1]]
+            assert blocks[-1][1] == shape[0]
+            assert torch.equal(torch.cat([b[2] for b in blocks]),
+                               naive if out_dtype is None else naive.to(out_dtype))
+
+
+@pytest.mark.parametrize("lead, autocast", [((7,), False), ((2, 5), False), ((3, 4), True)])
+def test_qlora_forward_and_backward_are_a_dense_linears_on_the_dequantized_weight(
+        lead, autocast, monkeypatch):
+    from companion.lowbit import nf4
+    monkeypatch.setattr(nf4, "BLOCK_VALUES", 1000)     # (160, 96): 10 rows a block, 16 blocks
+    torch.manual_seed(0)
+    layer = lowbit.QLoRALinear.from_linear(torch.nn.Linear(96, 160), rank=4, alpha=8)
+    with torch.no_grad():
+        layer.B.normal_()
+    dense = torch.nn.Linear(96, 160)
+    with torch.no_grad():
+        dense.weight.copy_(lowbit.dequantize_nf4(layer.base))
+        dense.bias.copy_(layer.bias)
+    dense.requires_grad_(False)
+    A, B = (p.detach().clone().requires_grad_() for p in (layer.A, layer.B))
+    x = torch.randn(*lead, 96, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = layer(x)
+        want = dense(x2) + (x2 @ A.T @ B.T) * layer.scale
+    assert y.shape == (*lead, 160) and y.dtype == want.dtype
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
+    assert torch.allclose(y.float(), want.float(), **tol)
+    grad = torch.randn(y.shape).to(y.dtype)
+    y.backward(grad)
+    want.backward(grad)
+    for got, ref in ((x.grad, x2.grad), (layer.A.grad, A.grad), (layer.B.grad, B.grad)):
+        assert got.shape == ref.shape and torch.allclose(got, ref, **tol)
+    with torch.no_grad():                                # no input gradient asked: none made
+        assert torch.allclose(layer(x2.detach()), dense(x2) + (x2 @ A.T @ B.T) * layer.scale,
+                              rtol=1e-5, atol=1e-5)
+
+
+def test_a_qlora_step_holds_less_than_one_dense_fp32_weight_beyond_its_tensors():
+    torch.manual_seed(0)
+    width, tokens, rank = 1024, 64, 8
+    layer = lowbit.QLoRALinear.from_linear(torch.nn.Linear(width, width), rank=rank)
+    x = torch.randn(tokens, width, requires_grad=True)
+    layer(x).sum().backward()                          # warm-up
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    with track("cpu") as t:
+        layer(x).sum().backward()
+    outputs = 4 * tokens * width * 2                   # y and x's gradient
+    adapters = 4 * (2 * rank * width + 4 * tokens * rank)  # A, B's gradients, x·Aᵀ and its grad
+    dense = 4 * width * width                          # one fp32 copy of the weight: 4 MiB
+    assert outputs < t.peak < outputs + adapters + dense // 2, format_bytes(t.peak)
+
+
+def test_qlora_says_what_input_it_takes():
+    layer = lowbit.QLoRALinear.from_linear(torch.nn.Linear(32, 16), rank=2)
+    with pytest.raises(ValueError, match=r"\(\.\.\., 32\)"):
+        layer(torch.randn(4, 31))
+    with pytest.raises(ValueError, match="in_features"):
+        layer(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="floating-point"):
+        layer(torch.ones(4, 32, dtype=torch.long))
+    with pytest.raises(TypeError, match="floating-point"):
+        layer([[0.0] * 32])
+
+
+def test_against_bitsandbytes_measures_both_and_says_when_it_is_missing(monkeypatch, capsys):
+    from companion.lowbit import versus
+    v = versus.against_bitsandbytes(width=256, tokens=16, rank=4, params=8 * 4096, rounds=3)
+    assert v.bitsandbytes == importlib.metadata.version("bitsandbytes")
+    assert v.qlora_peak[0] > 0 and v.qlora_peak[1] > 4 * 256 * 256   # theirs: the dense weight
+    assert v.qlora_peak_ratio == v.qlora_peak[0] / v.qlora_peak[1] < 1.1
+    assert v.adam_params == 8 * 64 * 64 and 0 < v.state_bytes_ratio <= 1.0
+    assert v.qlora_time.runs == v.adam_time.runs == (3, 3) and v.qlora_time.ratio > 0
+    text = str(v)
+    assert "QLoRA layer 256x256" in text and "Adam8bit, 32,768 parameters" in text
+    with pytest.raises(ValueError, match="rounds"):
+        versus.against_bitsandbytes(rounds=1)
+    monkeypatch.setattr(versus, "_import_bitsandbytes", lambda: None)
+    assert versus.against_bitsandbytes() is None
+    assert "not installed" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- the estimator's count of these layouts
