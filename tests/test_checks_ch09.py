@@ -51,7 +51,7 @@ def _choose(model_fn, batches, budget, *, min_k=1, precision="fp32", key=None):
 def _train(model_fn, batches, lr, budget, *, plan=None, step_every_micro=False, micro_only=False,
            sum_losses=False, adapters=0, report_last=False, dtype=torch.float32, autocast=False,
            optimizer=torch.optim.AdamW, keep=lambda name: True, skip_last=False,
-           backward_scale=None, as_numpy=False, min_k=1, key=None, **options):
+           backward_scale=None, as_numpy=False, min_k=1, key=None, master=True, **options):
     """The notebook's solution, or a usual mistake; `plan` = (micro-batches, segments, offload)
     overrides the choice, `key` orders the plans that fit (default: the notebook's rule)."""
     if plan is None:
@@ -68,8 +68,14 @@ def _train(model_fn, batches, lr, budget, *, plan=None, step_every_micro=False, 
     for n, p in model.named_parameters():          # left out of the optimizer: gradient dropped
         if p.requires_grad and not keep(n):
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    masters = None                                 # bf16 weights on the device: fp32 masters
+    if dtype == torch.bfloat16 and not offload and master:
+        from companion import amp
+        masters = amp.MasterWeights(params)
+        params = masters.master_params
     opt = (CPUOffloadOptimizer(params, optimizer, lr=lr, **options) if offload
            else optimizer(params, lr=lr, **options))
+    step_once = (lambda: masters.step(opt)) if masters is not None else opt.step
     losses = []
     for step, (x, y) in enumerate(batches):
         opt.zero_grad()
@@ -83,10 +89,10 @@ def _train(model_fn, batches, lr, budget, *, plan=None, step_every_micro=False, 
             (loss * scale).backward()
             total = loss.item() if report_last else total + loss.item() / (1 if sum_losses else k)
             if step_every_micro:
-                opt.step()
+                step_once()
                 opt.zero_grad()
         if not step_every_micro and not (skip_last and step == len(batches) - 1):
-            opt.step()
+            step_once()
         losses.append(numpy.float32(total) if as_numpy else total)
     return losses
 
@@ -307,6 +313,9 @@ def test_a_plan_that_does_not_read_the_budget_goes_over_it(wrong):
      r"moved 0\.50 times as far", "AdamW with lr"),
     (lambda f, b, lr, budget: _train(f, b, lr / 2, budget, dtype=torch.bfloat16),
      r"moved 0\.[5-7]\d times as far", "AdamW with lr"),
+    (lambda f, b, lr, budget: _train(f, b, lr, budget, dtype=torch.bfloat16, master=False,
+                                     plan=(len(b[0][0]), GPTShape.of(f).depth, False)),
+     "no fp32 master copy", "master copy that the optimizer updates"),
     (lambda f, b, lr, budget: _train(f, b, lr, budget, keep=lambda n: ".0.fc." not in n),
      r"never changed: \['blocks\.0\.fc\.weight', 'blocks\.0\.fc\.bias'\]",
      "every parameter"),
@@ -314,7 +323,8 @@ def test_a_plan_that_does_not_read_the_budget_goes_over_it(wrong):
         "a loss missing", "last micro-batch's loss", "on_host", "thread", "modes disabled",
         "last step skipped", "bf16 weights, last step skipped", "Adam", "no weight decay",
         "pos left out", "no 1/k in backward", "NaN", "bf16 autocast, half the lr",
-        "bf16 weights, half the lr", "a checkpointed block's layer left out"])
+        "bf16 weights, half the lr", "pure bf16, no fp32 master",
+        "a checkpointed block's layer left out"])
 def test_known_wrong_answers_fail_with_their_hint(wrong, match, hint, monkeypatch):
     # one drawn case, the same each run (seed 5: 5 blocks of width 112, 8 sequences; it needs
     # offload): a fresh draw can leave a budget that no bf16 autocast plan fits (autocast caches

@@ -374,6 +374,11 @@ def _check_behaviour(got: dict, S: Sizes, steps: int) -> None:
                  "micro-batches; no extra forward passes (the loss comes from the micro-batches).")
     require(not got["unchanged"], f"these parameters never changed: {got['unchanged']}",
             hint="give the optimizer every parameter of the model: model.parameters().")
+    require(not (got["precision"] == "mixed" and got["own_params"]),
+            "the optimizer updated the bf16 weights themselves: no fp32 master copy kept them",
+            hint="16-bit weights train with an fp32 master copy that the optimizer updates "
+                 "(chapter 05; CPUOffloadOptimizer keeps one on the host): updates smaller than "
+                 "a bf16 weight's spacing are lost without it.")
 
 
 def _recomputed(depth: int, segments: int) -> int:
