@@ -151,8 +151,12 @@ class BF16AdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, which casts every state tensor to its parameter's dtype (bf16): fp32
-        moments (`moments="fp32"`) are taken back from `state_dict` as they were saved."""
+        moments (`moments="fp32"`) are taken back from `state_dict` as they were saved; a state
+        saved before `moments` existed keeps this optimizer's."""
+        chosen = [group["moments"] for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, moments in zip(self.param_groups, chosen):
+            group.setdefault("moments", moments)
         params = [p for group in self.param_groups for p in group["params"]]
         saved = [i for group in state_dict["param_groups"] for i in group["params"]]
         for p, i in zip(params, saved):
