@@ -31,11 +31,9 @@ in one C++ loop, and fuses it into the matmul only for bf16 inference).
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache
 from typing import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from companion.lowbit.blockwise import (_levels, check_blocksize, dequantize_blockwise,
                                         dynamic_map, quantize_blockwise)
@@ -125,26 +123,18 @@ BLOCK_VALUES = 2**18
 ROW_BLOCKS_AT_LEAST = 4
 
 
-@lru_cache(maxsize=None)
-def _constants() -> tuple[torch.Tensor, torch.Tensor]:
-    """(the signed dynamic map, the (256, 2) table of the two NF4 levels each byte holds, high
-    nibble first): real CPU constants, made once (also when first asked for in a simulation)."""
-    with unset_fake_temporarily():
-        pairs = torch.stack([NF4.repeat_interleave(16), NF4.repeat(16)], dim=1)
-        return dynamic_map(signed=True), pairs
+# The two NF4 levels each byte holds, high nibble first: (256, 2) fp32. Indexing it with the packed
+# bytes unpacks them and looks their levels up in one step, with no int64 codes or fp32 levels per
+# value between. Constants, like NF4, made once (a simulation's tracker does not see them made).
+_NF4_PAIRS = torch.stack([NF4.repeat_interleave(16), NF4.repeat(16)], dim=1)
+_SIGNED_MAP = dynamic_map(signed=True)                 # the second level's (double quantization)
 
 
 def _absmax(q: NF4Tensor) -> torch.Tensor:
     """The fp32 scale of each block of `blocksize` values (second level undone): (blocks,)."""
     if q.absmax_scale is None:
         return q.absmax.float()
-    return dequantize_blockwise(q.absmax, q.absmax_scale, _constants()[0], 256) + q.absmax_offset
-
-
-def _pair_table(like: torch.Tensor) -> torch.Tensor:
-    """(256, 2) fp32 on `like`'s device: indexing it with the packed bytes unpacks them and looks
-    their levels up in one step, with no int64 codes or fp32 levels per value between."""
-    return _levels(_constants()[1], like)
+    return dequantize_blockwise(q.absmax, q.absmax_scale, _SIGNED_MAP, 256) + q.absmax_offset
 
 
 def _dequantize_range(q: NF4Tensor, absmax: torch.Tensor, table: torch.Tensor, start: int,
@@ -174,7 +164,7 @@ def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     Memory: the output and one block's temporaries (`BLOCK_VALUES` values at most), nothing of
     the whole tensor's size in fp32 or int64 besides."""
     dtype = q.dtype if dtype is None else dtype
-    absmax, table = _absmax(q), _pair_table(q.packed)
+    absmax, table = _absmax(q), _levels(_NF4_PAIRS, q.packed)
     step = max(BLOCK_VALUES // q.blocksize, 1) * q.blocksize
     device, n = q.packed.device, q.numel
     if dtype == q.dtype == torch.float32:                             # straight into the output
@@ -202,7 +192,7 @@ def nf4_row_blocks(q: NF4Tensor, dtype: torch.dtype | None = None, *,
     dtype = q.dtype if dtype is None else dtype
     rows, cols = q.shape
     step = max(min(block_values // max(cols, 1), -(-rows // ROW_BLOCKS_AT_LEAST)), 1)  # rows
-    absmax, table = _absmax(q), _pair_table(q.packed)
+    absmax, table = _absmax(q), _levels(_NF4_PAIRS, q.packed)
     bs, device = q.blocksize, q.packed.device
     buf = torch.empty(step * cols + 2 * bs + 1, dtype=torch.float32, device=device)
     cast = (None if dtype == q.dtype == torch.float32
