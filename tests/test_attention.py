@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from companion import estimate, models
 from companion.attention import (FlashAttentionTorch, causal_mask, flash_forward, flash_saved_bytes,
                                  merge, naive_attention, naive_saved_bytes, tile_states)
-from companion.attention.tiles import (SRAM_PER_SM, choose_tiles, fitting_tiles,
+from companion.attention.tiles import (SHIPPED, SRAM_PER_SM, choose_tiles, fitting_tiles,
                                        forward_hbm_bytes, tile_sram_bytes)
 from companion.checkpointing import activation_bytes
 
@@ -150,6 +150,23 @@ def test_tile_bytes_by_hand_and_the_choice_for_an_h100():
     assert all(entry["source"] for entry in SRAM_PER_SM.values())
 
 
+def test_the_levers_move_the_model_to_the_shipped_tiles_where_the_count_allows():
+    """The SRAM count alone picks 256 x 16 on an H100 at d = 128; a lower bound on block_k gives
+    FA3's causal 128 x 128 there and FA2's 128 x 64 on an A100; two programs per SM halve the
+    budget: (128 + 2·64)·256 + 4·128·64 + 4·128·128 + 8·128 = 164,864 > 233,472 // 2."""
+    h100, a100 = SRAM_PER_SM["H100"]["bytes"], SRAM_PER_SM["A100"]["bytes"]
+    assert choose_tiles(h100, 128, 2) == (256, 16)
+    assert choose_tiles(h100, 128, 2, min_block_k=64) == (128, 128)
+    assert choose_tiles(a100, 128, 2, min_block_k=64) == (128, 64)
+    assert tile_sram_bytes(128, 64, 128, 2) == 164_864 > h100 // 2
+    assert choose_tiles(h100, 128, 2, programs_per_sm=2, min_block_k=64) == (64, 64)
+    assert choose_tiles(h100, 128, 2, min_block_k=512) is None
+    shipped = {(kernel, gpu, causal): tiles for kernel, gpu, causal, tiles, _, _ in SHIPPED}
+    assert shipped[("FA3", "H100", True)] == (128, 128) and shipped[("FA2", "A100", None)] == (128, 64)
+    # FA2's own count of its shared memory (Q, K, V tiles only): "128 x 32 (48 KB smem)"
+    assert 2 * 128 * (128 + 2 * 32) == 48 * 1024
+
+
 @pytest.mark.parametrize("kind", ["sdpa", "flash"])
 def test_gpt_with_a_fused_kernel_trains_like_the_written_out_one(kind):
     x, y = models.make_tokens(3, 40, vocab=30)
@@ -212,3 +229,25 @@ def test_triton_on_cpu_tensors_without_the_interpreter_says_what_to_do():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env=env)
     assert "TRITON_INTERPRET=1" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("q_shape, k_shape, causal", [c for c in CASES if c[0][:-2] == c[1][:-2]])
+def test_launch_forward_runs_a_kernel_interpreted_in_this_process(q_shape, k_shape, causal):
+    """The exercise's launcher: a @triton.jit kernel (compiled kind, TRITON_INTERPRET unset) runs
+    on CPU tensors under the interpreter, equals fp64 attention, and Triton's library is left as
+    it was found."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    from attention_kernels import reference as kernel
+    from companion.attention.triton_launch import launch_forward
+    assert "TRITON_INTERPRET" not in os.environ and isinstance(kernel, JITFunction)
+    q, k, v = (t.detach() for t in inputs(q_shape, k_shape, torch.float32, seed=1)[0])
+    o, lse = launch_forward(kernel, q, k, v, causal, 16, 32)
+    want_o, want_lse = naive_attention(q.double(), k.double(), v.double(), causal,
+                                       return_lse=True)
+    assert max(max_errors((o, lse), (want_o, want_lse))) <= 2e-5
+    assert isinstance(tl.zeros, JITFunction) and "TRITON_INTERPRET" not in os.environ
+    with pytest.raises(ValueError, match="power of two"):
+        launch_forward(kernel, q, k, v, causal, 24, 32)

@@ -85,6 +85,9 @@ def choose_tiles(sram_bytes: int, head_dim: int, dtype_bytes: int, *, programs_p
     """The tiles with the least forward HBM traffic, then the fewest key-tile steps, among those
     whose program fits when `programs_per_sm` programs share the SM and whose block_k is at least
     `min_block_k`; None when none does."""
+    for name, value in (("programs_per_sm", programs_per_sm), ("min_block_k", min_block_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     fits = [(bq, bk) for bq, bk in fitting_tiles(sram_bytes // programs_per_sm, head_dim,
                                                  dtype_bytes) if bk >= min_block_k]
     return max(fits) if fits else None
