@@ -6,6 +6,8 @@ FlashAttention-2 in PyTorch and in Triton, and the tile sizes that fit a GPU's S
 
 `FlashAttentionTriton` needs Triton (Linux; `pip install triton`): it is imported on first use,
 so `companion.attention` works without it (`triton_available()` says whether it can run).
+`companion.attention.triton_launch.launch_forward` launches a forward kernel of your own (the
+chapter's Triton exercise), compiled on a GPU or interpreted on CPU tensors.
 """
 from companion.attention.flash import FlashAttentionTorch, flash_backward, flash_forward
 from companion.attention.naive import flash_saved_bytes, naive_attention, naive_saved_bytes
