@@ -1,6 +1,6 @@
 """FlashAttention-2 forward kernels in Triton for the tests of chapter 10's Triton exercise: the
 reference and the wrong kernels a learner writes, each with the signature `launch_forward`
-launches. One kernel body with switches (`_forward`); each public kernel is one setting of them."""
+launches. One kernel body with a switch (`_forward`); each public kernel is one setting of it."""
 import triton
 import triton.language as tl
 
@@ -8,9 +8,8 @@ import triton.language as tl
 @triton.jit
 def _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
              stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
-             BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, RESCALE: tl.constexpr,
-             TOP_LEFT: tl.constexpr, KEY_MASK: tl.constexpr, LSE_WITH_M: tl.constexpr,
-             SKIP: tl.constexpr):
+             BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, MISTAKE: tl.constexpr):
+    """The reference when MISTAKE is "", else the kernel with that one mistake."""
     tile, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     dims = tl.arange(0, BLOCK_D)
@@ -19,9 +18,9 @@ def _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_o
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    offset = 0 if TOP_LEFT else n_k - n_q
+    offset = 0 if MISTAKE == "top_left" else n_k - n_q
     stop = n_k
-    if IS_CAUSAL and SKIP:
+    if IS_CAUSAL and MISTAKE != "no_skipping":
         stop = tl.minimum(n_k, (tile + 1) * BLOCK_Q + offset)
     for start in range(0, stop, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
@@ -31,21 +30,25 @@ def _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_o
         v = tl.load(V + head * stride_kh + cols[:, None] * stride_kn + dims[None, :],
                     mask=inside, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        seen = cols[None, :] < (n_k if KEY_MASK else n_k + BLOCK_K)
+        seen = cols[None, :] < (n_k + BLOCK_K if MISTAKE == "no_key_mask" else n_k)
         if IS_CAUSAL:
             seen = seen & (cols[None, :] <= rows[:, None] + offset)
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - shift[:, None])
-        alpha = tl.exp(m - shift) if RESCALE else tl.full([BLOCK_Q], 1.0, tl.float32)
-        l = alpha * l + tl.sum(p, 1)
-        acc = alpha[:, None] * acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        alpha = tl.exp(m - shift)
+        one = tl.full([BLOCK_Q], 1.0, tl.float32)
+        l = (one if MISTAKE == "no_rescale" else alpha) * l + tl.sum(p, 1)
+        alpha_acc = one if MISTAKE == "no_rescale" or MISTAKE == "no_acc_rescale" else alpha
+        acc = alpha_acc[:, None] * acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
     safe = tl.where(l > 0, l, 1.0)
-    tl.store(O + head * stride_oh + rows[:, None] * stride_on + dims[None, :], acc / safe[:, None],
+    o_h = stride_qh if MISTAKE == "q_strides_for_o" else stride_oh
+    o_n = stride_qn if MISTAKE == "q_strides_for_o" else stride_on
+    tl.store(O + head * o_h + rows[:, None] * o_n + dims[None, :], acc / safe[:, None],
              mask=(rows[:, None] < n_q) & (dims[None, :] < d))
-    lse = m + tl.log(safe) if LSE_WITH_M else tl.log(safe)
+    lse = tl.log(safe) if MISTAKE == "lse_without_m" else m + tl.log(safe)
     tl.store(L + head * stride_lh + rows, tl.where(l > 0, lse, float("-inf")), mask=rows < n_q)
 
 
@@ -54,8 +57,7 @@ def reference(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_
               stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
               BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
-             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, True, False,
-             True, True, True)
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "")
 
 
 @triton.jit
@@ -63,8 +65,15 @@ def no_rescale(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride
                stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
                BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
-             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, False, False,
-             True, True, True)
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "no_rescale")
+
+
+@triton.jit
+def no_acc_rescale(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+                   stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "no_acc_rescale")
 
 
 @triton.jit
@@ -72,8 +81,7 @@ def top_left(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_o
              stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
              BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
-             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, True, True,
-             True, True, True)
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "top_left")
 
 
 @triton.jit
@@ -81,8 +89,7 @@ def no_key_mask(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, strid
                 stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
-             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, True, False,
-             False, True, True)
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "no_key_mask")
 
 
 @triton.jit
@@ -90,8 +97,7 @@ def lse_without_m(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, str
                   stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
-             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, True, False,
-             True, False, True)
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "lse_without_m")
 
 
 @triton.jit
@@ -99,8 +105,15 @@ def no_skipping(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, strid
                 stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
-             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, True, False,
-             True, True, False)
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "no_skipping")
+
+
+@triton.jit
+def q_strides_for_o(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+                    stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "q_strides_for_o")
 
 
 @triton.jit

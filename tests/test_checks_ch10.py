@@ -276,6 +276,8 @@ def test_triton_forward_passes_the_reference_kernel():
 @pytest.mark.parametrize("run", range(2))
 @pytest.mark.parametrize("name, hint", [
     ("no_rescale", "rescale both the running sum l and the accumulator"),
+    ("no_acc_rescale", "rescale the output accumulator by alpha"),
+    ("q_strides_for_o", "O is written where its own strides say"),
     ("top_left", "align the causal mask bottom-right"),
     ("no_key_mask", "mask the scores of columns >= n_k"),
     ("lse_without_m", r"m \+ log\(l\)"),
