@@ -48,14 +48,15 @@ _FA2 = ("flash-attention csrc/flash_attn/src/flash_fwd_launch_template.h, run_mh
 _FA3 = ("flash-attention hopper/tile_size.h, tile_size_fwd_sm90 (commit 07602adc, "
         "FlashAttention-3)")
 # What the kernels launch for 16-bit inputs at head dimension 128, without dropout:
-# (kernel, GPU, causal, (block_q, block_k), why the source gives, source)
+# (kernel, GPU, causal (None: both), (block_q, block_k), what the source's code or comment says,
+# source)
 SHIPPED: list[tuple[str, str, bool | None, tuple[int, int], str, str]] = [
     ("FA2", "A100", None, (128, 64), "sm80: one tile for causal and not", _FA2),
     ("FA2", "H100", None, (128, 64), "sm90 runs FA2's sm80 path", _FA2),
     ("FA2", "A10", False, (128, 32), "48 KB of smem: 2 CTAs per SM", _FA2),
     ("FA2", "A10", True, (64, 64), "square tiles for causal", _FA2),
-    ("FA3", "H100", True, (128, 128), "warp-specialized, K and V double-buffered", _FA3),
-    ("FA3", "H100", False, (128, 176), "block_k need not be a power of two", _FA3),
+    ("FA3", "H100", True, (128, 128), "causal or local: 128 keys", _FA3),
+    ("FA3", "H100", False, (128, 176), "128 x 192 hits the smem limit", _FA3),
 ]
 
 
