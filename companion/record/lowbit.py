@@ -1,7 +1,8 @@
 """Chapter 11's experiments: bytes per parameter by layout, and the course GPT trained with each
 optimizer that keeps fewer bits, over several seeds.
 
-`train_curve` trains `companion.models.GPT` at the sizes `S` with one of `KINDS` and returns its
+`train_curve` trains `companion.models.GPT` at the sizes `S` with one of `KINDS` (or
+`STABLE_EMBEDDING`: 8-bit Adam with the token embedding's states in 32 bits) and returns its
 losses and, per step, the fraction of weights the step left unchanged (for pure bf16 without
 compensation, the updates that rounding to nearest dropped). `fewer_bits` is the recorded run.
 
@@ -20,16 +21,25 @@ from companion import models
 from companion.lowbit import Adam8bit, BF16AdamW, fp32_products, layouts
 from companion.results import curve
 
-__all__ = ["KINDS", "train_curve", "layout_bytes", "figures", "fewer_bits", "final_loss"]
+__all__ = ["KINDS", "STABLE_EMBEDDING", "train_curve", "layout_bytes", "figures", "fewer_bits",
+           "final_loss"]
 
-KINDS = ("fp32 Adam", "Adam8bit", "bf16", "bf16 + stochastic", "bf16 + Kahan")
+KINDS = ("fp32 Adam", "Adam8bit", "bf16", "bf16 + stochastic", "bf16 + Kahan", "bf16 + Adam8bit")
+STABLE_EMBEDDING = "Adam8bit, 32-bit embedding states"    # the stable embedding's optimizer half
 
 
-def _optimizer(kind: str, params: list, lr: float) -> torch.optim.Optimizer:
+def _optimizer(kind: str, model: models.GPT, lr: float) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    if kind == STABLE_EMBEDDING:
+        rest = [p for p in params if p is not model.tok.weight]
+        return Adam8bit([{"params": [model.tok.weight], "min_8bit_size": 2**62},
+                         {"params": rest}], lr=lr)
     if kind == "fp32 Adam":
         return torch.optim.Adam(params, lr=lr)
     if kind == "Adam8bit":
         return Adam8bit(params, lr=lr)
+    if kind == "bf16 + Adam8bit":                    # the 6-byte layout, rounded stochastically
+        return Adam8bit(params, lr=lr, stochastic_round=True)
     mode = {"bf16": "none", "bf16 + stochastic": "stochastic", "bf16 + Kahan": "kahan"}[kind]
     return BF16AdamW(params, lr=lr, weight_decay=0.0, compensation=mode)
 
@@ -45,13 +55,13 @@ def train_curve(kind: str, seed: int, S, device: torch.device, *, steps: int,
     result, at fp32's speed: PyTorch's bf16 GEMM on a CPU without bf16 matrix instructions is
     tens of times slower); on a GPU they are the GPU's bf16 GEMMs."""
     batch = min(8, S.amp_gpt_batch) if batch is None else batch
-    if kind not in KINDS:
-        raise ValueError(f"kind is one of {KINDS}, got {kind!r}")
+    if kind not in KINDS + (STABLE_EMBEDDING,):
+        raise ValueError(f"kind is one of {KINDS + (STABLE_EMBEDDING,)}, got {kind!r}")
     dtype = torch.bfloat16 if kind.startswith("bf16") else torch.float32
     gpt = models.GPT(S.vocab, S.seq_len, S.gpt_width, S.gpt_depth, S.gpt_heads, seed=seed,
                      device=device).to(dtype)
     params = list(gpt.parameters())
-    opt = _optimizer(kind, params, lr)
+    opt = _optimizer(kind, gpt, lr)
     x, y = (t.to(device) for t in models.make_tokens(32 * batch, S.seq_len, vocab=S.vocab,
                                                       seed=chain))
     order = torch.Generator().manual_seed(seed)
