@@ -54,18 +54,20 @@ def _padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
     return view[:, :n]
 
 
-def _jit_functions(fn, seen: set) -> Iterator[tuple[dict, str, JITFunction]]:
-    """(namespace, name, JITFunction) for each @triton.jit function `fn` can reach: the globals
-    it names, transitively, and Triton's own library (tl.zeros, tl.max, ... are @triton.jit
-    functions that call each other)."""
+def _jit_functions(fn, visited: set) -> Iterator[tuple[dict, str, JITFunction]]:
+    """(namespace, name, JITFunction) for each @triton.jit function `fn` can reach: in its
+    globals, in its helpers' globals, and in Triton's own library (tl.zeros, tl.max, ... are
+    @triton.jit functions that call each other). Each namespace is read once."""
     spaces = [fn.__globals__] + [vars(m) for name, m in list(sys.modules.items())
                                  if name.startswith("triton.language") and m is not None]
     for space in spaces:
+        if id(space) in visited:
+            continue
+        visited.add(id(space))
         for name, value in list(space.items()):
-            if isinstance(value, JITFunction) and (id(space), name) not in seen:
-                seen.add((id(space), name))
+            if isinstance(value, JITFunction):
                 yield space, name, value
-                yield from _jit_functions(value.fn, seen)
+                yield from _jit_functions(value.fn, visited)
 
 
 @contextlib.contextmanager
