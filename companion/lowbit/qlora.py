@@ -10,10 +10,12 @@ or 4 (fp32); the adapters keep their full fp32 states (16 bytes per adapter para
 Backward keeps only the codes: `nn.functional.linear(x, dequant(W))` would save the dense weight
 for the input's gradient, as many bytes per layer as a 16- or 32-bit base, until backward reaches
 it. Nor does the dense weight exist whole in forward or backward: one row block of it does
-(`nf4.BLOCK_VALUES` values, 1 MiB in fp32), where bitsandbytes 0.50's CPU backend dequantizes the
-whole weight for each matmul. Cost: one dequantization of each base weight per forward and one
-more per backward; the row blocks cost no time measured against one whole dequantization and one
-matmul per pass (2048 x 2048, 256 tokens, CPU: 1.00x, 95% interval 0.93-1.10).
+(`nf4.BLOCK_VALUES` values, 4 MiB in fp32, a quarter of the rows at most), where bitsandbytes
+0.50's CPU backend dequantizes the whole weight for each matmul. Cost: one dequantization of each
+base weight per forward and one more per backward; the row blocks cost no time measured against
+one whole dequantization and one matmul per pass (2048 x 2048, 256 tokens, a loaded 2-core CPU:
+0.87x and 0.95x, 95% intervals 0.65-1.41 and 0.77-1.31), and hold 12.25 MiB at the step's peak
+against 22.25.
 
 Example:
     >>> layer = QLoRALinear.from_linear(torch.nn.Linear(512, 512), rank=8)

@@ -137,7 +137,7 @@ def _adam(bnb, params: int, rounds: int, seed: int):
     return 8 * side * side, state, times
 
 
-def against_bitsandbytes(*, width: int = 1024, tokens: int = 128, rank: int = 16,
+def against_bitsandbytes(*, width: int = 2048, tokens: int = 256, rank: int = 16,
                          params: int = 2**20, rounds: int = 9, seed: int = 0) -> Versus | None:
     """Measure the QLoRA layer (`width` x `width`, `rank`, `tokens` rows of input) and Adam8bit
     (`params` parameters in 8 square matrices) against bitsandbytes, `rounds` interleaved rounds
