@@ -29,7 +29,10 @@ class CostModel:
     (attention's kernel, GELU and LayerNorm included); 1.7 ms per layer and micro-batch (eager
     PyTorch's operators, forward and backward; more with `track` on, whose ledger sees each); 15
     GB/s memory and copies (host and device are the same RAM); the host AdamW at 12 GB/s; 1
-    GB/s between processes (gloo; assumed); its disk 0.65 GB/s with 0.75 ms per file flushed. 16 bits as fast as fp32, because CPUs differ most
+    GB/s between processes (gloo; assumed); its disk 0.65 GB/s with 0.75 ms per file flushed;
+    activation offload's saved tensors at 2.9 GB/s each way, the rate a training step measured
+    (a tensor at a time, each copy a new host tensor and a new one back, no overlap), a fifth of
+    the copy bandwidth. 16 bits as fast as fp32, because CPUs differ most
     there (without bf16 units a bf16 matmul is 10-60x slower: a bf16 autocast step of the
     capstone ran 7.3x the fp32 one on the reference CPU; with AMX several times faster): time
     yours as chapter 05 does and pass half_speedup, or calibrate. Other machines: `from_profile`
@@ -45,6 +48,8 @@ class CostModel:
     host_memory_bandwidth: float = 10e9   # bytes/s an offloaded optimizer streams on the host
     disk_bandwidth: float = 3e9   # bytes/s the NVMe tier reads and writes its files
     disk_sync_seconds: float = 1e-4   # one file's flush (msync) to the disk, beyond its bytes
+    activation_bandwidth: float | None = None   # bytes/s activation offload's saved tensors
+                                  # move each way inside a step (None: host_bandwidth)
 
     @classmethod
     def for_gpu(cls, name: str) -> "CostModel":
@@ -79,7 +84,12 @@ class CostModel:
             #   memmap's msync took 6.45 ms (0.65 GB/s); the capstone's tier step ran 150 ms
             #   over optimizer offload's, with 162 files (3 per tensor) and 20 MB read and
             #   written: 31 ms of bytes at that rate, the rest 0.73 ms per file's flush
-            return cls(26e9, 1.0, 1.7e-3, 15e9, 15e9, 1e9, 12e9, 0.65e9, 0.75e-3)
+            # - 2.9e9: the capstone's plain step with activation offload ran 24.1 ms over the
+            #   plain one (233.2 against 209.1 ms, benchmarks/README.md, bench_plan) for 2 x
+            #   35.3 MB of saved tensors moved; priced at the copy bandwidth they were 4.7 ms
+            #   (chapter 09 finds the same on other CPUs: 9-12x that term beyond the common
+            #   factor, 4.4 GB/s on one)
+            return cls(26e9, 1.0, 1.7e-3, 15e9, 15e9, 1e9, 12e9, 0.65e9, 0.75e-3, 2.9e9)
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
 
     @classmethod
@@ -89,8 +99,8 @@ class CostModel:
         and the host AdamW rate (28 bytes a parameter); `layer_seconds` defaults to 16x the
         measured tiny layer (a Linear(8, 8) and a ReLU): on the reference CPU a capstone block's
         forward and backward on 4 tokens cost 1.7 ms, 16x calibrate's 0.106 ms tiny layer.
-        The disk is not calibrated: a CPU's profile keeps `for_device("cpu")`'s, a GPU's the
-        defaults."""
+        The disk and activation offload's rate are not calibrated: a CPU's profile keeps
+        `for_device("cpu")`'s, a GPU's the defaults (activation offload at the host link's)."""
         fp32 = profile.peak_flops("float32")
         half = profile.peak_flops("bfloat16") / fp32 if "bfloat16" in profile.matmul else 1.0
         host = (profile.host_to_device or {}).get("pinned")
@@ -99,7 +109,9 @@ class CostModel:
                    else layer_seconds, profile.copy_bandwidth.median,
                    host.median if host else profile.copy_bandwidth.median,
                    1 / profile.beta.median if profile.beta else 1e9, 28 * rate,
-                   *_disk(profile.device))
+                   *_disk(profile.device),
+                   CostModel.for_device("cpu").activation_bandwidth
+                   if profile.device.startswith("cpu") else None)
 
 
 def _disk(device: str) -> tuple[float, float]:

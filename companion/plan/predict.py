@@ -233,7 +233,8 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
         # saved activations down in forward and up in backward, not overlapped (our hooks copy
         # on the compute stream); the NVMe tier reads and writes 12 B per parameter each step
         "activation offload": (2 * c.accumulation * activation_bytes(s, c, "cuda")[0]
-                               / cost.host_bandwidth if c.activation_offload else 0.0),
+                               / (cost.activation_bandwidth or cost.host_bandwidth)
+                               if c.activation_offload else 0.0),
         "disk": (2 * 12 * trainable / cost.disk_bandwidth + 3 * s.trainable_tensors(
             c.lora_rank) * cost.disk_sync_seconds) if c.nvme else 0.0,
     }
