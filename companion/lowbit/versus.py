@@ -1,5 +1,5 @@
 """companion.lowbit against bitsandbytes, measured in one run: the ratios chapter 11 prints and
-`benchmarks/bench_lowbit.py` reports (at larger sizes).
+`benchmarks/bench_lowbit.py` reports (the same layer, 4x the Adam parameters, 15 rounds).
 
 Two comparisons, each side given the same weights and inputs:
 1. a QLoRA layer's forward + backward: `QLoRALinear` (NF4 base with double quantization, a rank-r
@@ -17,7 +17,7 @@ forward shows only its output; its backward's `dequantize_4bit` returns the dens
 the tracker counts, and that is its peak (forward's would be the same weight, with less beside it).
 
 Example:
-    >>> v = against_bitsandbytes()          # small sizes: seconds on 2 CPU cores
+    >>> v = against_bitsandbytes()          # 15 s on a loaded 2-core CPU
     >>> print(v)                            # one line per ratio
     >>> v.qlora_peak_ratio, v.qlora_time.ratio, v.adam_time.ratio, v.state_bytes_ratio
 
