@@ -384,6 +384,24 @@ def _smallest_peak(levers, predict_peak, predict_time, budget):
     return min(fits, key=lambda f: f[:2])[2] if fits else None
 
 
+def _never_the_last(levers, predict_peak, predict_time, budget):
+    """The binary search off by one the other way: hi = len(sizes) - 1, so the largest
+    micro-batch is never asked nor kept (it passed 19 of 20 runs before the "largest fits" case)."""
+    sizes = levers["micro_batch"]
+    others = {k: v for k, v in levers.items() if k != "micro_batch"}
+    timed = []
+    for rest in _all(others):
+        lo, hi = 0, len(sizes) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if predict_peak({**rest, "micro_batch": sizes[mid]}) <= budget:
+                lo = mid + 1
+            else:
+                hi = mid
+        timed += [{**rest, "micro_batch": m} for m in sizes[:lo]]
+    return min(timed, key=predict_time, default=None)
+
+
 def _asks_again(levers, predict_peak, predict_time, budget):
     best = fastest_fitting(levers, predict_peak, predict_time, budget)
     if best is not None:
@@ -422,6 +440,7 @@ def test_other_searches_that_ask_nothing_twice_pass_too(legit):
     (_reversed_promise, "a faster plan fits", "only the micro-batch promises an order"),
     (lambda l, p, t, b: _per_setting(l, p, t, b, keep=lambda fits: fits, extra=1),
      "is over the budget", "off by one"),
+    (_never_the_last, r"\(largest fits\): a faster plan fits", ""),
     (lambda l, p, t, b: None, "a faster plan fits", ""),
     (_first_plan_when_none_fits, r"\(nothing fits\): no plan fits", "return None"),
     (fastest_fitting_brute, "which an earlier prediction had decided", "binary search"),
@@ -431,7 +450,7 @@ def test_other_searches_that_ask_nothing_twice_pass_too(legit):
     (lambda l, p, t, b: p(tuple(v[0] for v in l.values())), "raised ValueError: a plan is a dict",
      ""),
 ], ids=["smallest peak", "< for <=", "largest micro-batch assumed fastest", "promise reversed",
-        "off by one", "always None", "a plan when none fits", "predicts every plan",
+        "off by one", "never the last size", "always None", "a plan when none fits", "predicts every plan",
         "asks twice", "a tuple", "asks with a tuple"])
 def test_known_wrong_searches_fail_with_their_hint(wrong, match, hint):
     with pytest.raises(CheckFailed, match=match) as failed:
@@ -452,6 +471,7 @@ def test_the_search_cases_tell_the_wrong_searches_apart():
         assert boundary["peaks"][best] == boundary["budget"]
         assert ch09._promise_holds(ch09._case(seed, "planner"))
         assert ch09._fitting(ch09._case(seed, "nothing fits")) == []
+        assert ch09._largest_is_best(ch09._case(seed, "largest fits"))
 
 
 def test_the_promise_holds_on_every_planner_grid_without_the_whole_batch():

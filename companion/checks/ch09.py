@@ -525,7 +525,7 @@ def _accumulating(batch: int) -> list[int]:
     return _divisors(batch)[:-1]
 
 
-def _table_case(seed: int, at_boundary: bool) -> dict:
+def _table_case(seed: int, at_boundary: bool, largest: bool = False) -> dict:
     """Levers the notebook does not show, with peaks that follow the course's formulas (states,
     then activations per sequence times the micro-batch, checkpoint_sequential's uneven segments)
     and step times that wobble as measured ones do (±25%, so the fastest plan of a setting of
@@ -533,7 +533,9 @@ def _table_case(seed: int, at_boundary: bool) -> dict:
     the peak of the fastest plan that fits (whose peak is the budget's), else between peaks.
     Drawn until the fastest plan that fits is missed by a search that reads the promise the
     wrong way round (its setting's largest micro-batch does not fit) and differs from the
-    fastest of each setting's largest fitting micro-batch."""
+    fastest of each setting's largest fitting micro-batch; `largest`: drawn until the fastest
+    plan that fits is the largest micro-batch of its setting instead (a search that never asks
+    for the last size misses it)."""
     rng = random.Random(seed)
     while True:
         batch, depth = rng.choice((24, 36, 48)), rng.choice((5, 6, 7))
@@ -558,7 +560,8 @@ def _table_case(seed: int, at_boundary: bool) -> dict:
             times[_key(levers, plan)] = (compute + overhead) * rng.uniform(0.8, 1.25)
         budget = _table_budget(peaks, times, rng, at_boundary)
         case = {"levers": levers, "peaks": peaks, "times": times, "budget": budget}
-        if budget is not None and _telling(case, at_boundary):
+        if budget is not None and (_largest_is_best(case) if largest
+                                   else _telling(case, at_boundary)):
             return case
 
 
@@ -624,7 +627,7 @@ def _case(seed: int, kind: str) -> dict:
     """One of the check's cases, the same from the same seed in any process."""
     if kind == "planner":
         return _planner_case(seed)
-    case = _table_case(seed, at_boundary=kind == "boundary")
+    case = _table_case(seed, at_boundary=kind == "boundary", largest=kind == "largest fits")
     if kind == "nothing fits":
         case["budget"] = min(case["peaks"].values()) - 1
     return case
@@ -690,6 +693,13 @@ def _telling(case: dict, at_boundary: bool) -> bool:
     rules = [rules[0], rules[1]] if at_boundary else [rules[0], rules[2]]
     return (case["peaks"][_key(levers, setting[-1])] > case["budget"]
             and all(rule(case) != best for rule in rules))
+
+
+def _largest_is_best(case: dict) -> bool:
+    """Whether the fastest plan that fits is the largest micro-batch of its setting."""
+    best, levers = _fastest(case, _fitting(case)), case["levers"]
+    where = list(levers).index(MONOTONE)
+    return best is not None and best[where] == levers[MONOTONE][-1]
 
 
 def _largest_per_setting(case: dict) -> tuple | None:
@@ -789,7 +799,7 @@ def check_fastest_fitting(answer) -> str:
     """answer(levers, predict_peak, predict_time, budget) -> the fastest plan whose peak is at
     most budget, or None: tried on grids, models and budgets the notebook does not show, its
     calls of predict_peak counted."""
-    kinds = ("boundary", "between peaks", "planner", "nothing fits")
+    kinds = ("boundary", "between peaks", "largest fits", "planner", "nothing fits")
     runs = []
     for seed, kind in zip(fresh_seeds(len(kinds)), kinds):
         case = _case(seed, kind)
