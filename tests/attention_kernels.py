@@ -22,6 +22,10 @@ def _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_o
     stop = n_k
     if IS_CAUSAL and MISTAKE != "no_skipping":
         stop = tl.minimum(n_k, (tile + 1) * BLOCK_Q + offset)
+        if MISTAKE == "stop_first_row":                  # the tile's first row's last key + 1
+            stop = tl.minimum(n_k, tile * BLOCK_Q + offset + 1)
+        if MISTAKE == "stop_one_short":
+            stop = tl.minimum(n_k, (tile + 1) * BLOCK_Q + offset - 1)
     for start in range(0, stop, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         inside = (cols[:, None] < n_k) & (dims[None, :] < d)
@@ -35,7 +39,8 @@ def _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_o
             seen = seen & (cols[None, :] <= rows[:, None] + offset)
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        shift = m_new if MISTAKE == "no_inf_guard" else tl.where(m_new == float("-inf"), 0.0,
+                                                                   m_new)
         p = tl.exp(s - shift[:, None])
         alpha = tl.exp(m - shift)
         one = tl.full([BLOCK_Q], 1.0, tl.float32)
@@ -117,6 +122,30 @@ def q_strides_for_o(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, s
 
 
 @triton.jit
+def no_inf_guard(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+                 stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "no_inf_guard")
+
+
+@triton.jit
+def stop_first_row(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+                   stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "stop_first_row")
+
+
+@triton.jit
+def stop_one_short(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+                   stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "stop_one_short")
+
+
+@triton.jit
 def unmasked_loads(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh,
                    stride_on, stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr,
                    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -145,6 +174,80 @@ def unmasked_loads(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, st
     tl.store(O + head * stride_oh + rows[:, None] * stride_on + dims[None, :], acc / l[:, None],
              mask=(rows[:, None] < n_q) & (dims[None, :] < d))
     tl.store(L + head * stride_lh + rows, m + tl.log(l), mask=rows < n_q)
+
+
+@triton.jit
+def _q_tile(Q, stride_qh, stride_qn, n_q, d, tile, head, BLOCK_Q: tl.constexpr,
+            BLOCK_D: tl.constexpr, HOW: tl.constexpr):
+    """The Q tile, loaded with a block pointer or a tensor descriptor (zeros out of bounds)."""
+    if HOW == "block_ptr":
+        pointer = tl.make_block_ptr(Q + head * stride_qh, (n_q, d), (stride_qn, 1),
+                                    (tile * BLOCK_Q, 0), (BLOCK_Q, BLOCK_D), (1, 0))
+        return tl.load(pointer, boundary_check=(0, 1), padding_option="zero")
+    else:
+        described = tl.make_tensor_descriptor(Q + head * stride_qh, shape=[n_q, d],
+                                              strides=[stride_qn, 1],
+                                              block_shape=[BLOCK_Q, BLOCK_D])
+        return described.load([tile * BLOCK_Q, 0])
+
+
+@triton.jit
+def _with_q_from(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+                 stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HOW: tl.constexpr):
+    """The reference with its Q tile loaded by `_q_tile`."""
+    tile, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    dims = tl.arange(0, BLOCK_D)
+    q = _q_tile(Q, stride_qh, stride_qn, n_q, d, tile, head, BLOCK_Q, BLOCK_D, HOW)
+    m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_Q], tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    stop = n_k
+    if IS_CAUSAL:
+        stop = tl.minimum(n_k, (tile + 1) * BLOCK_Q + n_k - n_q)
+    for start in range(0, stop, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        inside = (cols[:, None] < n_k) & (dims[None, :] < d)
+        k = tl.load(K + head * stride_kh + cols[:, None] * stride_kn + dims[None, :],
+                    mask=inside, other=0.0)
+        v = tl.load(V + head * stride_kh + cols[:, None] * stride_kn + dims[None, :],
+                    mask=inside, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        seen = cols[None, :] < n_k
+        if IS_CAUSAL:
+            seen = seen & (cols[None, :] <= rows[:, None] + n_k - n_q)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - shift[:, None])
+        alpha = tl.exp(m - shift)
+        l = alpha * l + tl.sum(p, 1)
+        acc = alpha[:, None] * acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+    safe = tl.where(l > 0, l, 1.0)
+    tl.store(O + head * stride_oh + rows[:, None] * stride_on + dims[None, :], acc / safe[:, None],
+             mask=(rows[:, None] < n_q) & (dims[None, :] < d))
+    tl.store(L + head * stride_lh + rows, tl.where(l > 0, m + tl.log(safe), float("-inf")),
+             mask=rows < n_q)
+
+
+@triton.jit
+def block_pointers(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh,
+                   stride_on, stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr,
+                   BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Correct where Triton has block pointers; Triton 3.9 removed them (NotImplementedError)."""
+    _with_q_from(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+                 stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "block_ptr")
+
+
+@triton.jit
+def tensor_descriptors(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh,
+                       stride_on, stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr,
+                       BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Correct: the Q tile through tl.make_tensor_descriptor, what replaced block pointers."""
+    _with_q_from(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+                 stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D, "descriptor")
 
 
 @triton.jit

@@ -283,6 +283,11 @@ def test_triton_forward_passes_the_reference_kernel():
     ("lse_without_m", r"m \+ log\(l\)"),
     ("no_skipping", "stop its loop at the first key tile"),
     ("unmasked_loads", "the launcher fills memory past the last key"),
+    # Each passed every run while the causal cases' offsets were multiples of both tiles
+    # (review of chapter 10, finding 1):
+    ("no_inf_guard", "a row that has seen no key yet has m = −inf"),
+    ("stop_first_row", "a stop taken from the tile's first row"),
+    ("stop_one_short", "one past that key, not the key itself"),
 ])
 def test_triton_forward_fails_the_wrong_kernels_every_run(name, hint, run):
     with pytest.raises(CheckFailed, match=hint):
@@ -295,3 +300,23 @@ def test_triton_forward_says_a_stub_is_not_done_and_a_plain_function_is_not_a_ke
         evaluate("check_triton_forward", _kernels().not_written)
     with pytest.raises(CheckFailed, match="@triton.jit"):
         evaluate("check_triton_forward", _kernels().reference.fn)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (a Linux-only extra)")
+def test_triton_forward_names_a_missing_triton_feature_and_passes_tensor_descriptors():
+    """Triton's own NotImplementedError is not the stub's: a kernel with block pointers is told
+    what replaced them; a kernel loading through a tensor descriptor, that replacement, passes."""
+    import triton.language as tl
+    if not hasattr(tl, "make_tensor_descriptor"):
+        pytest.skip("this Triton has no tensor descriptors")
+    kernels = _kernels()
+    evaluate("check_triton_forward", kernels.tensor_descriptors)
+    if not hasattr(tl, "make_block_ptr"):
+        pytest.skip("this Triton has no tl.make_block_ptr at all")
+    try:
+        evaluate("check_triton_forward", kernels.block_pointers)   # older Tritons: correct
+    except NotDone:
+        pytest.fail("Triton's NotImplementedError was taken for the stub's")
+    except CheckFailed as failed:
+        assert "does not implement" in failed.summary
+        assert "removed in Triton 3.9" in failed.hint and "make_tensor_descriptor" in failed.hint

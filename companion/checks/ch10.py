@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pathlib
 import random
+import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from companion.attention import causal_mask, naive_attention
 from companion.attention.tiles import SRAM_PER_SM, choose_tiles, tile_sram_bytes
-from companion.checks.core import (CheckFailed, NotDone, call, compare, exercise, fresh_seeds,
-                                   harness, learner_frames, require, require_function)
+from companion.checks.core import (_LIBRARIES, CheckFailed, NotDone, call, compare, exercise,
+                                   fresh_seeds, harness, learner_frames, require,
+                                   require_function)
 
 __all__ = ["check_merge", "check_forward_tiles", "check_tile_backward", "check_triton_forward",
            "check_choose_tiles"]
@@ -270,6 +273,12 @@ _KERNEL_CASES = [
     (2, 37, 53, 24, True, 16, 16),    # Nq < Nk: bottom-right is not top-left; tiles to skip
     (3, 53, 37, 16, True, 16, 32),    # Nq > Nk: the first 16 queries see no key
     (1, 5, 70, 8, False, 16, 32),     # one query tile, partly filled; three key tiles
+    # Offsets n_k − n_q that are not multiples of the tiles, and block_q > block_k: where a
+    # query tile is partly empty (rows that see no key beside rows that do), and where a loop
+    # that stops early drops keys only the tile's later rows see.
+    (1, 50, 23, 16, True, 16, 16),    # offset −27: tile 1 holds rows with and without keys
+    (1, 64, 64, 16, True, 32, 16),    # a query tile spans two key tiles of its diagonal
+    (1, 36, 37, 16, True, 16, 16),    # offset 1: each tile's last row sees one key further
 ]
 
 
@@ -321,8 +330,10 @@ def _kernel_run(answer, seed: int, heads: int, nq: int, nk: int, d: int, causal:
             o, lse = launch_forward(answer, q, k, v, causal, bq, bk)
     except InterpreterError as error:
         cause = error.__cause__ or error
+        while isinstance(cause, InterpreterError) and cause.__cause__ is not None:
+            cause = cause.__cause__                   # one per @triton.jit helper it went through
         if isinstance(cause, NotImplementedError):
-            raise NotDone(f"not done yet: your kernel raises NotImplementedError ({cause})")
+            _not_implemented(cause)
         raise CheckFailed(f"your kernel raised {type(cause).__name__}: {cause}",
                           hint="run it on one small case (the launcher cell) and print "
                                "(tl.device_print, or print under the interpreter) the shapes "
@@ -331,9 +342,37 @@ def _kernel_run(answer, seed: int, heads: int, nq: int, nk: int, d: int, causal:
     return o, lse, dots[0] if dots is not None else -1
 
 
-def _loop64(q, k, v, causal, bq, bk, *, rescale_l=True, rescale_acc=True):
+def _not_implemented(error: NotImplementedError) -> None:
+    """NotDone when the kernel's own code raised (the workbook's stub); else a CheckFailed that
+    says which part of Triton is missing: a correct kernel can meet one (Triton 3.9 removed block
+    pointers, and raises NotImplementedError for tl.make_block_ptr)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    inner = str(pathlib.Path(frames[-1].filename).resolve()) if frames else ""
+    if str(error).startswith("Exercise:") or not inner.startswith(_LIBRARIES):
+        raise NotDone(f"not done yet: your kernel raises NotImplementedError ({error})")
+    block_pointers = "block pointer" in str(error).lower() or any(
+        frame.name in ("make_block_ptr", "advance") for frame in frames)
+    raise CheckFailed(
+        f"Triton {_triton_version()} does not implement something your kernel calls: "
+        f"NotImplementedError: {error}", where=learner_frames(error),
+        hint=("block pointers (tl.make_block_ptr, tl.advance) were removed in Triton 3.9: "
+              "load tiles with pointer arithmetic and masks (Q + rows[:, None]·stride_qn + "
+              "dims[None, :]), or with tl.make_tensor_descriptor(ptr, shape, strides, "
+              "block_shape) and its .load([row, col]), which this Triton's interpreter runs."
+              if block_pointers else
+              "this Triton lacks that operation (or its interpreter does): write the step "
+              "with tl.load, tl.store, tl.dot and pointer arithmetic."))
+
+
+def _triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+def _loop64(q, k, v, causal, bq, bk, *, rescale_l=True, rescale_acc=True, stop=None):
     """(o, lse) of the tile loop in fp64, with the running sum or the accumulator left
-    unrescaled on request: what a kernel that forgets them returns."""
+    unrescaled on request, or the key loop of the query tile starting at row i ending before
+    stop(i): what a kernel that forgets them, or stops early, returns."""
     n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
     q, k, v = q.double(), k.double(), v.double()
     o, lse = torch.zeros_like(q), torch.empty(q.shape[:-1], dtype=torch.float64)
@@ -341,7 +380,7 @@ def _loop64(q, k, v, causal, bq, bk, *, rescale_l=True, rescale_acc=True):
         rows = torch.arange(i, min(i + bq, n_q))
         m = torch.full((q.shape[0], len(rows)), NEG_INF, dtype=torch.float64)
         l, acc = torch.zeros_like(m), torch.zeros(q.shape[0], len(rows), d, dtype=torch.float64)
-        for j in range(0, n_k, bk):
+        for j in range(0, n_k if stop is None else stop(i), bk):
             cols = torch.arange(j, min(j + bk, n_k))
             s = q[:, rows] @ k[:, cols].transpose(-2, -1) / math.sqrt(d)
             if causal:
@@ -374,6 +413,16 @@ def _kernel_wrong(q, k, v, causal, bq, bk) -> dict:
         "L is the log-sum-exp of the row, m + log(l): log(l) alone is taken against the running "
         "maximum.": (o.float(), torch.where(lse == NEG_INF, NEG_INF, lse - m).float()),
     }
+    if causal:
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        reach = ("the key loop must reach the last key the tile's last query sees, (tile + 1)·"
+                 "BLOCK_Q − 1 + (n_k − n_q)")
+        # One short first: where both stops drop the same keys, it is the likelier slip.
+        wrong[reach + ", so the loop's stop is one past that key, not the key itself."] = _loop64(
+            q, k, v, causal, bq, bk, stop=lambda i: max(0, min(n_k, i + bq + n_k - n_q - 1)))
+        wrong[reach + ": a stop taken from the tile's first row drops keys its later rows "
+              "see."] = _loop64(q, k, v, causal, bq, bk,
+                                stop=lambda i: max(0, min(n_k, i + n_k - n_q + 1)))
     if causal and q.shape[-2] != k.shape[-2]:
         top = naive_attention(q.double(), k.double(), v.double(), True, align="top_left",
                               return_lse=True)
