@@ -139,7 +139,9 @@ class RankCheck:
         replacement, their medians ranked against the predictions again. It says how far the
         scatter of this run's timings moves ρ (with 3 steps a plan, each resampled median is one
         of the 3 steps), not how far another run could (`agreement`); an order already right can
-        mostly only lose swaps, so the interval often ends at ρ itself."""
+        mostly only lose swaps, so the interval often ends at ρ itself, and with so few steps
+        it need not even hold ρ (two close plans' resampled medians may mostly fall in the
+        other order than the observed ones)."""
         if not 0 < confidence < 1:
             raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
         rng = random.Random(seed)
