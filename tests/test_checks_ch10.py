@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from companion.attention import flash_forward, merge
-from companion.attention.tiles import choose_tiles, fitting_tiles
+from companion.attention.tiles import choose_tiles, fitting_tiles, tile_sram_bytes
 from companion.checks.ch10 import (check_choose_tiles, check_forward_tiles, check_merge,
-                                   check_tile_backward, check_triton_forward, tile_backward)
+                                   check_tile_backward, check_triton_forward, smem_tiles,
+                                   tile_backward)
 from companion.checks.core import CheckFailed, NotDone, evaluate
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -222,40 +223,77 @@ def test_tile_backward_wrong_answers_fail(wrong, hint):
 SIZES = (16, 32, 64, 128, 256)
 
 
-def _tiles(sram, d, e, p, mk, *, score_bytes=4, acc=True, v_tile=True, order="q", share=True,
-           bound=True, bound_q=False):
-    budget = sram // p if share else sram
+def _tiles(sram, d, e, p=2, mk=16, *, count="smem", order="q", share=True, bound=True,
+           bound_q=False, reserve=0, strict=False):
+    """Exercise 5's search with switchable mistakes; defaults (2, 16) as FA2 on an A10."""
+    counts = {"smem": lambda bq, bk: (bq + 2 * bk) * d * e,
+              "whole": lambda bq, bk: tile_sram_bytes(bq, bk, d, e),
+              "scores": lambda bq, bk: (bq + 2 * bk) * d * e + e * bq * bk,
+              "no V": lambda bq, bk: (bq + bk) * d * e,
+              "bf16": lambda bq, bk: (bq + 2 * bk) * d * 2}
+    budget = (sram // p if share else sram) - reserve
     fits = [(bq, bk) for bq in SIZES for bk in SIZES
-            if (bq + (2 if v_tile else 1) * bk) * d * e + score_bytes * bq * bk
-            + (4 * bq * d if acc else 0) + 8 * bq <= budget
+            if (counts[count](bq, bk) < budget if strict else counts[count](bq, bk) <= budget)
             and (bk >= mk or not bound) and (bq >= mk or not bound_q)]
     if not fits:
         return None
-    return max(fits) if order == "q" else max(fits, key=lambda t: (t[1], t[0]))
+    key = {"q": lambda t: t, "k": lambda t: (t[1], t[0]), "area": lambda t: (t[0] * t[1], t[0])}
+    return max(fits, key=key[order])
+
+
+def _walk_down(sram_bytes, head_dim, dtype_bytes, programs_per_sm=2, min_block_k=32):
+    """Correct, written otherwise: the first fit walking block_q, then block_k, down."""
+    for bq in (256, 128, 64, 32, 16):
+        for bk in (256, 128, 64, 32, 16):
+            if bk >= min_block_k and programs_per_sm * (bq + 2 * bk) * head_dim * dtype_bytes \
+                    <= sram_bytes:
+                return bq, bk
+    return None
 
 
 def test_choose_tiles_reference_passes():
-    check_choose_tiles(lambda s, d, e, p, m: choose_tiles(s, d, e, programs_per_sm=p,
-                                                           min_block_k=m))
+    check_choose_tiles(lambda s, d, e, p=2, m=16: smem_tiles(s, d, e, p, m))
     check_choose_tiles(_tiles)
-    assert choose_tiles(6_000, 128, 4) is None and fitting_tiles(6_000, 128, 4) == []
+    check_choose_tiles(_walk_down)
+    assert smem_tiles(6_000, 128, 4, 1, 16) is None and fitting_tiles(6_000, 128, 4) == []
 
 
 @pytest.mark.parametrize("run", range(2))
 @pytest.mark.parametrize("wrong, hint", [
+    (lambda *a: _tiles(*a, count="whole"), "keeps S, P and the output accumulator in registers"),
+    (lambda *a: _tiles(*a, count="scores"), "keeps S and P in registers too"),
     (lambda *a: _tiles(*a, share=False), "share its SRAM"),
     (lambda *a: _tiles(*a, bound=False), "a lower bound on block_k"),
     (lambda *a: _tiles(*a, bound_q=True), "on block_k only"),
-    (lambda *a: _tiles(*a, score_bytes=a[2]), "the scores are fp32"),
-    (lambda *a: _tiles(*a, acc=False), "accumulator stays on chip"),
-    (lambda *a: _tiles(*a, v_tile=False), "a tile of V"),
+    (lambda *a: _tiles(*a, count="no V"), "a tile of V"),
+    (lambda *a: _tiles(*a, count="bf16"), "dtype_bytes per value"),
     (lambda *a: _tiles(*a, order="k"), "maximize block_q first"),
-    (lambda s, d, e, p, m: choose_tiles(s, d, e), None),           # the model of the text alone
-    (lambda s, d, e, p, m: (128, 64), None),
+    # Each passed some runs before the fixed cases that separate them (review, finding 3):
+    (lambda *a: _tiles(*a, order="area"), "the largest tile area"),
+    (lambda *a: _tiles(*a, reserve=1024), None),                 # 1 KiB kept back per program
+    (lambda *a: _tiles(*a, strict=True), None),
+    (lambda s, d, e, p=1, m=16: choose_tiles(s, d, e, programs_per_sm=p, min_block_k=m),
+     "keeps S, P and the output accumulator in registers"),       # the chapter's count
+    (lambda s, d, e, p=2, m=16: (128, 32), None),
 ])
 def test_choose_tiles_wrong_answers_fail_every_run(wrong, hint, run):
     with pytest.raises(CheckFailed, match=hint):
         check_choose_tiles(wrong)
+
+
+@pytest.mark.parametrize("defaults", [(1, 16), (2, 64), (3, 16), (1, 128)])
+def test_choose_tiles_fails_defaults_that_are_not_fa2s_choice_for_an_a10(defaults):
+    p0, m0 = defaults
+
+    def answer(s, d, e, p=p0, m=m0):
+        return _tiles(s, d, e, p, m)
+    with pytest.raises(CheckFailed, match="where FlashAttention-2 ships 128 x 32"):
+        check_choose_tiles(answer)
+
+
+def test_choose_tiles_asks_for_defaults_when_there_are_none():
+    with pytest.raises(CheckFailed, match="give programs_per_sm and min_block_k default"):
+        check_choose_tiles(lambda s, d, e, p, m: _tiles(s, d, e, p, m))
 
 
 # ---------------------------------------------------------------- the Triton kernel (exercise 4)

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from companion.attention import causal_mask, naive_attention
-from companion.attention.tiles import SRAM_PER_SM, choose_tiles, tile_sram_bytes
+from companion.attention.tiles import SHIPPED, SRAM_PER_SM, tile_sram_bytes
 from companion.checks.core import (_LIBRARIES, CheckFailed, NotDone, call, compare, exercise,
                                    fresh_seeds, harness, learner_frames, require,
                                    require_function)
@@ -490,7 +490,6 @@ def check_triton_forward(answer) -> str:
 
 # ---------------------------------------------------------------- exercise 5: tile sizes
 
-_SHOWN = ("A100", "H100", "A10")   # the notebook works these three; the check tries the others
 _SIZES = (16, 32, 64, 128, 256)
 
 
@@ -500,29 +499,55 @@ def _pick(sram: int, cost, key=max, *, min_bk: int = 16, min_bq: int = 16):
     return key(fits) if fits else None
 
 
-_TILE = tile_sram_bytes
+def _smem(bq: int, bk: int, d: int, e: int) -> int:
+    """Shared memory of a program that keeps S, P and its accumulator in registers."""
+    return (bq + 2 * bk) * d * e
+
+
+def smem_tiles(sram_bytes: int, head_dim: int, dtype_bytes: int, programs_per_sm: int,
+               min_block_k: int) -> tuple[int, int] | None:
+    """The reference of Exercise 5: the tiles with the fewest passes over K and V, then the
+    fewest key-tile steps, of a kernel built as FlashAttention-2 is."""
+    return _pick(sram_bytes // programs_per_sm, lambda bq, bk: _smem(bq, bk, head_dim,
+                                                                     dtype_bytes),
+                 min_bk=min_block_k)
+
+
+# The card whose shipped tile the defaults must reproduce: FA2's non-causal 128 x 32 on sm86.
+_A10 = SRAM_PER_SM["A10"]["bytes"]
+_A10_SHIPPED = next(row[3] for row in SHIPPED if row[:3] == ("FA2", "A10", False))
+
 # The likely wrong rules, each as a function of (sram, d, e, programs, min_block_k), with its hint.
 _TILE_MISTAKES = {
+    "a kernel built as FlashAttention-2 keeps S, P and the output accumulator in registers: "
+    "only what it stages in shared memory counts against sram_bytes.":
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: tile_sram_bytes(bq, bk, d, e),
+                                       min_bk=m),
+    "a kernel built as FlashAttention-2 keeps S and P in registers too, not only the "
+    "accumulator.":
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: _smem(bq, bk, d, e)
+                                       + e * bq * bk, min_bk=m),
     "programs that share an SM share its SRAM: each of them gets only its part.":
-        lambda sram, d, e, p, m: _pick(sram, lambda bq, bk: _TILE(bq, bk, d, e), min_bk=m),
+        lambda sram, d, e, p, m: _pick(sram, lambda bq, bk: _smem(bq, bk, d, e), min_bk=m),
     "min_block_k is a lower bound on block_k: narrower key tiles are out, whatever they save.":
-        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: _TILE(bq, bk, d, e)),
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: _smem(bq, bk, d, e)),
     "the lower bound is on block_k only: block_q may be smaller than min_block_k.":
-        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: _TILE(bq, bk, d, e),
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: _smem(bq, bk, d, e),
                                        min_bk=m, min_bq=m),
-    "the scores are fp32 whatever the inputs: the S tile takes block_q·block_k·4 bytes.":
-        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: (bq + 2 * bk) * d * e
-                                       + e * bq * bk + 4 * bq * d + 8 * bq, min_bk=m),
-    "the output accumulator stays on chip too, in fp32: block_q·d·4 bytes.":
-        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: (bq + 2 * bk) * d * e
-                                       + 4 * bq * bk + 8 * bq, min_bk=m),
     "a program holds a tile of V beside the tile of K: 2·block_k·d·e bytes.":
-        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: (bq + bk) * d * e
-                                       + 4 * bq * bk + 4 * bq * d + 8 * bq, min_bk=m),
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: (bq + bk) * d * e, min_bk=m),
+    "the tiles hold the inputs as they come, dtype_bytes per value.":
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: _smem(bq, bk, d, 2), min_bk=m),
     "HBM traffic falls with block_q (K and V are read once per query tile); block_k only sets "
     "the number of steps: maximize block_q first.":
-        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: _TILE(bq, bk, d, e),
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: _smem(bq, bk, d, e),
                                        key=lambda fits: max(fits, key=lambda t: (t[1], t[0])),
+                                       min_bk=m),
+    "the largest tile area is not the least traffic: K and V are read once per query tile, "
+    "whatever block_k is; maximize block_q first.":
+        lambda sram, d, e, p, m: _pick(sram // p, lambda bq, bk: _smem(bq, bk, d, e),
+                                       key=lambda fits: max(fits, key=lambda t: (t[0] * t[1],
+                                                                                 t[0])),
                                        min_bk=m),
 }
 
@@ -537,20 +562,24 @@ def _as_pair(got, label: str):
 
 
 def _tile_cases(rng: random.Random) -> list[tuple]:
-    """(sram, d, e, programs, min_block_k, name): the SRAM budgets of the GPUs the notebook does
-    not work through, made-up ones, fixed ones where each likely mistake changes the answer, and
-    one too small for any tile."""
+    """(sram, d, e, programs, min_block_k, name): the SRAM budgets of the GPUs listed, made-up
+    ones, fixed ones where each likely mistake changes the answer, and one too small for any
+    tile."""
     budgets = {}
     for name, entry in SRAM_PER_SM.items():
-        if name not in _SHOWN:
-            budgets.setdefault(entry["bytes"], []).append(name)
+        budgets.setdefault(entry["bytes"], []).append(name)
     cases = [(sram, rng.choice([32, 64, 80, 96, 128, 256]), e, rng.choice([1, 2, 3]),
               rng.choice([16, 32, 64]), " / ".join(names))
              for sram, names in budgets.items() for e in (2, 4)]
     cases += [(rng.randrange(8_000, 300_000), rng.choice([40, 64, 96, 128, 160]),
                rng.choice([2, 4]), rng.choice([1, 2]), rng.choice([16, 32, 64]),
                "a made-up GPU") for _ in range(6)]
-    cases += [(233_472, 96, 2, 2, 32, "an H200"), (98_304, 64, 4, 1, 64, "a V100"),
+    # Fixed: each is where at least one rule of _TILE_MISTAKES (or a budget kept back, or a
+    # strict <) gives another answer; the largest-area rule differs from the reference only at
+    # the first of them among the listed GPUs at 1 or 2 programs per SM.
+    cases += [(233_472, 96, 4, 2, 16, "an H200"), (65_536, 96, 2, 2, 64, "a T4"),
+              (98_304, 32, 2, 2, 16, "a V100"), (98_304, 64, 2, 2, 128, "a V100"),
+              (233_472, 96, 2, 2, 32, "an H200"), (98_304, 64, 4, 1, 64, "a V100"),
               (233_472, 64, 2, 1, 128, "a B200"), (102_400, 128, 2, 2, 16, "an L4"),
               (65_536, 32, 2, 1, 64, "a T4"), (102_400, 64, 2, 1, 64, "an RTX 4090"),
               (102_400, 128, 2, 1, 128, "an L4"),
@@ -558,34 +587,53 @@ def _tile_cases(rng: random.Random) -> list[tuple]:
     return cases
 
 
-@exercise(points=2, reference=("companion.attention.tiles.choose_tiles",
-                               "companion.attention.tiles.fitting_tiles",
-                               "companion.attention.tiles.tile_sram_bytes"))
+@exercise(points=2, reference=("companion.checks.ch10.smem_tiles",
+                               "companion.attention.tiles.choose_tiles",
+                               "companion.attention.tiles.fitting_tiles"))
 def check_choose_tiles(answer) -> str:
-    """answer(sram_bytes, head_dim, dtype_bytes, programs_per_sm, min_block_k) -> (block_q,
-    block_k) or None."""
+    """answer(sram_bytes, head_dim, dtype_bytes, programs_per_sm=..., min_block_k=...) ->
+    (block_q, block_k) or None, for a kernel that stages its Q, K and V tiles in shared memory and
+    keeps the rest in registers; its defaults are the learner's choice for FA2 on an sm86 card."""
     cases = _tile_cases(random.Random(fresh_seeds(1)[0]))
-    want = lambda case: choose_tiles(*case[:3], programs_per_sm=case[3], min_block_k=case[4])
     answers = []
     for sram, d, e, p, m, name in cases:
         label = (f"tiles for {name} ({sram:,} B of SRAM per SM), d = {d}, {e}-byte inputs, "
                  f"{p} program(s) per SM, block_k >= {m}")
         answers.append(_as_pair(call(answer, sram, d, e, p, m), label))
-    wrong = [i for i, (got, case) in enumerate(zip(answers, cases)) if got != want(case)]
+    wrong = [i for i, (got, case) in enumerate(zip(answers, cases))
+             if got != smem_tiles(*case[:5])]
     if wrong:
         # One rule that gives every answer the learner gave names the mistake.
         hints = [hint for hint, rule in _TILE_MISTAKES.items()
                  if all(rule(*case[:5]) == got for got, case in zip(answers, cases))]
         sram, d, e, p, m, name = cases[wrong[0]]
+        want = smem_tiles(sram, d, e, p, m)
         raise CheckFailed(
             f"tiles for {name} ({sram:,} B of SRAM per SM), d = {d}, {e}-byte inputs, {p} "
-            f"program(s) per SM, block_k >= {m}: expected {want(cases[wrong[0]])}, got "
-            f"{answers[wrong[0]]} ({len(wrong)} of {len(cases)} settings wrong)",
-            expected=want(cases[wrong[0]]), got=answers[wrong[0]],
+            f"program(s) per SM, block_k >= {m}: expected {want}, got {answers[wrong[0]]} "
+            f"({len(wrong)} of {len(cases)} settings wrong)",
+            expected=want, got=answers[wrong[0]],
             hint=hints[0] if hints else "list the power-of-two pairs from 16 to 256 whose "
-            "program fits in its share of the SRAM and whose block_k is wide enough (None if "
-            "none is), then pick by the forward pass's HBM traffic, then by its number of steps.")
+            "shared memory fits in the program's share of the SM and whose block_k is wide "
+            "enough (None if none is), then pick by the forward pass's HBM traffic, then by its "
+            "number of steps.")
+    label = (f"tiles for the A10 ({_A10:,} B per SM, sm86), d = 128, 16-bit inputs, with your "
+             "defaults for programs_per_sm and min_block_k")
+    try:
+        got = _as_pair(call(answer, _A10, 128, 2), label)
+    except NotDone:
+        raise
+    except CheckFailed as failed:
+        raise CheckFailed(f"{label}: {failed.summary}", where=failed.where,
+                          hint="give programs_per_sm and min_block_k default values in the "
+                               "def line: your choice for FlashAttention-2 on this card.") from None
+    require(got == _A10_SHIPPED,
+            f"{label}: your function picks {got}, where FlashAttention-2 ships "
+            f"{_A10_SHIPPED[0]} x {_A10_SHIPPED[1]} on this card (non-causal, the table above)",
+            hint="the search is right; the defaults are not FA2's choice for this card: its "
+                 "launch code's comment (the table's last column) says how it shares an SM, and "
+                 "a bound on block_k must not rule out the tile it ships.")
     budgets = len({case[0] for case in cases})
-    return (f"your tiles fit every setting tried, with the fewest passes over K and V "
-            f"({len(cases)} settings over {budgets} distinct SRAM budgets, with 1 to 3 programs "
-            "per SM)")
+    return (f"your tiles fit every setting tried ({len(cases)} settings over {budgets} distinct "
+            f"SRAM budgets, 1 to 3 programs per SM), and your defaults reproduce FA2's "
+            f"{_A10_SHIPPED[0]} x {_A10_SHIPPED[1]} on an A10")
