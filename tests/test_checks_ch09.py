@@ -235,6 +235,24 @@ def test_the_cases_are_not_the_notebooks_and_need_a_decision():
         assert not [p for p in peaks.values() if case.cap_budget / 1.04 <= p <= case.cap_budget]
 
 
+@pytest.mark.parametrize("gb", [16, 24, 40, 80])
+def test_every_gpu_class_gets_both_kinds_of_case(gb):
+    """On CUDA (predictions only, so this runs anywhere): a case of each kind for every GPU
+    class; the second keeps the states on the device but on 16 GB, whose 2 sequences of 1024
+    tokens leave no such budget."""
+    from companion.device import _GPU_CLASSES
+    S = _GPU_CLASSES[gb]
+    for seed in range(3):
+        for needed in (True, False):
+            case = ch09.training_case(S, seed, "cuda", offload_needed=needed)
+            shape = GPTShape.of(ch09.capstone_model(case))
+            on_device = [c for c in candidates(shape, case.cap_batch, allow=ch09.PARTS)
+                         if not c.offload and c.precision == "fp32"
+                         and predict_memory(shape, c, device_type="cuda").peak <= case.cap_budget]
+            assert case.cap_depth <= 5 and case.cap_budget <= S.cap_budget
+            assert bool(on_device) == (not needed and gb > 16)
+
+
 def test_recompute_never_falls_as_segments_grow_at_the_cases_depths():
     """The decision compares blocks recomputed; at depths 3 and 5 fewer segments never recompute
     more, so the notebook's rule (fewest segments) recomputes least; at 6 it would not."""

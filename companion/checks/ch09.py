@@ -68,7 +68,7 @@ CLEAR = 1.04       # no plan of PARTS is predicted within 4% under a case's budg
 
 
 def training_case(S: Sizes, seed: int, device_type: str, *, offload_needed: bool) -> Sizes:
-    """A GPT and budget the notebook does not show: S with other cap_width, cap_depth (3 or 5),
+    """A GPT and budget the notebook does not show: S with other cap_width, cap_depth (3 to 5),
     cap_batch and a cap_budget clear of every plan's predicted peak (`CLEAR`), so that a plan
     chosen by `predict_memory` fits when measured. Two kinds, so that no fixed plan passes both:
     `offload_needed`: below the model states' 16 B per parameter, the plain run at least twice
@@ -76,22 +76,31 @@ def training_case(S: Sizes, seed: int, device_type: str, *, offload_needed: bool
     every lever (offload, micro-batches of 1, every block checkpointed, fp32) fitting with 15% to
     spare (40% on CUDA, whose allocator reserves more than the tensors); else the plain run a
     quarter over it, and a plan with the states on the device, at most 4 micro-batches and no
-    checkpointing fitting with that spare: any plan that offloads and runs as many micro-batches
-    pulls a lever the budget does not need."""
+    checkpointing (on CUDA: any fp32 plan on the device) fitting with that spare: any plan that
+    offloads and runs as many micro-batches pulls a lever the budget does not need. On CUDA the
+    GPT has GPT-2's vocabulary: its states outweigh the logits from 1x the notebook's width on
+    (the first kind), and fit on the device below it (the second); on a 16 GB GPU (2 sequences
+    of 1024 tokens) no budget lets a plan on the device fit with room while the plain step does
+    not, so both cases need offload there."""
     rng = random.Random(seed)
     for _ in range(20):
         depth = rng.choice((3, 5))                 # checkpointing's recompute grows with its
         if device_type == "cpu":                   # segments up to 5 blocks (see _recomputed)
             width, batch = rng.choice((96, 112)), rng.choice((8, 12))
-        else:                                      # smaller than the notebook's: it must train
-            width = S.cap_width * rng.choice((2, 3)) // 4       # in the check's time on any GPU
-            batch = rng.choice(sorted({max(2, S.cap_batch // 2), S.cap_batch}))
+        else:                                      # at most 5 blocks, so smaller than the
+            batch = rng.choice(sorted({max(2, S.cap_batch // 2), S.cap_batch}))  # notebook's;
+            if offload_needed:                     # GPT-2's vocabulary: the states outweigh
+                width, depth = S.cap_width * rng.choice((4, 5)) // 4, rng.choice((4, 5))  # the
+            else:                                  # logits only from this width on, and fit
+                width = S.cap_width // rng.choice((2, 4))   # on the device only below it
         case = dataclasses.replace(S, cap_width=width, cap_depth=depth, cap_batch=batch)
         budget = _clear_budget(GPTShape.of(capstone_model(case)), case, rng, device_type,
                                offload_needed)
         if budget is not None:
             return dataclasses.replace(case, cap_budget=budget)
-    raise RuntimeError(f"no budget clear of the plans' peaks for {case}")   # our invariant
+    if device_type == "cuda" and not offload_needed:   # a 16 GB GPU's 2 sequences of 1024
+        return training_case(S, seed, device_type, offload_needed=True)   # tokens: the logits
+    raise RuntimeError(f"no budget clear of the plans' peaks for {case}")   # leave no room
 
 
 def _clear_budget(shape: GPTShape, S: Sizes, rng: random.Random, device_type: str,
@@ -106,9 +115,13 @@ def _clear_budget(shape: GPTShape, S: Sizes, rng: random.Random, device_type: st
         low = spare * peak(Candidate(1, S.cap_batch, shape.depth, offload=True))
         high = peak(Candidate(S.cap_batch)) / (2 if device_type == "cpu" else 1.25)
         high = min(high, 16 * shape.n_params / 1.1)
-    else:
+    elif device_type == "cpu":
         low = spare * min(peak(Candidate(S.cap_batch // k, k)) for k in range(2, 5)
                           if S.cap_batch % k == 0)
+        high = peak(Candidate(S.cap_batch)) / 1.25
+    else:                                              # some fp32 plan on the device fits
+        low = spare * min(peak(c) for c in candidates(shape, S.cap_batch, allow=PARTS)
+                          if not c.offload and c.precision == "fp32")
         high = peak(Candidate(S.cap_batch)) / 1.25
     if device_type == "cuda":
         high = min(high, S.cap_budget)
