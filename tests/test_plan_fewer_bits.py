@@ -5,13 +5,19 @@ import functools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from companion import estimate, lowbit
 from companion.models import GPT
-from companion.plan import (EXACT, FEWER_BITS, LOW_PRECISION, Candidate, CostModel, GPTShape,
-                            NothingFits, candidates, plan, predict_memory, predict_seconds,
-                            simulate, train_command)
-from companion.plan.run import run_plan
+from companion.plan import (ADAM8BIT_BYTES, DEQUANTIZE_BYTES, EXACT, FEWER_BITS, LOW_PRECISION,
+                            Candidate, CostModel, GPTShape, NothingFits, candidates, plan,
+                            predict_memory, predict_seconds, simulate, train_command)
+from companion.memory import track
+from companion.lowbit.nf4 import nf4_row_blocks
+from companion.plan.predict import _DEQUANTIZE_CAST_BYTES
+from companion.plan.run import _token_batch, run_plan
+from companion.plan.training import _quantized_on_host, build, train_step
 
 SMALL = functools.partial(GPT, 96, 32, 48, 4, 4)     # vocab, seq_len, width, depth, heads
 
@@ -57,6 +63,89 @@ def test_predictions_follow_the_simulation(cand, fused):
     fn = functools.partial(SMALL, fused_attention=fused)
     predicted = predict_memory(GPTShape.of(fn), cand).peak
     assert abs(predicted - simulate(fn, cand).peak) <= 0.06 * predicted
+
+
+def _real_step_peak_base_quantized_first(model_fn, cand: Candidate, steps: int = 2) -> int:
+    """Peak of `steps` real QLoRA steps whose NF4 base was quantized before the measurement (as
+    for a GPU, `simulate(device_type="cuda")`): on the CPU the dense build's peak hides the step's
+    otherwise."""
+    shape, batch = GPTShape.of(model_fn), cand.micro_batch * cand.accumulation
+    data = [_token_batch(batch, shape.seq_len, shape.vocab, i, 0) for i in range(steps)]
+    host = _quantized_on_host(model_fn, cand)
+    with track("cpu") as tracker:
+        setup = build(model_fn, cand, host_model=host)
+        del host
+        for x, y in data:
+            train_step(setup, x, y)
+        del setup
+    return tracker.peak
+
+
+@pytest.mark.parametrize("model_fn, cand", [
+    (functools.partial(GPT, 80, 8, 224, 2, 4), Candidate(1, lora_rank=4, nf4_base=True)),
+    (functools.partial(GPT, 64, 8, 288, 1, 4),
+     Candidate(1, 1, 1, "autocast", lora_rank=2, nf4_base=True)),
+    (functools.partial(GPT, 72, 12, 160, 2, 4),
+     Candidate(1, 2, 1, "mixed", lora_rank=4, nf4_base=True))], ids=["fp32", "autocast", "mixed"])
+def test_qlora_dequantization_term_follows_steps_of_wide_layers(model_fn, cand):
+    """Wide layers, few tokens: the peak is backward through an NF4 Linear, whose row block's
+    buffers (`parts.qlora_dequantize_bytes`, counted from the code) the prediction must get right.
+    A whole-weight dequantization's 9 bytes per value (the term before row blocks) lands 40% and
+    more above these steps."""
+    shape = GPTShape.of(model_fn)
+    predicted = predict_memory(shape, cand, device_type="cuda")
+    assert predicted.phase == "QLoRA's dequantization"
+    real = _real_step_peak_base_quantized_first(model_fn, cand)
+    simulated = simulate(model_fn, cand, device_type="cuda").peak
+    assert abs(simulated - real) <= 8
+    assert abs(predicted.peak - real) <= 0.03 * real
+
+
+class _BytesMoved(TorchDispatchMode):
+    """Bytes each operator reads and writes: its tensor operands once each (an out= tensor and
+    copy_'s destination are only written), its results; views and empty allocations move none."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if func.is_view or name in ("empty", "empty_like", "empty_strided", "new_empty"):
+            return out
+        operands = tree_flatten((args[1:] if name == "copy_" else args,
+                                 {k: v for k, v in kwargs.items() if k != "out"}))[0]
+        read = {t.untyped_storage().data_ptr(): t.nbytes for t in operands
+                if isinstance(t, torch.Tensor)}
+        self.bytes += sum(read.values()) + sum(t.nbytes for t in tree_flatten(out)[0]
+                                               if isinstance(t, torch.Tensor))
+        return out
+
+
+def test_the_cost_models_bytes_are_what_the_low_bit_code_moves():
+    """ADAM8BIT_BYTES and DEQUANTIZE_BYTES (with its cast) against every operator's reads and
+    writes in `lowbit.Adam8bit.step` (AdamW's decay, as the planner builds it) and in
+    `lowbit.nf4_row_blocks`, per value of a 2^22-value tensor (the map tables' few KiB
+    negligible): a change to either that moves more or fewer bytes fails here."""
+    n = 2**22
+    p = torch.nn.Parameter(torch.randn(n))
+    opt = lowbit.Adam8bit([p], weight_decay=0.01, decoupled_weight_decay=True)
+    p.grad = torch.randn(n)
+    opt.step()                                     # the 8-bit moments exist
+    with _BytesMoved() as moved:
+        opt.step()
+    assert abs(moved.bytes / n - ADAM8BIT_BYTES) <= 0.03 * ADAM8BIT_BYTES
+    for precision, base, compute in [("fp32", torch.float32, torch.float32),
+                                     ("autocast", torch.float32, torch.bfloat16),
+                                     ("mixed", torch.bfloat16, torch.bfloat16)]:
+        q = lowbit.quantize_nf4(torch.randn(2048, n // 2048, dtype=base), double_quant=True)
+        with _BytesMoved() as moved:
+            for _ in nf4_row_blocks(q, compute):
+                pass
+        expected = DEQUANTIZE_BYTES + _DEQUANTIZE_CAST_BYTES[precision]
+        assert abs(moved.bytes / n - expected) <= 0.05 * expected, precision
 
 
 def test_each_lever_saves_the_estimators_bytes():

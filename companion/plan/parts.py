@@ -1,7 +1,8 @@
 """The bytes each part of a plan's step holds, per rank: weights, gradients and optimizer state
 (`state_bytes`), the activations one micro-batch saves (`activation_bytes`), QLoRA's dense build
-(`qlora_build_bytes`). `companion.plan.predict` puts them together into the step's phases and
-its peak; the formulas are explained there.
+(`qlora_build_bytes`) and its dequantization's buffers (`qlora_dequantize_bytes`).
+`companion.plan.predict` puts them together into the step's phases and its peak; the formulas are
+explained there.
 """
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import functools
 
 from companion import estimate
 from companion.checkpointing import predicted_activation_bytes
+from companion.lowbit.nf4 import BLOCK_VALUES, ROW_BLOCKS_AT_LEAST
 from companion.plan.space import Candidate, GPTShape
 
 __all__ = ["BUCKET_BYTES", "activation_bytes", "bf16_weights", "segment_sizes", "state_bytes",
-           "qlora_build_bytes", "offloaded_twice"]
+           "qlora_build_bytes", "qlora_dequantize_bytes", "offloaded_twice"]
 
 BUCKET_BYTES = 25 * 2**20      # ShardedOptimizer's and DDP's default bucket (bucket_cap_mb=25)
 
@@ -117,6 +119,37 @@ def qlora_build_bytes(s: GPTShape, c: Candidate) -> tuple[int, int]:
     dense = 2 if bf16_weights(c) else 4
     return (dense * (s.n_params + s.lora_params(c.lora_rank)),
             (29 if dense == 2 else 21) * s.lora_linear_weights()[0])
+
+
+def qlora_dequantize_bytes(s: GPTShape, c: Candidate, blocksize: int = 64) -> int:
+    """QLoRA's temporaries in backward through a block's NF4 Linear (`lowbit.QLoRALinear`), the
+    largest of its Linears': counted from `lowbit.nf4_row_blocks`, which dequantizes `step` rows
+    of the (out, in) weight at a time, step = min(BLOCK_VALUES // in, ceil(out /
+    ROW_BLOCKS_AT_LEAST)), n = step·in values, into buffers reused by every row block:
+      fp32 buffer     4·(n + 2·blocksize + 1)     (room for the blocks of scales at both ends)
+      cast buffer     e·n in the compute dtype e  (none when the base and compute are fp32)
+      byte indices    4·ceil(n' / 2)  the packed bytes as int32 while they are looked up (n': the
+                                      values of whole scale blocks the rows touch), or, once
+                                      freed, a bf16 base's rounding (vals.to(bf16), 2·n) before
+                                      its copy into the cast buffer: the larger of the two
+      scales          4·ceil(in·out / blocksize)  (double quantization undone, fp32)
+    and beside them the input's gradient the backward builds, (N, in) in the compute dtype, and
+    the block's (N, C) fp32 gradient arriving. Counted from the code, not fitted: a width-512
+    GPT's (2048, 512) fp32 base weight (4 MiB) needs 1.56 MiB of buffers, where the term fitted to
+    the whole-weight dequantization before row blocks counted 9 bytes per value (9 MiB)."""
+    N = c.micro_batch * s.seq_len
+    base = 2 if bf16_weights(c) else 4                 # the NF4 base's dtype (its rounding)
+    e = 4 if c.precision == "fp32" else 2              # the compute dtype (autocast: bf16)
+    largest = 0
+    for cols, rows in s.lora_linear_shapes():          # (in, out) features
+        n = max(min(BLOCK_VALUES // cols, -(-rows // ROW_BLOCKS_AT_LEAST)), 1) * cols
+        touched = min(-(-n // blocksize) * blocksize + blocksize * (n % blocksize > 0),
+                      rows * cols)
+        buffers = (4 * (n + 2 * blocksize + 1) + (0 if base == e == 4 else e * n)
+                   + max(4 * -(-touched // 2), 2 * n * (base == 2))
+                   + 4 * -(-rows * cols // blocksize))
+        largest = max(largest, buffers + e * N * cols)
+    return largest + 4 * N * s.width
 
 
 def offloaded_twice(s: GPTShape, c: Candidate, device_type: str) -> int:

@@ -47,19 +47,22 @@ attention's 4·N·T·C per block, backward twice that, or once with LoRA's froze
 recomputed blocks once more) at `flops` (times `half_speedup` in bf16), a fixed cost per layer
 and micro-batch (kernel launches: small micro-batches cost more than their FLOPs), the
 optimizer's bytes at the speed of the memory it runs in (the device's, or the host's when
-offloaded; `ADAM8BIT_BYTES` for 8-bit states), QLoRA's dequantizations (`DEQUANTIZE_BYTES`
-per base value, in forward, backward and recompute), offload's copies over the host link
-(PCIe), activation offload's (each saved byte down and up), the NVMe tier's 24 B per parameter
-at `disk_bandwidth` and a flush per file (three per trainable tensor), the chunked loss's second
-head matmul, and ZeRO's traffic. A Llama's blocks: its matmul weights (q, k, v, o, gate, up,
-down: 2·C² + 2·C·kv_heads·d + 3·C·I) for the GPT's 12·C², attention the same 4·N·T·C.
+offloaded; `ADAM8BIT_BYTES` for 8-bit states), QLoRA's dequantizations (`DEQUANTIZE_BYTES` per
+base value and the cast to a 16-bit compute dtype, in forward, backward and recompute), offload's
+copies over the host link (PCIe), activation offload's (each saved byte down and up), the NVMe
+tier's 24 B per parameter at `disk_bandwidth` and a flush per file (three per trainable tensor),
+the chunked loss's second head matmul, and ZeRO's traffic. A Llama's blocks: its matmul weights
+(q, k, v, o, gate, up, down: 2·C² + 2·C·kv_heads·d + 3·C·I) for the GPT's 12·C², attention the
+same 4·N·T·C.
 
 8-bit states and QLoRA (chapter 11): the moments are `estimate.model_states(state_bits=8)` less the
 tensors under 4096 values, which keep fp32 moments; QLoRA's adapted Linear weights are
-`estimate.nf4_bytes`, the rest of the base dense and frozen, with two more terms: one base weight's
-dequantization in flight while every activation is alive, and, where host and device are one memory
-(the CPU), the build, which holds the dense model before it is quantized (on a GPU the base is
-quantized on the host and only its codes move; `training.build`).
+`estimate.nf4_bytes`, the rest of the base dense and frozen, with two more terms: backward through
+the last block's NF4 Linears, one row block of a base weight dequantized while every block's
+activations are alive (`parts.qlora_dequantize_bytes`, counted from `lowbit.nf4_row_blocks`'s
+buffers), and, where host and device are one memory (the CPU), the build, which holds the dense
+model before it is quantized (on a GPU the base is quantized on the host and only its codes move;
+`training.build`).
 
 Simplified vs measurement: the temporaries inside backward are two named terms (the loss's
 gradients, a block's 5·N·C), and ZeRO-2/3's buckets and gathers are rough: on the course's test
@@ -75,20 +78,31 @@ import dataclasses
 
 from companion.plan.costmodel import CostModel
 from companion.plan.parts import (BUCKET_BYTES, activation_bytes, bf16_weights,
-                                  offloaded_twice, qlora_build_bytes, segment_sizes,
-                                  state_bytes)
+                                  offloaded_twice, qlora_build_bytes, qlora_dequantize_bytes,
+                                  segment_sizes, state_bytes)
 from companion.plan.space import Candidate, GPTShape
 
 __all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES",
            "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES", "DISK_BANDWIDTH"]
 
 # Bytes read and written per value by the course's unfused 8-bit code, counted operator by
-# operator (a GPU is bound by them): `lowbit.Adam8bit`'s step ~290 per parameter (dequantize both
-# moments ~58, Adam's update ~100, quantize both ~120, the weight ~12) where fused AdamW moves 32
-# (bitsandbytes' one kernel ~18); one NF4 dequantization ~40 per value (unpack, index, scale,
-# cast). On the course's CPU, compute-bound there, they ran 125x fused AdamW and ~400 bytes.
-ADAM8BIT_BYTES = 290
-DEQUANTIZE_BYTES = 40
+# operator (a GPU is bound by them; each op's tensor operands read once, its result written; the
+# few-KiB tables and per-block scales left out). `lowbit.Adam8bit`'s step on an fp32 parameter with
+# AdamW's decay (the planner's): per parameter, dequantizing each moment 21 (codes to int32 1+4,
+# index_select 4+4, scales in place 4+4), AdamW's decay 8, Adam's update 76 (lerp_ 12, mul_ 8,
+# addcmul_ 12, sqrt, div_, add_ 8 each, div 8, div_ 12), the weight 12, quantizing each moment 69
+# (block absmax: abs 8, pad 8 (a copy even padding nothing), amax 4; divide 8; the bf16 bin: >> 8,
+# & 8; the two table gathers 5 and 8; the comparison 9, its add 3): 42 + 8 + 76 + 12 + 138 = 276,
+# where fused AdamW moves 32 (bitsandbytes' one kernel ~18). On the course's 2-core CPU, one
+# thread, 2^20 parameters, it took 33x fused AdamW's time (median of 15 interleaved, a loaded
+# machine, 2026-12-06): compute-bound there, the bytes under-count it.
+# One NF4 dequantization into fp32, per value (`lowbit.nf4_row_blocks`): the packed byte to int32
+# 0.5+2, the byte-pair table's index_select 2+4, the scales in place 4+4 (+0.06), double
+# quantization's scales ~0.4: 17. The cast to a bf16 compute dtype adds 6 from an fp32 base (a
+# copy 4+2), 10 from a bf16 one (rounded 4+2, copied 2+2): `_DEQUANTIZE_CAST_BYTES`.
+ADAM8BIT_BYTES = 276
+DEQUANTIZE_BYTES = 17
+_DEQUANTIZE_CAST_BYTES = {"fp32": 0, "autocast": 6, "mixed": 10, "main_grad": 10}
 # the GPUs' NVMe tier (CostModel's default: a PCIe 4.0 x4 SSD streams up to 7 GB/s; 3 assumed)
 DISK_BANDWIDTH = CostModel.disk_bandwidth
 
@@ -169,10 +183,13 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
               ("first block's backward", max(G_before, early) + early_moving, early_acts,
                block_temp),
               ("backward end", G, 0, 0),
-              # one base weight dequantized (about 9 bytes per value of the largest in flight,
-              # and a block's (N, C) fp32 gradient: fitted to the simulated step)
-              *([("QLoRA's dequantization", G_before, A, 9 * max(s.lora_linear_weights())
-                  + 4 * N * C)] if c.nf4_base else []),
+              # backward through the last block's NF4 Linears: every block's activations (the
+              # loss's and final norm's freed; offloaded: the last segment's back), one row
+              # block's buffers, the input's gradient, the block's (N, C) gradient (`parts`)
+              *([("QLoRA's dequantization", G_before,
+                  per_block * (segment_sizes(s.depth, c.segments)[1] if c.segments > 1 else 1)
+                  if c.activation_offload else A - outside, qlora_dequantize_bytes(s, c))]
+                if c.nf4_base else []),
 
               ("optimizer", G, 0, step_temp)]
     if s.llama and not c.activation_offload:           # the last block's SwiGLU product's
@@ -226,7 +243,8 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
         # the memory it runs in: the host's when offloaded, the device's otherwise
         "optimizer": optimizer_bytes * shard / (cost.host_memory_bandwidth if c.offload
                                                 else cost.memory_bandwidth),
-        "dequantize": DEQUANTIZE_BYTES * dequantized / cost.memory_bandwidth,
+        "dequantize": (DEQUANTIZE_BYTES + _DEQUANTIZE_CAST_BYTES[c.precision]) * dequantized
+        / cost.memory_bandwidth,
         "offload": (c.accumulation * weight_bytes * trainable + weight_bytes * trainable)
         / cost.host_bandwidth if c.offload else 0.0,
         "communication": sent / cost.network_bandwidth if world_size > 1 else 0.0,
