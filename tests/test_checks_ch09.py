@@ -457,7 +457,7 @@ def test_other_searches_that_ask_nothing_twice_pass_too(legit):
      r"\(between peaks\): a faster plan fits", "largest micro-batch that fits"),
     (_reversed_promise, "a faster plan fits", "only the micro-batch promises an order"),
     (lambda l, p, t, b: _per_setting(l, p, t, b, keep=lambda fits: fits, extra=1),
-     "is over the budget", "off by one"),
+     r"is over the budget|\(nothing fits\): no plan fits", ""),     # the latter every run
     (_never_the_last, r"\(largest fits\): a faster plan fits", ""),
     (lambda l, p, t, b: None, "a faster plan fits", ""),
     (_first_plan_when_none_fits, r"\(nothing fits\): no plan fits", "return None"),
