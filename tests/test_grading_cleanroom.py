@@ -80,6 +80,7 @@ for m in pkgutil.walk_packages(companion.__path__, "companion."):
         importlib.import_module(m.name)
 def marked(fn):
     fn = inspect.unwrap(getattr(fn, "__func__", None) or getattr(fn, "fget", None) or fn)
+    fn = getattr(fn, "fn", fn)                  # a @triton.jit kernel: its Python function
     return any({MARK!r} in str(c) for c in fn.__code__.co_consts)
 bad = []
 for dotted in {inside!r}:
