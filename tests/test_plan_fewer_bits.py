@@ -90,8 +90,8 @@ def _real_step_peak_base_quantized_first(model_fn, cand: Candidate, steps: int =
 def test_qlora_dequantization_term_follows_steps_of_wide_layers(model_fn, cand):
     """Wide layers, few tokens: the peak is backward through an NF4 Linear, whose row block's
     buffers (`parts.qlora_dequantize_bytes`, counted from the code) the prediction must get right.
-    A whole-weight dequantization's 9 bytes per value (the term before row blocks) lands 40% and
-    more above these steps."""
+    The term fitted to the whole-weight dequantization (9 bytes per value of the largest weight)
+    predicted these steps 67-144% high."""
     shape = GPTShape.of(model_fn)
     predicted = predict_memory(shape, cand, device_type="cuda")
     assert predicted.phase == "QLoRA's dequantization"

@@ -87,7 +87,7 @@ __all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCK
 
 # Bytes read and written per value by the course's unfused 8-bit code, counted operator by
 # operator (a GPU is bound by them; each op's tensor operands read once, its result written; the
-# few-KiB tables and per-block scales left out). `lowbit.Adam8bit`'s step on an fp32 parameter with
+# maps' tables, read in part, and the per-block scales (4 B per 256) left out). `lowbit.Adam8bit`'s step on an fp32 parameter with
 # AdamW's decay (the planner's): per parameter, dequantizing each moment 21 (codes to int32 1+4,
 # index_select 4+4, scales in place 4+4), AdamW's decay 8, Adam's update 76 (lerp_ 12, mul_ 8,
 # addcmul_ 12, sqrt, div_, add_ 8 each, div 8, div_ 12), the weight 12, quantizing each moment 69
