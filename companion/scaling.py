@@ -125,7 +125,9 @@ def block_absmax(x: torch.Tensor, block: int | tuple[int, int]) -> torch.Tensor:
             raise ValueError(f"block must be >= 1, got {block}")
         flat = x.detach().reshape(-1).float().abs()
         pad = (-flat.numel()) % block
-        return torch.nn.functional.pad(flat, (0, pad)).view(-1, block).amax(dim=1)
+        if pad:                                          # F.pad copies even when it adds nothing
+            flat = torch.nn.functional.pad(flat, (0, pad))
+        return flat.view(-1, block).amax(dim=1)
     rows, cols = block
     if x.dim() != 2:
         raise ValueError(f"(rows, cols) tiles need a 2-D tensor, got shape {tuple(x.shape)}")

@@ -91,8 +91,8 @@ __all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCK
 # AdamW's decay (the planner's): per parameter, dequantizing each moment 21 (codes to int32 1+4,
 # index_select 4+4, scales in place 4+4), AdamW's decay 8, Adam's update 76 (lerp_ 12, mul_ 8,
 # addcmul_ 12, sqrt, div_, add_ 8 each, div 8, div_ 12), the weight 12, quantizing each moment 69
-# (block absmax: abs 8, pad 8 (a copy even padding nothing), amax 4; divide 8; the bf16 bin: >> 8,
-# & 8; the two table gathers 5 and 8; the comparison 9, its add 3): 42 + 8 + 76 + 12 + 138 = 276,
+# (block absmax: abs 8, amax 4; divide 8; the bf16 bin: >> 8, & 8; the two table gathers 5 and
+# 8; the comparison 9, its add 3; no pad where the blocks are whole): 42 + 8 + 76 + 12 + 122 = 260,
 # where fused AdamW moves 32 (bitsandbytes' one kernel ~18). On the course's 2-core CPU, one
 # thread, 2^20 parameters, it took 33x fused AdamW's time (median of 15 interleaved, a loaded
 # machine, 2026-12-06): compute-bound there, the bytes under-count it.
@@ -100,7 +100,7 @@ __all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCK
 # 0.5+2, the byte-pair table's index_select 2+4, the scales in place 4+4 (+0.06), double
 # quantization's scales ~0.4: 17. The cast to a bf16 compute dtype adds 6 from an fp32 base (a
 # copy 4+2), 10 from a bf16 one (rounded 4+2, copied 2+2): `_DEQUANTIZE_CAST_BYTES`.
-ADAM8BIT_BYTES = 276
+ADAM8BIT_BYTES = 260
 DEQUANTIZE_BYTES = 17
 _DEQUANTIZE_CAST_BYTES = {"fp32": 0, "autocast": 6, "mixed": 10, "main_grad": 10}
 # the GPUs' NVMe tier (CostModel's default: a PCIe 4.0 x4 SSD streams up to 7 GB/s; 3 assumed)
