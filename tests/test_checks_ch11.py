@@ -112,13 +112,72 @@ def _fifteen_bits(x):
     return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
-def test_stochastic_rounding_reference_passes():
-    check_stochastic_rounding(round_stochastic)
+def _positional_dither(x):
+    """Known wrong: noise computed from the position, the same on every call."""
+    noise = (torch.arange(x.numel(), dtype=torch.int32) * 40503) % 65536
+    return ((x.view(torch.int32) + noise.view(x.shape)) & -65536).view(torch.float32) \
+        .to(torch.bfloat16)
+
+
+def _fixed_seed(x):
+    """Known wrong: a generator seeded inside the function, so every call draws the same noise."""
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=g)
+    return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def _bits_trick(x):
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32)
+    return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def _neighbour_choice(x):
+    """Correct alternative: pick the upper neighbour with probability = the fraction."""
+    low = (x.view(torch.int32) & -65536).view(torch.float32)
+    high = ((x.view(torch.int32) & -65536) + 65536).view(torch.float32)
+    up = torch.rand(x.shape) < ((x - low) / (high - low)).abs()
+    return torch.where(up, high, low).to(torch.bfloat16)
+
+
+def _add_then_truncate(x):
+    """Correct alternative: add U·spacing (in magnitude), then truncate."""
+    low = (x.view(torch.int32) & -65536).view(torch.float32)
+    high = ((x.view(torch.int32) & -65536) + 65536).view(torch.float32)
+    y = x + torch.sign(x) * torch.rand(x.shape) * (high.abs() - low.abs())
+    return (y.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def _flip_for_negatives(x):
+    """Correct alternative: the noise flipped for negative values, on the magnitude's bits."""
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32)
+    noise = torch.where(x < 0, 65535 - noise, noise)
+    return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("answer", [round_stochastic, _bits_trick, _neighbour_choice,
+                                    _add_then_truncate, _flip_for_negatives])
+@pytest.mark.parametrize("repeat", range(3))
+def test_stochastic_rounding_reference_and_alternatives_pass(answer, repeat):
+    check_stochastic_rounding(answer)
+
+
+@pytest.mark.parametrize("wrong", [_positional_dither, _fixed_seed])
+@pytest.mark.parametrize("repeat", range(5))
+def test_stochastic_rounding_noise_repeated_across_calls_fails_every_run(wrong, repeat):
+    with pytest.raises(CheckFailed, match="calls") as e:
+        check_stochastic_rounding(wrong)
+    assert "low 16 bits" not in str(e.value)
+
+
+def test_stochastic_rounding_hints_do_not_spell_out_the_bit_trick():
+    import inspect
+    from companion.checks import ch11
+    assert "low 16 bits" not in inspect.getsource(ch11.check_stochastic_rounding)
 
 
 @pytest.mark.parametrize("wrong, hint", [
     (_nearest, "biased"),
-    (_signed_value_rounds, "uniform"),
+    (_signed_value_rounds, "evenly"),
     (_fifteen_bits, "should round up with probability"),
     (lambda x: x, None),                                     # fp32 back: wrong dtype
 ])
@@ -160,6 +219,20 @@ def test_nf4_block_reference_passes():
     check_nf4_block(_nf4)
 
 
+def _signed_max(w):
+    """Known wrong: w.max(), not the largest magnitude, as the scale."""
+    absmax = w.max()
+    codes = (w[:, None] / absmax - NF4).abs().argmin(1)
+    codes = torch.cat([codes, codes.new_zeros(codes.numel() % 2)])
+    return ((codes[0::2] << 4) | codes[1::2]).to(torch.uint8), absmax
+
+
+@pytest.mark.parametrize("repeat", range(5))
+def test_nf4_block_signed_max_fails_every_run(repeat):
+    with pytest.raises(CheckFailed):
+        check_nf4_block(_signed_max)
+
+
 @pytest.mark.parametrize("wrong, hint", [
     (_low_nibble_first, "high four bits"),
     (_linear_levels, "nearest of the 16 NF4 levels"),
@@ -189,11 +262,12 @@ def _pick(need, gpu, other):
 
 
 def _counted(nf4=0.5 + 1 / 64 + 4 / (64 * 256), rest=4, adapter=16, absmax=4 / 256,
-             small_fp32=True):
+             small_fp32=True, at_4096_fp32=False):
     """A learner's count with one of its parts changed (the defaults are right up to rounding)."""
     def answer(model, rank, gpu, other):
         n, dense, adapters, sizes = _counts(model, rank)
-        moments = sum(8 * k if small_fp32 and k < 4096 else 2 * k * (1 + absmax) for k in sizes)
+        small = (lambda k: k <= 4096) if at_4096_fp32 else (lambda k: k < 4096)
+        moments = sum(8 * k if small_fp32 and small(k) else 2 * k * (1 + absmax) for k in sizes)
         need = {"bf16+master": 16 * n, "fp32+adam8bit": 8 * n + moments, "bf16+kahan": 10 * n,
                 "bf16": 8 * n, "bf16+adam8bit": 4 * n + moments,
                 "qlora": nf4 * dense + rest * (n - dense) + adapter * adapters}
@@ -230,6 +304,7 @@ def test_pick_layout_reference_and_rounded_counts_pass(repeat):
     (_counted(nf4=0.52), "QLoRA's bytes"),                        # "about 0.52" as a constant
     (_counted(absmax=0), "8-bit Adam's bytes"),                   # 10 and 6 bytes
     (_counted(small_fp32=False), "8-bit Adam's bytes"),           # 10.03 and 6.03 bytes
+    (_counted(at_4096_fp32=True), "8-bit Adam's bytes"),          # <= 4096 in fp32, not < 4096
     (_cheapest, "first choice"),
 ])
 @pytest.mark.parametrize("repeat", range(3))

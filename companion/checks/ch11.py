@@ -250,16 +250,61 @@ def check_stochastic_rounding(answer) -> str:
                 hint="rounding to nearest (or always the same way) is biased: the result must "
                      "be random, up with probability equal to the distance from the lower "
                      "neighbour in units of the spacing." if always else
-                     "the random number must be uniform over all 2^16 low-bit patterns (add it to "
-                     "the low 16 bits of the fp32 pattern, then clear them), and the magnitude "
-                     "rounds, not the signed value.")
+                     "the rate of rounding up is off for this fraction of the spacing: check that "
+                     "your random draw covers the whole spacing evenly, with no value of it more "
+                     "likely than another, and that the magnitude rounds, not the signed value.")
+    _fresh_each_call(answer, rng)
     exact = torch.tensor([1.0, -2.5, 0.0, 2.0 ** -100], dtype=torch.bfloat16).float()
     again = call(answer, exact.clone())
     compare(again.float() if isinstance(again, torch.Tensor) else again, exact,
             name="values bf16 holds exactly", rtol=0, atol=0,
             hint="a value already in bf16 has nothing to round: it must come back unchanged.")
     return (f"unbiased on {len(values)} values of both signs from 1e-6 to 1e30, each rounded "
-            f"{draws} times: within 5σ of its expectation")
+            f"{draws} times: within 5σ of its expectation; each of {_POSITIONS} positions "
+            f"rounded afresh on each of {_CALLS} calls")
+
+
+_CALLS, _POSITIONS, _FALSE_ALARM = 200, 32, 1e-6
+
+
+def _fresh_each_call(answer, rng: random.Random) -> None:
+    """Calls the answer _CALLS times on one small tensor and tests, position by position, how often
+    it rounded up against the probability it should. An answer whose noise repeats from call to call
+    (a fixed seed, noise computed from the position) rounds each weight the same way every step,
+    the bias stochastic rounding exists to remove. Hoeffding: P(|rate - p| >= d) <= 2 exp(-2 n d²);
+    d is chosen so that a correct answer fails with probability under _FALSE_ALARM in all (a bound
+    per position of _FALSE_ALARM / _POSITIONS); every fraction lies in [0.35, 0.65], so an answer
+    that rounds a position the same way on every call is off by 0.35 or more > d (0.22)."""
+    d = math.sqrt(math.log(2 * _POSITIONS / _FALSE_ALARM) / (2 * _CALLS))
+    scales = torch.tensor([1.0, -3.0, 2.0 ** -20, 700.0, -0.0123, 1.5e30, -7.5, 0.25])
+    base = scales.repeat(_POSITIONS // len(scales)).to(torch.bfloat16).float()
+    fractions = torch.tensor([rng.uniform(0.35, 0.65) for _ in range(_POSITIONS)])
+    gap = _neighbours(base.abs())[1] - base.abs()
+    x = base + torch.sign(base) * fractions * gap
+    high = _neighbours(x.abs())[1]
+    ups = torch.zeros(_POSITIONS)
+    for _ in range(_CALLS):
+        got = call(answer, x.clone())
+        require(isinstance(got, torch.Tensor) and got.shape == x.shape,
+                f"expected a tensor of shape {tuple(x.shape)}, got "
+                f"{tuple(getattr(got, 'shape', ())) or type(got).__name__}")
+        ups += (got.float().abs() == high).float()
+    rate = ups / _CALLS
+    off = (rate - fractions).abs()
+    i = int(off.argmax())
+    if off[i] >= d:
+        same = rate[i] in (0.0, 1.0)
+        raise CheckFailed(
+            f"{_CALLS} calls on one tensor of {_POSITIONS} values: value {float(x[i]):.8g} at "
+            f"position {i} lies {float(fractions[i]):.3f} of the way to its upper bf16 neighbour "
+            f"and rounded up on {int(ups[i])} of {_CALLS} calls (a correct answer lies within "
+            f"{d:.3f} of {float(fractions[i]):.3f} except with probability under {_FALSE_ALARM:g})",
+            expected=float(fractions[i]), got=float(rate[i]),
+            hint="a position rounded the same way on every call: each call must draw new "
+                 "randomness, not repeat the last call's or compute it from the position, or "
+                 "every step rounds a weight the same way." if same else
+                 "across calls the rate of rounding up is off: each call's randomness must be "
+                 "independent of the last call's.")
 
 
 # ---------------------------------------------------------------- exercise 4: NF4 of one block
@@ -278,6 +323,8 @@ def check_nf4_block(answer) -> str:
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     for n in (64, rng.randrange(3, 63, 2), rng.randrange(66, 200, 2)):
         w = torch.randn(n, generator=g) * rng.uniform(0.01, 2.0)
+        if n == 64:                                   # the largest magnitude is negative
+            w[rng.randrange(n)] = -1.5 * w.abs().max()
         label = f"a block of {n} weights"
         got = call(answer, w.clone())
         require(isinstance(got, (tuple, list)) and len(got) == 2,
@@ -382,11 +429,16 @@ def _fixed_cases() -> list[tuple]:
     cases.append((mlp, 4, 12 * 2**30, other, "a model of 3,000 narrow layers"))
     tiny = _gpt(50257, 1024, 768, 12)                                   # everything fits
     cases.append((tiny, 8, 141 * 2**30, 2**30, "a large GPU"))
+    # width 4096: LayerNorms and some biases hold exactly 4096 values, 8-bit from 4096 on
+    at = sum(p.numel() for p in gpt.parameters() if p.numel() == 4096)
+    six = layout_bytes("bf16+adam8bit", gpt, rank)
+    cases.append((gpt, rank, 14 * 2**30 + six + 3 * at, 14 * 2**30,
+                  "tensors of exactly 4096 values"))
     return cases
 
 
 def _random_cases(rng: random.Random, count: int) -> list[tuple]:
-    """GPT-shaped models from 0.3B to 70B on GPUs of 12 to 141 GiB, each kept 0.2% or more from a
+    """GPT-shaped models from 0.4B to 65B parameters on GPUs of 12 to 141 GiB, each kept 0.2% or more from a
     boundary between two answers."""
     shapes = [(50257, 1024, 1024, 24), (32000, 2048, 2048, 24), (32000, 4096, 4096, 32),
               (128256, 8192, 5120, 40), (32000, 4096, 8192, 80)]
