@@ -37,3 +37,12 @@ def test_an_unknown_kind_names_the_kinds():
     with pytest.raises(ValueError, match="bf16 \\+ Adam8bit"):
         train_curve("bf16 + adam", 0, sizes("cpu"), torch.device("cpu"), steps=1)
     assert STABLE_EMBEDDING not in KINDS
+
+
+def test_no_kind_is_named_plain_bf16_and_the_loss_is_reported_in_fp32():
+    """'bf16' alone means stochastic rounding in the layout table: the kind that rounds its
+    weights to nearest says so; a bf16 model's loss is reported in fp32, not on bf16's grid."""
+    assert "bf16" not in KINDS and "bf16 (nearest)" in KINDS
+    S = sizes("cpu")
+    losses, _ = train_curve("bf16 (nearest)", 0, S, torch.device("cpu"), steps=2)
+    assert any(float(torch.tensor(v).to(torch.bfloat16)) != v for v in losses)

@@ -4,10 +4,12 @@ optimizer that keeps fewer bits, over several seeds.
 `train_curve` trains `companion.models.GPT` at the sizes `S` with one of `KINDS` (or
 `STABLE_EMBEDDING`: 8-bit Adam with the token embedding's states in 32 bits) and returns its
 losses and, per step, the fraction of weights the step left unchanged (for pure bf16 without
-compensation, the updates that rounding to nearest dropped). `fewer_bits` is the recorded run.
+compensation, the updates that rounding to nearest dropped). "bf16 (nearest)" rounds its weights'
+updates to nearest (its moments, `BF16AdamW`'s default, stochastically); the other bf16 kinds
+name the compensation of their weights. `fewer_bits` is the recorded run.
 
 Example:
-    >>> losses, unchanged = train_curve("bf16", 0, sizes("cpu"), torch.device("cpu"), steps=50)
+    >>> losses, unchanged = train_curve("bf16 (nearest)", 0, sizes("cpu"), torch.device("cpu"), steps=50)
     >>> fewer_bits(sizes("cpu"), torch.device("cpu"), repeats=2)["measured"]["bytes_per_param"]
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import statistics
 
 import torch
+import torch.nn.functional as F
 
 from companion import models
 from companion.lowbit import Adam8bit, BF16AdamW, fp32_products, layouts
@@ -24,7 +27,7 @@ from companion.results import curve
 __all__ = ["KINDS", "STABLE_EMBEDDING", "train_curve", "layout_bytes", "figures", "fewer_bits",
            "final_loss"]
 
-KINDS = ("fp32 Adam", "Adam8bit", "bf16", "bf16 + stochastic", "bf16 + Kahan", "bf16 + Adam8bit")
+KINDS = ("fp32 Adam", "Adam8bit", "bf16 (nearest)", "bf16 + stochastic", "bf16 + Kahan", "bf16 + Adam8bit")
 STABLE_EMBEDDING = "Adam8bit, 32-bit embedding states"    # the stable embedding's optimizer half
 
 
@@ -40,7 +43,7 @@ def _optimizer(kind: str, model: models.GPT, lr: float) -> torch.optim.Optimizer
         return Adam8bit(params, lr=lr)
     if kind == "bf16 + Adam8bit":                    # the 6-byte layout, rounded stochastically
         return Adam8bit(params, lr=lr, stochastic_round=True)
-    mode = {"bf16": "none", "bf16 + stochastic": "stochastic", "bf16 + Kahan": "kahan"}[kind]
+    mode = {"bf16 (nearest)": "none", "bf16 + stochastic": "stochastic", "bf16 + Kahan": "kahan"}[kind]
     return BF16AdamW(params, lr=lr, weight_decay=0.0, compensation=mode)
 
 
@@ -50,10 +53,13 @@ def train_curve(kind: str, seed: int, S, device: torch.device, *, steps: int,
     """(loss per step, fraction of weights unchanged by each step) of the course GPT trained with
     `kind` from seed `seed` on the Markov chain `chain` (`models.make_tokens`); the same seed
     gives every kind the same initial weights (rounded to bf16 for the bf16 kinds) and batches.
-    `batch` sequences per step: by default 8, or fewer where the device's sizes say so.
+    `batch` sequences per step: by default 8, or fewer where the device's sizes say so. The loss
+    is computed in fp32 from the logits (a bf16 loss is 1/64 apart near 2.7, too coarse to
+    compare kinds by).
     On the CPU the bf16 kinds' matrix products run under `lowbit.fp32_products` (a bf16 GEMM's
-    result, at fp32's speed: PyTorch's bf16 GEMM on a CPU without bf16 matrix instructions is
-    tens of times slower); on a GPU they are the GPU's bf16 GEMMs."""
+    result from fp32 products, on every CPU alike: on one without bf16 matrix instructions it is
+    several times faster than PyTorch's bf16 GEMM, on one with AVX512-BF16 or AMX it need not be;
+    benchmarks/README.md, bf16_products); on a GPU they are the GPU's bf16 GEMMs."""
     batch = min(8, S.amp_gpt_batch) if batch is None else batch
     if kind not in KINDS + (STABLE_EMBEDDING,):
         raise ValueError(f"kind is one of {KINDS + (STABLE_EMBEDDING,)}, got {kind!r}")
@@ -72,7 +78,8 @@ def train_curve(kind: str, seed: int, S, device: torch.device, *, steps: int,
     for _ in range(steps):
         idx = torch.randint(0, x.shape[0], (batch,), generator=order).to(device)
         with products():
-            loss = gpt.loss(x[idx], y[idx])
+            logits = gpt(x[idx])                     # bf16 logits upcast: the loss in fp32
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y[idx].flatten())
             loss.backward()
         before = [p.detach().clone() for p in params]
         opt.step()
@@ -105,7 +112,8 @@ def figures(rows: dict, runs: dict[str, list]) -> tuple[dict, dict]:
     for kind, rs in runs.items():
         steps = len(rs[0][0])
         median = [statistics.median(r[0][i] for r in rs) for i in range(steps)]
-        name = kind.replace(" + ", "_").replace(" ", "_").lower()
+        name = kind.replace(" + ", "_").replace(" ", "_").strip("()").replace("(", "")\
+            .replace(")", "").lower()
         measured[f"loss_{name}"] = curve(list(range(1, steps + 1)), median, xlabel="step",
                                          ylabel="loss (median over seeds)",
                                          title=f"{kind}: training loss")
