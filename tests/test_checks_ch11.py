@@ -311,3 +311,47 @@ def test_pick_layout_reference_and_rounded_counts_pass(repeat):
 def test_pick_layout_wrong_answers_fail_every_run(wrong, hint, repeat):
     with pytest.raises(CheckFailed, match=hint):
         check_pick_layout(wrong)
+
+
+# ---------------------------------------------------------------- exercise 6
+
+def _state_answer(fixed=None, bytes_per_value=None, ignore_budget=False, only=None):
+    """A learner's search with one thing changed (the defaults are the reference's)."""
+    from companion.checks.ch11 import _state_errors, state_bytes_per_value
+    count = bytes_per_value or state_bytes_per_value
+
+    def answer(m, v, max_bytes):
+        if fixed is not None:
+            return fixed if count(fixed[1]) <= max_bytes else None
+        errors = {k: e for k, e in _state_errors(m, v).items() if only in (None, k[0])}
+        fits = {k: e for k, e in errors.items() if ignore_budget or count(k[1]) <= max_bytes}
+        return min(fits, key=fits.get) if fits else None
+    return answer
+
+
+def _smallest_dynamic(m, v, max_bytes):
+    """Known wrong: the dynamic map always, at the smallest block that fits."""
+    from companion.checks.ch11 import state_bytes_per_value
+    fit = [b for b in (32, 64, 128, 256, 512, 1024, 2048, 4096) if state_bytes_per_value(b) <= max_bytes]
+    return ("dynamic", fit[0]) if fit else None
+
+
+@pytest.mark.parametrize("repeat", range(3))
+def test_state_codes_reference_passes(repeat):
+    from companion.checks.ch11 import check_state_codes, choose_state_codes
+    check_state_codes(choose_state_codes)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_state_answer(fixed=("dynamic", 256)), "measure each candidate"),       # bitsandbytes' default
+    (_smallest_dynamic, "measure each candidate"),
+    (_state_answer(only="linear"), "measure each candidate"),
+    (_state_answer(ignore_budget=True), "does not fit"),
+    (_state_answer(bytes_per_value=lambda b: 2 + 4 / b), "does not fit"),   # one absmax, not two
+    (_state_answer(bytes_per_value=lambda b: 1 + 8 / b), "does not fit"),   # one moment's codes
+])
+@pytest.mark.parametrize("repeat", range(2))
+def test_state_codes_wrong_answers_fail_every_run(wrong, hint, repeat):
+    from companion.checks.ch11 import check_state_codes
+    with pytest.raises(CheckFailed, match=hint):
+        check_state_codes(wrong)
