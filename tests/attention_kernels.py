@@ -26,6 +26,9 @@ def _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_o
             stop = tl.minimum(n_k, tile * BLOCK_Q + offset + 1)
         if MISTAKE == "stop_one_short":
             stop = tl.minimum(n_k, (tile + 1) * BLOCK_Q + offset - 1)
+        if MISTAKE == "stop_whole_tiles":               # rounded down to a whole key tile
+            stop = tl.minimum(n_k, tl.maximum((tile + 1) * BLOCK_Q + offset, 0) // BLOCK_K
+                              * BLOCK_K)
     for start in range(0, stop, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         inside = (cols[:, None] < n_k) & (dims[None, :] < d)
@@ -36,7 +39,10 @@ def _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_o
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         seen = cols[None, :] < (n_k + BLOCK_K if MISTAKE == "no_key_mask" else n_k)
         if IS_CAUSAL:
-            seen = seen & (cols[None, :] <= rows[:, None] + offset)
+            if MISTAKE == "strict_diagonal":
+                seen = seen & (cols[None, :] < rows[:, None] + offset)
+            else:
+                seen = seen & (cols[None, :] <= rows[:, None] + offset)
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         shift = m_new if MISTAKE == "no_inf_guard" else tl.where(m_new == float("-inf"), 0.0,
@@ -257,3 +263,21 @@ def not_written(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, strid
     """What a workbook's stub is: a kernel whose body raises."""
     raise NotImplementedError("Exercise: replace this line with your code (about 30 lines in "
                               "the reference solution).")
+
+
+@triton.jit
+def strict_diagonal(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh,
+                    stride_on, stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D,
+             "strict_diagonal")
+
+
+@triton.jit
+def stop_whole_tiles(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh,
+                     stride_on, stride_lh, n_q, n_k, d, scale, IS_CAUSAL: tl.constexpr,
+                     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    _forward(Q, K, V, O, L, stride_qh, stride_qn, stride_kh, stride_kn, stride_oh, stride_on,
+             stride_lh, n_q, n_k, d, scale, IS_CAUSAL, BLOCK_Q, BLOCK_K, BLOCK_D,
+             "stop_whole_tiles")

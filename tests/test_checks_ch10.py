@@ -270,7 +270,7 @@ def test_choose_tiles_reference_passes():
     (lambda *a: _tiles(*a, order="k"), "maximize block_q first"),
     # Each passed some runs before the fixed cases that separate them (review, finding 3):
     (lambda *a: _tiles(*a, order="area"), "the largest tile area"),
-    (lambda *a: _tiles(*a, reserve=1024), None),                 # 1 KiB kept back per program
+    (lambda *a: _tiles(*a, reserve=1024), "the 1 KiB per block"),  # kept back per program
     (lambda *a: _tiles(*a, strict=True), None),
     (lambda s, d, e, p=1, m=16: choose_tiles(s, d, e, programs_per_sm=p, min_block_k=m),
      "keeps S, P and the output accumulator in registers"),       # the chapter's count
@@ -281,18 +281,39 @@ def test_choose_tiles_wrong_answers_fail_every_run(wrong, hint, run):
         check_choose_tiles(wrong)
 
 
-@pytest.mark.parametrize("defaults", [(1, 16), (2, 64), (3, 16), (1, 128)])
-def test_choose_tiles_fails_defaults_that_are_not_fa2s_choice_for_an_a10(defaults):
+@pytest.mark.parametrize("run", range(2))
+@pytest.mark.parametrize("wrong", [lambda *a: _tiles(*a, strict=True),
+                                   lambda *a: _tiles(*a, reserve=512)])
+def test_choose_tiles_names_the_reserved_kib_only_when_that_is_the_mistake(wrong, run):
+    """A strict < and another amount kept back fail, without the 1 KiB hint (the fixed made-up
+    budgets separate them)."""
+    with pytest.raises(CheckFailed) as failed:
+        check_choose_tiles(wrong)
+    assert "1 KiB" not in (failed.value.hint or "")
+
+
+@pytest.mark.parametrize("run", range(2))
+@pytest.mark.parametrize("defaults", [(1, 16), (2, 64), (3, 16), (1, 128), (1, 32), (4, 16)])
+def test_choose_tiles_fails_defaults_that_are_not_fa2s_choice_for_an_a10(defaults, run):
     p0, m0 = defaults
 
     def answer(s, d, e, p=p0, m=m0):
         return _tiles(s, d, e, p, m)
-    with pytest.raises(CheckFailed, match="where FlashAttention-2 ships 128 x 32"):
+    with pytest.raises(CheckFailed, match="where FlashAttention-2 ships 128 x 32") as failed:
         check_choose_tiles(answer)
+    assert "Why would one program per SM" in failed.value.hint
+
+
+@pytest.mark.parametrize("run", range(2))
+@pytest.mark.parametrize("bound", [16, 1, 32])
+def test_choose_tiles_grades_programs_per_sm_only(bound, run):
+    """The exercise gives min_block_k's default (16); any bound up to 32 lands on 128 x 32 at two
+    programs per SM, so the check does not pretend to grade it (second review, finding 2)."""
+    check_choose_tiles(lambda s, d, e, p=2, m=bound: _tiles(s, d, e, p, m))
 
 
 def test_choose_tiles_asks_for_defaults_when_there_are_none():
-    with pytest.raises(CheckFailed, match="give programs_per_sm and min_block_k default"):
+    with pytest.raises(CheckFailed, match="give programs_per_sm a default value"):
         check_choose_tiles(lambda s, d, e, p, m: _tiles(s, d, e, p, m))
 
 
@@ -326,6 +347,9 @@ def test_triton_forward_passes_the_reference_kernel():
     ("no_inf_guard", "a row that has seen no key yet has m = −inf"),
     ("stop_first_row", "a stop taken from the tile's first row"),
     ("stop_one_short", "one past that key, not the key itself"),
+    # Each failed with the generic hint before (second review of chapter 10, finding 5):
+    ("strict_diagonal", "the diagonal is visible: query i sees keys j <= i"),
+    ("stop_whole_tiles", "not rounded down to a whole BLOCK_K"),
 ])
 def test_triton_forward_fails_the_wrong_kernels_every_run(name, hint, run):
     with pytest.raises(CheckFailed, match=hint):
