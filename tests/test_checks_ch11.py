@@ -169,6 +169,28 @@ def test_stochastic_rounding_noise_repeated_across_calls_fails_every_run(wrong, 
     assert "low 16 bits" not in str(e.value)
 
 
+def _eight_bits(x):
+    """Known wrong: 8 random bits of noise, so every update under 1/256 of a spacing is lost."""
+    noise = torch.randint(0, 256, x.shape, dtype=torch.int32) << 8
+    return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def _bf16_threshold(x):
+    """Known wrong: the random threshold drawn in bf16, coarse near 0 (0 itself 0.2% of the time)."""
+    low = (x.view(torch.int32) & -65536).view(torch.float32)
+    high = ((x.view(torch.int32) & -65536) + 65536).view(torch.float32)
+    up = torch.rand(x.shape, dtype=torch.bfloat16).float() < ((x - low) / (high - low)).abs()
+    return torch.where(up, high, low).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("wrong", [_eight_bits, _bf16_threshold])
+@pytest.mark.parametrize("repeat", range(5))
+def test_stochastic_rounding_coarse_noise_fails_every_run(wrong, repeat):
+    with pytest.raises(CheckFailed, match="1/1024 of a spacing") as e:
+        check_stochastic_rounding(wrong)
+    assert "thousandth of a spacing" in e.value.hint
+
+
 def test_stochastic_rounding_hints_do_not_spell_out_the_bit_trick():
     import inspect
     from companion.checks import ch11
@@ -315,7 +337,7 @@ def test_pick_layout_wrong_answers_fail_every_run(wrong, hint, repeat):
 
 # ---------------------------------------------------------------- exercise 6
 
-def _state_answer(fixed=None, bytes_per_value=None, ignore_budget=False, only=None):
+def _state_answer(fixed=None, bytes_per_value=None, ignore_budget=False, only=None, blocks=None):
     """A learner's search with one thing changed (the defaults are the reference's)."""
     from companion.checks.ch11 import _state_errors, state_bytes_per_value
     count = bytes_per_value or state_bytes_per_value
@@ -323,7 +345,8 @@ def _state_answer(fixed=None, bytes_per_value=None, ignore_budget=False, only=No
     def answer(m, v, max_bytes):
         if fixed is not None:
             return fixed if count(fixed[1]) <= max_bytes else None
-        errors = {k: e for k, e in _state_errors(m, v).items() if only in (None, k[0])}
+        errors = {k: e for k, e in _state_errors(m, v).items()
+                  if only in (None, k[0]) and (blocks is None or k[1] in blocks)}
         fits = {k: e for k, e in errors.items() if ignore_budget or count(k[1]) <= max_bytes}
         return min(fits, key=fits.get) if fits else None
     return answer
@@ -345,6 +368,7 @@ def test_state_codes_reference_passes(repeat):
 @pytest.mark.parametrize("wrong, hint", [
     (_state_answer(fixed=("dynamic", 256)), "measure each candidate"),       # bitsandbytes' default
     (_smallest_dynamic, "measure each candidate"),
+    (_state_answer(blocks=(32, 64, 128, 256, 512, 1024)), "expected \\(map, blocksize\\)"),
     (_state_answer(only="linear"), "measure each candidate"),
     (_state_answer(ignore_budget=True), "does not fit"),
     (_state_answer(bytes_per_value=lambda b: 2 + 4 / b), "does not fit"),   # one absmax, not two

@@ -253,6 +253,7 @@ def check_stochastic_rounding(answer) -> str:
                      "the rate of rounding up is off for this fraction of the spacing: check that "
                      "your random draw covers the whole spacing evenly, with no value of it more "
                      "likely than another, and that the magnitude rounds, not the signed value.")
+    _fine_fraction(answer)
     _fresh_each_call(answer, rng)
     exact = torch.tensor([1.0, -2.5, 0.0, 2.0 ** -100], dtype=torch.bfloat16).float()
     again = call(answer, exact.clone())
@@ -260,8 +261,40 @@ def check_stochastic_rounding(answer) -> str:
             name="values bf16 holds exactly", rtol=0, atol=0,
             hint="a value already in bf16 has nothing to round: it must come back unchanged.")
     return (f"unbiased on {len(values)} values of both signs from 1e-6 to 1e30, each rounded "
-            f"{draws} times: within 5σ of its expectation; each of {_POSITIONS} positions "
-            f"rounded afresh on each of {_CALLS} calls")
+            f"{draws} times: within 5σ of its expectation; a value 1/{_FINE} of a spacing above "
+            f"1.0 rounded up at its rate over {_FINE_DRAWS:,} draws; each of {_POSITIONS} "
+            f"positions rounded afresh on each of {_CALLS} calls")
+
+
+_FINE, _FINE_DRAWS = 1024, 200_000
+
+
+def _fine_fraction(answer) -> None:
+    """The failure stochastic rounding exists to prevent: an update far under one spacing. A value
+    1/_FINE of a spacing above 1.0, rounded _FINE_DRAWS times, must round up at rate 1/_FINE within
+    5σ. A correct answer fails with probability 9.5e-7 (the exact binomial tail beyond 5σ); noise of
+    8 random bits (every fraction under 1/256 lost) lies about 14σ off, a threshold drawn in bf16
+    (0 comes up 0.2% of the time) 26σ or more."""
+    p = 1 / _FINE
+    x = torch.full((_FINE_DRAWS,), 1.0 + p * 2.0 ** -7)           # bf16's spacing at 1.0: 2^-7
+    got = call(answer, x.clone())
+    require(isinstance(got, torch.Tensor) and got.shape == x.shape,
+            f"expected a tensor of shape {tuple(x.shape)}, got "
+            f"{tuple(getattr(got, 'shape', ())) or type(got).__name__}")
+    got = got.float()
+    require(bool(((got == 1.0) | (got == 1.0 + 2.0 ** -7)).all()),
+            f"value {1 + p * 2.0 ** -7:.10g}: some results are not one of its two bf16 neighbours",
+            hint="round to the bf16 value just below or just above, nothing further away.")
+    up = float((got > 1.0).float().mean())
+    sigma = math.sqrt(p * (1 - p) / _FINE_DRAWS)
+    if abs(up - p) > 5 * sigma:
+        raise CheckFailed(
+            f"value {1 + p * 2.0 ** -7:.10g} lies 1/{_FINE} of a spacing above 1.0; it should round "
+            f"up with probability {p:.6f}, yours rounded up {up:.6f} of {_FINE_DRAWS:,} times "
+            f"(5σ = {5 * sigma:.6f})", expected=p, got=up,
+            hint="many small updates add up only if each rounds up at exactly its rate: the "
+                 "random draw must cover the spacing evenly, finely enough for a value a "
+                 "thousandth of a spacing above its lower neighbour.")
 
 
 _CALLS, _POSITIONS, _FALSE_ALARM = 200, 32, 1e-6
@@ -545,7 +578,9 @@ def check_state_codes(answer) -> str:
     rng = random.Random(fresh_seeds(1)[0])
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     cases = [("rows", 2.2), ("rows", 2.07), ("narrow", 2.07), ("outliers", 2.3),
-             (rng.choice(["rows", "narrow"]), rng.choice([2.02, 2.04])), ("narrow", 1.999)]
+             (rng.choice(["rows", "narrow"]), rng.choice([2.02, 2.04])),
+             (rng.choice(["rows", "narrow"]), 2.005),          # only blocks of 2048 and 4096 fit
+             ("narrow", 1.999)]
     for kind, budget in cases:
         m, v = _moments(kind, g, 10 ** rng.uniform(-2, 2))
         label = f"moments of 16,384 values ({kind}), {budget:g} bytes per value"
