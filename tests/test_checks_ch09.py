@@ -126,6 +126,26 @@ def _fastest_predicted(model_fn, batches, lr, budget):
                   key=lambda c: predict_seconds(shape, c, cost)["total"])
 
 
+def _segments_first(model_fn, batches, lr, budget):
+    """Another decision: the fewest checkpoint segments before the fewest micro-batches."""
+    return _train(model_fn, batches, lr, budget, key=lambda c: (c.offload, c.segments,
+                                                                 c.accumulation))
+
+
+def _always_offload(model_fn, batches, lr, budget):
+    """Offload whatever the budget, then the fewest micro-batches and segments (passed 5 of 6
+    runs when the second case's batch was 8 or 12)."""
+    return _train(model_fn, batches, lr, budget, key=lambda c: (not c.offload, c.accumulation,
+                                                                 c.segments))
+
+
+def _powers_of_two(model_fn, batches, lr, budget):
+    """The notebook's rule over power-of-two micro-batches only (passed 5 of 6 runs before)."""
+    def key(c):
+        return (c.micro_batch & (c.micro_batch - 1) != 0, c.offload, c.accumulation, c.segments)
+    return _train(model_fn, batches, lr, budget, key=key)
+
+
 def _notebooks_plan(model_fn, batches, lr, budget):
     """The notebook's plan copied: 4 micro-batches, 4 segments (or every block), offload."""
     return _train(model_fn, batches, lr, budget,
@@ -211,7 +231,9 @@ def test_the_solution_passes_and_says_what_it_saved(capsys):
 def test_the_cases_are_not_the_notebooks_and_need_a_decision():
     """Other GPTs than the notebook's; the first kind needs offload (16 B per parameter are over
     it), the second fits the states on the device with at most 4 micro-batches and no
-    checkpointing (so a plan that offloads with as many micro-batches pulls a lever too many);
+    checkpointing (so a plan that offloads with as many micro-batches pulls a lever too many),
+    and there the fewest levers with the states offloaded, or with power-of-two micro-batches
+    only, are beaten by a plan predicted to fit with less of one lever and no more of another;
     the plain run never fits; and every plan of the chapter's parts predicted to fit is clear of
     the budget by 4%, so that its measured step fits too."""
     from companion.device import sizes
@@ -232,6 +254,13 @@ def test_the_cases_are_not_the_notebooks_and_need_a_decision():
             assert any(c.accumulation <= 4 and c.segments == 1 and c.precision == "fp32"
                        for c in on_device)
             assert peaks[Candidate(case.cap_batch)] >= 1.25 * case.cap_budget
+            fits = [c for c, p in peaks.items() if p <= case.cap_budget and c.precision == "fp32"]
+            for wrong in ([c for c in fits if c.offload],
+                          [c for c in fits if c.micro_batch & (c.micro_batch - 1) == 0]):
+                rule = min(wrong, key=lambda c: (c.offload, c.accumulation, c.segments))
+                assert ch09._beaten(shape.depth, rule, fits)
+            right = min(fits, key=lambda c: (c.offload, c.accumulation, c.segments))
+            assert not ch09._beaten(shape.depth, right, fits)
         assert not [p for p in peaks.values() if case.cap_budget / 1.04 <= p <= case.cap_budget]
 
 
@@ -263,12 +292,12 @@ def test_recompute_never_falls_as_segments_grow_at_the_cases_depths():
 
 
 @pytest.mark.parametrize("legit", [
-    _fastest_predicted,
+    _fastest_predicted, _segments_first,
     lambda f, b, lr, budget: _low_where_it_fits(f, b, lr, budget, autocast=True),
     lambda f, b, lr, budget: _low_where_it_fits(f, b, lr, budget, dtype=torch.bfloat16),
     lambda f, b, lr, budget: _train(f, b, lr, budget, as_numpy=True),
     _activations_offloaded,
-], ids=["fastest predicted", "bf16 autocast", "bf16 weights, fp32 masters on the host",
+], ids=["fastest predicted", "segments first", "bf16 autocast", "bf16 weights, fp32 masters on the host",
         "numpy floats", "activation offload"])
 def test_other_decisions_that_keep_the_training_pass_too(legit):
     """Fresh cases each run, both kinds: each decides from the model and the budget."""
@@ -276,9 +305,10 @@ def test_other_decisions_that_keep_the_training_pass_too(legit):
 
 
 @pytest.mark.parametrize("wrong", [_notebooks_plan, _every_lever, _smallest_peak,
-                                   _whole_model_checkpointed],
+                                   _whole_model_checkpointed, _always_offload, _powers_of_two],
                          ids=["the notebook's plan", "every lever", "the smallest peak",
-                              "the whole model checkpointed, one sequence at a time"])
+                              "the whole model checkpointed, one sequence at a time",
+                              "always offload", "powers of two only"])
 def test_a_plan_that_ignores_the_budget_fails_every_run(wrong):
     """Fresh cases each run: the case whose states fit on the device has a plan with no
     offload, at most 4 micro-batches and no recompute, so each of these pulls a lever that
@@ -344,7 +374,7 @@ def test_a_plan_that_does_not_read_the_budget_goes_over_it(wrong):
         "bf16 weights, half the lr", "pure bf16, no fp32 master",
         "a checkpointed block's layer left out"])
 def test_known_wrong_answers_fail_with_their_hint(wrong, match, hint, monkeypatch):
-    # one drawn case, the same each run (seed 5: 5 blocks of width 112, 8 sequences; it needs
+    # one drawn case, the same each run (seed 5: 5 blocks of width 112, 24 sequences; it needs
     # offload): a fresh draw can leave a budget that no bf16 autocast plan fits (autocast caches
     # bf16 copies of the weights), and then the check rightly says something else than the hint
     # this test is after
@@ -420,6 +450,56 @@ def _never_the_last(levers, predict_peak, predict_time, budget):
     return min(timed, key=predict_time, default=None)
 
 
+def _segments_pruned(levers, predict_peak, predict_time, budget):
+    """Reads more checkpoint segments as never needing more memory: settings are searched from
+    the most segments down, and one whose smallest micro-batch does not fit rules out those of
+    the same other levers with fewer segments (passed 20 of 20 runs before the "uneven
+    segments" case)."""
+    sizes = levers["micro_batch"]
+    others = {k: v for k, v in levers.items() if k != "micro_batch"}
+    dead, timed = [], []
+    for rest in sorted(_all(others), key=lambda r: -r["segments"]):
+        same = {k: v for k, v in rest.items() if k != "segments"}
+        if any(d == same and s > rest["segments"] for d, s in dead):
+            continue
+        lo, hi = 0, len(sizes)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if predict_peak({**rest, "micro_batch": sizes[mid]}) <= budget:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == 0:
+            dead.append((same, rest["segments"]))
+        timed += [{**rest, "micro_batch": m} for m in sizes[:lo]]
+    return min(timed, key=predict_time, default=None)
+
+
+def _largest_pruned(levers, predict_peak, predict_time, budget, *, reverse=False):
+    """Skips a setting whose largest micro-batch is no faster than the best plan so far, as if
+    that size were its setting's fastest (passed 15 of 20 runs before the "largest not fastest"
+    case); `reverse`: the settings visited in the other order."""
+    sizes = levers["micro_batch"]
+    others = {k: v for k, v in levers.items() if k != "micro_batch"}
+    best = None
+    for rest in _all(others)[::-1] if reverse else _all(others):
+        if best is not None and predict_time({**rest, "micro_batch": sizes[-1]}) >= \
+                predict_time(best):
+            continue
+        lo, hi = 0, len(sizes)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if predict_peak({**rest, "micro_batch": sizes[mid]}) <= budget:
+                lo = mid + 1
+            else:
+                hi = mid
+        for m in sizes[:lo]:
+            plan = {**rest, "micro_batch": m}
+            if best is None or predict_time(plan) < predict_time(best):
+                best = plan
+    return best
+
+
 def _asks_again(levers, predict_peak, predict_time, budget):
     best = fastest_fitting(levers, predict_peak, predict_time, budget)
     if best is not None:
@@ -476,6 +556,21 @@ def test_known_wrong_searches_fail_with_their_hint(wrong, match, hint):
     assert hint in failed.value.hint
 
 
+@pytest.mark.parametrize("wrong, kind", [
+    (_segments_pruned, "uneven segments"),
+    (_largest_pruned, "largest not fastest"),
+    (lambda l, p, t, b: _largest_pruned(l, p, t, b, reverse=True), "largest not fastest"),
+], ids=["more segments assumed never to need more", "largest micro-batch skips a setting",
+        "the same, settings reversed"])
+def test_searches_that_skip_a_setting_fail_every_run(wrong, kind):
+    """Fixed case kinds, fresh seeds: each run has a case that these skipping searches miss
+    (`kind`; an earlier case may already catch them)."""
+    for _ in range(5):
+        with pytest.raises(CheckFailed, match=r"a faster plan fits") as failed:
+            evaluate("check_fastest_fitting", wrong)
+        assert "no setting of them may be skipped" in failed.value.hint
+
+
 def test_the_search_check_runs_the_answer_where_it_lives():
     assert "peaks predicted" in evaluate("check_fastest_fitting", Elsewhere(fastest_fitting))
 
@@ -490,6 +585,11 @@ def test_the_search_cases_tell_the_wrong_searches_apart():
         assert ch09._promise_holds(ch09._case(seed, "planner"))
         assert ch09._fitting(ch09._case(seed, "nothing fits")) == []
         assert ch09._largest_is_best(ch09._case(seed, "largest fits"))
+        for kind, wrong in (("uneven segments", ch09._segments_pruned),
+                            ("largest not fastest", lambda c: ch09._largest_pruned(
+                                c, list(ch09._settings(c["levers"]).values())))):
+            case = ch09._case(seed, kind)
+            assert ch09._misses(case, wrong) and ch09._fitting(case)
 
 
 def test_the_promise_holds_on_every_planner_grid_without_the_whole_batch():

@@ -86,7 +86,7 @@ def training_case(S: Sizes, seed: int, device_type: str, *, offload_needed: bool
     for _ in range(20):
         depth = rng.choice((3, 5))                 # checkpointing's recompute grows with its
         if device_type == "cpu":                   # segments up to 5 blocks (see _recomputed)
-            width, batch = rng.choice((96, 112)), rng.choice((8, 12))
+            width, batch = rng.choice((96, 112)), rng.choice((12, 18, 24))
         else:                                      # at most 5 blocks, so smaller than the
             batch = rng.choice(sorted({max(2, S.cap_batch // 2), S.cap_batch}))  # notebook's;
             if offload_needed:                     # GPT-2's vocabulary: the states outweigh
@@ -125,11 +125,39 @@ def _clear_budget(shape: GPTShape, S: Sizes, rng: random.Random, device_type: st
         high = peak(Candidate(S.cap_batch)) / 1.25
     if device_type == "cuda":
         high = min(high, S.cap_budget)
+    fp32 = [(c, p) for c, p in zip(candidates(shape, S.cap_batch, allow=PARTS), peaks)
+            if c.precision == "fp32"]
     for _ in range(100 if low < high else 0):
         budget = int(low * (high / low) ** rng.random())
-        if not any(budget / CLEAR <= p <= budget for p in peaks):
+        if (not any(budget / CLEAR <= p <= budget for p in peaks)
+                and (offload_needed or device_type != "cpu"
+                     or _decides(shape, [c for c, p in fp32 if p <= budget]))):
             return budget
     return None
+
+
+def _levers(depth: int, c: Candidate) -> tuple:
+    """What `_check_decision` compares: (offloaded, micro-batches, blocks recomputed)."""
+    return c.offload, c.accumulation, _recomputed(depth, c.segments)
+
+
+def _beaten(depth: int, c: Candidate, fits: list[Candidate]) -> bool:
+    """Whether some plan of `fits` pulls one lever less than `c` and no other one more."""
+    mine = _levers(depth, c)
+    return any(all(t <= m for t, m in zip(_levers(depth, d), mine)) and _levers(depth, d) != mine
+               for d in fits)
+
+
+def _decides(shape: GPTShape, fits: list[Candidate]) -> bool:
+    """Whether a budget whose fp32 plans predicted to fit are `fits` grades the decision: the
+    fewest levers with the states offloaded, and the fewest with power-of-two micro-batches only,
+    both pull a lever further than it needs (on the CPU the cost model prices a small GPT's
+    offload at a few ms, so only levers, not predicted time, tell those plans apart)."""
+    offloaded = [c for c in fits if c.offload]
+    pow2 = [c for c in fits if c.micro_batch & (c.micro_batch - 1) == 0]
+    fewest = lambda c: (c.offload, c.accumulation, c.segments)
+    return all(not group or _beaten(shape.depth, min(group, key=fewest), fits)
+               for group in (offloaded, pow2))
 
 
 def _as_floats(losses) -> list[float] | str:
@@ -483,7 +511,8 @@ def _check_against(got: dict, want: dict, steps: int) -> tuple[float, float]:
 
 
 @exercise(points=3, timeout=60.0,
-          reference=("companion.plan.planner.plan",
+          reference=("companion.plan.decide.rule_plan",
+          "companion.plan.planner.plan",
           "companion.plan.planner.Plan.run",
           "companion.plan.training.build",
           "companion.plan.training.train_step",
@@ -636,10 +665,73 @@ def _settings(levers: dict) -> dict:
     return out
 
 
+def _segments_pruned(case: dict) -> tuple | None:
+    """The fastest plan that fits by a search that reads more checkpoint segments as never
+    needing more memory: a setting whose smallest micro-batch does not fit rules out the
+    settings of the same other levers with fewer segments."""
+    levers, budget = case["levers"], case["budget"]
+    where = list(levers).index(MONOTONE)
+    plans = _settings(levers)
+    names = [k for k in levers if k != MONOTONE]
+    seg = names.index("segments")
+    dead = {key for key, setting in plans.items()
+            if case["peaks"][_key(levers, setting[0])] > budget}
+
+    def ruled_out(key: tuple) -> bool:
+        other = key[:where] + key[where + 1:]
+        return any(d[:seg] + d[seg + 1:] == other[:seg] + other[seg + 1:] and d[seg] > other[seg]
+                   for d in dead)
+
+    keys = [k for k in _fitting(case) if not ruled_out(k)]
+    return _fastest(case, keys)
+
+
+def _largest_pruned(case: dict, order: list) -> tuple | None:
+    """The fastest plan that fits by a search that, visiting the settings in `order`, skips one
+    whose largest micro-batch is no faster than the best plan so far (it reads the largest
+    micro-batch as its setting's fastest)."""
+    levers, best = case["levers"], None
+    for setting in order:
+        keys = [_key(levers, p) for p in setting]
+        if best is not None and case["times"][keys[-1]] >= case["times"][best]:
+            continue
+        for key in keys:
+            if case["peaks"][key] <= case["budget"] and (best is None or
+                                                         case["times"][key] < case["times"][best]):
+                best = key
+    return best
+
+
+def _fixed_budget_case(seed: int, *wrong) -> dict:
+    """A table case (`_table_case`) whose budget sits where each rule of `wrong` misses the
+    fastest plan that fits: drawn, from the seed, among the budgets between two peaks where
+    they all do."""
+    rng = random.Random(seed)
+    while True:
+        case = _table_case(rng.randrange(2**32), at_boundary=False)
+        ordered = sorted(set(case["peaks"].values()))
+        budgets = [p + 0.5 for p in ordered[:-1]]     # uneven segments tell only low ones
+        telling = [b for b in budgets if all(_misses(dict(case, budget=b), rule)
+                                             for rule in wrong)]
+        if telling:
+            return dict(case, budget=rng.choice(telling))
+
+
+def _misses(case: dict, wrong) -> bool:
+    best = _fastest(case, _fitting(case))
+    return best is not None and case["times"].get(wrong(case), math.inf) > case["times"][best]
+
+
 def _case(seed: int, kind: str) -> dict:
     """One of the check's cases, the same from the same seed in any process."""
     if kind == "planner":
         return _planner_case(seed)
+    if kind == "uneven segments":
+        return _fixed_budget_case(seed, _segments_pruned)
+    if kind == "largest not fastest":
+        return _fixed_budget_case(   # the settings visited in the levers' order or reversed
+            seed, lambda case: _largest_pruned(case, list(_settings(case["levers"]).values())),
+            lambda case: _largest_pruned(case, list(_settings(case["levers"]).values())[::-1]))
     case = _table_case(seed, at_boundary=kind == "boundary", largest=kind == "largest fits")
     if kind == "nothing fits":
         case["budget"] = min(case["peaks"].values()) - 1
@@ -812,7 +904,8 @@ def check_fastest_fitting(answer) -> str:
     """answer(levers, predict_peak, predict_time, budget) -> the fastest plan whose peak is at
     most budget, or None: tried on grids, models and budgets the notebook does not show, its
     calls of predict_peak counted."""
-    kinds = ("boundary", "between peaks", "largest fits", "planner", "nothing fits")
+    kinds = ("boundary", "between peaks", "largest fits", "uneven segments",
+             "largest not fastest", "planner", "nothing fits")
     runs = []
     for seed, kind in zip(fresh_seeds(len(kinds)), kinds):
         case = _case(seed, kind)
