@@ -3,6 +3,7 @@ timed for real (2 rounds), and its errors. Nothing here asserts on a measured ti
 import dataclasses
 import functools
 import math
+import random
 import statistics
 
 import pytest
@@ -171,3 +172,27 @@ def test_activation_offload_is_priced_at_the_rate_a_step_measured_on_the_cpu():
     assert cpu.activation_bandwidth <= cpu.host_bandwidth / 4 and term > at_copy > 0
     assert CostModel.for_device("cuda").activation_bandwidth is None
     assert predict_seconds(shape, Candidate(4), cpu)["activation offload"] == 0
+
+
+def test_the_difference_interval_holds_a_clear_difference_and_not_a_noisy_zero():
+    from companion.plan.verify import difference_interval
+    rng = random.Random(1)
+    base = [0.100 + rng.gauss(0, 0.002) for _ in range(8)]
+    slower = [0.120 + rng.gauss(0, 0.002) for _ in range(8)]
+    low, high = difference_interval(slower, base)
+    assert 0.010 < low < 0.020 < high < 0.030
+    same = [0.100 + rng.gauss(0, 0.010) for _ in range(8)]
+    low, high = difference_interval(same, base)
+    assert low < 0 < high
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        difference_interval([1.0], base)
+
+
+def test_the_summary_gives_rho_and_its_interval_to_the_same_decimals():
+    import re
+    check = verify.RankCheck(tuple(verify.PlanTiming(Candidate(16, 1, s), p, m, m, m, (m, m * 1.01))
+                                   for s, p, m in ((1, 1.0, 1.0), (2, 2.0, 2.5), (3, 3.0, 2.4))),
+                             None, None, 2)
+    rho, low, high = re.findall(r"Spearman (\S+) \(95% bootstrap interval (\S+)-(\S+)\)",
+                                check.summary())[0]
+    assert len({len(rho.split(".")[1]), len(low.split(".")[1]), len(high.split(".")[1])}) == 1

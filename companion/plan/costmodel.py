@@ -87,8 +87,9 @@ class CostModel:
             # - 2.9e9: the capstone's plain step with activation offload ran 24.1 ms over the
             #   plain one (233.2 against 209.1 ms, benchmarks/README.md, bench_plan) for 2 x
             #   35.3 MB of saved tensors moved; priced at the copy bandwidth they were 4.7 ms
-            #   (chapter 09 finds the same on other CPUs: 9-12x that term beyond the common
-            #   factor, 4.4 GB/s on one)
+            #   (chapter 09 re-measures this term beyond the common factor with a bootstrap
+            #   interval: +16.2 ms (12.7-22.8) where 7.2 ms were predicted, 2.2x, 4.4 GB/s, on a
+            #   loaded 2-core CPU, Dec 2026; a run whose interval holds the prediction says so)
             return cls(26e9, 1.0, 1.7e-3, 15e9, 15e9, 1e9, 12e9, 0.65e9, 0.75e-3, 2.9e9)
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
 

@@ -54,7 +54,7 @@ from companion.plan.run import token_batches
 from companion.plan.space import Candidate, GPTShape
 from companion.plan.training import build, train_step
 
-__all__ = ["PlanTiming", "RankCheck", "rank_check", "default_plans"]
+__all__ = ["PlanTiming", "RankCheck", "rank_check", "default_plans", "difference_interval"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +137,9 @@ class RankCheck:
                  seed: int = 0) -> tuple[float, float]:
         """A percentile-bootstrap interval of ρ: each plan's timed steps resampled with
         replacement, their medians ranked against the predictions again. It says how far the
-        scatter of this run's timings moves ρ (with 3 steps a plan, each resampled median is one
-        of the 3 steps), not how far another run could (`agreement`); an order already right can
+        scatter of this run's timings moves ρ (with a few steps a plan, one per round, each
+        resampled median takes only a few values), not how far another run could (`agreement`);
+        an order already right can
         mostly only lose swaps, so the interval often ends at ρ itself, and with so few steps
         it need not even hold ρ (two close plans' resampled medians may mostly fall in the
         other order than the observed ones)."""
@@ -175,13 +176,28 @@ class RankCheck:
     def summary(self) -> str:
         """ρ with its interval, the median error, and the scale and error beyond it."""
         low, high = self.interval()
-        return (f"Spearman {self.spearman:.3f} (95% bootstrap interval {low:.2f}-{high:.2f}) "
+        return (f"Spearman {self.spearman:.2f} (95% bootstrap interval {low:.2f}-{high:.2f}) "
                 f"over {len(self.rows)} plans, {self.rounds} interleaved rounds; median error "
                 f"{self.median_error:.0%} (|predicted / measured - 1|); predicted / measured "
                 f"{self.scale:.2f} in the median, {self.scaled_error:.0%} off beyond that")
 
     def __str__(self) -> str:
         return f"{self.table()}\n{self.summary()}"
+
+
+def difference_interval(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95,
+                        resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A percentile-bootstrap interval of median(a) - median(b): each sample resampled with
+    replacement on its own (e.g. a plan's timed steps and its base plan's)."""
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"each side needs at least 2 samples, got {len(a)} and {len(b)}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    rng = random.Random(seed)
+    diffs = sorted(statistics.median(rng.choices(a, k=len(a)))
+                   - statistics.median(rng.choices(b, k=len(b))) for _ in range(resamples))
+    tail = (1 - confidence) / 2
+    return diffs[int(tail * (resamples - 1))], diffs[int(round((1 - tail) * (resamples - 1)))]
 
 
 def _check_plans(cands: Sequence[Candidate], batch: int) -> list[Candidate]:
