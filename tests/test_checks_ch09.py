@@ -85,9 +85,10 @@ def _train(model_fn, batches, lr, budget, *, plan=None, step_every_micro=False, 
                 break
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = model.loss(xb, yb).float()
-            scale = backward_scale or (1 if sum_losses or micro_only else 1 / k)
+            share = len(xb) / len(x)           # 1 / k when k divides the batch (4 into 18 not)
+            scale = backward_scale or (1 if sum_losses or micro_only else share)
             (loss * scale).backward()
-            total = loss.item() if report_last else total + loss.item() / (1 if sum_losses else k)
+            total = loss.item() if report_last else total + loss.item() * (1 if sum_losses else share)
             if step_every_micro:
                 step_once()
                 opt.zero_grad()
