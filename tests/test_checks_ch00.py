@@ -249,6 +249,25 @@ def test_transformer_activations_known_mistakes_get_their_hint(wrong, hint):
         check_transformer_activations(wrong)
 
 
+class _Draws:
+    """Stands in for random.Random: hands out the given integers in order."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def randint(self, low, high):
+        value = self.values.pop(0)
+        assert low <= value <= high
+        return value
+
+
+def test_transformer_cases_where_two_mistakes_give_one_number_are_drawn_again():
+    # 2 layers of one head, 28 tokens, width 56: 2·5as²b = 5sbh, so leaving out the s² terms and
+    # leaving out everything outside the layers gave the same number and the wrong hint (CI, once)
+    from companion.checks.ch00 import _telling_case
+    assert _telling_case(_Draws(8, 28, 7, 2, 2053, 8, 29, 7, 2, 2053), 1) == (8, 29, 56, 2, 1, 2053)
+
+
 def test_transformer_activations_reference_and_a_hand_count_pass():
     check_transformer_activations(transformer_reference)
     check_transformer_activations(_transformer())
