@@ -60,7 +60,7 @@ def test_plan_model_chooses_a_step_that_fits_when_run(make, step, optimizer, bud
     faster = [r for r in p.rows if r.peak <= p.usable and r.simulated
               and r.seconds["total"] < p.chosen_row.seconds["total"]]
     assert not faster                                         # the fastest that was checked
-    assert "chosen:" in str(p) and p.to_dict()["chosen"]["peak"] == p.chosen_row.peak
+    assert "Chosen:" in str(p) and p.to_dict()["chosen"]["peak"] == p.chosen_row.peak
 
 
 def test_interpolated_rows_are_close_to_their_simulation():
@@ -71,9 +71,31 @@ def test_interpolated_rows_are_close_to_their_simulation():
             assert abs(row.peak - sim) <= 0.1 * sim, row.candidate.describe()
 
 
-def test_plan_sends_other_models_to_plan_model():
-    p = plan(M.mha_lm, 8, budget="24 MiB", device="cpu", seq_len=64)
-    assert type(p).__name__ == "ModelPlan" and p.chosen_row.peak <= parse_bytes("24 MiB")
+def test_one_path_for_every_model():
+    """A model of one's own and the course's GPT meet the same search and the same report: one
+    Plan class, one table, the budget's lines, one JSON shape; only what is known differs."""
+    from functools import partial
+    from companion.models import GPT
+    own = plan(M.mha_lm, 8, budget="24 MiB", device="cpu", seq_len=64)
+    course = plan(partial(GPT, 128, 64, 64, 4, 4), 16, budget="6 MiB", device="cpu")
+    assert type(own) is type(course)
+    assert own.chosen_row.peak <= parse_bytes("24 MiB") and own.chosen_row.fit.fits
+    assert (own.model.how, course.model.how) == ("traced", "formulas")
+    for p in (own, course):
+        text = str(p)
+        assert text.splitlines()[0].split() == ["plan", "predicted", "simulated", "host",
+                                                "time/step"]
+        assert "Chosen:" in text and "Budget" in text
+    assert own.to_dict().keys() == course.to_dict().keys()
+    assert own.to_dict()["chosen"].keys() == course.to_dict()["chosen"].keys()
+    with pytest.raises(ValueError, match="check\\(\\) runs"):
+        own.run(1)
+    with pytest.raises(ValueError, match="traced model"):
+        course.check()
+    # a step of one's own on the course's GPT traces it instead of using the formulas
+    traced = plan(partial(GPT, 128, 64, 64, 4, 4), 8, budget="24 MiB", device="cpu",
+                  step=next_token_step(64, 128))
+    assert traced.model.how == "traced"
 
 
 def test_errors_name_their_cause():

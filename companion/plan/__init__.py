@@ -8,18 +8,22 @@ keeps the fastest that fits, checks it by simulating a training step on fake ten
 allocated: a 7B model's step is checked on a laptop), and `Plan.run` trains it for real under
 `memory_budget`.
 
-Modules: `space` (the levers, the model's shape, the candidates), `predict` (peak by phase, step
-time by part), `costmodel` (a device's speeds), `budget` (what a GPU holds beyond the tensors,
-line by line, and whether a plan fits the whole budget), `training` (the course's parts put
-together; a step run for real or simulated), `planner` (`plan`, `Plan`), `report` (a plan's
-waterfall, why a setup runs out of memory), `run` (a plan trained for real, `run_plan`), `ranks`
-(several processes; a torchrun line), `anysim` and `anymodel` (`plan_model`: any `nn.Module`,
-each candidate scored by a simulated step), `search` (the search with pruning of chapter 09's
-exercise), `verify` (predicted against measured step times, ranked), `configs` (Hugging Face
-config.json files), `named`
-and `cli` (`python -m companion plan`).
-Imports run one way: cli -> named -> planner -> report, budget, anymodel, ranks -> run ->
-training -> space (ranks names `Plan` for type checkers only).
+One path for every model, and the layout of this folder follows it:
+  1. what is known of the model (`known`): formulas for the course's GPT and Llama, which
+     published config.json files build (`configs`, `named`); the model's own step traced on fake
+     tensors for any other `nn.Module` (`anysim`; `anymodel.plan_model` is `plan` with a step);
+  2. the candidates (`space`: the levers, the model's shape; `search`: chapter 09's pruned
+     search);
+  3. each one's peak by phase and step time by part (`predict`, `parts`, `costmodel`);
+  4. what a GPU holds beyond the tensors, line by line, and whether the plan fits the whole
+     budget (`budget`);
+  5. the fastest simulated until one fits (`simulation`, `training`), in `planner` (`plan`,
+     `Plan`), the one report (`report`: the table, the waterfall, why a setup runs out of
+     memory; `cli`: `python -m companion plan`);
+  6. the plan run for real (`run`, `ranks`: several processes, a torchrun line) and its times
+     checked against the predicted ones (`verify`).
+Imports run one way: cli -> named -> planner -> known -> predict, budget, simulation -> training
+-> space (`anymodel` imports `planner`; ranks names `Plan` for type checkers only).
 
 Example:
     >>> from functools import partial
@@ -32,6 +36,7 @@ Memory saved and its cost, per lever: see `predict`'s docstring (what each phase
 Simplified vs real planners: see `planner`.
 """
 from companion.plan.anymodel import GENERIC, ModelPlan, plan_model, simulate_model
+from companion.plan.known import Formulas, Traced, describe
 from companion.plan.budget import Fit
 from companion.plan.configs import ModelConfig, load_config
 from companion.plan.report import plot_waterfall, waterfall, why_oom

@@ -131,7 +131,7 @@ def _run(args) -> int:
         result = plan_model(model_fn, args.batch, budget=args.budget, step=step,
                             seq_len=args.seq_len, vocab=args.vocab, optimizer=optimizer,
                             device=device, allow=args.allow, lora_rank=args.lora_rank,
-                            cost=cost, gpu=args.gpu)
+                            cost=cost, gpu=args.gpu, verify=max(args.simulate, 1))
     except (ValueError, TypeError, RuntimeError) as e:
         print(f"companion plan: {e}", file=sys.stderr)
         return 2
@@ -146,7 +146,8 @@ def _run(args) -> int:
     for kind in KINDS:
         print(f"  {kind.replace('_', ' '):<18}{format_bytes(plain.kinds.get(kind, 0)):>12}")
     print()
-    print(result)
+    from companion.plan.named import format_plans
+    print(format_plans(result))
     if args.check:
         real = result.check()
         print(f"checked for real on this CPU: the chosen step peaked at {format_bytes(real.peak)} "

@@ -107,7 +107,8 @@ def format_plans(result, *, top: int = 5) -> str:
         parts = ", ".join(f"{k} {v:.2f}s" for k, v in r.seconds.items() if k != "total" and v)
         out.append(f"{i}. {r.candidate.describe()}: step {r.seconds['total']:.2f} s ({parts})")
         if r.fit is not None:
-            out.append(f"   GPU memory {format_bytes(r.fit.total)} of "
+            where = "GPU memory" if result.device.type == "cuda" else "memory"
+            out.append(f"   {where} {format_bytes(r.fit.total)} of "
                        f"{format_bytes(result.budget)} ({r.fit.how}): tensors "
                        f"{format_bytes(r.predicted.peak)} at the {r.predicted.phase} phase")
             out += [f"     {o.name}: {format_bytes(o.bytes)}" for o in r.fit.lines]
@@ -115,9 +116,13 @@ def format_plans(result, *, top: int = 5) -> str:
         if r.predicted.host:
             out.append(f"   host {format_bytes(r.predicted.host)}"
                        + (f", disk {format_bytes(r.predicted.disk)}" if r.predicted.disk else ""))
-    out.append("Where the lines come from:")
-    out += [f"  {name}: {source}" for name, source in sources.items()]
+    if sources:
+        out.append("Where the lines come from:")
+        out += [f"  {name}: {source}" for name, source in sources.items()]
     out.append("Not searched: tensor and pipeline parallelism (one layer must fit one GPU).")
-    if result.shape.llama:
+    if result.shape is None:
+        out.append("Not searched for a traced model: ZeRO, offload, chunked loss, QLoRA (the "
+                   "course's own training loop runs those; `known.Traced`).")
+    elif result.shape.llama:
         out += ["Not searched for a Llama:"] + [f"  {why}" for why in LLAMA_NOT_SEARCHED]
     return "\n".join(out)

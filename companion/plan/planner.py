@@ -1,10 +1,13 @@
 """Choose a plan that fits a memory budget, check it by a simulated step, then run it.
 
-`plan` lists every candidate (`space.candidates`), predicts each one's peak and step time
-(`predict`), keeps those predicted to fit, and walks them fastest first, simulating each
-(`simulation.simulate`, FakeTensorMode, no memory allocated) until one's simulated peak fits too.
-The `Plan` it returns prints a table of candidates and says why it chose what it chose;
-`Plan.run(steps)` trains the chosen plan for real under `memory_budget`.
+One path for every model. `plan` asks what is known of the model (`known.describe`: formulas
+for the course's GPT and Llama, which published configs build; a traced step for any other
+`nn.Module`), lists every candidate (`candidates`), predicts each one's peak and step time
+(`predict`), adds the lines a GPU holds beyond the tensors (`budget.fit_predicted`), keeps those
+that fit, and walks them fastest first, simulating each on fake tensors (no memory allocated)
+until one's simulated step fits too (`budget.fit_simulated`). The `Plan` it returns prints one
+table and says why it chose what it chose; `Plan.run(steps)` trains the chosen plan for real
+under `memory_budget` (the course's models), `Plan.check()` runs a traced model's chosen step.
 
 Example:
     >>> p = plan(partial(GPT, 128, 64, 64, 4, 4), 16, budget="6 MiB", device="cpu")
@@ -12,9 +15,9 @@ Example:
     >>> report = p.run(10)         # losses, measured peak (under the budget)
 
 Simplified vs real planners (DeepSpeed's autotuner, Colossal-AI's): two model families with
-formulas (the course GPT and the Llama shape; others take `anymodel`'s slower path), one
-optimizer (AdamW), a cost model with assumed speeds (`CostModel`) instead of timed trial steps,
-and ranks that run the course's own ZeRO on one machine.
+formulas (other models are traced, with fewer levers), one optimizer (AdamW) for the formulas,
+a cost model with assumed speeds (`CostModel`) instead of timed trial steps, and ranks that run
+the course's own ZeRO on one machine.
 """
 from __future__ import annotations
 
@@ -28,14 +31,13 @@ from torch import nn
 
 from companion.memory import format_bytes, parse_bytes
 from companion.plan import budget as budgets
-from companion.plan.anymodel import GENERIC, ModelPlan, plan_model
 from companion.plan.budget import Fit
+from companion.plan.known import GENERIC, Formulas, Traced, describe
 from companion.plan.report import NothingFits, nothing_fits, plot_waterfall, waterfall
-from companion.plan.predict import CostModel, Prediction, predict_memory, predict_seconds
+from companion.plan.predict import CostModel, Prediction
 from companion.plan.ranks import run_ranks
 from companion.plan.run import RunReport, run_plan
-from companion.plan.space import EXACT, Candidate, GPTShape, candidates
-from companion.plan.simulation import simulate
+from companion.plan.space import EXACT, Candidate, GPTShape
 
 __all__ = ["NothingFits", "Row", "Plan", "plan"]
 
@@ -50,17 +52,48 @@ class Row:
     simulated: int | None = None         # peak bytes of the simulated step, when simulated
     simulated_host: int | None = None
     fit: Fit | None = None               # the budget's lines: predicted, then replayed
+    kinds_simulated: dict[str, int] | None = None   # bytes by kind at the simulated peak
+    phase_simulated: str | None = None
+
+    @property
+    def peak(self) -> int:
+        """The step's tensors at their peak: simulated when it was, else predicted."""
+        return self.simulated if self.simulated is not None else self.predicted.peak
+
+    @property
+    def phase(self) -> str:
+        return self.phase_simulated or self.predicted.phase
+
+    @property
+    def kinds(self) -> dict[str, int]:
+        return self.kinds_simulated or self.predicted.kinds()
+
+    def note(self, tracker) -> None:
+        """Keep what a simulated step measured."""
+        self.simulated, self.simulated_host = tracker.peak, tracker.host_peak
+        self.kinds_simulated, self.phase_simulated = tracker.breakdown(), tracker.peak_phase
+
+    def to_dict(self) -> dict:
+        return {"plan": self.candidate.describe(), **dataclasses.asdict(self.candidate),
+                "levers": self.candidate.techniques(), "peak": self.peak, "phase": self.phase,
+                "kinds": self.kinds, "predicted": self.predicted.peak,
+                "simulated": self.simulated is not None, "seconds": self.seconds,
+                "gpu_bytes": self.fit.total if self.fit else self.peak,
+                "checked": self.fit.how if self.fit else "predicted"}
 
 
 class Plan:
     """The planner's answer: `chosen`, the `rows` it weighed, and how to run it."""
 
     def __init__(self, *, model_fn: Callable[..., nn.Module], batch: int, budget: int,
-                 usable: int, device: torch.device, world_size: int, shape: GPTShape,
+                 usable: int, device: torch.device, world_size: int, model: Formulas | Traced,
                  rows: list[Row], chosen: Row, plain: Row, lr: float, host_budget: int | None,
                  gpu=None, cost: CostModel | None = None):
         self.model_fn, self.batch, self.budget, self.usable = model_fn, batch, budget, usable
-        self.device, self.world_size, self.shape, self.lr = device, world_size, shape, lr
+        self.device, self.world_size, self.lr = device, world_size, lr
+        self.model = model                   # what the planner knows of it (`known`)
+        self.shape: GPTShape | None = model.shape        # None for a traced model
+        self.n_params, self.step = model.n_params, model.step
         self.rows, self.plain, self.host_budget, self.gpu = rows, plain, host_budget, gpu
         self.cost = cost or CostModel.for_device(device.type)
         self.chosen_row: Row = chosen
@@ -122,7 +155,10 @@ class Plan:
         printer.text(str(self))
 
     def waterfall(self) -> list:
-        """The levers one at a time from the plain run (`report.waterfall`)."""
+        """The levers one at a time from the plain run (`report.waterfall`): the formulas'."""
+        if self.shape is None:
+            raise ValueError("the waterfall prices each lever by the formulas, which a traced "
+                             "model has none of: compare its rows (`rows`) instead")
         return waterfall(self)
 
     def plot_waterfall(self, ax=None):
@@ -138,6 +174,10 @@ class Plan:
         """Train the chosen plan for `steps` steps under `memory_budget(budget)` on one
         process (the device's own cap on CUDA); measured with `track`. Several ranks: see
         `companion.plan.run_ranks`."""
+        if self.shape is None:
+            raise ValueError("Plan.run trains the course's GPT and Llama; for a model of your own, "
+                             "check() runs the chosen step for real and measures it, and the "
+                             "chosen levers go into your own training loop")
         if self.world_size != 1:
             return run_ranks(self, steps, seed=seed)
         # on CUDA the allocator's cap: the budget less the context and NCCL's buffers
@@ -145,36 +185,42 @@ class Plan:
         return run_plan(self.model_fn, self.chosen, self.batch, steps, budget=cap,
                         device=self.device, lr=self.lr, seed=seed, world_size=1, rank=0)
 
+    def check(self):
+        """A traced model's chosen step run for real on this CPU, measured by `track` (its
+        `peak` against `chosen_row.peak`, the simulated one). The course's models: `run`."""
+        if not isinstance(self.model, Traced):
+            raise ValueError("check() runs a traced model's step; the course's models train "
+                             "with run(steps)")
+        return self.model.check(self.chosen)
 
-def _formula_shape(model_fn) -> GPTShape | None:
-    """The shape of the model `model_fn(dtype=, device=)` builds (on fake tensors) when it is a
-    companion.models.GPT or Llama, the models the formulas predict; else None. Something that is
-    not a function: GPTShape.of says what is wrong."""
-    if isinstance(model_fn, nn.Module) or not callable(model_fn):
-        return GPTShape.of(model_fn)                   # raises, saying what to pass
-    try:
-        return GPTShape.of(model_fn)
-    except TypeError:
-        return None
+    def to_dict(self) -> dict:
+        """The plan as JSON-ready data: the plain run, the chosen plan and every candidate."""
+        return {"batch": self.batch, "budget": self.budget, "usable": self.usable,
+                "device": str(self.device), "n_params": self.n_params,
+                "known_by": self.model.how, "plain": self.plain.to_dict(),
+                "chosen": self.chosen_row.to_dict(),
+                "candidates": [r.to_dict() for r in self.rows]}
 
 
 def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
-def _rows(shape: GPTShape, cands: list[Candidate], world_size: int, device_type: str,
-          cost: CostModel, budget: int, gpu, context_bytes: int | None) -> list[Row]:
+def _rows(model: Formulas | Traced, cands: list[Candidate], world_size: int,
+          device_type: str, cost: CostModel, budget: int, gpu, context_bytes: int | None
+          ) -> list[Row]:
     """Every candidate with its predicted peak, step time and fit against the budget."""
     rows = []
     for c in cands:
-        p = predict_memory(shape, c, world_size=world_size, device_type=device_type)
-        found = budgets.lines(shape, c, device_type=device_type, gpu=gpu, world_size=world_size,
-                              context_bytes=context_bytes)
-        tokens = c.micro_batch * shape.seq_len
-        largest = 4 * max(shape.largest, tokens * shape.vocab // max(c.chunked_loss, 1))
-        rows.append(Row(c, p, predict_seconds(shape, c, cost, world_size=world_size),
-                        fit=budgets.fit_predicted(p.peak, p.parameters, largest, budget, found,
-                                                  device_type)))
+        p, seconds = model.predict(c, world_size=world_size, device_type=device_type, cost=cost)
+        found = model.lines(c, device_type=device_type, gpu=gpu, world_size=world_size,
+                            context_bytes=context_bytes)
+        row = Row(c, p, seconds, fit=budgets.fit_predicted(
+            p.peak, p.parameters, model.largest_request(c), budget, found, device_type))
+        traced = model.traced(c)
+        if traced is not None:                     # its own trace: simulated already
+            row.note(traced)
+        rows.append(row)
     return rows
 
 
@@ -196,8 +242,9 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
          allow: Iterable[str] = EXACT, lora_rank: int = 8, host_budget: int | str | None = None,
          margin: float | None = None, cost: CostModel | None = None, lr: float = 1e-3,
          verify: int = 4, simulate_plain: bool = True, step: Callable | None = None,
-         seq_len: int | None = None, gpu: str | None = None,
-         context_bytes: int | None = None) -> Plan | ModelPlan:
+         seq_len: int | None = None, vocab: int | None = None,
+         optimizer: Callable = torch.optim.AdamW, gpu: str | None = None,
+         context_bytes: int | None = None) -> Plan:
     """The fastest plan (by `cost`) whose step fits `budget` bytes per device, checked by a
     simulated step.
 
@@ -227,25 +274,31 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
         verify: at most this many candidates are simulated before giving up; 0 simulates
             none and takes the fastest predicted to fit (fast, for exploring: unchecked).
         simulate_plain: also simulate the plain run, for the table.
-        step, seq_len: for a model that is not the course GPT, `model_fn()` builds it and
-            `anymodel.plan_model` plans it, with `step(model, batch) -> loss` (default: the
-            next-token loss at `seq_len`), levers `anymodel.GENERIC` of `allow`; see there.
+        step, seq_len, vocab, optimizer: for any other model, or with a step of your own,
+            `model_fn()` builds it and its step is traced instead of predicted by formulas
+            (`known.Traced`): `step(model, batch) -> loss` (default: the next-token loss at
+            `seq_len` over `vocab`), `optimizer(params)` (default AdamW), the levers of `allow`
+            that `known.GENERIC` names. The same search and report follow either way.
     Raises NothingFits (a ValueError) when no candidate fits, saying by how much.
     """
-    shape = _formula_shape(model_fn) if step is None else None
-    if shape is None:
-        if world_size != 1:
-            raise ValueError("for a model other than the course GPT the planner plans one device "
-                             "(world_size=1)")
-        return plan_model(model_fn, batch, budget=budget, step=step, seq_len=seq_len,
-                          device=device if device is not None else (
-                              "cuda" if torch.cuda.is_available() else "cpu"),
-                          allow=[a for a in ((allow,) if isinstance(allow, str) else allow)
-                                 if a in GENERIC], lora_rank=lora_rank, margin=margin,
-                          cost=cost)
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     allow = (allow,) if isinstance(allow, str) else tuple(allow)   # "offload" alone is fine
+    model = describe(model_fn, step=step, seq_len=seq_len, vocab=vocab, optimizer=optimizer)
+    return _plan(model, batch, budget=budget, device=device, world_size=world_size,
+                 allow=model.allowed(allow), lora_rank=lora_rank, host_budget=host_budget,
+                 margin=margin, cost=cost, lr=lr, verify=verify, simulate_plain=simulate_plain,
+                 gpu=gpu, context_bytes=context_bytes)
+
+
+def _plan(model: Formulas | Traced, batch: int, *, budget, device: torch.device,
+          world_size: int, allow: tuple[str, ...], lora_rank: int, host_budget, margin,
+          cost: CostModel | None, lr: float, verify: int, simulate_plain: bool,
+          gpu: str | None, context_bytes: int | None) -> Plan:
+    """The one path: candidates, predicted rows against the budget's lines, the fastest
+    simulated until one fits, whatever `model` knows (formulas or a traced step)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
     budget_bytes = parse_bytes(budget)
     if budget_bytes <= 0:
         raise ValueError(f"budget must be a positive size, e.g. '8 MiB', got {budget!r}")
@@ -259,33 +312,41 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
     card = _gpu(device, gpu)
     cost = cost or (CostModel.for_gpu(card.name) if card is not None
                     else CostModel.for_device(device.type))
-    rows = _rows(shape, candidates(shape, batch, world_size=world_size, allow=allow,
-                                   lora_rank=lora_rank),
-                 world_size, device.type, cost, usable, card, context_bytes)
+    cands = model.candidates(batch, world_size=world_size, allow=allow, lora_rank=lora_rank)
+    rows = _rows(model, cands, world_size, device.type, cost, usable, card, context_bytes)
     plain = next(r for r in rows if not r.candidate.techniques())   # micro-batch = batch
     fitting = sorted([r for r in rows if r.fit.fits
                       and (host is None or r.predicted.host <= host)],
                      key=lambda r: (r.seconds["total"], len(r.candidate.techniques())))
     if not fitting:
-        raise nothing_fits(rows, usable, budget_bytes, allow, world_size, host)
-    sim = functools.partial(simulate, model_fn, world_size=world_size, device_type=device.type,
-                            shape=shape)
-    found = functools.partial(Plan, model_fn=model_fn, batch=batch, budget=budget_bytes,
-                              usable=usable, device=device, world_size=world_size, shape=shape,
+        raise nothing_fits(rows, usable, budget_bytes, allow, world_size, host,
+                           levers=GENERIC if isinstance(model, Traced) else None)
+    found = functools.partial(Plan, model_fn=model.model_fn, batch=batch, budget=budget_bytes,
+                              usable=usable, device=device, world_size=world_size, model=model,
                               rows=fitting, plain=plain, lr=lr, host_budget=host, gpu=card,
                               cost=cost)
-    if simulate_plain and verify:
-        plain.simulated = sim(plain.candidate).peak
-    if not verify:
-        return found(chosen=fitting[0])
-    for row in fitting[:verify]:
-        tracker = sim(row.candidate)
-        row.simulated, row.simulated_host = tracker.peak, tracker.host_peak
+
+    def simulated(row: Row) -> None:
+        tracker = model.simulate(row.candidate, world_size=world_size, device_type=device.type)
+        row.note(tracker)
         row.fit = budgets.fit_simulated(tracker, row.predicted.parameters, usable,
                                         list(row.fit.lines), device.type)
+
+    if simulate_plain and verify and plain.simulated is None:
+        plain.note(model.simulate(plain.candidate, world_size=world_size,
+                                  device_type=device.type))
+    if not verify:
+        return found(chosen=fitting[0])
+    tried = 0
+    for row in fitting:
+        if model.traced(row.candidate) is None:        # not traced while predicting
+            if tried == verify:
+                break
+            tried += 1
+        simulated(row)
         if row.fit.fits:
             return found(chosen=row)
-    missed = ", ".join(format_bytes(r.fit.total) for r in fitting[:verify])
-    raise NothingFits(f"the {min(verify, len(fitting))} fastest plans predicted to fit "
+    missed = ", ".join(format_bytes(r.fit.total) for r in fitting if r.simulated is not None)
+    raise NothingFits(f"the {tried} fastest plans predicted to fit "
                       f"{format_bytes(usable)} did not fit when simulated ({missed}); pass "
                       "verify= larger to simulate more of them, or a larger budget")

@@ -118,15 +118,18 @@ def why_oom(plain, rows, budget: int, *, top: int = 3) -> str:
 
 
 def nothing_fits(rows, usable: int, budget: int, allow, world_size: int,
-                 host_budget: int | None) -> NothingFits:
-    """The error when no candidate fits: the closest one and what to try."""
+                 host_budget: int | None, levers: tuple[str, ...] | None = None) -> NothingFits:
+    """The error when no candidate fits: the closest one and what to try (of `levers`, those a
+    traced model can pull, when given)."""
     within = [r for r in rows if host_budget is None or r.predicted.host <= host_budget]
     best = min(within, key=lambda r: r.fit.total)      # plans without offload: always within
     over = best.fit.total - usable
     searched = ("accumulation", "checkpointing", "autocast") + (
         ("mixed", "offload", "adam8bit", "lora", "qlora") if world_size == 1 else ("zero",))
+    if levers is not None:
+        searched = levers
     hints = [f"allow {name}" for name in searched if name not in allow]
-    if world_size == 1:
+    if world_size == 1 and levers is None:
         hints.append("train on more devices (world_size > 1, ZeRO)")
     hints.append("shorten the sequences or shrink the model")
     on_host = [r.predicted.host for r in rows if r.fit.fits]
