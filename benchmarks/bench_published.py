@@ -3,9 +3,9 @@
     python benchmarks/bench_published.py                  # every run of the corpus
     python benchmarks/bench_published.py --split held-back
 
-Reads `companion/plan/published_runs.json` (runs published by torchtitan, torchtune, litgpt and
-Hugging Face, each with its quoted line: model, GPUs, batch, sequence, levers, the measured peak
-and/or tokens per second, or "out of memory"). Each run becomes one fixed plan, a `Candidate`
+Reads `companion/plan/published_runs.json` (runs published by torchtitan, torchtune, litgpt,
+IBM's fms-fsdp and Hugging Face, each with its quoted line: model, GPUs, batch, sequence, levers,
+the measured peak and/or tokens per second, or "out of memory"). Each run becomes one fixed plan, a `Candidate`
 with the run's own levers (no search), and goes through the planner's public functions:
 `load_config` and `GPTShape.of` (the model), `predict_memory` (the tensors at the peak),
 `plan.budget.lines` and `plan.budget.fit_predicted` (the lines beyond the tensors: context,
@@ -70,6 +70,7 @@ LEVERS: dict[str, dict | Callable | str] = {
     "compile": MODELLED_AS_EAGER,
     "float8": NO_LEVER,
     "fsdp-cpu-offload": NO_LEVER,                 # parameters on the host, brought per module
+    "hsdp": NO_LEVER,                             # sharded within a node, replicated across
 }
 # Under LoRA and QLoRA the base is frozen: pure bf16 and "mixed" keep the same bf16 base and
 # differ only by the adapters' fp32 copies (4·r·(in + out) bytes a Linear, under 0.2 GB for the
