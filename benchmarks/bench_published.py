@@ -5,8 +5,9 @@
 
 Reads `companion/plan/published_runs.json` (runs published by torchtitan, torchtune, litgpt,
 IBM's fms-fsdp and Hugging Face, each with its quoted line: model, GPUs, batch, sequence, levers,
-the measured peak and/or tokens per second, or "out of memory"). Each run becomes one fixed plan, a `Candidate`
-with the run's own levers (no search), and goes through the planner's public functions:
+the measured peak and/or tokens per second, or "out of memory"). Each run becomes one fixed
+plan, a `Candidate` with the run's own levers (no search), and goes through the planner's public
+functions:
 `load_config` and `GPTShape.of` (the model), `predict_memory` (the tensors at the peak),
 `plan.budget.lines` and `plan.budget.fit_predicted` (the lines beyond the tensors: context,
 workspaces, NCCL, headroom; the GPU total and whether it fits the card), `predict_seconds` under
