@@ -14,7 +14,9 @@ from companion.plan.named import parse_batch, plan_dict, plan_named
 
 # Each model card's parameter count (Hugging Face Hub, safetensors metadata / model cards).
 PUBLISHED = {"gpt2-xl": 1_557_611_200, "llama-3-8b": 8_030_261_248,
-             "mistral-7b": 7_241_732_096, "qwen2.5-7b": 7_615_616_512}
+             "mistral-7b": 7_241_732_096, "qwen2.5-7b": 7_615_616_512,
+             "llama-3.1-8b": 8_030_261_248, "llama-2-7b": 6_738_415_616,
+             "llama-2-13b": 13_015_864_320, "llama-2-70b": 68_976_648_192}
 
 
 def _built(model_fn) -> tuple[torch.nn.Module, int]:
@@ -32,7 +34,8 @@ def test_shipped_configs_count_the_published_parameters(name):
     assert "huggingface.co" in source and f"{PUBLISHED[name]:,}" in source
 
 
-@pytest.mark.parametrize("name", ["llama-3-8b", "mistral-7b", "qwen2.5-7b"])
+@pytest.mark.parametrize("name", ["llama-3-8b", "mistral-7b", "qwen2.5-7b", "llama-3.1-8b",
+                                  "llama-2-7b"])
 def test_llama_shapes_build_with_the_published_count(name):
     config = load_config(name)
     model, n = _built(config.model_fn(512))
@@ -85,7 +88,7 @@ def test_a_config_json_on_disk_and_its_errors(tmp_path):
         load_config(path)
     with pytest.raises(ValueError, match="no file"):
         load_config(tmp_path / "missing.json")
-    with pytest.raises(ValueError, match="gpt2-xl, llama-3-8b, mistral-7b, qwen2.5-7b"):
+    with pytest.raises(ValueError, match=", ".join(sorted(PUBLISHED))):
         load_config("gpt-5")
     assert shipped() == sorted(PUBLISHED)
 
