@@ -69,7 +69,7 @@ def _named(spec: str) -> bool:
 
 
 def _run_named(args) -> int:
-    from companion.plan.named import format_plans, plan_dict, plan_named
+    from companion.plan.named import NOT_KNOWN, format_plans, plan_dict, plan_named
     from companion.plan.report import why_oom
     from companion.plan.space import TECHNIQUES
 
@@ -92,9 +92,12 @@ def _run_named(args) -> int:
     config = result.config
     print(f"{config.name}: {result.shape.n_params:,} parameters as built ({config.family}); "
           f"{result.batch} sequences of {result.shape.seq_len} tokens per step on "
-          f"{result.world_size} x {result.gpu.name} ({format_bytes(result.budget)} each)")
+          f"{result.world_size} x {result.gpu.name} ({format_bytes(result.budget)} each"
+          + (f", what CUDA reports of its {format_bytes(result.gpu.memory_bytes)}"
+             if result.budget == result.gpu.usable_bytes else "") + ")")
     if args.why_oom:
-        print(why_oom(result.plain, result.rows, result.budget))
+        print(why_oom(result.plain, result.shown, result.budget))
+        print("\n".join(NOT_KNOWN))
         return 0
     print(format_plans(result))
     return 0
@@ -172,7 +175,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default step)")
     p.add_argument("--vocab", type=int, help="vocabulary (default: the first nn.Embedding's)")
     p.add_argument("--budget", type=_size, help="memory per device, e.g. 24GiB (a named "
-                                                 "model: default the GPU's memory)")
+                                                 "model: default the GPU's usable memory, "
+                                                 "its total as CUDA reports it)")
     p.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (named models)")
     p.add_argument("--host-gib", type=float, help="host memory per GPU for offload, GiB")
     p.add_argument("--why-oom", action="store_true",

@@ -58,20 +58,27 @@ class Plan:
     def __init__(self, *, model_fn: Callable[..., nn.Module], batch: int, budget: int,
                  usable: int, device: torch.device, world_size: int, shape: GPTShape,
                  rows: list[Row], chosen: Row, plain: Row, lr: float, host_budget: int | None,
-                 gpu=None, cost: CostModel | None = None):
+                 gpu=None, cost: CostModel | None = None, shown: list[Row] | None = None):
         self.model_fn, self.batch, self.budget, self.usable = model_fn, batch, budget, usable
         self.device, self.world_size, self.shape, self.lr = device, world_size, shape, lr
         self.rows, self.plain, self.host_budget, self.gpu = rows, plain, host_budget, gpu
         self.cost = cost or CostModel.for_device(device.type)
         self.chosen_row: Row = chosen
         self.chosen: Candidate = chosen.candidate
+        self.shown: list[Row] = shown if shown is not None else [chosen]
+
+    @property
+    def failed(self) -> list[Row]:
+        """Plans predicted to fit whose simulated step did not when replayed."""
+        return [r for r in self.rows if r.fit.how == "replayed" and not r.fit.fits]
 
     def table(self, limit: int = 8) -> str:
-        """The plain run, then up to `limit` candidates that fit by prediction, fastest first."""
+        """The plain run, then up to `limit` of the plans listed (`shown`), fastest first: each
+        replayed through the allocator unless the planner simulated none (verify=0)."""
         head = (f"{'':2}{'plan':<64}{'predicted':>11}{'simulated':>11}{'host':>11}"
                 f"{'time/step':>11}")
         lines = [head, "-" * len(head)]
-        shown = [self.plain] + [r for r in self.rows if r is not self.plain][:limit]
+        shown = [self.plain] + [r for r in self.shown if r is not self.plain][:limit]
         for r in shown:
             mark = "->" if r is self.chosen_row else "  "
             sim = format_bytes(r.simulated) if r.simulated is not None else "-"
@@ -197,7 +204,7 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
          margin: float | None = None, cost: CostModel | None = None, lr: float = 1e-3,
          verify: int = 4, simulate_plain: bool = True, step: Callable | None = None,
          seq_len: int | None = None, gpu: str | None = None,
-         context_bytes: int | None = None) -> Plan | ModelPlan:
+         context_bytes: int | None = None, show: int = 5) -> Plan | ModelPlan:
     """The fastest plan (by `cost`) whose step fits `budget` bytes per device, checked by a
     simulated step.
 
@@ -226,6 +233,14 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
         host_budget: bytes of host memory for offload (None: no limit).
         verify: at most this many candidates are simulated before giving up; 0 simulates
             none and takes the fastest predicted to fit (fast, for exploring: unchecked).
+        show: the plans the table lists (`Plan.shown`): the `show` fastest whose simulated
+            step, replayed through the allocator, fits (at most verify + show simulated), so
+            that no plan is listed as fitting on its prediction alone; a plan predicted to fit
+            that does not when replayed is dropped (`Plan.failed`). Once one plan fits, a plan
+            whose predicted total plus the largest gap found so far between a replay and its
+            prediction passes the budget is not simulated (not listed either): a sieve that
+            saves time, never a reason to list a plan. With verify=0 the `show` fastest
+            predicted to fit, unchecked.
         simulate_plain: also simulate the plain run, for the table.
         step, seq_len: for a model that is not the course GPT, `model_fn()` builds it and
             `anymodel.plan_model` plans it, with `step(model, batch) -> loss` (default: the
@@ -251,6 +266,8 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
         raise ValueError(f"budget must be a positive size, e.g. '8 MiB', got {budget!r}")
     if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
         raise ValueError(f"verify is how many candidates to simulate (0: none), got {verify!r}")
+    if isinstance(show, bool) or not isinstance(show, int) or show < 1:
+        raise ValueError(f"show is how many plans to list (at least 1), got {show!r}")
     margin = 0.0 if margin is None else margin
     if not 0 <= margin < 1:
         raise ValueError(f"margin is the share of the budget kept free, from 0 to 1; got {margin}")
@@ -277,15 +294,26 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
     if simulate_plain and verify:
         plain.simulated = sim(plain.candidate).peak
     if not verify:
-        return found(chosen=fitting[0])
-    for row in fitting[:verify]:
+        return found(chosen=fitting[0], shown=fitting[:show])
+    shown, tried, gap = [], [], 0
+    for row in fitting:                        # fastest first: each row shown is replayed
+        if len(shown) >= show or (not shown and len(tried) >= verify) or (
+                len(tried) >= verify + show):
+            break
+        predicted = row.fit.total
+        if shown and predicted + gap > usable:  # a sieve: the largest replay - prediction gap
+            continue                            # so far would not leave it room
         tracker = sim(row.candidate)
         row.simulated, row.simulated_host = tracker.peak, tracker.host_peak
         row.fit = budgets.fit_simulated(tracker, row.predicted.parameters, usable,
                                         list(row.fit.lines), device.type)
+        tried.append(row)
+        gap = max(gap, row.fit.total - predicted if row.fit.fits else usable - predicted + 1)
         if row.fit.fits:
-            return found(chosen=row)
-    missed = ", ".join(format_bytes(r.fit.total) for r in fitting[:verify])
-    raise NothingFits(f"the {min(verify, len(fitting))} fastest plans predicted to fit "
+            shown.append(row)
+    if shown:
+        return found(chosen=shown[0], shown=shown)
+    missed = ", ".join(format_bytes(r.fit.total) for r in tried)
+    raise NothingFits(f"the {len(tried)} fastest plans predicted to fit "
                       f"{format_bytes(usable)} did not fit when simulated ({missed}); pass "
                       "verify= larger to simulate more of them, or a larger budget")
