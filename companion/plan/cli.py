@@ -97,6 +97,9 @@ def _run_named(args) -> int:
              if result.budget == result.gpu.usable_bytes else "") + ")")
     if args.why_oom:
         print(why_oom(result.plain, result.shown, result.budget))
+        if any(r.fit.how == "replayed" for r in result.shown):
+            print("Each fix's total is its simulated step replayed through the allocator "
+                  "(rounding and fragmentation included).")
         print("\n".join(NOT_KNOWN))
         return 0
     print(format_plans(result))
