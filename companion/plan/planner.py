@@ -185,6 +185,14 @@ def _rows(shape: GPTShape, cands: list[Candidate], world_size: int, device_type:
     return rows
 
 
+def _replay(row: Row, sim, usable: int, device_type: str) -> None:
+    """Simulate `row`'s step and set its fit by the replay of that step (in place)."""
+    tracker = sim(row.candidate)
+    row.simulated, row.simulated_host = tracker.peak, tracker.host_peak
+    row.fit = budgets.fit_simulated(tracker, row.predicted.parameters, usable,
+                                    list(row.fit.lines), device_type)
+
+
 def _gpu(device: torch.device, name: str | None):
     """The GPU of `companion.cost.gpus` whose speeds and lines the plan uses: `name`, else the
     one at hand, else the A100 40GB (said in the plan's report)."""
@@ -204,7 +212,7 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
          margin: float | None = None, cost: CostModel | None = None, lr: float = 1e-3,
          verify: int = 4, simulate_plain: bool = True, step: Callable | None = None,
          seq_len: int | None = None, gpu: str | None = None,
-         context_bytes: int | None = None, show: int = 5) -> Plan | ModelPlan:
+         context_bytes: int | None = None, show: int | None = None) -> Plan | ModelPlan:
     """The fastest plan (by `cost`) whose step fits `budget` bytes per device, checked by a
     simulated step.
 
@@ -233,14 +241,17 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
         host_budget: bytes of host memory for offload (None: no limit).
         verify: at most this many candidates are simulated before giving up; 0 simulates
             none and takes the fastest predicted to fit (fast, for exploring: unchecked).
-        show: the plans the table lists (`Plan.shown`): the `show` fastest whose simulated
-            step, replayed through the allocator, fits (at most verify + show simulated), so
+        show: on CUDA (default 5), the plans the table lists (`Plan.shown`): the `show`
+            fastest whose simulated step, replayed through the allocator, fits (at most
+            verify + show simulated), so
             that no plan is listed as fitting on its prediction alone; a plan predicted to fit
             that does not when replayed is dropped (`Plan.failed`). Once one plan fits, a plan
             whose predicted total plus the largest gap found so far between a replay and its
             prediction passes the budget is not simulated (not listed either): a sieve that
             saves time, never a reason to list a plan. With verify=0 the `show` fastest
-            predicted to fit, unchecked.
+            predicted to fit, unchecked. On the CPU, whose budget counts tensor bytes exactly
+            (no allocator), the default lists every plan predicted to fit and simulates only
+            until one fits.
         simulate_plain: also simulate the plain run, for the table.
         step, seq_len: for a model that is not the course GPT, `model_fn()` builds it and
             `anymodel.plan_model` plans it, with `step(model, batch) -> loss` (default: the
@@ -266,7 +277,7 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
         raise ValueError(f"budget must be a positive size, e.g. '8 MiB', got {budget!r}")
     if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
         raise ValueError(f"verify is how many candidates to simulate (0: none), got {verify!r}")
-    if isinstance(show, bool) or not isinstance(show, int) or show < 1:
+    if show is not None and (isinstance(show, bool) or not isinstance(show, int) or show < 1):
         raise ValueError(f"show is how many plans to list (at least 1), got {show!r}")
     margin = 0.0 if margin is None else margin
     if not 0 <= margin < 1:
@@ -293,6 +304,15 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
                               cost=cost)
     if simulate_plain and verify:
         plain.simulated = sim(plain.candidate).peak
+    if show is None and device.type != "cuda":       # exact bytes: simulate until one fits
+        if not verify:
+            return found(chosen=fitting[0], shown=fitting)
+        for row in fitting[:verify]:
+            _replay(row, sim, usable, device.type)
+            if row.fit.fits:
+                return found(chosen=row, shown=fitting)
+        raise _missed(fitting[:verify], usable)
+    show = 5 if show is None else show
     if not verify:
         return found(chosen=fitting[0], shown=fitting[:show])
     shown, tried, gap = [], [], 0
@@ -303,17 +323,18 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
         predicted = row.fit.total
         if shown and predicted + gap > usable:  # a sieve: the largest replay - prediction gap
             continue                            # so far would not leave it room
-        tracker = sim(row.candidate)
-        row.simulated, row.simulated_host = tracker.peak, tracker.host_peak
-        row.fit = budgets.fit_simulated(tracker, row.predicted.parameters, usable,
-                                        list(row.fit.lines), device.type)
+        _replay(row, sim, usable, device.type)
         tried.append(row)
         gap = max(gap, row.fit.total - predicted if row.fit.fits else usable - predicted + 1)
         if row.fit.fits:
             shown.append(row)
     if shown:
         return found(chosen=shown[0], shown=shown)
+    raise _missed(tried, usable)
+
+
+def _missed(tried: list[Row], usable: int) -> NothingFits:
     missed = ", ".join(format_bytes(r.fit.total) for r in tried)
-    raise NothingFits(f"the {len(tried)} fastest plans predicted to fit "
-                      f"{format_bytes(usable)} did not fit when simulated ({missed}); pass "
-                      "verify= larger to simulate more of them, or a larger budget")
+    return NothingFits(f"the {len(tried)} fastest plans predicted to fit "
+                       f"{format_bytes(usable)} did not fit when simulated ({missed}); pass "
+                       "verify= larger to simulate more of them, or a larger budget")
