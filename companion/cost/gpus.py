@@ -11,7 +11,7 @@ chapter can say what a step would cost on an H100 without one. Reading those doc
 - GeForce cards (RTX 4090) run fp16/bf16/fp8 with fp32 accumulation at half the rate of fp16
   accumulation; training accumulates in fp32, so that figure is kept.
 - Units: TB/s = 1e12 B/s, TFLOP/s = 1e12 FLOP/s. Capacity "GB" is binary on these boards (an
-  "80 GB" H100 holds 80 GiB); CUDA gives a process 1-8% less, kept back by ECC and the driver.
+  "80 GB" H100 holds 80 GiB); CUDA gives a process 1-9% less, kept back by ECC and the driver.
 - `usable_bytes` is what CUDA reports as the card's total (`torch.cuda.mem_get_info()[1]`,
   `get_device_properties().total_memory`, the "total capacity of X GiB" of PyTorch's
   out-of-memory message): the most a process can have, CUDA context included. Each is the lowest

@@ -50,6 +50,7 @@ class Row:
     simulated: int | None = None         # peak bytes of the simulated step, when simulated
     simulated_host: int | None = None
     fit: Fit | None = None               # the budget's lines: predicted, then replayed
+    largest: int = 0                     # bytes of the step's largest request (logits, a weight)
 
 
 class Plan:
@@ -181,7 +182,7 @@ def _rows(shape: GPTShape, cands: list[Candidate], world_size: int, device_type:
         largest = 4 * max(shape.largest, tokens * shape.vocab // max(c.chunked_loss, 1))
         rows.append(Row(c, p, predict_seconds(shape, c, cost, world_size=world_size),
                         fit=budgets.fit_predicted(p.peak, p.parameters, largest, budget, found,
-                                                  device_type)))
+                                                  device_type), largest=largest))
     return rows
 
 
@@ -246,9 +247,10 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
             verify + show simulated), so
             that no plan is listed as fitting on its prediction alone; a plan predicted to fit
             that does not when replayed is dropped (`Plan.failed`). Once one plan fits, a plan
-            whose predicted total plus the largest gap found so far between a replay and its
-            prediction passes the budget is not simulated (not listed either): a sieve that
-            saves time, never a reason to list a plan. With verify=0 the `show` fastest
+            whose predicted total plus its largest request times the largest ratio found so far
+            of (replay - prediction) to a plan's largest request passes the budget is not
+            simulated, nor listed: a sieve that saves time (fragmentation grows with the large
+            transient requests, the logits), never a reason to list a plan. With verify=0 the `show` fastest
             predicted to fit, unchecked. On the CPU, whose budget counts tensor bytes exactly
             (no allocator), the default lists every plan predicted to fit and simulates only
             until one fits.
@@ -321,11 +323,12 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
                 len(tried) >= verify + show):
             break
         predicted = row.fit.total
-        if shown and predicted + gap > usable:  # a sieve: the largest replay - prediction gap
-            continue                            # so far would not leave it room
+        if shown and predicted + gap * row.largest > usable:   # a sieve (see show=)
+            continue
         _replay(row, sim, usable, device.type)
         tried.append(row)
-        gap = max(gap, row.fit.total - predicted if row.fit.fits else usable - predicted + 1)
+        missed = row.fit.total - predicted if row.fit.fits else usable - predicted + 1
+        gap = max(gap, missed / max(row.largest, 1))
         if row.fit.fits:
             shown.append(row)
     if shown:
