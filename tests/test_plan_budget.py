@@ -180,3 +180,18 @@ def test_without_replays_the_listed_plans_say_they_are_unchecked():
     assert "not replayed: unchecked" in format_plans(p)
     with pytest.raises(ValueError, match="show"):
         plan(XL, 16, budget="24 GiB", device="cuda", gpu="H100 SXM", verify=0, show=0)
+
+
+def test_a_model_of_ones_own_on_cuda_is_chosen_by_its_replayed_step():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples.models import mha_lm
+    from companion.plan.anymodel import plan_model
+    p = plan_model(mha_lm, 32, budget="600 MiB", seq_len=64, device="cuda", gpu="RTX 4090",
+                   allow=("accumulation", "checkpointing"))
+    cap = 600 * MiB - sum(o.bytes for o in allocator.step_overheads(gpus.gpu("RTX 4090")))
+    # the plain step's tensors fit, but not its segments: the old sieve would have chosen it
+    assert p.plain.peak <= p.usable and p.chosen_row is not p.plain
+    assert p.chosen_row.replayed is not None and p.chosen_row.replayed <= cap
+    assert "replayed <- chosen" in p.table() and "interpolated" not in p.table()

@@ -26,9 +26,9 @@ Example:
 
 Simplified vs `plan` for the course GPT: no ZeRO, offload or QLoRA levers; time from counted
 FLOPs at the cost model's rate plus a fixed cost per block and micro-batch (no measured kernel);
-on CUDA the budget loses the context, cuBLAS's workspace and one segment of headroom for the
-allocator's rounding (`allocator.step_overheads`, `allocator.headroom`), where `plan` replays the
-chosen step through the allocator (`plan.budget`).
+on CUDA the budget loses the context and cuBLAS's workspace (`allocator.step_overheads`), and
+the chosen step is replayed through the allocator under what is left (`allocator.replay`): only
+replayed plans are listed there, where `plan` replays each plan it lists (`plan.budget`).
 """
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ class ModelRow:
     kinds: dict[str, int]
     phase: str | None
     simulated: bool = False
+    replayed: int | None = None   # on CUDA: what the allocator reserves for its step, replayed
 
 
 def _seconds(cand: Candidate, flops: float, blocks: int, trainable: int, cost: CostModel
@@ -90,14 +91,17 @@ class ModelPlan:
         self.device, self.n_params = device, n_params
 
     def table(self, limit: int = 8) -> str:
-        fits = sorted((r for r in self.rows if r.peak <= self.usable),
+        cuda = self.device.type == "cuda"            # there, only replayed steps are listed
+        fits = sorted((r for r in self.rows if r.peak <= self.usable
+                       and (not cuda or r.replayed is not None)),
                       key=lambda r: r.seconds["total"])[:limit]
         lines = [f"{'plan':<64}{'peak':>12}{'step':>10}  checked"]
         for r in [self.plain] + [r for r in fits if r is not self.plain]:
             mark = "<- chosen" if r is self.chosen_row else ""
+            how = ("replayed" if r.replayed is not None else
+                   "simulated" if r.simulated else "interpolated")
             lines.append(f"{r.candidate.describe()[:63]:<64}{format_bytes(r.peak):>12}"
-                         f"{r.seconds['total'] * 1e3:>8.1f}ms  "
-                         f"{'simulated' if r.simulated else 'interpolated'} {mark}".rstrip())
+                         f"{r.seconds['total'] * 1e3:>8.1f}ms  {how} {mark}".rstrip())
         return "\n".join(lines)
 
     def check(self) -> MemoryTracker:
@@ -110,7 +114,7 @@ class ModelPlan:
         def row(r: ModelRow) -> dict:
             return {"plan": r.candidate.describe(), **dataclasses.asdict(r.candidate),
                     "peak": r.peak, "phase": r.phase, "kinds": r.kinds,
-                    "seconds": r.seconds, "simulated": r.simulated}
+                    "seconds": r.seconds, "simulated": r.simulated, "replayed": r.replayed}
         return {"batch": self.batch, "budget": self.budget, "usable": self.usable,
                 "device": str(self.device), "n_params": self.n_params,
                 "plain": row(self.plain), "chosen": row(self.chosen_row),
@@ -168,9 +172,11 @@ def plan_model(model_fn: Callable[[], nn.Module], batch: int, *, budget: int | s
     budget_bytes = parse_bytes(budget)
     usable = int(budget_bytes * (1 - margin))
     card = gpus.gpu(gpu) if gpu is not None else None
+    cap = None
     if device.type == "cuda":              # the context and cuBLAS's workspace, and one segment
-        usable -= sum(o.bytes for o in allocator.step_overheads(card)) + allocator.headroom(
-            allocator.LARGE_REQUEST)       # of headroom for rounding (`plan.budget`)
+        lines = sum(o.bytes for o in allocator.step_overheads(card))   # of headroom as a sieve;
+        cap = usable - lines               # the chosen step is replayed under the rest (`cap`)
+        usable = cap - allocator.headroom(allocator.LARGE_REQUEST)
     cost = cost or (CostModel.for_gpu(card.name) if card is not None
                     else CostModel.for_device(device.type))
     with FakeTensorMode():
@@ -206,10 +212,15 @@ def plan_model(model_fn: Callable[[], nn.Module], batch: int, *, budget: int | s
                                  near.breakdown(), near.peak_phase, m in sims))
     plain = next(r for r in rows if not r.candidate.techniques())
     for row in sorted((r for r in rows if r.peak <= usable), key=lambda r: r.seconds["total"]):
-        if not row.simulated:
+        if not row.simulated or cap is not None:
             tracker = simulate_model(model_fn, row.candidate, step, optimizer=optimizer)[0]
             row.peak, row.kinds, row.phase = tracker.peak, tracker.breakdown(), tracker.peak_phase
             row.simulated = True
+            if cap is not None:            # rounding and fragmentation, replayed (`plan.budget`)
+                replayed = allocator.replay(tracker, cap=cap)
+                row.replayed = replayed.peak_reserved if replayed.fits else None
+                if not replayed.fits:
+                    continue
         if row.peak <= usable:
             return ModelPlan(rows, row, plain, batch=batch, budget=budget_bytes, usable=usable,
                              device=device, n_params=n_params, model_fn=model_fn, step=step,

@@ -111,9 +111,16 @@ def _run(args) -> int:
 
     if _named(args.model):
         return _run_named(args)
+    if args.budget is None and args.gpu:
+        from companion.cost import gpus
+        try:                                   # the card's usable bytes, what CUDA reports
+            args.budget = gpus.gpu(args.gpu).usable_bytes
+        except ValueError as e:
+            print(f"companion plan: {e}", file=sys.stderr)
+            return 2
     if args.batch is None or args.budget is None:
-        print("companion plan: a model of yours (module:function) needs --batch and --budget",
-              file=sys.stderr)
+        print("companion plan: a model of yours (module:function) needs --batch and --budget "
+              "(or --gpu, whose usable memory is the budget)", file=sys.stderr)
         return 2
     try:
         args.batch = int(args.batch)
