@@ -12,7 +12,8 @@ its simulated step replayed through the allocator (`planner.plan`'s `show`). A L
 course's GPT is (`companion.plan.predict`: its own activations, GQA, SwiGLU, tied embeddings,
 q/k/v biases) with every lever but autocast outside ZeRO-3 (LoRA on its seven Linears); its
 simulated step runs RMSNorm as CUDA's fused kernel saves. Llama 3 8B on 8 H100s: by formula in
-~5 s on this course's CPU; the chosen plan's ZeRO-3 step simulated on fake tensors ~40 s more.
+~5 s on this course's CPU; the five plans listed, each a ZeRO-3 step simulated on fake tensors
+and replayed, ~30 s more.
 
 Not levers yet: tensor and pipeline parallelism, sequence parallelism and context parallelism
 (a model whose layer does not fit one GPU is out of reach here), expert parallelism.
