@@ -113,7 +113,9 @@ class Plan:
             text.append(f"  on the GPU, {format_bytes(r.fit.total)} of "
                         f"{format_bytes(self.budget)} at the peak ({r.fit.how}): the step's "
                         f"tensors and")
-            text += [f"    {o}" for o in r.fit.lines]
+            text += [f"    {o}" for o in r.fit.lines if o.alive != "load"]
+            text += [f"  at load, before the step: {format_bytes(r.fit.load)}, with the {o}"
+                     for o in r.fit.lines if o.alive == "load"]
         if r.predicted.host:
             text.append(f"  host memory: {format_bytes(r.predicted.host)} predicted"
                         + (f", {format_bytes(r.simulated_host)} simulated"
