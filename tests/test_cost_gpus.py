@@ -36,6 +36,24 @@ def test_flops_are_the_dense_halves_of_the_datasheets(name, dtype, dense):
     assert GPUS[name].flops(dtype) == pytest.approx(dense)
 
 
+@pytest.mark.parametrize("g", list(GPUS.values()), ids=list(GPUS))
+def test_usable_bytes_are_what_cuda_reports_below_the_nominal_size_with_a_source(g):
+    # CUDA keeps back 1-9% (ECC, the driver); a plan is fitted to usable_bytes, never nominal
+    assert 0.9 * g.memory_bytes < g.usable_bytes < g.memory_bytes
+    assert g.usable_bytes % 2**20 == 0 and g.usable_source
+    assert "derived" in g.usable_source or "GiB" in g.usable_source or "MB" in g.usable_source
+
+
+@pytest.mark.parametrize("name, reported_gib", [
+    ("RTX 4090", 23.64), ("H100 SXM", 81082 / 1024), ("A100 40GB", 39.39), ("A100 80GB", 79.15),
+    ("T4", 14.57), ("V100", 31.75), ("H200", 143156 / 1024), ("B200", 182631 / 1024),
+])
+def test_usable_bytes_match_the_reports_they_cite(name, reported_gib):
+    # the lowest report, taken at the bottom of its two-decimal rounding: never above it
+    usable = GPUS[name].usable_bytes / 2**30
+    assert reported_gib - 0.006 < usable <= reported_gib + 1e-9
+
+
 def test_units_are_bytes_and_bytes_per_second():
     assert GPUS["H100 SXM"].hbm_bandwidth == 3.35e12 and GPUS["A100 40GB"].hbm_bandwidth == 1.555e12
     assert GPUS["H100 SXM"].memory_bytes == 80 * 2**30

@@ -30,7 +30,30 @@ def test_lines_of_a_cuda_step_by_hand():
     ampere = budgets.lines(shape, Candidate(4), device_type="cuda", gpu=gpus.gpu("A100 80GB"),
                            world_size=8)
     assert {o.name: o.bytes for o in ampere}["cuBLAS workspace"] == 8_519_680   # :4096:2:16:8
-    assert {o.name: o.bytes for o in ampere}["NCCL buffers"] == 8 * 2 * 4 * MiB
+    # NCCL: one communicator as measured (nccl#864: about 1.6 GB), not 4 MiB buffers x channels
+    assert {o.name: o.bytes for o in ampere}["NCCL buffers"] == 1_600_000_000
+    assert "NCCL buffers" not in {o.name for o in budgets.lines(
+        shape, Candidate(4), device_type="cuda", gpu=gpus.gpu("A100 80GB"), world_size=1)}
+
+
+def test_flash_attention_scratch_adds_the_expanded_dk_dv_under_grouped_query_attention():
+    from companion.models import Llama
+    B, T, H, KV, D = 2, 4096, 32, 8, 128                  # Llama 3 8B's attention
+    gqa = allocator.flash_backward_workspace(B, T, H, D, kv_heads=KV, itemsize=2)
+    mha = allocator.flash_backward_workspace(B, T, H, D)
+    assert mha.bytes == 4 * B * T * H * D + 4 * B * H * T                 # dq_accum, softmax_d
+    assert gqa.bytes - mha.bytes == 2 * 2 * B * T * H * D                 # dk_, dv_expanded bf16
+    assert "dk_expanded" in gqa.source
+    assert allocator.flash_backward_workspace(B, T, H, D, kv_heads=H).bytes == mha.bytes
+    llama = functools.partial(Llama, 512, 256, 128, 2, 8, kv_heads=2)
+    shape = GPTShape.of(llama)
+    found = {o.name: o.bytes for o in budgets.lines(shape, Candidate(2, precision="autocast"),
+                                                    device_type="cuda",
+                                                    gpu=gpus.gpu("H100 SXM"))}
+    d = 128 // 8
+    t = 256                                                              # already a multiple of 128
+    assert found["FlashAttention backward scratch"] == (
+        4 * 2 * t * 8 * 32 + 4 * 2 * 8 * t + 2 * 2 * 2 * 256 * 8 * d)  # d 16 rounds up to 32
 
 
 def test_a_predicted_fit_adds_the_lines_and_one_segment_of_headroom():
@@ -91,3 +114,86 @@ def test_each_line_says_when_it_is_held_and_the_fit_reads_that_not_its_name():
     with pytest.raises(ValueError, match="alive"):
         allocator.Overhead("x", 1, "s", alive="always")
     del keep
+
+
+def test_a_named_plan_fits_the_cards_usable_bytes_not_its_nominal_size():
+    from companion.plan.named import plan_named
+    p = plan_named("gpt2-xl", gpu="RTX 4090", seq_len=1024, batch=16, verify=2, show=2)
+    card = gpus.gpu("RTX 4090")
+    assert p.budget == card.usable_bytes < card.memory_bytes
+    assert all(r.fit.total <= card.usable_bytes for r in p.shown)
+    forced = plan_named("gpt2-xl", gpu="RTX 4090", seq_len=1024, batch=16, verify=0,
+                        budget=card.memory_bytes, show=1)
+    assert forced.budget == card.memory_bytes                         # --budget still overrides
+
+
+def _every_second_replay_runs_out(monkeypatch):
+    """fit_simulated as the planner calls it, but the 2nd replay it makes does not fit (as a
+    step whose free pieces are too small would not)."""
+    from companion.plan import planner
+    real, calls = budgets.fit_simulated, []
+
+    def fake(tracker, weights, budget, found, device_type):
+        fit = real(tracker, weights, budget, found, device_type)
+        calls.append(fit)
+        if len(calls) == 2:
+            return budgets.Fit(False, budget + 1, fit.reserved, fit.lines + (
+                allocator.Overhead("out of memory when replayed", 0, "made up"),), "replayed")
+        return fit
+    monkeypatch.setattr(planner.budgets, "fit_simulated", fake)
+    return calls
+
+
+def test_every_plan_listed_as_fitting_was_replayed_and_one_that_does_not_replay_is_not_listed(
+        monkeypatch):
+    import json
+    from companion.plan.named import format_plans, plan_dict
+    calls = _every_second_replay_runs_out(monkeypatch)
+    p = plan(XL, 16, budget="24 GiB", device="cuda", gpu="H100 SXM", verify=2,
+             simulate_plain=False, show=3)
+    assert len(calls) >= 3 and len(p.shown) == 3
+    failed = p.failed
+    assert len(failed) == 1 and failed[0] not in p.shown
+    assert all(r.fit.how == "replayed" and r.fit.fits for r in p.shown)
+    data = plan_dict(p)
+    json.dumps(data)
+    assert [x["plan"] for x in data["plans"]] == [r.candidate.describe() for r in p.shown]
+    assert failed[0].candidate.describe() not in [x["plan"] for x in data["plans"]]
+    assert data["failed_when_simulated"] == [failed[0].candidate.describe()]
+    assert {x["checked"] for x in data["plans"]} == {"replayed"}
+    for x in data["plans"]:                   # the lines add up to the total (load line apart)
+        assert x["gpu_bytes"] == sum(line["bytes"] for line in x["memory_lines"])
+        assert x["gpu_bytes"] <= 24 * GiB and x["load_bytes"] < x["gpu_bytes"]
+    text = format_plans(p)
+    listed = [line for line in text.splitlines() if line[:3] in ("1. ", "2. ", "3. ", "4. ")]
+    assert len(listed) == 3
+    assert not any(failed[0].candidate.describe() + ":" in line for line in listed)
+    assert "does not when replayed" in text and "Not counted:" in text
+    assert "(load)" not in "\n".join(line for line in text.splitlines()
+                                     if line.startswith("     "))  # not among the step's lines
+
+
+def test_without_replays_the_listed_plans_say_they_are_unchecked():
+    from companion.plan.named import format_plans, plan_dict
+    p = plan(XL, 16, budget="24 GiB", device="cuda", gpu="H100 SXM", verify=0, show=2)
+    assert {x["checked"] for x in plan_dict(p)["plans"]} == {"predicted"}
+    assert "not replayed: unchecked" in format_plans(p)
+    with pytest.raises(ValueError, match="show"):
+        plan(XL, 16, budget="24 GiB", device="cuda", gpu="H100 SXM", verify=0, show=0)
+
+
+def test_a_model_of_ones_own_on_cuda_is_chosen_by_its_replayed_step():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples.models import mha_lm
+    from companion.plan.anymodel import plan_model
+    p = plan_model(mha_lm, 32, budget="600 MiB", seq_len=64, device="cuda", gpu="RTX 4090",
+                   allow=("accumulation", "checkpointing"))
+    cap = 600 * MiB - sum(o.bytes for o in allocator.step_overheads(gpus.gpu("RTX 4090")))
+    # the plain step's tensors fit, but not its segments: the old sieve would have chosen it
+    assert p.plain.peak <= p.usable and p.chosen_row is not p.plain
+    assert not p.plain.fit.fits and p.plain in p.failed
+    assert p.chosen_row.fit.how == "replayed" and p.chosen_row.fit.total <= 600 * MiB
+    assert p.chosen_row.fit.reserved - allocator.CUBLAS_DEFAULT <= cap           # 4090: 8.125 MiB
+    assert all(r.fit.how == "replayed" and r.fit.fits for r in p.shown)

@@ -169,11 +169,13 @@ def test_a_llama_config_is_planned_on_two_gpus_with_zero_3(tmp_path):
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
               "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(config))
+    from companion.allocator import NCCL_COMMUNICATOR_BYTES
+    budget = 596 * 2**20 + NCCL_COMMUNICATOR_BYTES         # NCCL's communicator, and 596 MiB
     p = plan_named(str(tmp_path / "config.json"), gpu="H100 SXM", gpus=2, seq_len=256,
-                   batch="4K-tokens", budget=660 * 2**20, verify=4)
-    assert p.shape.llama and p.chosen_row.fit.fits and p.chosen_row.fit.total <= 660 * 2**20
+                   batch="4K-tokens", budget=budget, verify=4)
+    assert p.shape.llama and p.chosen_row.fit.fits and p.chosen_row.fit.total <= budget
     plain = p.plain.fit.total
-    assert plain > 660 * 2**20 and p.chosen.techniques()   # the budget asks for levers
+    assert plain > budget and p.chosen.techniques()        # the budget asks for levers
     assert "Not searched: tensor and pipeline parallelism" in format_plans(p)
 
 

@@ -3,11 +3,12 @@
 `rules`: its rounding and segments, and a replay of a step's allocations through them (what a
 step reserves, fragmentation included, predicted from a simulated step). `overheads`: what a GPU
 holds beyond the tensors a step makes (the CUDA context, cuBLAS's and attention's workspaces,
-NCCL's buffers, a conversion's temporary, `record_stream`'s backlog), each with its source.
+NCCL's memory, a conversion's temporary, `record_stream`'s backlog), each with its source.
 `snapshot`: reading a real run's memory snapshot (`torch.cuda.memory._snapshot`). `validate`:
 that snapshot's trace replayed through `rules`, each cudaMalloc set beside PyTorch's.
 """
-from companion.allocator.overheads import (CONTEXT_BYTES, NCCL_BUFFSIZE, Overhead, context,
+from companion.allocator.overheads import (CONTEXT_BYTES, NCCL_BUFFSIZE,
+                                           NCCL_COMMUNICATOR_BYTES, Overhead, context,
                                            conversion_temporary, measure_context,
                                            flash_backward_workspace, nccl_buffers,
                                            record_stream_backlog, step_overheads)
@@ -28,5 +29,5 @@ __all__ = ["snapshot_report", "snapshot_timeline", "growing_batches", "growing_b
            "AllocatorConfig", "CachingAllocator", "OutOfMemory",
            "Replay", "replay", "Overhead", "CONTEXT_BYTES", "context", "conversion_temporary",
            "flash_backward_workspace", "nccl_buffers", "record_stream_backlog", "step_overheads",
-           "measure_context", "NCCL_BUFFSIZE", "BLOCK", "SMALL_REQUEST", "SMALL_SEGMENT",
+           "measure_context", "NCCL_BUFFSIZE", "NCCL_COMMUNICATOR_BYTES", "BLOCK", "SMALL_REQUEST", "SMALL_SEGMENT",
            "LARGE_SEGMENT", "LARGE_REQUEST", "LARGE_ROUNDING"]

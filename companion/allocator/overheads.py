@@ -11,10 +11,20 @@ holds:
   9 to 12 (`rules.cublas_workspace`, read from PyTorch's CublasHandlePool.cpp);
 - FlashAttention-2's backward scratch, through the allocator: an fp32 dq accumulator
   (B, T rounded up to 128, heads, head size rounded up to 32) and the fp32 softmax_d (B, heads,
-  T rounded): mha_bwd in flash_api.cpp (Dao-AILab/flash-attention, vendored by PyTorch in
-  aten/src/ATen/native/transformers/cuda/flash_attn);
-- NCCL's buffers, outside the allocator: NCCL_BUFFSIZE, 4 MiB by default (NCCL's documentation,
-  "Environment Variables"), per channel and peer of the ring;
+  T rounded), and under grouped-query attention (fewer key/value heads than heads) dk_expanded
+  and dv_expanded, (B, T, heads, head size) each in q's dtype, summed over each group into dk
+  and dv afterwards: mha_bwd in flash_api.cpp (Dao-AILab/flash-attention, vendored by PyTorch in
+  aten/src/ATen/native/transformers/cuda/flash_attn; PyTorch sends `enable_gqa=True` to it);
+- NCCL's memory, outside the allocator: one communicator's buffers for all channels and peers,
+  its proxies and its kernels' state. NCCL_BUFFSIZE is 4 MiB per channel and peer (NCCL's
+  documentation, "Environment Variables"), but the channels go up to 32 and NVLS adds its own,
+  so what is measured is far larger: "about 1.6GB" for one communicator after an all-reduce
+  (NVIDIA/nccl#864), 544 MB (2 GPUs) and 688 MB (4 GPUs) per process group on 4 A100s with
+  PyTorch (NVIDIA/nccl#964), 1.06 GB per GPU on 8 H100s before any all-to-all
+  (NVIDIA/nccl#1685; 4.34 GB after one). NCCL's maintainer: memory grows linearly with the
+  channels, more communicators use more (NVIDIA/nccl#986). The plan counts
+  `NCCL_COMMUNICATOR_BYTES` = 1.6 GB, the largest of them, per communicator (a ZeRO or DDP
+  step uses one: the default process group);
 - the rests of `record_stream`: a block freed on the compute stream while a side stream copies
   it (offload) is not reused until that copy ends;
 - a conversion's temporary when 16-bit weights are loaded: one fp32 tensor on its way to bf16
@@ -30,12 +40,15 @@ import dataclasses
 
 from companion.allocator.rules import cublas_workspace
 
-__all__ = ["CONTEXT_BYTES", "NCCL_BUFFSIZE", "Overhead", "context", "conversion_temporary",
+__all__ = ["CONTEXT_BYTES", "NCCL_BUFFSIZE", "NCCL_COMMUNICATOR_BYTES", "Overhead", "context", "conversion_temporary",
            "flash_backward_workspace", "nccl_buffers", "record_stream_backlog", "step_overheads",
            "measure_context"]
 
 CONTEXT_BYTES = 512 * 2**20
 NCCL_BUFFSIZE = 4 * 2**20
+NCCL_COMMUNICATOR_BYTES = 1_600_000_000
+_NCCL_SOURCE = ("measured per communicator: about 1.6 GB (NVIDIA/nccl#864), 0.54-0.69 GB on "
+                "A100s (#964), 1.06 GB on 8 H100s (#1685); the largest counted")
 _CONTEXT_SOURCE = ("the CUDA context with lazy loading: 274-426 MiB measured in pytorch/pytorch"
                    "#86509, #109888 and unslothai/unsloth-zoo#1053; 512 MiB counted")
 
@@ -80,22 +93,28 @@ def measure_context(device=None) -> int:
     return total - free - torch.cuda.memory_reserved(device)
 
 
-def flash_backward_workspace(batch: int, seq_len: int, heads: int, head_dim: int) -> Overhead:
+def flash_backward_workspace(batch: int, seq_len: int, heads: int, head_dim: int, *,
+                             kv_heads: int | None = None, itemsize: int = 2) -> Overhead:
     """FlashAttention-2's backward scratch (see the module docstring): fp32 dq_accum and
-    softmax_d, with T rounded up to 128 and the head size to 32."""
+    softmax_d, with T rounded up to 128 and the head size to 32; with `kv_heads` fewer than
+    `heads` (grouped-query attention) also dk_expanded and dv_expanded, (B, T, heads, head_dim)
+    in q's dtype (`itemsize` bytes)."""
     t = -(-seq_len // 128) * 128
     d = -(-head_dim // 32) * 32
     nbytes = 4 * batch * t * heads * d + 4 * batch * heads * t
-    return Overhead("FlashAttention backward scratch", nbytes,
-                    "fp32 dq_accum and softmax_d of mha_bwd, flash_api.cpp")
+    source = "fp32 dq_accum and softmax_d of mha_bwd, flash_api.cpp"
+    if kv_heads is not None and kv_heads != heads:
+        nbytes += 2 * itemsize * batch * seq_len * heads * head_dim    # dk_expanded, dv_expanded
+        source += f"; dk_expanded and dv_expanded ({kv_heads} key/value heads of {heads})"
+    return Overhead("FlashAttention backward scratch", nbytes, source)
 
 
-def nccl_buffers(world_size: int, *, channels: int = 8) -> Overhead:
-    """NCCL's ring buffers: NCCL_BUFFSIZE for each channel and each of a rank's two ring
-    neighbours. `channels`: NCCL chooses 2-32 by topology; 8 is assumed."""
-    nbytes = 0 if world_size < 2 else channels * 2 * NCCL_BUFFSIZE
-    return Overhead("NCCL buffers", nbytes, f"NCCL_BUFFSIZE 4 MiB x {channels} channels x 2 "
-                    "neighbours (NCCL docs; channel count assumed)", False)
+def nccl_buffers(world_size: int, *, communicators: int = 1) -> Overhead:
+    """NCCL's memory on each GPU: `NCCL_COMMUNICATOR_BYTES` per communicator (see the module
+    docstring); none on one GPU."""
+    nbytes = 0 if world_size < 2 else communicators * NCCL_COMMUNICATOR_BYTES
+    return Overhead("NCCL buffers", nbytes, f"{communicators} communicator(s), " + _NCCL_SOURCE,
+                    False)
 
 
 def record_stream_backlog(nbytes: int, what: str) -> Overhead:
@@ -109,13 +128,13 @@ def conversion_temporary(largest_numel: int) -> Overhead:
                     "the largest tensor in fp32 on its way to bf16", alive="load")
 
 
-def step_overheads(gpu=None, *, world_size: int = 1, attention: tuple[int, int, int, int] | None
+def step_overheads(gpu=None, *, world_size: int = 1, attention: tuple[int, ...] | None
                    = None, backlog: Overhead | None = None,
                    context_bytes: int | None = None) -> list[Overhead]:
     """The lines a CUDA step adds to its tensors: the context, cuBLAS's workspace (by the GPU's
     compute capability; Hopper's when `gpu` is None), FlashAttention's backward scratch for
-    `attention` = (batch, seq_len, heads, head_dim), NCCL's buffers with several ranks, and a
-    `record_stream` backlog."""
+    `attention` = (batch, seq_len, heads, head_dim[, kv_heads, itemsize]), NCCL's memory with
+    several ranks, and a `record_stream` backlog."""
     capability = (tuple(int(x) for x in gpu.compute_capability.split(".")) if gpu is not None
                   else (9, 0))
     lines = [context(measured=context_bytes),
@@ -123,7 +142,10 @@ def step_overheads(gpu=None, *, world_size: int = 1, attention: tuple[int, int, 
                       "PyTorch's default for compute capability "
                       f"{capability[0]}.{capability[1]} (CublasHandlePool.cpp)")]
     if attention is not None:
-        lines.append(flash_backward_workspace(*attention))
+        batch, seq_len, heads, head_dim, *gqa = attention
+        kv_heads, itemsize = (gqa + [None, 2])[:2] if gqa else (None, 2)
+        lines.append(flash_backward_workspace(batch, seq_len, heads, head_dim,
+                                              kv_heads=kv_heads, itemsize=itemsize))
     if world_size > 1:
         lines.append(nccl_buffers(world_size))
     if backlog is not None and backlog.bytes:

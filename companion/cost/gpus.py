@@ -11,7 +11,13 @@ chapter can say what a step would cost on an H100 without one. Reading those doc
 - GeForce cards (RTX 4090) run fp16/bf16/fp8 with fp32 accumulation at half the rate of fp16
   accumulation; training accumulates in fp32, so that figure is kept.
 - Units: TB/s = 1e12 B/s, TFLOP/s = 1e12 FLOP/s. Capacity "GB" is binary on these boards (an
-  "80 GB" H100 holds 80 GiB); torch.cuda reports 1-3% less, kept back by ECC and the driver.
+  "80 GB" H100 holds 80 GiB); CUDA gives a process 1-9% less, kept back by ECC and the driver.
+- `usable_bytes` is what CUDA reports as the card's total (`torch.cuda.mem_get_info()[1]`,
+  `get_device_properties().total_memory`, the "total capacity of X GiB" of PyTorch's
+  out-of-memory message): the most a process can have, CUDA context included. Each is the lowest
+  report found for that card (`usable_source` quotes it); a report in GiB with two decimals is
+  taken at the bottom of its rounding (23.64 GiB: 23.635 GiB). A plan is fitted to it, never to
+  `memory_bytes`.
 - PCIe figures in datasheets add both directions: `pcie_bandwidth` is one direction, half.
   `nvlink_bandwidth` is the total NVIDIA quotes (both directions, all links of one GPU).
 - `sram_per_sm` is an SM's combined L1 + shared memory; `shared_memory_per_sm` the most of it a
@@ -70,6 +76,8 @@ class GPU:
     compute_capability: str
     sources: tuple[str, ...]          # "group, group: document, URL" for each of GROUPS
     notes: str = ""
+    usable_bytes: int = 0             # the total CUDA reports (set from _USABLE below)
+    usable_source: str = ""           # the report it comes from
 
     def flops(self, dtype: torch.dtype | str) -> float:
         """Dense peak FLOP/s in `dtype`: a torch dtype, or "fp32", "tf32", "bf16", "fp16", "fp8"."""
@@ -204,6 +212,50 @@ GPUS: dict[str, GPU] = {
                 "HGX B200 (1,000 W). NVIDIA's figures moved between announcements (192 GB and "
                 "8 TB/s at first; the DGX B200 datasheet: 1,440 GB and 64 TB/s for 8 GPUs)."),
 }
+
+MIB = 2**20
+_FIND = "public GitHub code, found with find_string"
+# The card's total as CUDA reports it, the lowest report found (MiB), and where it was read.
+_USABLE = {
+    "V100": (32_512, '"31.75 GiB total capacity" in PyTorch out-of-memory messages (e.g. "GPU 0; '
+                     '31.75 GiB total capacity; 30.30 GiB already allocated"), the 32 GB V100\'s '
+                     f'total; {_FIND}'),
+    "T4": (14_914, '"GPU 0 has a total capacity of 14.57 GiB" on a T4 (a benchmark\'s failed-case '
+                   'log, T4 beside A10 and B200), taken at 14.565 GiB; torch\'s total_memory on '
+                   f'Colab T4s: 14,930-15,109 MiB; {_FIND}'),
+    "A10": (22_584, '"GPU 0 has a total capacity of 22.06 GiB" on an A10 (the same log), taken at '
+                    '22.055 GiB; AWS\'s A10G reports total_memory=22587MB; '
+                    f'{_FIND}'),
+    "L4": (22_677, 'derived, no PyTorch report found that names the L4: nvidia-smi\'s memory.total '
+                   '"NVIDIA L4, 23034 MiB" (many reports), less 357 MiB, what the RTX 4090 loses '
+                   'from its nvidia-smi total (24,564 MiB) to its lowest PyTorch report (23.635 '
+                   f'GiB); {_FIND}'),
+    "L40S": (45_414, 'torch "total_memory=45589MB" (_CudaDeviceProperties, NVIDIA L40S) and "L40S | '
+                     '44.4 GiB" in a run table of total capacities, taken at 44.35 GiB; '
+                     f'{_FIND}'),
+    "RTX 4090": (24_202, '"GPU 0 has a total capacity of 23.64 GiB" on 24 GB 4090s (a ZeRO-2 run '
+                         'on "24GB 4090"; an RTX 4090 D), taken at 23.635 GiB; torch\'s '
+                         'total_memory=24563MB on another 4090, and 23.70 GiB on an RTX 3090 '
+                         f'(huggingface/transformers#8771); {_FIND}'),
+    "A100 40GB": (40_330, '"Used 38.61/39.39 GiB on A100-40GB" and "total capacity of 39.39 GiB" '
+                          'in out-of-memory messages, taken at 39.385 GiB; paddle\'s '
+                          f'total_memory=40536MB for an A100-SXM4-40GB; {_FIND}'),
+    "A100 80GB": (81_044, '"GPU 0 has a total capacity of 79.15 GiB" on an 80 GB A100 (an RLHF '
+                          'tutorial\'s out-of-memory error), taken at 79.145 GiB; an '
+                          f'A100-SXM4-80GB\'s totalGlobalMem: 81,221.8 MiB; {_FIND}'),
+    "H100 PCIe": (81_008, 'torch "total_memory=81008MB" (_CudaDeviceProperties, NVIDIA H100 PCIe); '
+                          f'{_FIND}'),
+    "H100 SXM": (81_082, 'torch 2.0.1 "total_memory=81082MB" (_CudaDeviceProperties, NVIDIA H100 '
+                         '80GB HBM3), the lowest of 81,082-81,106 MiB (thamada/nvidia-smi, '
+                         'nvsim/H100SXMx8_deviceQuery.py: 85,045,477,376 bytes); out-of-memory '
+                         f'messages say 79.18-79.25 GiB; {_FIND}'),
+    "H200": (143_156, 'torch "total_memory=143156MB" (_CudaDeviceProperties, NVIDIA H200); '
+                      f'{_FIND}'),
+    "B200": (182_631, 'torch "total_memory=182631MB" and "182642MB" (_CudaDeviceProperties, '
+                      f'NVIDIA B200); {_FIND}'),
+}
+GPUS = {name: dataclasses.replace(g, usable_bytes=_USABLE[name][0] * MIB,
+                                  usable_source=_USABLE[name][1]) for name, g in GPUS.items()}
 
 # names torch.cuda.get_device_name reports, beyond the table's own keys (both normalized)
 _DEVICE_NAMES = {"v100sxm232gb": "V100", "a100sxm440gb": "A100 40GB", "a100sxm480gb": "A100 80GB",

@@ -7,9 +7,14 @@ its peak does. On CUDA the same budget is the GPU memory the run may take:
            + what the caching allocator reserves: the step's tensors rounded to 512-byte blocks,
              the free pieces of its segments (fragmentation), cuBLAS's workspace, attention's
              backward scratch and the `record_stream` backlog of offload.
-A prediction (formulas, `predict`) bounds the allocator's part by the peak, the workspaces and
-one segment of headroom (`allocator.headroom`); a simulated step replays its allocations through
-the allocator's rules (`allocator.replay`), which gives rounding and fragmentation for that step.
+The budget defaults to the card's usable bytes, what CUDA reports as its total
+(`cost.gpus.GPU.usable_bytes`), never its nominal size. A prediction (formulas, `predict`) adds
+one segment of headroom (`allocator.headroom`) to the peak and the workspaces: a first sieve,
+not a promise, since replays of the same steps find GiBs of fragmentation; a simulated step
+replays its allocations through the allocator's rules (`allocator.replay`), which gives rounding
+and fragmentation for that step, and only replayed plans are listed as fitting (`planner.plan`).
+A line alive only while the model loads (the fp32 conversion temporary) is not part of the
+step's total: `Fit.load` holds the load's bytes beside it.
 
 What neither sees: kernels' scratch beyond the lines here (cuDNN, NCCL's own streams), other
 processes on the GPU, and allocation orders that differ from eager PyTorch's (CUDA graphs,
@@ -35,6 +40,7 @@ class Fit:
     reserved: int                # of it, the caching allocator's segments
     lines: tuple[allocator.Overhead, ...]
     how: str                     # "predicted" (a bound) or "replayed" (the simulated trace)
+    load: int = 0                # GPU bytes while the model loads (weights, a load-time line)
 
 
 def lines(shape: GPTShape, cand: Candidate, *, device_type: str, gpu=None, world_size: int = 1,
@@ -44,7 +50,10 @@ def lines(shape: GPTShape, cand: Candidate, *, device_type: str, gpu=None, world
         return []
     fused = shape.fused_attention or cand.fused_attention
     heads = shape.heads
-    attention = (cand.micro_batch, shape.seq_len, heads, shape.width // heads) if fused else None
+    kv_heads = shape.kv_heads if shape.llama and shape.kv_heads else heads
+    itemsize = 4 if cand.precision == "fp32" else 2                 # q's dtype
+    attention = ((cand.micro_batch, shape.seq_len, heads, shape.width // heads, kv_heads,
+                  itemsize) if fused else None)
     backlog = None
     if cand.offload:                                   # a 16-bit gradient still going down
         backlog = allocator.record_stream_backlog((2 if cand.precision != "fp32" else 4)
@@ -87,7 +96,8 @@ def fit_predicted(peak: int, weights: int, largest_request: int, budget: int,
                                   "rounding and fragmentation", alive="bound")
     reserved = max(peak + _inside(found) + headroom.bytes, _load(weights, found))
     total = reserved + _outside(found)
-    return Fit(total <= budget, total, reserved, tuple(found) + (headroom,), "predicted")
+    return Fit(total <= budget, total, reserved, tuple(found) + (headroom,), "predicted",
+               _load(weights, found) + _outside(found))
 
 
 def fit_simulated(tracker, weights: int, budget: int, found: list[allocator.Overhead],
@@ -103,7 +113,8 @@ def fit_simulated(tracker, weights: int, budget: int, found: list[allocator.Over
     if not replayed.fits:                          # stopped at the failing request
         extra = (allocator.Overhead("out of memory when replayed", 0, replayed.failed_at),)
         total = max(budget + 1, reserved + _outside(found))
-        return Fit(False, total, reserved, tuple(found) + extra, "replayed")
+        return Fit(False, total, reserved, tuple(found) + extra, "replayed",
+                   _load(weights, found) + _outside(found))
     extra = (allocator.Overhead("rounding (512-byte blocks, unsplit rests under 1 MiB)",
                                 replayed.rounding,
                                 "the step's blocks replayed (allocator.replay)"),
@@ -112,4 +123,4 @@ def fit_simulated(tracker, weights: int, budget: int, found: list[allocator.Over
                                 "the step's allocations and frees replayed (allocator.replay)"))
     total = reserved + _outside(found)
     return Fit(replayed.fits and total <= budget, total, reserved, tuple(found) + extra,
-               "replayed")
+               "replayed", _load(weights, found) + _outside(found))

@@ -69,7 +69,7 @@ def _named(spec: str) -> bool:
 
 
 def _run_named(args) -> int:
-    from companion.plan.named import format_plans, plan_dict, plan_named
+    from companion.plan.named import NOT_KNOWN, format_plans, plan_dict, plan_named
     from companion.plan.report import why_oom
     from companion.plan.space import TECHNIQUES
 
@@ -92,9 +92,15 @@ def _run_named(args) -> int:
     config = result.config
     print(f"{config.name}: {result.shape.n_params:,} parameters as built ({config.family}); "
           f"{result.batch} sequences of {result.shape.seq_len} tokens per step on "
-          f"{result.world_size} x {result.gpu.name} ({format_bytes(result.budget)} each)")
+          f"{result.world_size} x {result.gpu.name} ({format_bytes(result.budget)} each"
+          + (f", what CUDA reports of its {format_bytes(result.gpu.memory_bytes)}"
+             if result.budget == result.gpu.usable_bytes else "") + ")")
     if args.why_oom:
-        print(why_oom(result.plain, result.rows, result.budget))
+        print(why_oom(result.plain, result.shown, result.budget))
+        if any(r.fit.how == "replayed" for r in result.shown):
+            print("Each fix's total is its simulated step replayed through the allocator "
+                  "(rounding and fragmentation included).")
+        print("\n".join(NOT_KNOWN))
         return 0
     print(format_plans(result))
     return 0
@@ -105,9 +111,16 @@ def _run(args) -> int:
 
     if _named(args.model):
         return _run_named(args)
+    if args.budget is None and args.gpu:
+        from companion.cost import gpus
+        try:                                   # the card's usable bytes, what CUDA reports
+            args.budget = gpus.gpu(args.gpu).usable_bytes
+        except ValueError as e:
+            print(f"companion plan: {e}", file=sys.stderr)
+            return 2
     if args.batch is None or args.budget is None:
-        print("companion plan: a model of yours (module:function) needs --batch and --budget",
-              file=sys.stderr)
+        print("companion plan: a model of yours (module:function) needs --batch and --budget "
+              "(or --gpu, whose usable memory is the budget)", file=sys.stderr)
         return 2
     try:
         args.batch = int(args.batch)
@@ -173,7 +186,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default step)")
     p.add_argument("--vocab", type=int, help="vocabulary (default: the first nn.Embedding's)")
     p.add_argument("--budget", type=_size, help="memory per device, e.g. 24GiB (a named "
-                                                 "model: default the GPU's memory)")
+                                                 "model: default the GPU's usable memory, "
+                                                 "its total as CUDA reports it)")
     p.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (named models)")
     p.add_argument("--host-gib", type=float, help="host memory per GPU for offload, GiB")
     p.add_argument("--why-oom", action="store_true",

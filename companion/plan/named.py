@@ -6,11 +6,14 @@ Mistral, Qwen2 shapes; a few ship with the package) built as the course's `GPT` 
 fake tensors, so the planner predicts it with its formulas and simulates the chosen step as it
 does the course GPT's. Each plan that fits is printed with its GPU memory by line (the step's
 tensors, the context, workspaces, NCCL, rounding and fragmentation: `plan.budget`) and its step
-time by part (`predict_seconds`, at the named GPU's speeds). A Llama shape is predicted as the
+time by part (`predict_seconds`, at the named GPU's speeds). The budget is the card's usable
+bytes (`cost.gpus.GPU.usable_bytes`, what CUDA reports), and every plan printed as fitting had
+its simulated step replayed through the allocator (`planner.plan`'s `show`). A Llama shape is predicted as the
 course's GPT is (`companion.plan.predict`: its own activations, GQA, SwiGLU, tied embeddings,
 q/k/v biases) with every lever but autocast outside ZeRO-3 (LoRA on its seven Linears); its
 simulated step runs RMSNorm as CUDA's fused kernel saves. Llama 3 8B on 8 H100s: by formula in
-~5 s on this course's CPU; the chosen plan's ZeRO-3 step simulated on fake tensors ~40 s more.
+~5 s on this course's CPU; the five plans listed, each a ZeRO-3 step simulated on fake tensors
+and replayed, ~30 s more.
 
 Not levers yet: tensor and pipeline parallelism, sequence parallelism and context parallelism
 (a model whose layer does not fit one GPU is out of reach here), expert parallelism.
@@ -22,7 +25,7 @@ import re
 from companion.memory import format_bytes
 from companion.plan.space import EXACT, LLAMA_NOT_SEARCHED, LOW_PRECISION
 
-__all__ = ["parse_batch", "plan_named", "plan_dict", "format_plans", "DEFAULT_ALLOW"]
+__all__ = ["parse_batch", "plan_named", "plan_dict", "format_plans", "DEFAULT_ALLOW", "NOT_KNOWN"]
 
 DEFAULT_ALLOW = EXACT + LOW_PRECISION
 _TOKENS = re.compile(r"^\s*([0-9.]+)\s*([kKmMgG]?)\s*-?\s*tokens?\s*$")
@@ -50,8 +53,11 @@ def parse_batch(text: str | int, seq_len: int, gpus: int = 1) -> int:
 
 def plan_named(model: str, *, gpu: str = "H100 SXM", gpus: int = 1, seq_len: int | None = None,
                batch: str | int = "1M-tokens", budget: int | None = None,
-               host_budget: int | None = None, allow=DEFAULT_ALLOW, verify: int = 1):
-    """The planner's answer for a shipped model name or a config.json path on `gpus` GPUs."""
+               host_budget: int | None = None, allow=DEFAULT_ALLOW, verify: int = 1,
+               show: int = 5):
+    """The planner's answer for a shipped model name or a config.json path on `gpus` GPUs,
+    within `budget` bytes per GPU (default the card's usable bytes, `GPU.usable_bytes`: what
+    CUDA reports, not the nominal size); the `show` fastest plans are each replayed."""
     from companion.cost import gpus as table
     from companion.plan.configs import load_config
     from companion.plan.planner import plan
@@ -60,19 +66,31 @@ def plan_named(model: str, *, gpu: str = "H100 SXM", gpus: int = 1, seq_len: int
     seq_len = seq_len or config.max_seq_len
     card = table.gpu(gpu)
     sequences = parse_batch(batch, seq_len, gpus)
-    result = plan(config.model_fn(seq_len), sequences, budget=budget or card.memory_bytes,
+    result = plan(config.model_fn(seq_len), sequences, budget=budget or card.usable_bytes,
                   device="cuda", gpu=card.name, world_size=gpus, allow=allow,
-                  host_budget=host_budget, verify=verify, simulate_plain=False)
+                  host_budget=host_budget, verify=verify, simulate_plain=False, show=show)
     result.config = config
     return result
 
 
+def _tensors(r) -> tuple[int, str]:
+    """The step's tensors at the peak: simulated when the step was replayed (the lines beside
+    them were measured against it), else predicted."""
+    if r.fit.how in ("replayed", "simulated") and r.simulated is not None:
+        return r.simulated, "the simulated step (FakeTensorMode)"
+    return r.predicted.peak, f"predict_memory ({r.predicted.phase})"
+
+
 def _row(r) -> dict:
+    tensors, source = _tensors(r)
+    step = [o for o in r.fit.lines if o.alive != "load"]
     return {"plan": r.candidate.describe(), "levers": r.candidate.techniques(),
-            "gpu_bytes": r.fit.total, "checked": r.fit.how,
-            "memory_lines": [{"name": "tensors at the peak", "bytes": r.predicted.peak,
-                              "source": "predict_memory (" + r.predicted.phase + ")"}]
-            + [{"name": o.name, "bytes": o.bytes, "source": o.source} for o in r.fit.lines],
+            "gpu_bytes": r.fit.total,
+            "checked": "replayed" if r.fit.how == "replayed" else "predicted",
+            "fits": r.fit.fits,
+            "memory_lines": [{"name": "tensors at the peak", "bytes": tensors, "source": source}]
+            + [{"name": o.name, "bytes": o.bytes, "source": o.source} for o in step],
+            "load_bytes": r.fit.load,
             "host_bytes": r.predicted.host, "disk_bytes": r.predicted.disk,
             "seconds": r.seconds}
 
@@ -80,45 +98,61 @@ def _row(r) -> dict:
 def plan_dict(result, *, top: int = 10) -> dict:
     """The plans that fit, fastest first, as JSON-ready data."""
     config = getattr(result, "config", None)
-    return {"model": config.name if config else None, "n_params": result.shape.n_params,
+    return {"model": config.name if config else None, "n_params": result.n_params,
             "gpu": result.gpu.name if result.gpu else None, "gpus": result.world_size,
-            "batch_sequences": result.batch, "seq_len": result.shape.seq_len,
+            "batch_sequences": result.batch, "seq_len": result.shape.seq_len if result.shape else None,
             "budget": result.budget, "chosen": _row(result.chosen_row),
-            "plans": [_row(r) for r in _fitting(result)[:top]],
-            "failed_when_simulated": [r.candidate.describe() for r in _failed(result)]}
+            "plans": [_row(r) for r in result.shown[:top]],
+            "failed_when_simulated": [r.candidate.describe() for r in result.failed],
+            "not_known": list(NOT_KNOWN)}
 
 
-def _failed(result) -> list:
-    return [r for r in result.rows if r.fit.how == "replayed" and not r.fit.fits]
-
-
-def _fitting(result) -> list:
-    """Plans predicted to fit, fastest first, less those whose simulated step did not."""
-    return [r for r in result.rows if r.fit.fits]
+# What a plan's lines cannot see: printed under every plan, so that "fits" is not read as a promise
+NOT_KNOWN = ("Not counted: kernels' own scratch beyond these lines (cuDNN, NCCL's algorithms, "
+             "a library's workspace), other processes on the GPU,",
+             "and allocator changes in other PyTorch versions or settings (expandable_segments, "
+             "torch.compile, CUDA graphs). Keep a margin (--budget) for them.")
 
 
 def format_plans(result, *, top: int = 5) -> str:
-    """The table, then the `top` fastest plans with their memory lines and time parts."""
+    """The table, then the `top` fastest plans (`Plan.shown`, each replayed through the
+    allocator) with their memory lines, which add up to the total, and time parts."""
     out, sources = [result.table(limit=top), ""], {}
-    for r in _failed(result):
+    for r in result.failed:
         out.append(f"Predicted to fit, but its simulated step does not when replayed through "
                    f"the allocator: {r.candidate.describe()} ({r.fit.lines[-1].source}).")
-    for i, r in enumerate(_fitting(result)[:top], 1):
+    for i, r in enumerate(result.shown[:top], 1):
         parts = ", ".join(f"{k} {v:.2f}s" for k, v in r.seconds.items() if k != "total" and v)
         out.append(f"{i}. {r.candidate.describe()}: step {r.seconds['total']:.2f} s ({parts})")
-        if r.fit is not None:
-            where = "GPU memory" if result.device.type == "cuda" else "memory"
-            out.append(f"   {where} {format_bytes(r.fit.total)} of "
-                       f"{format_bytes(result.budget)} ({r.fit.how}): tensors "
-                       f"{format_bytes(r.predicted.peak)} at the {r.predicted.phase} phase")
-            out += [f"     {o.name}: {format_bytes(o.bytes)}" for o in r.fit.lines]
-            sources.update({o.name: o.source for o in r.fit.lines})
+        tensors, _ = _tensors(r)
+        how = (r.fit.how if r.fit.how in ("replayed", "simulated") else
+               "predicted, not replayed: unchecked" if result.device.type == "cuda" else
+               "predicted, not simulated")
+        where = "GPU memory" if result.device.type == "cuda" else "memory"
+        out.append(f"   {where} {format_bytes(r.fit.total)} of {format_bytes(result.budget)}"
+                   f" ({how}): tensors {format_bytes(tensors)} at the "
+                   f"{r.predicted.phase} phase"
+                   + (f" (predicted {format_bytes(r.predicted.peak)})"
+                      if tensors != r.predicted.peak else ""))
+        out += [f"     {o.name}: {format_bytes(o.bytes)}" for o in r.fit.lines
+                if o.alive != "load"]
+        for o in r.fit.lines:
+            if o.alive == "load":
+                out.append(f"   at load, before the step: {format_bytes(r.fit.load)} with the "
+                           f"{o.name.removesuffix(' (load)')} ({format_bytes(o.bytes)})"
+                           + (", the peak" if r.fit.load >= r.fit.total else ""))
+        sources.update({o.name: o.source for o in r.fit.lines})
         if r.predicted.host:
             out.append(f"   host {format_bytes(r.predicted.host)}"
                        + (f", disk {format_bytes(r.predicted.disk)}" if r.predicted.disk else ""))
     if sources:
         out.append("Where the lines come from:")
         out += [f"  {name}: {source}" for name, source in sources.items()]
+    if result.gpu is not None and result.budget == result.gpu.usable_bytes:
+        out.append(f"  the budget: the {result.gpu.name}'s total as CUDA reports it "
+                   f"({format_bytes(result.gpu.memory_bytes)} nominal): "
+                   f"{result.gpu.usable_source}")
+    out += list(NOT_KNOWN)
     out.append("Not searched: tensor and pipeline parallelism (one layer must fit one GPU).")
     if result.shape is None:
         out.append("Not searched for a traced model: ZeRO, offload, chunked loss, QLoRA (the "

@@ -52,6 +52,7 @@ class Row:
     simulated: int | None = None         # peak bytes of the simulated step, when simulated
     simulated_host: int | None = None
     fit: Fit | None = None               # the budget's lines: predicted, then replayed
+    largest: int = 0                     # bytes of the step's largest request (logits, a weight)
     kinds_simulated: dict[str, int] | None = None   # bytes by kind at the simulated peak
     phase_simulated: str | None = None
 
@@ -88,7 +89,7 @@ class Plan:
     def __init__(self, *, model_fn: Callable[..., nn.Module], batch: int, budget: int,
                  usable: int, device: torch.device, world_size: int, model: Formulas | Traced,
                  rows: list[Row], chosen: Row, plain: Row, lr: float, host_budget: int | None,
-                 gpu=None, cost: CostModel | None = None):
+                 gpu=None, cost: CostModel | None = None, shown: list[Row] | None = None):
         self.model_fn, self.batch, self.budget, self.usable = model_fn, batch, budget, usable
         self.device, self.world_size, self.lr = device, world_size, lr
         self.model = model                   # what the planner knows of it (`known`)
@@ -98,13 +99,20 @@ class Plan:
         self.cost = cost or CostModel.for_device(device.type)
         self.chosen_row: Row = chosen
         self.chosen: Candidate = chosen.candidate
+        self.shown: list[Row] = shown if shown is not None else [chosen]
+
+    @property
+    def failed(self) -> list[Row]:
+        """Plans predicted to fit whose simulated step did not when replayed."""
+        return [r for r in self.rows if r.fit.how == "replayed" and not r.fit.fits]
 
     def table(self, limit: int = 8) -> str:
-        """The plain run, then up to `limit` candidates that fit by prediction, fastest first."""
+        """The plain run, then up to `limit` of the plans listed (`shown`), fastest first: each
+        replayed through the allocator unless the planner simulated none (verify=0)."""
         head = (f"{'':2}{'plan':<64}{'predicted':>11}{'simulated':>11}{'host':>11}"
                 f"{'time/step':>11}")
         lines = [head, "-" * len(head)]
-        shown = [self.plain] + [r for r in self.rows if r is not self.plain][:limit]
+        shown = [self.plain] + [r for r in self.shown if r is not self.plain][:limit]
         for r in shown:
             mark = "->" if r is self.chosen_row else "  "
             sim = format_bytes(r.simulated) if r.simulated is not None else "-"
@@ -138,7 +146,9 @@ class Plan:
             text.append(f"  on the GPU, {format_bytes(r.fit.total)} of "
                         f"{format_bytes(self.budget)} at the peak ({r.fit.how}): the step's "
                         f"tensors and")
-            text += [f"    {o}" for o in r.fit.lines]
+            text += [f"    {o}" for o in r.fit.lines if o.alive != "load"]
+            text += [f"  at load, before the step: {format_bytes(r.fit.load)}, with the {o}"
+                     for o in r.fit.lines if o.alive == "load"]
         if r.predicted.host:
             text.append(f"  host memory: {format_bytes(r.predicted.host)} predicted"
                         + (f", {format_bytes(r.simulated_host)} simulated"
@@ -215,8 +225,9 @@ def _rows(model: Formulas | Traced, cands: list[Candidate], world_size: int,
         p, seconds = model.predict(c, world_size=world_size, device_type=device_type, cost=cost)
         found = model.lines(c, device_type=device_type, gpu=gpu, world_size=world_size,
                             context_bytes=context_bytes)
+        largest = model.largest_request(c)
         row = Row(c, p, seconds, fit=budgets.fit_predicted(
-            p.peak, p.parameters, model.largest_request(c), budget, found, device_type))
+            p.peak, p.parameters, largest, budget, found, device_type), largest=largest)
         traced = model.traced(c)
         if traced is not None:                     # its own trace: simulated already
             row.note(traced)
@@ -244,7 +255,7 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
          verify: int = 4, simulate_plain: bool = True, step: Callable | None = None,
          seq_len: int | None = None, vocab: int | None = None,
          optimizer: Callable = torch.optim.AdamW, gpu: str | None = None,
-         context_bytes: int | None = None) -> Plan:
+         context_bytes: int | None = None, show: int | None = None) -> Plan:
     """The fastest plan (by `cost`) whose step fits `budget` bytes per device, checked by a
     simulated step.
 
@@ -273,6 +284,17 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
         host_budget: bytes of host memory for offload (None: no limit).
         verify: at most this many candidates are simulated before giving up; 0 simulates
             none and takes the fastest predicted to fit (fast, for exploring: unchecked).
+        show: on CUDA (default 5), the plans the table lists (`Plan.shown`): the `show`
+            fastest whose simulated step, replayed through the allocator, fits (at most
+            verify + show simulated), so that no plan is listed as fitting on its prediction
+            alone; a plan predicted to fit that does not when replayed is dropped
+            (`Plan.failed`). Once one plan fits, a plan whose predicted total plus its largest
+            request times the largest ratio found so far of (replay - prediction) to a plan's
+            largest request passes the budget is not simulated, nor listed: a sieve that saves
+            time (fragmentation grows with the large transient requests, the logits), never a
+            reason to list a plan. With verify=0 the `show` fastest predicted to fit,
+            unchecked. On the CPU, whose budget counts tensor bytes exactly (no allocator), the
+            default lists every plan predicted to fit and simulates only until one fits.
         simulate_plain: also simulate the plain run, for the table.
         step, seq_len, vocab, optimizer: for any other model, or with a step of your own,
             `model_fn()` builds it and its step is traced instead of predicted by formulas
@@ -288,13 +310,13 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
     return _plan(model, batch, budget=budget, device=device, world_size=world_size,
                  allow=model.allowed(allow), lora_rank=lora_rank, host_budget=host_budget,
                  margin=margin, cost=cost, lr=lr, verify=verify, simulate_plain=simulate_plain,
-                 gpu=gpu, context_bytes=context_bytes)
+                 gpu=gpu, context_bytes=context_bytes, show=show)
 
 
 def _plan(model: Formulas | Traced, batch: int, *, budget, device: torch.device,
           world_size: int, allow: tuple[str, ...], lora_rank: int, host_budget, margin,
           cost: CostModel | None, lr: float, verify: int, simulate_plain: bool,
-          gpu: str | None, context_bytes: int | None) -> Plan:
+          gpu: str | None, context_bytes: int | None, show: int | None = None) -> Plan:
     """The one path: candidates, predicted rows against the budget's lines, the fastest
     simulated until one fits, whatever `model` knows (formulas or a traced step)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -304,6 +326,8 @@ def _plan(model: Formulas | Traced, batch: int, *, budget, device: torch.device,
         raise ValueError(f"budget must be a positive size, e.g. '8 MiB', got {budget!r}")
     if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
         raise ValueError(f"verify is how many candidates to simulate (0: none), got {verify!r}")
+    if show is not None and (isinstance(show, bool) or not isinstance(show, int) or show < 1):
+        raise ValueError(f"show is how many plans to list (at least 1), got {show!r}")
     margin = 0.0 if margin is None else margin
     if not 0 <= margin < 1:
         raise ValueError(f"margin is the share of the budget kept free, from 0 to 1; got {margin}")
@@ -335,18 +359,43 @@ def _plan(model: Formulas | Traced, batch: int, *, budget, device: torch.device,
     if simulate_plain and verify and plain.simulated is None:
         plain.note(model.simulate(plain.candidate, world_size=world_size,
                                   device_type=device.type))
+    if show is None and device.type != "cuda":       # exact bytes: simulate until one fits
+        if not verify:
+            return found(chosen=fitting[0], shown=fitting)
+        tried = 0
+        for row in fitting:
+            if model.traced(row.candidate) is None:    # not traced while predicting
+                if tried == verify:
+                    break
+                tried += 1
+            simulated(row)
+            if row.fit.fits:
+                return found(chosen=row, shown=fitting)
+        raise _missed([r for r in fitting if r.simulated is not None], usable)
+    show = 5 if show is None else show
     if not verify:
-        return found(chosen=fitting[0])
-    tried = 0
-    for row in fitting:
-        if model.traced(row.candidate) is None:        # not traced while predicting
-            if tried == verify:
-                break
-            tried += 1
+        return found(chosen=fitting[0], shown=fitting[:show])
+    shown, tried, gap = [], [], 0
+    for row in fitting:                        # fastest first: each row shown is replayed
+        if len(shown) >= show or (not shown and len(tried) >= verify) or (
+                len(tried) >= verify + show):
+            break
+        predicted = row.fit.total
+        if shown and predicted + gap * row.largest > usable:   # a sieve (see show=)
+            continue
         simulated(row)
+        tried.append(row)
+        missed = row.fit.total - predicted if row.fit.fits else usable - predicted + 1
+        gap = max(gap, missed / max(row.largest, 1))
         if row.fit.fits:
-            return found(chosen=row)
-    missed = ", ".join(format_bytes(r.fit.total) for r in fitting if r.simulated is not None)
-    raise NothingFits(f"the {tried} fastest plans predicted to fit "
-                      f"{format_bytes(usable)} did not fit when simulated ({missed}); pass "
-                      "verify= larger to simulate more of them, or a larger budget")
+            shown.append(row)
+    if shown:
+        return found(chosen=shown[0], shown=shown)
+    raise _missed(tried, usable)
+
+
+def _missed(tried: list[Row], usable: int) -> NothingFits:
+    missed = ", ".join(format_bytes(r.fit.total) for r in tried)
+    return NothingFits(f"the {len(tried)} fastest plans predicted to fit "
+                       f"{format_bytes(usable)} did not fit when simulated ({missed}); pass "
+                       "verify= larger to simulate more of them, or a larger budget")
