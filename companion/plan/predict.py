@@ -77,9 +77,10 @@ from __future__ import annotations
 import dataclasses
 
 from companion.plan.costmodel import CostModel
-from companion.plan.parts import (BUCKET_BYTES, activation_bytes, bf16_weights,
-                                  offloaded_twice, qlora_build_bytes, qlora_dequantize_bytes,
-                                  segment_sizes, state_bytes)
+from companion.plan.parts import (BUCKET_BYTES, STEP_TEMPORARIES, activation_bytes,
+                                  bf16_weights, offloaded_twice, paged_state_bytes,
+                                  qlora_build_bytes, qlora_dequantize_bytes, segment_sizes,
+                                  selective_block_bytes, state_bytes)
 from companion.plan.space import Candidate, GPTShape
 
 __all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES",
@@ -138,6 +139,13 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
     s, c = shape, cand
     c.check_depth(s.depth)
     P, G, O, G_before, host = state_bytes(s, c, world_size)
+    if c.paged:                                        # the states' pages on the host
+        O, paged = paged_state_bytes(s, c, O, device_type)
+        host += paged
+    in_step = STEP_TEMPORARIES.get((c.precision, c.state_bits), 0) * s.largest
+    if c.in_backward:                                  # each gradient stepped and freed as it
+        G = G // s.n_params * s.largest                # is made: the largest one's, with its
+        G_before = 0                                   # step's temporaries
     A, per_block, checkpoint, cached, outside = activation_bytes(s, c, device_type)
     N, V, C = c.micro_batch * s.seq_len, s.vocab, s.width
     low = c.precision != "fp32"
@@ -178,6 +186,7 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
         early = 0 if c.offload else early + G * C * I // s.n_params  # residual's; down_proj's
         early_moving = 0                               # gradient made (offload: sent already)
     step_temp = G if c.precision == "mixed" and not c.offload else 0
+    step_temp = in_step if c.precision == "bf16" and not c.in_backward else step_temp
     phases = [("forward", G_before, A, logits + cached),
               ("backward", G_before + moving, A, loss_grads),
               ("first block's backward", max(G_before, early) + early_moving, early_acts,
@@ -192,6 +201,14 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
                 if c.nf4_base else []),
 
               ("optimizer", G, 0, step_temp)]
+    if c.in_backward:                                  # the head's step, its gradient just
+        phases.append(("optimizer in backward", G, A - outside, in_step))   # made (the
+                                                       # logits' gradient freed): the blocks'
+                                                       # activations left
+    if c.selective:                                    # the last block's backward: its
+        recomputed = per_block - selective_block_bytes(s, c)   # recomputed tensors back
+        phases.append(("selective recompute", G_before + moving, A - outside + recomputed,
+                       block_temp))
     if s.llama and not c.activation_offload:           # the last block's SwiGLU product's
         e, I = (2 if low else 4), s.intermediate       # backward: the head's, final norm's and
         made = G * (V * C + C + C * I) // s.n_params   # down_proj's gradients made, the blocks'

@@ -149,6 +149,9 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size:
                 if not cand.offload:
                     for p in _trainable(setup):
                         p.grad = torch.zeros_like(p)
+                        if cand.in_backward:       # stepped in backward: one gradient at a
+                            setup.optimizer.step()     # time, freed after its step
+                            p.grad = None
                     optimizer_step(setup)
                 # 2. Gradients cleared, then what the earlier micro-batches left (accumulation).
                 setup.optimizer.zero_grad(set_to_none=True)

@@ -3,7 +3,10 @@
 `build` makes the model and optimizer a `Candidate` asks for, with the course's own code for each
 lever: `checkpoint_sequential` (hooks design, which restores autocast) over the blocks,
 `MasterWeights` for bf16 weights, `CPUOffloadOptimizer`, `ShardedOptimizer` and `FSDP` for ZeRO,
-`ddp.DDP`, `lora.apply_lora`, `lowbit.apply_qlora` and `lowbit.Adam8bit`. `train_step` runs one
+`ddp.DDP`, `lora.apply_lora`, `lowbit.apply_qlora` and `lowbit.Adam8bit`; issue 52's levers:
+`checkpointing.selective_checkpoint` on every block, `lowbit.BF16AdamW` (pure bf16, stochastic
+rounding; with 8-bit states `Adam8bit(stochastic_round=True)`), `optim.optimizer_in_backward`
+(`InBackward`), and paged 8-bit states, which on the CPU are `Adam8bit`'s (nothing to page). `train_step` runs one
 optimizer step over the micro-batches. The same code runs in `simulation.simulate`, under
 `FakeTensorMode` (every tensor is shape and dtype only: a 7B model's step costs no memory and a
 few seconds), measured by `companion.memory.track`; several ranks are simulated as rank 0 of a
@@ -34,6 +37,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from companion import amp, ddp, lora, lowbit
 from companion.checkpointing import checkpoint_sequential
+from companion.checkpointing.selective import selective_checkpoint
+from companion.optim import optimizer_in_backward
 from companion.activation_offload import OffloadActivations
 from companion.chunked_loss import chunked_cross_entropy
 from companion.nvme import NVMeOffloadOptimizer
@@ -42,7 +47,7 @@ from companion.models import Llama
 from companion.plan.space import LLAMA_LORA_TARGETS, LORA_TARGETS, Candidate
 from companion.zero import FSDP, ShardedOptimizer
 
-__all__ = ["CheckpointedBlocks", "Setup", "build", "micro_step", "optimizer_step", "train_step"]
+__all__ = ["CheckpointedBlocks", "SelectiveBlocks", "InBackward", "Setup", "build", "micro_step", "optimizer_step", "train_step"]
 
 
 class CheckpointedBlocks(nn.Module):
@@ -58,6 +63,40 @@ class CheckpointedBlocks(nn.Module):
         return checkpoint_sequential(list(self.blocks), self.segments, x, use_reentrant=False)
 
 
+class SelectiveBlocks(nn.Module):
+    """Every block under `selective_checkpoint` (torch's `create_selective_checkpoint_contexts`
+    with the matmul-saving policy): each keeps its input, its matmuls' and fused attention's
+    outputs, and recomputes the rest in its backward."""
+
+    def __init__(self, blocks: nn.Sequential):
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = selective_checkpoint(block, x)                           # (B, T, C)
+        return x
+
+
+class InBackward:
+    """The optimizer step inside backward: one optimizer per parameter, stepped by its
+    post-accumulate-grad hook (`companion.optim.optimizer_in_backward`), which then frees the
+    gradient. `step` steps the parameters that still hold a gradient (none after a backward; the
+    simulation's first step, on zero gradients, makes the state); `zero_grad` as torch's."""
+
+    def __init__(self, params: list[torch.Tensor], optimizer_class: type, **kwargs):
+        self.optimizers, self.handles = optimizer_in_backward(params, optimizer_class, **kwargs)
+
+    def step(self) -> None:
+        for p, optimizer in self.optimizers.items():
+            if p.grad is not None:
+                optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
 @dataclasses.dataclass
 class Setup:
     """What `train_step` needs: the network to call, the optimizer, how to finish a step."""
@@ -65,7 +104,7 @@ class Setup:
     candidate: Candidate
     model: nn.Module              # the GPT itself
     net: nn.Module                # what forward calls: the GPT, or its DDP / FSDP wrapper
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | InBackward   # InBackward: stepped inside backward
     master: amp.MasterWeights | None = None   # bf16 weights: steps go through it
 
 
@@ -91,14 +130,21 @@ def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float):
                                 else "16-bit") if cand.precision in ("mixed", "main_grad")
               else None)
     params = master.master_params if master is not None else trainable
+    pure = cand.precision == "bf16"            # bf16 weights, no master: stochastic rounding
     if cand.state_bits == 8:                   # AdamW's update and decay, moments in 8 bits
-        return net, lowbit.Adam8bit(params, weight_decay=0.01, decoupled_weight_decay=True,
-                                    **adamw), master
-    return net, torch.optim.AdamW(params, fused=True, **adamw), master
+        kind, options = lowbit.Adam8bit, {"weight_decay": 0.01, "decoupled_weight_decay": True,
+                                          "stochastic_round": pure}
+    elif pure:                                 # moments in bf16 too (2 + 2 + 4 = 8 B)
+        kind, options = lowbit.BF16AdamW, {"compensation": "stochastic"}
+    else:
+        kind, options = torch.optim.AdamW, {"fused": True}
+    if cand.in_backward:
+        return net, InBackward(params, kind, **options, **adamw), master
+    return net, kind(params, **options, **adamw), master
 
 
 def _dtype(cand: Candidate) -> torch.dtype:
-    return torch.bfloat16 if cand.precision in ("mixed", "main_grad") else torch.float32
+    return torch.bfloat16 if cand.precision in ("mixed", "main_grad", "bf16") else torch.float32
 
 
 def _quantized_on_host(model_fn: Callable[..., nn.Module], cand: Candidate) -> nn.Module:
@@ -156,6 +202,8 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
         lora.apply_lora(model, cand.lora_rank, targets=_lora_targets(model))   # base frozen
     if cand.segments > 1:
         model.blocks = CheckpointedBlocks(model.blocks, cand.segments)
+    if cand.selective:
+        model.blocks = SelectiveBlocks(model.blocks)
     net, optimizer, master = _optimizer(cand, model, world_size, lr)
     return Setup(cand, model, net, optimizer, master)
 
