@@ -84,7 +84,8 @@ from companion.plan.parts import (BUCKET_BYTES, STEP_TEMPORARIES, activation_byt
 from companion.plan.space import Candidate, GPTShape
 
 __all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES",
-           "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES", "DISK_BANDWIDTH"]
+           "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES", "DISK_BANDWIDTH", "BF16ADAMW_BYTES",
+           "ADAM8BIT_BF16_BYTES"]
 
 # Bytes read and written per value by the course's unfused 8-bit code, counted operator by
 # operator (a GPU is bound by them; each op's tensor operands read once, its result written; the
@@ -102,8 +103,16 @@ __all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCK
 # quantization's scales ~0.4: 17. The cast to a bf16 compute dtype adds 6 from an fp32 base (a
 # copy 4+2), 10 from a bf16 one (rounded 4+2, copied 2+2): `_DEQUANTIZE_CAST_BYTES`.
 ADAM8BIT_BYTES = 260
+# `lowbit.BF16AdamW`'s step (stochastic rounding), per parameter, counted the same way: m, v and
+# the gradient to fp32 18, Adam's update 76 (as above), each moment rounded back stochastically 34
+# (int32 noise 4, its sum 12, the mask 8, to bf16 6, the copy 4) twice, the weight to fp32 and
+# its decay and update 34, w + update and its rounding 46: 242. `Adam8bit` on bf16 weights with
+# stochastic rounding: 260 less the fp32 weight's update 12, plus the weight to fp32, its decay
+# and update and rounding 60: 308.
+BF16ADAMW_BYTES = 242
+ADAM8BIT_BF16_BYTES = 308
 DEQUANTIZE_BYTES = 17
-_DEQUANTIZE_CAST_BYTES = {"fp32": 0, "autocast": 6, "mixed": 10, "main_grad": 10}
+_DEQUANTIZE_CAST_BYTES = {"fp32": 0, "autocast": 6, "mixed": 10, "main_grad": 10, "bf16": 10}
 # the GPUs' NVMe tier (CostModel's default: a PCIe 4.0 x4 SSD streams up to 7 GB/s; 3 assumed)
 DISK_BANDWIDTH = CostModel.disk_bandwidth
 
@@ -143,6 +152,8 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
         O, paged = paged_state_bytes(s, c, O, device_type)
         host += paged
     in_step = STEP_TEMPORARIES.get((c.precision, c.state_bits), 0) * s.largest
+    if c.paged and device_type != "cpu":               # bitsandbytes' one fused kernel per
+        in_step = 0                                    # tensor: no fp32 copies of its moments
     if c.in_backward:                                  # each gradient stepped and freed as it
         G = G // s.n_params * s.largest                # is made: the largest one's, with its
         G_before = 0                                   # step's temporaries
@@ -186,7 +197,8 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
         early = 0 if c.offload else early + G * C * I // s.n_params  # residual's; down_proj's
         early_moving = 0                               # gradient made (offload: sent already)
     step_temp = G if c.precision == "mixed" and not c.offload else 0
-    step_temp = in_step if c.precision == "bf16" and not c.in_backward else step_temp
+    step_temp = in_step if (c.precision == "bf16" or c.paged) and not c.in_backward \
+        else step_temp
     phases = [("forward", G_before, A, logits + cached),
               ("backward", G_before + moving, A, loss_grads),
               ("first block's backward", max(G_before, early) + early_moving, early_acts,
@@ -206,9 +218,14 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
                                                        # logits' gradient freed): the blocks'
                                                        # activations left
     if c.selective:                                    # the last block's backward: its
-        recomputed = per_block - selective_block_bytes(s, c)   # recomputed tensors back
-        phases.append(("selective recompute", G_before + moving, A - outside + recomputed,
-                       block_temp))
+        recomputed = per_block - selective_block_bytes(s, c)   # recomputed tensors back, the
+        mlp = C * (s.intermediate if s.llama else 4 * C)   # head's, final norm's and the MLP's
+        made = G * (V * C + C + mlp) // s.n_params     # last Linear's gradients made
+        phases.append(("selective recompute", max(G_before, made) + moving,
+                       A - outside + recomputed, block_temp))
+        first_phase = phases[2]                        # the first block's: its MLP's last
+        phases[2] = (first_phase[0], first_phase[1] + G * mlp // s.n_params,   # gradient too
+                     *first_phase[2:])
     if s.llama and not c.activation_offload:           # the last block's SwiGLU product's
         e, I = (2 if low else 4), s.intermediate       # backward: the head's, final norm's and
         made = G * (V * C + C + C * I) // s.n_params   # down_proj's gradients made, the blocks'
@@ -248,6 +265,13 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
             3: c.accumulation * ring * trainable * (4 + 2 * (2 if c.precision == "autocast"
                                                              else 4))}[c.zero_stage]
     optimizer_bytes = ADAM8BIT_BYTES if c.state_bits == 8 else 32
+    if c.precision == "bf16":                          # pure bf16's unfused steps
+        optimizer_bytes = ADAM8BIT_BF16_BYTES if c.state_bits == 8 else BF16ADAMW_BYTES
+    if c.selective:                                    # the written core's products again, and
+        recompute += tokens * 4 * T * C * L * (not (s.llama or s.fused_attention   # every
+                                                    or c.fused_attention))   # element-wise
+    recomputed = (c.accumulation * L * (activation_bytes(s, c, "cuda")[1]   # op's output
+                                        - selective_block_bytes(s, c)) if c.selective else 0)
     dequantized = 0                                    # QLoRA: base values dequantized
     if c.nf4_base:                                     # forward, backward, and recompute
         per_pass = sum(s.lora_linear_weights())
@@ -272,6 +296,13 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
                                if c.activation_offload else 0.0),
         "disk": (2 * 12 * trainable / cost.disk_bandwidth + 3 * s.trainable_tensors(
             c.lora_rank) * cost.disk_sync_seconds) if c.nvme else 0.0,
+        # selective checkpointing's element-wise recompute: what the policy does not keep,
+        # written again and read by backward, at the device's memory speed
+        "selective recompute": 2 * recomputed / cost.memory_bandwidth,
+        # paged 8-bit states, a bound: every page evicted and brought back over the host link
+        # each step (under memory pressure; with room to spare they stay and cost nothing)
+        "paging": (2 * paged_state_bytes(s, c, state_bytes(s, c, world_size)[2], "cuda")[1]
+                   / cost.host_bandwidth if c.paged else 0.0),
     }
     parts["total"] = sum(parts.values())
     return parts
