@@ -158,3 +158,17 @@ def test_the_cli_takes_the_hyphenated_names():
     bad = subprocess.run([sys.executable, "-m", "companion", "plan", "--model", "llama-3-8b",
                           "--allow", "pure-bf32"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "pure-bf16" in bad.stderr
+
+
+def test_paged_states_step_a_page_at_a_time_like_adam8bit_and_sit_on_the_host_of_a_gpu():
+    wide = functools.partial(GPT, 64, 16, 1024, 1, 4, fused_attention=True)   # 4 MiB-value
+    shape = GPTShape.of(wide)                                                  # matrices: pages
+    assert shape.largest > 2**20
+    paged = run_plan(wide, Candidate(2, state_bits=8, paged=True), 2, 2)
+    whole = run_plan(wide, Candidate(2, state_bits=8), 2, 2)
+    assert paged.losses == whole.losses                    # the same codes, page by page
+    for cand in (PAGED, TORCHTUNE):
+        predicted = predict_memory(GPTShape.of(LLAMA), cand, device_type="cuda")
+        simulated = simulate(LLAMA, cand, device_type="cuda")
+        assert abs(predicted.peak / simulated.peak - 1) < 0.06, (predicted.peak, simulated.peak)
+        assert abs(predicted.host / simulated.host_peak - 1) < 0.05   # a page's codes twice

@@ -14,7 +14,7 @@ from companion.lowbit.nf4 import BLOCK_VALUES, ROW_BLOCKS_AT_LEAST
 from companion.plan.space import Candidate, GPTShape
 
 __all__ = ["BUCKET_BYTES", "activation_bytes", "bf16_weights", "segment_sizes", "state_bytes",
-           "selective_block_bytes", "paged_state_bytes", "STEP_TEMPORARIES",
+           "selective_block_bytes", "paged_state_bytes", "STEP_TEMPORARIES", "PAGE",
            "qlora_build_bytes", "qlora_dequantize_bytes", "offloaded_twice"]
 
 BUCKET_BYTES = 25 * 2**20      # ShardedOptimizer's and DDP's default bucket (bucket_cap_mb=25)
@@ -26,6 +26,7 @@ BUCKET_BYTES = 25 * 2**20      # ShardedOptimizer's and DDP's default bucket (bu
 # scaling); torch's fused AdamW none. Counted where a step runs inside backward (the step in
 # backward) and for pure bf16's optimizer phase.
 STEP_TEMPORARIES = {("bf16", 32): 36, ("bf16", 8): 40, ("fp32", 8): 32, ("autocast", 8): 32}
+PAGE = 2**20                   # values of a paged step's page (`training.PagedAdam8bit`)
 
 
 def activation_bytes(s: GPTShape, c: Candidate,
@@ -106,16 +107,17 @@ def paged_state_bytes(s: GPTShape, c: Candidate, optimizer: int,
 
     bitsandbytes allocates paged states in CUDA unified memory (`cudaMallocManaged`), outside
     PyTorch's caching allocator, and prefetches each tensor's states to the GPU before its
-    update; under memory pressure the driver evicts pages to host RAM. The planner's model: on a
-    GPU, the states live on the host and one tensor's (the largest's codes, 2 B per value, and
-    their fp32 scales per 256) is resident for its step; on the CPU there is nothing to page:
-    host and device are one memory, all of it counts. Limits: with room to spare the pages stay
-    on the GPU (they fill memory PyTorch does not see); when they move, each crosses PCIe (time:
-    `predict_seconds`' "paging")."""
+    update; under memory pressure the driver evicts pages to host RAM. The planner's model
+    (`training.PagedAdam8bit`): on a GPU the 8-bit codes live on the host, a page of them at a
+    time brought in for its step (counted in the step's temporaries), the small tensors' fp32
+    moments (8 B per value) on the device; on the CPU there is nothing to page: host and device
+    are one memory, all of it counts. Limits: with room to spare the pages stay on the GPU
+    (they fill memory PyTorch's allocator does not see, nor its peak statistics); when they move,
+    each crosses PCIe (time: `predict_seconds`' "paging")."""
     if device_type == "cpu":
         return optimizer, 0
-    n = s.largest
-    return 2 * n + 2 * 4 * -(-n // 256), optimizer
+    small = 8 * s.n_params_small
+    return small, optimizer - small
 
 
 def segment_sizes(depth: int, segments: int) -> tuple[int, int]:

@@ -77,7 +77,7 @@ from __future__ import annotations
 import dataclasses
 
 from companion.plan.costmodel import CostModel
-from companion.plan.parts import (BUCKET_BYTES, STEP_TEMPORARIES, activation_bytes,
+from companion.plan.parts import (BUCKET_BYTES, PAGE, STEP_TEMPORARIES, activation_bytes,
                                   bf16_weights, offloaded_twice, paged_state_bytes,
                                   qlora_build_bytes, qlora_dequantize_bytes, segment_sizes,
                                   selective_block_bytes, state_bytes)
@@ -151,9 +151,8 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
     if c.paged:                                        # the states' pages on the host
         O, paged = paged_state_bytes(s, c, O, device_type)
         host += paged
-    in_step = STEP_TEMPORARIES.get((c.precision, c.state_bits), 0) * s.largest
-    if c.paged and device_type != "cpu":               # bitsandbytes' one fused kernel per
-        in_step = 0                                    # tensor: no fp32 copies of its moments
+    in_step = STEP_TEMPORARIES.get((c.precision, c.state_bits), 0) * (
+        min(s.largest, PAGE) if c.paged else s.largest)   # paged: a page at a time
     if c.in_backward:                                  # each gradient stepped and freed as it
         G = G // s.n_params * s.largest                # is made: the largest one's, with its
         G_before = 0                                   # step's temporaries

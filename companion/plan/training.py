@@ -39,15 +39,18 @@ from companion import amp, ddp, lora, lowbit
 from companion.checkpointing import checkpoint_sequential
 from companion.checkpointing.selective import selective_checkpoint
 from companion.optim import optimizer_in_backward
+from companion.placement import on_host
 from companion.activation_offload import OffloadActivations
 from companion.chunked_loss import chunked_cross_entropy
 from companion.nvme import NVMeOffloadOptimizer
 from companion.offload import CPUOffloadOptimizer
 from companion.models import Llama
+from companion.plan.parts import PAGE             # values of a page (a multiple of 256)
 from companion.plan.space import LLAMA_LORA_TARGETS, LORA_TARGETS, Candidate
 from companion.zero import FSDP, ShardedOptimizer
 
-__all__ = ["CheckpointedBlocks", "SelectiveBlocks", "InBackward", "Setup", "build", "micro_step", "optimizer_step", "train_step"]
+__all__ = ["CheckpointedBlocks", "SelectiveBlocks", "InBackward", "PagedAdam8bit", "Setup",
+           "build", "micro_step", "optimizer_step", "train_step"]
 
 
 class CheckpointedBlocks(nn.Module):
@@ -97,6 +100,58 @@ class InBackward:
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
+
+
+class _HostAdam8bit(lowbit.Adam8bit):
+    """`lowbit.Adam8bit` whose 8-bit codes are stored on the host (`placement.on_host`) when
+    `host` is set: a GPU's paged states, evicted between steps."""
+
+    def __init__(self, params, *, host: bool = False, **kwargs):
+        super().__init__(params, **kwargs)
+        self.host = host
+
+    def _store(self, p: torch.Tensor, group: dict, m: torch.Tensor, v: torch.Tensor) -> None:
+        super()._store(p, group, m, v)                 # quantized on the device, then the
+        if self.host:                                  # codes and scales paged out
+            state = self.state[p]
+            for key in ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes",
+                        "exp_avg_sq_absmax"):
+                if key in state:
+                    with on_host():
+                        state[key] = state[key].clone()
+
+
+class PagedAdam8bit:
+    """bitsandbytes' paged AdamW8bit as the course runs it: `lowbit.Adam8bit` (AdamW's decay)
+    stepped one page of `PAGE` values at a time, each page a view of its tensor with its own
+    codes, so the step's fp32 temporaries are one page's (bitsandbytes' kernel, fused, has none)
+    and the states can live on the host between steps (`host=True`: a GPU's plan, simulated).
+    The updates are Adam8bit's: pages are whole blocks of 256."""
+
+    def __init__(self, params: list[torch.Tensor], *, host: bool = False, **kwargs):
+        self.params = list(params)
+        self.pages = {p: [p.detach().view(-1)[i:i + PAGE] for i in range(0, p.numel(), PAGE)]
+                      for p in self.params}
+        self.inner = _HostAdam8bit([v for views in self.pages.values() for v in views],
+                                   host=host, **kwargs)
+
+    def step(self) -> None:
+        for p, views in self.pages.items():
+            if p.grad is None:
+                continue
+            flat = p.grad.view(-1)
+            for i, view in enumerate(views):                 # the page's gradient: a view
+                view.grad = flat[i * PAGE:i * PAGE + view.numel()]
+        self.inner.step()
+        for views in self.pages.values():
+            for view in views:
+                view.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
 @dataclasses.dataclass
 class Setup:
     """What `train_step` needs: the network to call, the optimizer, how to finish a step."""
@@ -108,7 +163,8 @@ class Setup:
     master: amp.MasterWeights | None = None   # bf16 weights: steps go through it
 
 
-def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float):
+def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float,
+               paged_to_host: bool = False):
     """(net, optimizer, master) for the plan's optimizer lever."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     adamw = {"lr": lr}
@@ -134,6 +190,8 @@ def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float):
     if cand.state_bits == 8:                   # AdamW's update and decay, moments in 8 bits
         kind, options = lowbit.Adam8bit, {"weight_decay": 0.01, "decoupled_weight_decay": True,
                                           "stochastic_round": pure}
+        if cand.paged:                         # a page at a time; a GPU's pages on the host
+            kind, options = PagedAdam8bit, {**options, "host": paged_to_host}
     elif pure:                                 # moments in bf16 too (2 + 2 + 4 = 8 B)
         kind, options = lowbit.BF16AdamW, {"compensation": "stochastic"}
     else:
@@ -177,14 +235,15 @@ def _copy_in(model: nn.Module) -> None:
 
 def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: int = 1,
           device: torch.device | str = "cpu", lr: float = 1e-3,
-          host_model: nn.Module | None = None) -> Setup:
+          host_model: nn.Module | None = None, paged_to_host: bool = False) -> Setup:
     """The model `model_fn(dtype=..., device=...)` and its optimizer, as `cand` says.
 
     Memory is the plan's: bf16 weights are made in bf16 (never an fp32 copy first), adapters are
     added before the optimizer exists, so frozen weights get no gradient and no state. QLoRA's
     dense base never reaches a GPU: it is made and quantized on the host, then moved (on the
     CPU, host and device are one memory: the dense model is its build's peak). `host_model`:
-    that host-side model, already made (`simulate` copies it in, as the move to a GPU would)."""
+    that host-side model, already made (`simulate` copies it in, as the move to a GPU would).
+    `paged_to_host`: paged 8-bit states live on the host (`simulate` for a GPU)."""
     device = torch.device(device)
     if host_model is not None:                         # the copy a move to the GPU makes
         model = host_model
@@ -204,7 +263,7 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
         model.blocks = CheckpointedBlocks(model.blocks, cand.segments)
     if cand.selective:
         model.blocks = SelectiveBlocks(model.blocks)
-    net, optimizer, master = _optimizer(cand, model, world_size, lr)
+    net, optimizer, master = _optimizer(cand, model, world_size, lr, paged_to_host)
     return Setup(cand, model, net, optimizer, master)
 
 
