@@ -167,7 +167,8 @@ def test_paged_states_step_a_page_at_a_time_like_adam8bit_and_sit_on_the_host_of
     paged = run_plan(wide, Candidate(2, state_bits=8, paged=True), 2, 2)
     whole = run_plan(wide, Candidate(2, state_bits=8), 2, 2)
     assert paged.losses == whole.losses                    # the same codes, page by page
-    for cand in (PAGED, TORCHTUNE):
+    for cand in (PAGED, TORCHTUNE, Candidate(4, segments=3, precision="bf16", state_bits=8,
+                                             paged=True, in_backward=True, chunked_loss=8)):
         predicted = predict_memory(GPTShape.of(LLAMA), cand, device_type="cuda")
         simulated = simulate(LLAMA, cand, device_type="cuda")
         assert abs(predicted.peak / simulated.peak - 1) < 0.06, (predicted.peak, simulated.peak)

@@ -24,6 +24,21 @@ log-softmax with the loss's gradients); fused attention as a lever (the model re
 the NVMe tier (host: the gradients' 4 B and one tensor's master and moments; disk: 12 B).
 On the course's test grid these land within 6% of the simulated step (tests/test_plan_levers.py).
 
+Practitioners' levers (issue 52). Selective checkpointing (`checkpointing.selective.save_matmuls`
+under torch's `create_selective_checkpoint_contexts`, every block): each block keeps its input,
+its matmuls' outputs and fused attention's output and log-sum-exp (`parts.selective_block_bytes`);
+the rest is recomputed in the block's backward, where the block's whole activations and the
+last gradients made live together ("selective recompute"); time: the written core's products
+again (4·N·T·C per block) and the recomputed bytes written and read at the memory's speed.
+Pure bf16: 2 + 2 + 4 B per parameter (8-bit states: 2 + 2 + 2.03), the unfused step's fp32
+temporaries for the largest tensor (`parts.STEP_TEMPORARIES`: 36 B per value, 40 with 8-bit
+states) and its bytes (`BF16ADAMW_BYTES`). The step in backward: one gradient alive (the
+largest's), its step inside backward while the blocks' activations are alive ("optimizer in
+backward"). Paged 8-bit states: on a GPU the codes on the host (`parts.paged_state_bytes`), a
+page of 2^20 values stepped at a time; time: a bound, every page out and back over the host
+link ("paging"). Within 1.2% of the simulated step for each on a GPT and a Llama, 6% for all
+four together (tests/test_plan_practitioners.py).
+
 The Llama (`companion.models.Llama`: Llama, Mistral, Qwen2 shapes). Its activations are
 `llama_activations` (RMSNorm, rotary q and k, GQA's narrower k and v, SwiGLU's four (N, I)
 tensors; always SDPA, so no (T, T) term and fused attention is no lever), on "cuda" with the
@@ -212,10 +227,12 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
                 if c.nf4_base else []),
 
               ("optimizer", G, 0, step_temp)]
-    if c.in_backward:                                  # the head's step, its gradient just
-        phases.append(("optimizer in backward", G, A - outside, in_step))   # made (the
-                                                       # logits' gradient freed): the blocks'
-                                                       # activations left
+    if c.in_backward and c.chunked_loss:               # the head's gradient summed over the
+        phases.append(("backward", 2 * G, A, loss_grads))   # slices before its step: the
+                                                       # sum and a slice's
+    if c.in_backward:                                  # the head's step, its gradient made
+        phases.append(("optimizer in backward", G, A - outside, in_step))   # (the logits'
+                                                       # gradient freed): the blocks' left
     if c.selective:                                    # the last block's backward: its
         recomputed = per_block - selective_block_bytes(s, c)   # recomputed tensors back, the
         mlp = C * (s.intermediate if s.llama else 4 * C)   # head's, final norm's and the MLP's
