@@ -6,8 +6,8 @@ lever: `checkpoint_sequential` (hooks design, which restores autocast) over the 
 `ddp.DDP`, `lora.apply_lora`, `lowbit.apply_qlora` and `lowbit.Adam8bit`; issue 52's levers:
 `checkpointing.selective_checkpoint` on every block, `lowbit.BF16AdamW` (pure bf16, stochastic
 rounding; with 8-bit states `Adam8bit(stochastic_round=True)`), `optim.optimizer_in_backward`
-(`InBackward`), and paged 8-bit states, which on the CPU are `Adam8bit`'s (nothing to page). `train_step` runs one
-optimizer step over the micro-batches. The same code runs in `simulation.simulate`, under
+(`InBackward`), and paged 8-bit states (`PagedAdam8bit`: Adam8bit a page at a time; on the
+CPU nothing to page). `train_step` runs one optimizer step over the micro-batches. The same code runs in `simulation.simulate`, under
 `FakeTensorMode` (every tensor is shape and dtype only: a 7B model's step costs no memory and a
 few seconds), measured by `companion.memory.track`; several ranks are simulated as rank 0 of a
 "fake" process group, whose collectives do nothing.
