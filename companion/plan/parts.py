@@ -105,9 +105,10 @@ def paged_state_bytes(s: GPTShape, c: Candidate, optimizer: int,
                       device_type: str) -> tuple[int, int]:
     """(device, host) bytes of paged 8-bit Adam states (bitsandbytes' `PagedAdamW8bit`).
 
-    bitsandbytes allocates paged states in CUDA unified memory (`cudaMallocManaged`), outside
-    PyTorch's caching allocator, and prefetches each tensor's states to the GPU before its
-    update; under memory pressure the driver evicts pages to host RAM. The planner's model
+    bitsandbytes' paged optimizers "take advantage of CUDA's unified memory to transfer memory
+    from the GPU to the CPU when GPU memory is exhausted" (huggingface.co/docs/bitsandbytes,
+    reference/optim/adam): the states are allocated outside PyTorch's caching allocator, and each
+    tensor's are brought to the GPU for its update; under pressure the driver evicts pages. The planner's model
     (`training.PagedAdam8bit`): on a GPU the 8-bit codes live on the host, a page of them at a
     time brought in for its step (counted in the step's temporaries), the small tensors' fp32
     moments (8 B per value) on the device; on the CPU there is nothing to page: host and device
