@@ -122,8 +122,9 @@ def save_matmuls(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointP
     SiLU, SwiGLU's product, rotary, residual adds), whose recompute is memory traffic, not
     FLOPs, as torchtitan's op-level policy does. Under fused attention the core is one kernel
     whose saved tensors hold no (T, T) term: its output and log-sum-exp are kept, not redone.
-    Simplified vs torchtitan: every matmul is kept (torchtitan redoes every second one), and no
-    collective (its reduce-scatter) runs inside a block here."""
+    Simplified vs torchtitan (torchtitan/distributed/activation_checkpoint.py, which saves
+    aten.mm, the SDPA kernels and the reduce-scatter): every matmul is kept (torchtitan redoes
+    every second one), and no collective runs inside a block here."""
     policy = torch.utils.checkpoint.CheckpointPolicy
     return policy.MUST_SAVE if op in SAVED_OPS else policy.PREFER_RECOMPUTE
 
