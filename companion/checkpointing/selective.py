@@ -13,6 +13,10 @@ Two ways to do it here, for `companion.models.Block` (written-out attention):
 - `attention_core_policy(op)`: a policy for `checkpoint_hooks(block, x, policy=...)` over aten
   operators, keeping the outputs of those that compute outside the core.
 
+- `selective_checkpoint(block, x)`: torch's own selective checkpointing
+  (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) with `save_matmuls`, the policy
+  the planner's "selective-checkpointing" lever runs on every block of a GPT or a Llama.
+
 `block_activation_bytes` is their formula adapted to this block: no dropout (Megatron has two
 dropout masks per layer, 2·s·b·h bytes, and a third, a·s²·b bytes, on the attention weights), a
 stored (T, T) causal mask, and LayerNorm's two statistics per row.
@@ -22,6 +26,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,9 +35,20 @@ import torch.nn.functional as F
 from companion.checkpointing.hooks import checkpoint_hooks
 
 __all__ = ["attention_core", "selective_block", "attention_core_policy", "block_activation_bytes",
-           "megatron_activation_bytes"]
+           "megatron_activation_bytes", "SAVED_OPS", "save_matmuls", "selective_checkpoint"]
 
 aten = torch.ops.aten
+
+# What `save_matmuls` keeps: the Linear layers' products, and fused attention's outputs (its
+# output and the (B, heads, T) fp32 log-sum-exp; the kernels whose backward needs no (T, T)
+# tensor). Batched products (aten.bmm: the written-out core's q·kᵀ and weights·v) are not here.
+SAVED_OPS = frozenset(op for op in (
+    aten.mm.default, aten.addmm.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    getattr(aten, "_scaled_dot_product_cudnn_attention", None) and
+    aten._scaled_dot_product_cudnn_attention.default) if op is not None)
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -94,3 +110,34 @@ def megatron_activation_bytes(batch: int, seq: int, width: int, heads: int, *,
     s·b·h·(34 + 5·a·s/h), or 34·s·b·h with selective recomputation."""
     s, b, h, a = seq, batch, width, heads
     return 34 * s * b * h + (0 if recompute_core else 5 * a * s * s * b)
+
+
+def save_matmuls(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy:
+    """A policy for `create_selective_checkpoint_contexts`: keep what `SAVED_OPS` makes, the
+    products that cost FLOPs to redo, recompute everything else in backward.
+
+    Korthikanti et al.'s selective recomputation redoes the attention core (q·kᵀ, mask, softmax,
+    dropout, weights·v: cheap FLOPs, (T, T) bytes); this policy redoes it too (its batched
+    products are not kept), and with it the element-wise ops between the products (norms, GELU or
+    SiLU, SwiGLU's product, rotary, residual adds), whose recompute is memory traffic, not
+    FLOPs, as torchtitan's op-level policy does. Under fused attention the core is one kernel
+    whose saved tensors hold no (T, T) term: its output and log-sum-exp are kept, not redone.
+    Simplified vs torchtitan (torchtitan/distributed/activation_checkpoint.py, which saves
+    aten.mm, the SDPA kernels and the reduce-scatter): every matmul is kept (torchtitan redoes
+    every second one), and no collective runs inside a block here."""
+    policy = torch.utils.checkpoint.CheckpointPolicy
+    return policy.MUST_SAVE if op in SAVED_OPS else policy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`block(x)` under `save_matmuls`: what backward needs is the block's input, the matmuls'
+    outputs and fused attention's (out, log-sum-exp); the rest is recomputed from them.
+
+    Memory per block (N = B·T tokens, e bytes per activation): a GPT's input N·C, qkv 3·N·C,
+    proj N·C, fc 4·N·C, out N·C, times e, with fused attention its output e·N·C and the
+    log-sum-exp 4·B·heads·T (a Llama's: q, k, v, o, gate, up, down and SDPA's). Cost: one more
+    forward of the recomputed ops in backward: the written core's 4·N·T·C FLOPs, the rest
+    element-wise."""
+    context = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
+                                save_matmuls)
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=context)

@@ -63,6 +63,12 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _cli_names(names) -> list[str]:
+    """Techniques as --allow spells them: issue 52's levers with hyphens ("pure-bf16")."""
+    new = ("selective_checkpointing", "pure_bf16", "optimizer_in_backward", "paged_adam8bit")
+    return [n.replace("_", "-") if n in new else n for n in names]
+
+
 def _named(spec: str) -> bool:
     """Whether --model names a shipped config or a config.json (not module:function)."""
     return spec.endswith(".json") or ":" not in spec
@@ -71,12 +77,13 @@ def _named(spec: str) -> bool:
 def _run_named(args) -> int:
     from companion.plan.named import NOT_KNOWN, format_plans, plan_dict, plan_named
     from companion.plan.report import why_oom
-    from companion.plan.space import TECHNIQUES
+    from companion.plan.space import TECHNIQUES, technique_name
 
-    allow = args.allow if args.allow != _GENERIC_DEFAULT else None
+    allow = ([technique_name(a) for a in args.allow] if args.allow != _GENERIC_DEFAULT
+             else None)
     try:
         if allow is not None and set(allow) - set(TECHNIQUES):
-            raise ValueError(f"--allow: choose from {', '.join(TECHNIQUES)}")
+            raise ValueError(f"--allow: choose from {', '.join(_cli_names(TECHNIQUES))}")
         kwargs = {} if allow is None else {"allow": tuple(allow)}
         result = plan_named(args.model, gpu=args.gpu or "H100 SXM", gpus=args.gpus,
                             seq_len=args.seq_len, batch=args.batch or "1M-tokens",
@@ -201,7 +208,9 @@ def add_parser(sub) -> None:
     p.add_argument("--allow", nargs="+", default=_GENERIC_DEFAULT,
                    help="levers: for your own model accumulation checkpointing autocast lora "
                         "adam8bit (default accumulation checkpointing); for a named model any "
-                        "of companion.plan.TECHNIQUES (default the exact ones and bf16)")
+                        "of companion.plan.TECHNIQUES (default the exact ones and bf16), among "
+                        "them selective-checkpointing pure-bf16 optimizer-in-backward "
+                        "paged-adam8bit")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     p.add_argument("--check", action="store_true",

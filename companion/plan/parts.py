@@ -14,9 +14,19 @@ from companion.lowbit.nf4 import BLOCK_VALUES, ROW_BLOCKS_AT_LEAST
 from companion.plan.space import Candidate, GPTShape
 
 __all__ = ["BUCKET_BYTES", "activation_bytes", "bf16_weights", "segment_sizes", "state_bytes",
+           "selective_block_bytes", "paged_state_bytes", "STEP_TEMPORARIES", "PAGE",
            "qlora_build_bytes", "qlora_dequantize_bytes", "offloaded_twice"]
 
 BUCKET_BYTES = 25 * 2**20      # ShardedOptimizer's and DDP's default bucket (bucket_cap_mb=25)
+# fp32 temporaries of one tensor's step, bytes per value of the largest trainable tensor, counted
+# in the course's unfused code and equal to the simulated step (two 2^20-value tensors, fake
+# tensors): `lowbit.BF16AdamW` (stochastic): m, v, direction, w, the update, w + update, the
+# rounding's int32 noise, sum and masked bits, 9 x 4 = 36; `lowbit.Adam8bit` on bf16 weights with
+# stochastic rounding 40, on fp32 ones 32 (its codes dequantized, the step, the codes' block
+# scaling); torch's fused AdamW none. Counted where a step runs inside backward (the step in
+# backward) and for pure bf16's optimizer phase.
+STEP_TEMPORARIES = {("bf16", 32): 36, ("bf16", 8): 40, ("fp32", 8): 32, ("autocast", 8): 32}
+PAGE = 2**20                   # values of a paged step's page (`training.PagedAdam8bit`)
 
 
 def activation_bytes(s: GPTShape, c: Candidate,
@@ -26,7 +36,7 @@ def activation_bytes(s: GPTShape, c: Candidate,
     saved bytes those outside the blocks (embeddings, final norm, loss))."""
     B, T, C, L, V, h = c.micro_batch, s.seq_len, s.width, s.depth, s.vocab, s.heads
     precision = {"fp32": "fp32", "autocast": "autocast", "mixed": "bf16",
-                 "main_grad": "bf16"}[c.precision]
+                 "main_grad": "bf16", "bf16": "bf16"}[c.precision]
     if c.zero_stage == 3 and c.precision == "autocast":
         precision = "bf16"                             # FSDP gathers and computes in bf16
     if s.llama:                                        # its own formula, exact in fp32, bf16
@@ -58,6 +68,9 @@ def activation_bytes(s: GPTShape, c: Candidate,
                                                          else 0)   # and the head's
     checkpoint = (2 if bf16_weights(c) else 4) * B * T * C    # bf16 weight copy go
     blocks = predicted_activation_bytes(L, c.segments, per_block, checkpoint)
+    if c.selective:                                    # each block keeps its input and what
+        blocks = L * selective_block_bytes(s, c)       # the policy saves (per_block: all of
+                                                       # it, back while its backward runs)
     cached = 0                                         # autocast caches casts of trained weights
     if precision == "autocast" and c.segments > 1 and not c.lora_rank:
         cached = (L - segment_sizes(L, c.segments)[1]) * 24 * C * C
@@ -65,8 +78,47 @@ def activation_bytes(s: GPTShape, c: Candidate,
 
 
 def bf16_weights(c: Candidate) -> bool:
-    """Whether the plan keeps bf16 weights (with fp32 masters)."""
-    return c.precision in ("mixed", "main_grad")
+    """Whether the plan keeps bf16 weights (with fp32 masters, or none: pure bf16)."""
+    return c.precision in ("mixed", "main_grad", "bf16")
+
+
+def selective_block_bytes(s: GPTShape, c: Candidate) -> int:
+    """Bytes one block keeps under `checkpointing.selective.save_matmuls` (N = B·T tokens, e the
+    compute dtype's bytes, r the residual stream's: fp32 under autocast): its input r·N·C, its
+    matmuls' outputs (GPT: qkv 3·N·C, proj N·C, fc 4·N·C, out N·C; Llama: q N·C, k and v
+    N·kv·d each, o N·C, gate and up N·I each, down N·C) and fused attention's output e·N·C and
+    fp32 log-sum-exp 4·B·heads·T (written-out attention: nothing of its core, recomputed).
+    Korthikanti et al.'s 34·s·b·h for Megatron's block keeps its LayerNorms' and GELU's too."""
+    N, C, B, T = c.micro_batch * s.seq_len, s.width, c.micro_batch, s.seq_len
+    e = 4 if c.precision == "fp32" else 2
+    r = 4 if c.precision in ("fp32", "autocast") else 2
+    if s.llama:
+        kv = s.kv_heads * (C // s.heads)
+        matmuls = 3 * N * C + 2 * N * kv + 2 * N * s.intermediate
+    else:
+        matmuls = 9 * N * C
+    fused = s.llama or s.fused_attention or c.fused_attention
+    return r * N * C + e * matmuls + (e * N * C + 4 * B * s.heads * T if fused else 0)
+
+
+def paged_state_bytes(s: GPTShape, c: Candidate, optimizer: int,
+                      device_type: str) -> tuple[int, int]:
+    """(device, host) bytes of paged 8-bit Adam states (bitsandbytes' `PagedAdamW8bit`).
+
+    bitsandbytes' paged optimizers "take advantage of CUDA's unified memory to transfer memory
+    from the GPU to the CPU when GPU memory is exhausted" (huggingface.co/docs/bitsandbytes,
+    reference/optim/adam): the states are allocated outside PyTorch's caching allocator, and each
+    tensor's are brought to the GPU for its update; under pressure the driver evicts pages. The planner's model
+    (`training.PagedAdam8bit`): on a GPU the 8-bit codes live on the host, a page of them at a
+    time brought in for its step (counted in the step's temporaries), the small tensors' fp32
+    moments (8 B per value) on the device; on the CPU there is nothing to page: host and device
+    are one memory, all of it counts. Limits: with room to spare the pages stay on the GPU
+    (they fill memory PyTorch's allocator does not see, nor its peak statistics); when they move,
+    each crosses PCIe (time: `predict_seconds`' "paging")."""
+    if device_type == "cpu":
+        return optimizer, 0
+    small = 8 * s.n_params_small
+    return small, optimizer - small
 
 
 def segment_sizes(depth: int, segments: int) -> tuple[int, int]:
@@ -78,6 +130,12 @@ def segment_sizes(depth: int, segments: int) -> tuple[int, int]:
 def state_bytes(s: GPTShape, c: Candidate, world_size: int) -> tuple[int, int, int, int, int]:
     """(weights, gradients, optimizer state, gradients live while a micro-batch starts, host)."""
     trainable = s.lora_params(c.lora_rank) if c.lora_rank else s.n_params
+    if c.precision == "bf16":                          # pure bf16: 2 + 2 + moments, no master
+        n, small = trainable, s.n_params_small
+        optimizer = 4 * n if c.state_bits == 32 else (  # bf16 moments 2 + 2, or 8-bit codes
+            estimate.model_states(n - small, precision="bf16", state_bits=8).optimizer
+            + 8 * small)                               # (small tensors' moments in fp32)
+        return 2 * n, 2 * n, optimizer, 2 * n * (c.accumulation > 1), 0
     if c.zero_stage == 3:                              # FSDP: matrices sharded, 1-D kept whole
         share = -(-(s.n_params - s.n_params_1d) // world_size) + s.n_params_1d
         gathered = 2 * (2 if c.precision == "autocast" else 4) * s.largest

@@ -279,8 +279,10 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
             capstone's losses by ~5e-5, relative, from fp32's over 6 steps on a CPU), LoRA
             (which trains other parameters) and chapter 11's `FEWER_BITS` ("adam8bit": Adam's
             moments in 8 bits; "qlora": LoRA on a base frozen in NF4) must be asked for:
-            allow=EXACT + LOW_PRECISION + ("lora",) + FEWER_BITS. A single name may be passed
-            alone.
+            allow=EXACT + LOW_PRECISION + ("lora",) + FEWER_BITS. Issue 52's levers:
+            "selective_checkpointing" and "optimizer_in_backward" (exact), "pure_bf16" and
+            "paged_adam8bit" (in FEWER_BITS); hyphens ("pure-bf16") are accepted. A single
+            name may be passed alone.
         host_budget: bytes of host memory for offload (None: no limit).
         verify: at most this many candidates are simulated before giving up; 0 simulates
             none and takes the fastest predicted to fit (fast, for exploring: unchecked).

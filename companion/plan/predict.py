@@ -24,6 +24,21 @@ log-softmax with the loss's gradients); fused attention as a lever (the model re
 the NVMe tier (host: the gradients' 4 B and one tensor's master and moments; disk: 12 B).
 On the course's test grid these land within 6% of the simulated step (tests/test_plan_levers.py).
 
+Practitioners' levers (issue 52). Selective checkpointing (`checkpointing.selective.save_matmuls`
+under torch's `create_selective_checkpoint_contexts`, every block): each block keeps its input,
+its matmuls' outputs and fused attention's output and log-sum-exp (`parts.selective_block_bytes`);
+the rest is recomputed in the block's backward, where the block's whole activations and the
+last gradients made live together ("selective recompute"); time: the written core's products
+again (4·N·T·C per block) and the recomputed bytes written and read at the memory's speed.
+Pure bf16: 2 + 2 + 4 B per parameter (8-bit states: 2 + 2 + 2.03), the unfused step's fp32
+temporaries for the largest tensor (`parts.STEP_TEMPORARIES`: 36 B per value, 40 with 8-bit
+states) and its bytes (`BF16ADAMW_BYTES`). The step in backward: one gradient alive (the
+largest's), its step inside backward while the blocks' activations are alive ("optimizer in
+backward"). Paged 8-bit states: on a GPU the codes on the host (`parts.paged_state_bytes`), a
+page of 2^20 values stepped at a time; time: a bound, every page out and back over the host
+link ("paging"). Within 1.2% of the simulated step for each on a GPT and a Llama, 6% for all
+four together (tests/test_plan_practitioners.py).
+
 The Llama (`companion.models.Llama`: Llama, Mistral, Qwen2 shapes). Its activations are
 `llama_activations` (RMSNorm, rotary q and k, GQA's narrower k and v, SwiGLU's four (N, I)
 tensors; always SDPA, so no (T, T) term and fused attention is no lever), on "cuda" with the
@@ -77,13 +92,15 @@ from __future__ import annotations
 import dataclasses
 
 from companion.plan.costmodel import CostModel
-from companion.plan.parts import (BUCKET_BYTES, activation_bytes, bf16_weights,
-                                  offloaded_twice, qlora_build_bytes, qlora_dequantize_bytes,
-                                  segment_sizes, state_bytes)
+from companion.plan.parts import (BUCKET_BYTES, PAGE, STEP_TEMPORARIES, activation_bytes,
+                                  bf16_weights, offloaded_twice, paged_state_bytes,
+                                  qlora_build_bytes, qlora_dequantize_bytes, segment_sizes,
+                                  selective_block_bytes, state_bytes)
 from companion.plan.space import Candidate, GPTShape
 
 __all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES",
-           "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES", "DISK_BANDWIDTH"]
+           "ADAM8BIT_BYTES", "DEQUANTIZE_BYTES", "DISK_BANDWIDTH", "BF16ADAMW_BYTES",
+           "ADAM8BIT_BF16_BYTES"]
 
 # Bytes read and written per value by the course's unfused 8-bit code, counted operator by
 # operator (a GPU is bound by them; each op's tensor operands read once, its result written; the
@@ -101,8 +118,16 @@ __all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCK
 # quantization's scales ~0.4: 17. The cast to a bf16 compute dtype adds 6 from an fp32 base (a
 # copy 4+2), 10 from a bf16 one (rounded 4+2, copied 2+2): `_DEQUANTIZE_CAST_BYTES`.
 ADAM8BIT_BYTES = 260
+# `lowbit.BF16AdamW`'s step (stochastic rounding), per parameter, counted the same way: m, v and
+# the gradient to fp32 18, Adam's update 76 (as above), each moment rounded back stochastically 34
+# (int32 noise 4, its sum 12, the mask 8, to bf16 6, the copy 4) twice, the weight to fp32 and
+# its decay and update 34, w + update and its rounding 46: 242. `Adam8bit` on bf16 weights with
+# stochastic rounding: 260 less the fp32 weight's update 12, plus the weight to fp32, its decay
+# and update and rounding 60: 308.
+BF16ADAMW_BYTES = 242
+ADAM8BIT_BF16_BYTES = 308
 DEQUANTIZE_BYTES = 17
-_DEQUANTIZE_CAST_BYTES = {"fp32": 0, "autocast": 6, "mixed": 10, "main_grad": 10}
+_DEQUANTIZE_CAST_BYTES = {"fp32": 0, "autocast": 6, "mixed": 10, "main_grad": 10, "bf16": 10}
 # the GPUs' NVMe tier (CostModel's default: a PCIe 4.0 x4 SSD streams up to 7 GB/s; 3 assumed)
 DISK_BANDWIDTH = CostModel.disk_bandwidth
 
@@ -138,6 +163,14 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
     s, c = shape, cand
     c.check_depth(s.depth)
     P, G, O, G_before, host = state_bytes(s, c, world_size)
+    if c.paged:                                        # the states' pages on the host
+        O, paged = paged_state_bytes(s, c, O, device_type)
+        host += paged
+    in_step = STEP_TEMPORARIES.get((c.precision, c.state_bits), 0) * (
+        min(s.largest, PAGE) if c.paged else s.largest)   # paged: a page at a time
+    if c.in_backward:                                  # each gradient stepped and freed as it
+        G = G // s.n_params * s.largest                # is made: the largest one's, with its
+        G_before = 0                                   # step's temporaries
     A, per_block, checkpoint, cached, outside = activation_bytes(s, c, device_type)
     N, V, C = c.micro_batch * s.seq_len, s.vocab, s.width
     low = c.precision != "fp32"
@@ -178,6 +211,8 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
         early = 0 if c.offload else early + G * C * I // s.n_params  # residual's; down_proj's
         early_moving = 0                               # gradient made (offload: sent already)
     step_temp = G if c.precision == "mixed" and not c.offload else 0
+    step_temp = in_step if (c.precision == "bf16" or c.paged) and not c.in_backward \
+        else step_temp
     phases = [("forward", G_before, A, logits + cached),
               ("backward", G_before + moving, A, loss_grads),
               ("first block's backward", max(G_before, early) + early_moving, early_acts,
@@ -192,6 +227,21 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
                 if c.nf4_base else []),
 
               ("optimizer", G, 0, step_temp)]
+    if c.in_backward and c.chunked_loss:               # the head's gradient summed over the
+        phases.append(("backward", 2 * G, A, loss_grads))   # slices before its step: the
+                                                       # sum and a slice's
+    if c.in_backward:                                  # the head's step, its gradient made
+        phases.append(("optimizer in backward", G, A - outside, in_step))   # (the logits'
+                                                       # gradient freed): the blocks' left
+    if c.selective:                                    # the last block's backward: its
+        recomputed = per_block - selective_block_bytes(s, c)   # recomputed tensors back, the
+        mlp = C * (s.intermediate if s.llama else 4 * C)   # head's, final norm's and the MLP's
+        made = G * (V * C + C + mlp) // s.n_params     # last Linear's gradients made
+        phases.append(("selective recompute", max(G_before, made) + moving,
+                       A - outside + recomputed, block_temp))
+        first_phase = phases[2]                        # the first block's: its MLP's last
+        phases[2] = (first_phase[0], first_phase[1] + G * mlp // s.n_params,   # gradient too
+                     *first_phase[2:])
     if s.llama and not c.activation_offload:           # the last block's SwiGLU product's
         e, I = (2 if low else 4), s.intermediate       # backward: the head's, final norm's and
         made = G * (V * C + C + C * I) // s.n_params   # down_proj's gradients made, the blocks'
@@ -231,6 +281,13 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
             3: c.accumulation * ring * trainable * (4 + 2 * (2 if c.precision == "autocast"
                                                              else 4))}[c.zero_stage]
     optimizer_bytes = ADAM8BIT_BYTES if c.state_bits == 8 else 32
+    if c.precision == "bf16":                          # pure bf16's unfused steps
+        optimizer_bytes = ADAM8BIT_BF16_BYTES if c.state_bits == 8 else BF16ADAMW_BYTES
+    if c.selective:                                    # the written core's products again, and
+        recompute += tokens * 4 * T * C * L * (not (s.llama or s.fused_attention   # every
+                                                    or c.fused_attention))   # element-wise
+    recomputed = (c.accumulation * L * (activation_bytes(s, c, "cuda")[1]   # op's output
+                                        - selective_block_bytes(s, c)) if c.selective else 0)
     dequantized = 0                                    # QLoRA: base values dequantized
     if c.nf4_base:                                     # forward, backward, and recompute
         per_pass = sum(s.lora_linear_weights())
@@ -255,6 +312,13 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
                                if c.activation_offload else 0.0),
         "disk": (2 * 12 * trainable / cost.disk_bandwidth + 3 * s.trainable_tensors(
             c.lora_rank) * cost.disk_sync_seconds) if c.nvme else 0.0,
+        # selective checkpointing's element-wise recompute: what the policy does not keep,
+        # written again and read by backward, at the device's memory speed
+        "selective recompute": 2 * recomputed / cost.memory_bandwidth,
+        # paged 8-bit states, a bound: every page evicted and brought back over the host link
+        # each step (under memory pressure; with room to spare they stay and cost nothing)
+        "paging": (2 * paged_state_bytes(s, c, state_bytes(s, c, world_size)[2], "cuda")[1]
+                   / cost.host_bandwidth if c.paged else 0.0),
     }
     parts["total"] = sum(parts.values())
     return parts

@@ -142,13 +142,17 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size:
         host = (_quantized_on_host(model_fn, cand)
                 if cand.nf4_base and device_type != "cpu" else None)
         with track("cpu") as tracker:
-            setup = build(model_fn, cand, world_size=world_size, host_model=host)
+            setup = build(model_fn, cand, world_size=world_size, host_model=host,
+                          paged_to_host=device_type != "cpu")
             del host
             if world_size == 1:
                 # 1. The optimizer's state, as after the first step (offload: on the host).
                 if not cand.offload:
                     for p in _trainable(setup):
                         p.grad = torch.zeros_like(p)
+                        if cand.in_backward:       # stepped in backward: one gradient at a
+                            setup.optimizer.step()     # time, freed after its step
+                            p.grad = None
                     optimizer_step(setup)
                 # 2. Gradients cleared, then what the earlier micro-batches left (accumulation).
                 setup.optimizer.zero_grad(set_to_none=True)

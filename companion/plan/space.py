@@ -4,14 +4,20 @@ A plan (`Candidate`) sets one value per lever of the course:
   micro-batch x accumulation (chapter 03), checkpoint segments (04), precision (05: autocast,
   bf16 weights with 16-bit or fp32 gradients), ZeRO stage (07, several ranks), optimizer offload
   and its NVMe tier, activation offload (08), chunked cross-entropy (00), fused attention (04,
-  10), LoRA adapters (09), 8-bit Adam states and QLoRA's NF4 base (11).
+  10), LoRA adapters (09), 8-bit Adam states and QLoRA's NF4 base (11); and practitioners'
+  levers (issue 52): selective checkpointing (torch's `create_selective_checkpoint_contexts`),
+  pure bf16 with stochastic rounding (11), the optimizer step inside backward (03), paged 8-bit
+  AdamW states (bitsandbytes' paged optimizers). Their CLI names have hyphens
+  ("selective-checkpointing"), the internal ones underscores: `technique_name` maps one to the
+  other, and `allow` takes both.
 `candidates` lists every combination that can run together; `GPTShape.of` reads the sizes the
 predictions need off the model, built under FakeTensorMode (no memory allocated).
 
 Simplified vs real planners: two model families (`companion.models.GPT`, and `Llama`, without
 the levers `LLAMA_NOT_SEARCHED` names), AdamW only, LoRA on every Linear of each block (the
 GPT's four, the Llama's seven) at one rank, checkpointing by `checkpoint_sequential` segments
-(no selective policies), and ZeRO, offload, LoRA and 8-bit states not combined with each other.
+or one selective policy over every block, and ZeRO, offload, LoRA and 8-bit states not combined
+with each other (nor the step in backward with accumulation, ZeRO, offload or LoRA).
 """
 from __future__ import annotations
 
@@ -26,20 +32,24 @@ from torch._subclasses import FakeTensorMode
 from companion.models import GPT, Llama
 
 __all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS",
-           "LOSS_CHUNKS", "LLAMA_NOT_SEARCHED", "LLAMA_LORA_TARGETS",
+           "LOSS_CHUNKS", "LLAMA_NOT_SEARCHED", "LLAMA_LORA_TARGETS", "technique_name",
            "GPTShape", "Candidate", "candidates", "capstone_model"]
 
 TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "main_grad", "zero",
               "offload", "activation_offload", "chunked_loss", "fused_attention", "nvme", "lora",
-              "adam8bit", "qlora")
+              "adam8bit", "qlora", "selective_checkpointing", "pure_bf16", "optimizer_in_backward",
+              "paged_adam8bit")
 EXACT = ("accumulation", "checkpointing", "zero", "offload", "activation_offload",
          "chunked_loss", "fused_attention", "nvme")     # fp32 training, to rounding
 LOW_PRECISION = ("autocast", "mixed", "main_grad")  # bf16 compute: the capstone's losses moved
                                                # by 5e-5 (relative) from fp32's over 6 steps (CPU)
-FEWER_BITS = ("adam8bit", "qlora")             # chapter 11: Adam's moments in 8 bits (AdamW's
-                                               # decay); LoRA over a base frozen in NF4
-PRECISIONS = ("fp32", "autocast", "mixed", "main_grad")   # "main_grad": bf16 weights, fp32
-                                               # gradients (Megatron's 18 B with Adam)
+FEWER_BITS = ("adam8bit", "qlora", "pure_bf16", "paged_adam8bit")   # chapter 11: Adam's moments
+                                               # in 8 bits (AdamW's decay); LoRA over a base
+                                               # frozen in NF4; bf16 weights, gradients and
+                                               # moments, no master, stochastic rounding
+PRECISIONS = ("fp32", "autocast", "mixed", "main_grad", "bf16")   # "main_grad": bf16 weights,
+                                               # fp32 gradients (Megatron's 18 B with Adam);
+                                               # "bf16": pure bf16, no master (torchtune's 8 B)
 LOSS_CHUNKS = 8                                # slices of the chunked cross-entropy
 LORA_TARGETS = ("qkv", "proj", "fc", "out")    # the Linear layers of each GPT block
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -165,6 +175,11 @@ class Candidate:
     chunked_loss: int = 0        # slices of `chunked_cross_entropy` (0: the whole logits at once)
     fused_attention: bool = False  # build the model with fused attention (no (T, T) matrix)
     nvme: bool = False           # offloaded AdamW state in files (ZeRO-Infinity's tier); offload
+    selective: bool = False      # every block under the matmul-saving policy (`checkpointing.
+                                 # selective`): attention core and element-wise ops recomputed
+    in_backward: bool = False    # each parameter's AdamW step in backward (`optim.
+                                 # optimizer_in_backward`): one gradient alive at a time
+    paged: bool = False          # 8-bit states paged to the host (bitsandbytes' paged AdamW8bit)
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accumulation", "segments"):
@@ -194,6 +209,28 @@ class Candidate:
                 or self.chunked_loss < 0:
             raise ValueError(f"Candidate.chunked_loss is a number of slices (0: off), got "
                              f"{self.chunked_loss!r}")
+        self._check_new_levers()
+
+    def _check_new_levers(self) -> None:
+        """Selective checkpointing, pure bf16, the step in backward, paged 8-bit states: the
+        combinations planned here (issue 52's levers)."""
+        if self.paged and self.state_bits != 8:
+            raise ValueError("Candidate.paged pages 8-bit Adam states: it needs state_bits=8")
+        if self.selective and (self.segments > 1 or self.activation_offload or self.lora_rank):
+            raise ValueError("Candidate.selective checkpoints every block under its policy: it "
+                             "is planned without checkpoint segments (segments=1), activation "
+                             "offload and LoRA")
+        if self.precision == "bf16" and (self.offload or self.zero_stage or self.lora_rank):
+            raise ValueError("pure bf16 (precision='bf16') is planned on one device, without "
+                             "offload, ZeRO or LoRA")
+        if self.in_backward and self.accumulation > 1:
+            raise ValueError("Candidate.in_backward steps each parameter as soon as its gradient "
+                             "is made: it cannot accumulate over micro-batches (accumulation=1)")
+        if self.in_backward and (self.zero_stage or self.offload or self.lora_rank
+                                 or self.precision in ("mixed", "main_grad")):
+            raise ValueError("Candidate.in_backward is planned on one device with the weights' "
+                             "own optimizer (fp32, autocast or pure bf16): not with ZeRO, "
+                             "offload, LoRA or fp32 masters")
 
     def check_depth(self, depth: int) -> None:
         """Raise ValueError when the plan asks for more checkpoint segments than blocks."""
@@ -208,9 +245,12 @@ class Candidate:
             out.append(f"{self.accumulation} micro-batches of {self.micro_batch}")
         if self.segments > 1:
             out.append(f"checkpointing ({self.segments} segments)")
+        if self.selective:
+            out.append("selective checkpointing")
         if self.precision != "fp32":
             out.append({"autocast": "bf16 autocast", "mixed": "bf16 weights + fp32 master",
-                        "main_grad": "bf16 weights + fp32 main_grad and master"}[self.precision])
+                        "main_grad": "bf16 weights + fp32 main_grad and master",
+                        "bf16": "pure bf16 (stochastic rounding)"}[self.precision])
         if self.fused_attention:
             out.append("fused attention")
         if self.activation_offload:
@@ -225,7 +265,9 @@ class Candidate:
             out.append(f"QLoRA r={self.lora_rank} (NF4 base frozen)" if self.nf4_base
                        else f"LoRA r={self.lora_rank} (base frozen)")
         if self.state_bits == 8:
-            out.append("8-bit Adam states")
+            out.append("paged 8-bit Adam states" if self.paged else "8-bit Adam states")
+        if self.in_backward:
+            out.append("optimizer in backward")
         return out
 
     def describe(self) -> str:
@@ -233,10 +275,15 @@ class Candidate:
         return ", ".join(self.techniques()) or "plain (no technique)"
 
 
+def technique_name(name: str) -> str:
+    """A technique's internal name: "pure-bf16" (the CLI's) is "pure_bf16"."""
+    return name.replace("-", "_") if isinstance(name, str) else name
+
+
 def _check_allow(allow: Iterable[str]) -> frozenset[str]:
     if isinstance(allow, str):
         allow = [allow]
-    allow = frozenset(allow)
+    allow = frozenset(technique_name(a) for a in allow)
     unknown = allow - set(TECHNIQUES)
     if unknown:
         raise ValueError(f"unknown technique(s) {sorted(unknown)} in allow: choose from "
@@ -266,24 +313,33 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
     if "accumulation" not in allow:
         micro = [per_rank]
     segments = [1] + ([s for s in range(2, shape.depth + 1)] if "checkpointing" in allow else [])
-    precisions = [p for p in PRECISIONS if p == "fp32" or p in allow]
+    precisions = [p for p in PRECISIONS if p == "fp32" or p in allow
+                  or p == "bf16" and "pure_bf16" in allow]
     several = world_size > 1
+    one = not several                  # the course's hooks and loss run on one process here
     stages = ([0, 1, 2, 3] if "zero" in allow else [0]) if several else [0]
     offloads = [False, True] if "offload" in allow and not several else [False]
     adapters = not several and ("lora" in allow or "qlora" in allow)
     ranks = [0, lora_rank] if adapters else [0]
-    bits = [32, 8] if "adam8bit" in allow and not several else [32]
+    bits = [32, 8] if allow & {"adam8bit", "paged_adam8bit"} and not several else [32]
+    pages = [False, True] if "paged_adam8bit" in allow and not several else [False]
+    selective = [False, True] if "selective_checkpointing" in allow else [False]
+    in_backward = [False, True] if "optimizer_in_backward" in allow and one else [False]
     bases = [False, True] if "qlora" in allow and not several else [False]
-    one = not several                  # the course's hooks and loss run on one process here
     acts = [False, True] if "activation_offload" in allow and one else [False]
     chunks = [0, LOSS_CHUNKS] if "chunked_loss" in allow and one else [0]
     fused = [False, True] if "fused_attention" in allow and not shape.fused_attention else [False]
     disks = [False, True] if "nvme" in allow and one else [False]
     out = []
-    for m, s, p, z, off, r, b, nf4, a, ch, f, d in itertools.product(
+    for m, s, p, z, off, r, b, nf4, a, ch, f, d, pg, sel, ib in itertools.product(
             micro, segments, precisions, stages, offloads, ranks, bits, bases, acts, chunks,
-            fused, disks):
-        if several and p in ("mixed", "main_grad"):
+            fused, disks, pages, selective, in_backward):
+        if pg and b != 8 or b == 8 and not pg and "adam8bit" not in allow:
+            continue                           # paging is of 8-bit states
+        if sel and (s > 1 or a or r) or ib and (m != per_rank or off or r or p in (
+                "mixed", "main_grad")) or p == "bf16" and (off or r):
+            continue                           # `Candidate._check_new_levers` says why; the
+        if several and p in ("mixed", "main_grad", "bf16"):   # step in backward: no micro-batches
             continue                       # ZeRO here: fp32 shards, bf16 compute via autocast
         if d and not off or ch > m * shape.seq_len:
             continue                       # NVMe is offload's last tier; a slice per token
@@ -295,5 +351,6 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
             continue                       # QLoRA is LoRA on an NF4 base
         if shape.llama and p == "autocast" and z != 3:
             continue                       # LLAMA_NOT_SEARCHED says why
-        out.append(Candidate(m, per_rank // m, s, p, z, off, r, b, nf4, a, ch, f, d))
+        out.append(Candidate(m, per_rank // m, s, p, z, off, r, b, nf4, a, ch, f, d,
+                             selective=sel, in_backward=ib, paged=pg))
     return out

@@ -3,8 +3,11 @@
 `build` makes the model and optimizer a `Candidate` asks for, with the course's own code for each
 lever: `checkpoint_sequential` (hooks design, which restores autocast) over the blocks,
 `MasterWeights` for bf16 weights, `CPUOffloadOptimizer`, `ShardedOptimizer` and `FSDP` for ZeRO,
-`ddp.DDP`, `lora.apply_lora`, `lowbit.apply_qlora` and `lowbit.Adam8bit`. `train_step` runs one
-optimizer step over the micro-batches. The same code runs in `simulation.simulate`, under
+`ddp.DDP`, `lora.apply_lora`, `lowbit.apply_qlora` and `lowbit.Adam8bit`; issue 52's levers:
+`checkpointing.selective_checkpoint` on every block, `lowbit.BF16AdamW` (pure bf16, stochastic
+rounding; with 8-bit states `Adam8bit(stochastic_round=True)`), `optim.optimizer_in_backward`
+(`InBackward`), and paged 8-bit states (`PagedAdam8bit`: Adam8bit a page at a time; on the
+CPU nothing to page). `train_step` runs one optimizer step over the micro-batches. The same code runs in `simulation.simulate`, under
 `FakeTensorMode` (every tensor is shape and dtype only: a 7B model's step costs no memory and a
 few seconds), measured by `companion.memory.track`; several ranks are simulated as rank 0 of a
 "fake" process group, whose collectives do nothing.
@@ -34,15 +37,20 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from companion import amp, ddp, lora, lowbit
 from companion.checkpointing import checkpoint_sequential
+from companion.checkpointing.selective import selective_checkpoint
+from companion.optim import optimizer_in_backward
+from companion.placement import on_host
 from companion.activation_offload import OffloadActivations
 from companion.chunked_loss import chunked_cross_entropy
 from companion.nvme import NVMeOffloadOptimizer
 from companion.offload import CPUOffloadOptimizer
 from companion.models import Llama
+from companion.plan.parts import PAGE             # values of a page (a multiple of 256)
 from companion.plan.space import LLAMA_LORA_TARGETS, LORA_TARGETS, Candidate
 from companion.zero import FSDP, ShardedOptimizer
 
-__all__ = ["CheckpointedBlocks", "Setup", "build", "micro_step", "optimizer_step", "train_step"]
+__all__ = ["CheckpointedBlocks", "SelectiveBlocks", "InBackward", "PagedAdam8bit", "Setup",
+           "build", "micro_step", "optimizer_step", "train_step"]
 
 
 class CheckpointedBlocks(nn.Module):
@@ -58,6 +66,92 @@ class CheckpointedBlocks(nn.Module):
         return checkpoint_sequential(list(self.blocks), self.segments, x, use_reentrant=False)
 
 
+class SelectiveBlocks(nn.Module):
+    """Every block under `selective_checkpoint` (torch's `create_selective_checkpoint_contexts`
+    with the matmul-saving policy): each keeps its input, its matmuls' and fused attention's
+    outputs, and recomputes the rest in its backward."""
+
+    def __init__(self, blocks: nn.Sequential):
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = selective_checkpoint(block, x)                           # (B, T, C)
+        return x
+
+
+class InBackward:
+    """The optimizer step inside backward: one optimizer per parameter, stepped by its
+    post-accumulate-grad hook (`companion.optim.optimizer_in_backward`), which then frees the
+    gradient. `step` steps the parameters that still hold a gradient (none after a backward; the
+    simulation's first step, on zero gradients, makes the state); `zero_grad` as torch's."""
+
+    def __init__(self, params: list[torch.Tensor], optimizer_class: type, **kwargs):
+        self.optimizers, self.handles = optimizer_in_backward(params, optimizer_class, **kwargs)
+
+    def step(self) -> None:
+        for p, optimizer in self.optimizers.items():
+            if p.grad is not None:
+                optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+
+
+class _HostAdam8bit(lowbit.Adam8bit):
+    """`lowbit.Adam8bit` whose 8-bit codes are stored on the host (`placement.on_host`) when
+    `host` is set: a GPU's paged states, evicted between steps."""
+
+    def __init__(self, params, *, host: bool = False, **kwargs):
+        super().__init__(params, **kwargs)
+        self.host = host
+
+    def _store(self, p: torch.Tensor, group: dict, m: torch.Tensor, v: torch.Tensor) -> None:
+        super()._store(p, group, m, v)                 # quantized on the device, then the
+        if self.host:                                  # codes and scales paged out
+            state = self.state[p]
+            for key in ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes",
+                        "exp_avg_sq_absmax"):
+                if key in state:
+                    with on_host():
+                        state[key] = state[key].clone()
+
+
+class PagedAdam8bit:
+    """bitsandbytes' paged AdamW8bit as the course runs it: `lowbit.Adam8bit` (AdamW's decay)
+    stepped one page of `PAGE` values at a time, each page a view of its tensor with its own
+    codes, so the step's fp32 temporaries are one page's (bitsandbytes' kernel, fused, has none)
+    and the states can live on the host between steps (`host=True`: a GPU's plan, simulated).
+    The updates are Adam8bit's: pages are whole blocks of 256."""
+
+    def __init__(self, params: list[torch.Tensor], *, host: bool = False, **kwargs):
+        self.params = list(params)
+        self.pages = {p: [p.detach().view(-1)[i:i + PAGE] for i in range(0, p.numel(), PAGE)]
+                      for p in self.params}
+        self.inner = _HostAdam8bit([v for views in self.pages.values() for v in views],
+                                   host=host, **kwargs)
+
+    def step(self) -> None:
+        for p, views in self.pages.items():
+            if p.grad is None:
+                continue
+            flat = p.grad.view(-1)
+            for i, view in enumerate(views):                 # the page's gradient: a view
+                view.grad = flat[i * PAGE:i * PAGE + view.numel()]
+        self.inner.step()
+        for views in self.pages.values():
+            for view in views:
+                view.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
 @dataclasses.dataclass
 class Setup:
     """What `train_step` needs: the network to call, the optimizer, how to finish a step."""
@@ -65,11 +159,12 @@ class Setup:
     candidate: Candidate
     model: nn.Module              # the GPT itself
     net: nn.Module                # what forward calls: the GPT, or its DDP / FSDP wrapper
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | InBackward   # InBackward: stepped inside backward
     master: amp.MasterWeights | None = None   # bf16 weights: steps go through it
 
 
-def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float):
+def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float,
+               paged_to_host: bool = False):
     """(net, optimizer, master) for the plan's optimizer lever."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     adamw = {"lr": lr}
@@ -91,14 +186,23 @@ def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float):
                                 else "16-bit") if cand.precision in ("mixed", "main_grad")
               else None)
     params = master.master_params if master is not None else trainable
+    pure = cand.precision == "bf16"            # bf16 weights, no master: stochastic rounding
     if cand.state_bits == 8:                   # AdamW's update and decay, moments in 8 bits
-        return net, lowbit.Adam8bit(params, weight_decay=0.01, decoupled_weight_decay=True,
-                                    **adamw), master
-    return net, torch.optim.AdamW(params, fused=True, **adamw), master
+        kind, options = lowbit.Adam8bit, {"weight_decay": 0.01, "decoupled_weight_decay": True,
+                                          "stochastic_round": pure}
+        if cand.paged:                         # a page at a time; a GPU's pages on the host
+            kind, options = PagedAdam8bit, {**options, "host": paged_to_host}
+    elif pure:                                 # moments in bf16 too (2 + 2 + 4 = 8 B)
+        kind, options = lowbit.BF16AdamW, {"compensation": "stochastic"}
+    else:
+        kind, options = torch.optim.AdamW, {"fused": True}
+    if cand.in_backward:
+        return net, InBackward(params, kind, **options, **adamw), master
+    return net, kind(params, **options, **adamw), master
 
 
 def _dtype(cand: Candidate) -> torch.dtype:
-    return torch.bfloat16 if cand.precision in ("mixed", "main_grad") else torch.float32
+    return torch.bfloat16 if cand.precision in ("mixed", "main_grad", "bf16") else torch.float32
 
 
 def _quantized_on_host(model_fn: Callable[..., nn.Module], cand: Candidate) -> nn.Module:
@@ -131,14 +235,15 @@ def _copy_in(model: nn.Module) -> None:
 
 def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: int = 1,
           device: torch.device | str = "cpu", lr: float = 1e-3,
-          host_model: nn.Module | None = None) -> Setup:
+          host_model: nn.Module | None = None, paged_to_host: bool = False) -> Setup:
     """The model `model_fn(dtype=..., device=...)` and its optimizer, as `cand` says.
 
     Memory is the plan's: bf16 weights are made in bf16 (never an fp32 copy first), adapters are
     added before the optimizer exists, so frozen weights get no gradient and no state. QLoRA's
     dense base never reaches a GPU: it is made and quantized on the host, then moved (on the
     CPU, host and device are one memory: the dense model is its build's peak). `host_model`:
-    that host-side model, already made (`simulate` copies it in, as the move to a GPU would)."""
+    that host-side model, already made (`simulate` copies it in, as the move to a GPU would).
+    `paged_to_host`: paged 8-bit states live on the host (`simulate` for a GPU)."""
     device = torch.device(device)
     if host_model is not None:                         # the copy a move to the GPU makes
         model = host_model
@@ -156,7 +261,9 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
         lora.apply_lora(model, cand.lora_rank, targets=_lora_targets(model))   # base frozen
     if cand.segments > 1:
         model.blocks = CheckpointedBlocks(model.blocks, cand.segments)
-    net, optimizer, master = _optimizer(cand, model, world_size, lr)
+    if cand.selective:
+        model.blocks = SelectiveBlocks(model.blocks)
+    net, optimizer, master = _optimizer(cand, model, world_size, lr, paged_to_host)
     return Setup(cand, model, net, optimizer, master)
 
 
