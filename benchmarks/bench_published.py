@@ -49,24 +49,23 @@ OUTCOMES = ("ran", "out of memory")
 # Each lever name of the corpus (the CLI's `--allow` names) and the Candidate fields it sets.
 # A dict: fixed fields; a function of (run, shape): fields read off the run; MODELLED_AS_EAGER:
 # a lever the planner has no field for, predicted as the run without it (marked "~"); NO_LEVER:
-# none is planned, the run is not expressible. Fields that Candidate does not have (yet) make
-# the run "not expressible yet"; the names below are the ones issue 52's levers are to take:
-# rename them here when they land.
+# none is planned, the run is not expressible. A combination Candidate refuses makes the run
+# "not expressible".
 MODELLED_AS_EAGER = "modelled as without it"
 NO_LEVER = "no planner lever"
 LEVERS: dict[str, dict | Callable | str] = {
     "checkpointing": lambda run, shape: {"segments": shape.depth},      # every block
-    "selective-checkpointing": {"selective_checkpointing": True},
+    "selective-checkpointing": {"selective": True},
     "autocast": {"precision": "autocast"},        # 16-bit compute on fp32 weights (FSDP's bf16)
     "mixed": {"precision": "mixed"},              # bf16 weights + fp32 master
-    "pure-bf16": {"precision": "pure_bf16"},      # bf16 weights and states, no master
+    "pure-bf16": {"precision": "bf16"},           # bf16 weights and states, no master
     "zero-1": {"zero_stage": 1}, "zero-2": {"zero_stage": 2}, "zero-3": {"zero_stage": 3},
     "offload": {"offload": True},
     "lora": lambda run, shape: {"lora_rank": run["lora_rank"]},
     "qlora": lambda run, shape: {"lora_rank": run["lora_rank"], "nf4_base": True},
     "adam8bit": {"state_bits": 8},
-    "paged-adam8bit": {"state_bits": 8, "paged_optimizer": True},
-    "optimizer-in-backward": {"optimizer_in_backward": True},
+    "paged-adam8bit": {"state_bits": 8, "paged": True},
+    "optimizer-in-backward": {"in_backward": True},
     "chunked-loss": lambda run, shape: {"chunked_loss": run["loss_chunks"]},
     "compile": MODELLED_AS_EAGER,
     "float8": NO_LEVER,
@@ -75,7 +74,8 @@ LEVERS: dict[str, dict | Callable | str] = {
 }
 # Under LoRA and QLoRA the base is frozen: pure bf16 and "mixed" keep the same bf16 base and
 # differ only by the adapters' fp32 copies (4·r·(in + out) bytes a Linear, under 0.2 GB for the
-# corpus's runs). Until pure bf16 is a lever, such runs are predicted as "mixed" (marked "~").
+# corpus's runs). The planner plans pure bf16 without adapters only, so such runs are predicted
+# as "mixed" (marked "~").
 ADAPTER_FALLBACK = {"pure-bf16": {"precision": "mixed"}}
 
 
@@ -156,7 +156,7 @@ def build_candidate(run: dict, shape: GPTShape) -> tuple[Candidate | None, str]:
             approximated = True
             continue
         spec = spec(run, shape) if callable(spec) else spec
-        if adapters and lever in ADAPTER_FALLBACK and not _accepts(spec):
+        if adapters and lever in ADAPTER_FALLBACK and not _accepts({**spec, "lora_rank": 8}):
             spec, approximated = ADAPTER_FALLBACK[lever], True
         fields.update(spec)
     try:
@@ -183,12 +183,13 @@ def _accepts(fields: dict) -> bool:
 def budget_bytes(run: dict, card) -> int:
     """The card's bytes the plan must fit: the total capacity the run's own out-of-memory message
     quotes, else a nominal size the source gives for a card not in `companion.cost.gpus`, else
-    the planner's budget for the card (`plan.named.plan_named`'s default)."""
+    the planner's budget for the card (`plan.named.plan_named`'s default: what CUDA reports of
+    it, `gpus.GPU.usable_bytes`)."""
     if run.get("capacity_gib"):
         return round(run["capacity_gib"] * 2**30)
     if run.get("budget_gib"):
         return round(run["budget_gib"] * 2**30)
-    return card.memory_bytes
+    return card.usable_bytes
 
 
 def predict_run(run: dict) -> Case:
@@ -213,7 +214,8 @@ def predict_run(run: dict) -> Case:
                     "nvidia-smi": fit.total}.get(kind)
     seconds = predict_seconds(shape, cand, CostModel.for_gpu(card.name), world_size=world)
     compare_tps = run.get("compare_throughput", True)
-    return Case(run, status, cand, measured_peak_bytes(run), same_counter, fit.total, budget,
+    measured = measured_peak_bytes(run) if run.get("compare_peak", True) else None
+    return Case(run, status, cand, measured, same_counter, fit.total, budget,
                 fit.fits, run["measured"].get("tokens_per_s_per_gpu") if compare_tps else None,
                 cand.micro_batch * cand.accumulation * shape.seq_len / seconds["total"])
 
