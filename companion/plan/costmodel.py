@@ -14,13 +14,22 @@ class CostModel:
 
     `for_gpu(name)`: a GPU of `companion.cost.gpus` (each number cited there): fp32 matmuls on the
     CUDA cores (PyTorch leaves TF32 off for matmuls by default since 1.12,
-    `torch.backends.cuda.matmul.allow_tf32 = False`, pytorch/pytorch#67384) and bf16 on the
-    tensor cores, each at its peak times `gpus.efficiency` (the fraction training reaches, cited
-    there); HBM bandwidth for the optimizer; PCIe (one direction) to the host; NVLink (one
-    direction, half the total NVIDIA quotes) between GPUs, or PCIe where there is none; 10 µs
-    per layer and micro-batch of kernel launches (assumed: a CUDA launch costs a few µs and a
-    block launches a few). An offloaded AdamW runs on the host at 25 GB/s (assumed: a server's
-    DRAM streams 100-200 GB/s at peak; time yours with `companion.cost.calibrate`).
+    `torch.backends.cuda.matmul.allow_tf32 = False`, pytorch/pytorch#67384) at their peak times
+    `gpus.efficiency` (one large SGEMM's share, cited there), and bf16 on the tensor cores at
+    their peak times `gpus.step_efficiency` for the setup (eager by default, as the course runs;
+    `compiled=True` for torch.compile): the MFU a published whole step of that setup reached
+    (eager FSDP on H100s: torchtitan's 0.337; a GeForce card, an A100: their own runs, cited
+    there), so the step's non-matmul work and launches are inside that factor; HBM bandwidth
+    for the optimizer; PCIe (one direction) to the host; NVLink (one direction, half the total
+    NVIDIA quotes) between GPUs, or PCIe where there is none; 10 µs per layer and micro-batch
+    of kernel launches (assumed: a CUDA launch costs a few µs and a block launches a few);
+    communication that hides behind compute (`overlap` 1: NCCL runs on its own streams, FSDP
+    prefetches the next unit's all-gather, `companion.zero.prefetch`). An offloaded AdamW runs
+    on the host at `host_adam_rate` bytes/s when given (`--host-adam-rate`: time yours with
+    `companion.cost.calibrate`), else at 25 GB/s (assumed for torch's AdamW on a server: its
+    DRAM streams 100-200 GB/s at peak; DeepSpeedCPUAdam "is 5X–7X faster than the standard
+    PyTorch implementation", DeepSpeed's ZeRO-Offload tutorial, docs/_tutorials/
+    zero-offload.md). `sources` says where each speed came from (`describe()`).
     `for_device("cuda")` is `for_gpu("A100 40GB")`. The NVMe tier: 3 GB/s each way (assumed: a
     PCIe 4 NVMe drive writes 3-7 GB/s) and 0.1 ms per file's flush (assumed).
     `for_device("cpu")`: one core of the course's reference CPU (a 2-core AMD EPYC with AVX2,
@@ -50,18 +59,43 @@ class CostModel:
     disk_sync_seconds: float = 1e-4   # one file's flush (msync) to the disk, beyond its bytes
     activation_bandwidth: float | None = None   # bytes/s activation offload's saved tensors
                                   # move each way inside a step (None: host_bandwidth)
+    overlap: float = 0.0          # share of the link's time that can hide behind compute
+                                  # (0: none, the course's ZeRO on gloo; 1: NCCL beside kernels)
+    sources: tuple[tuple[str, str], ...] = ()   # (speed, where it came from), for the report
+
+    def describe(self) -> list[str]:
+        """One line per speed that has a source: what it is and where it came from."""
+        return [f"{name}: {source}" for name, source in self.sources]
 
     @classmethod
-    def for_gpu(cls, name: str) -> "CostModel":
-        """The speeds of a GPU in `companion.cost.gpus` (see the class docstring)."""
+    def for_gpu(cls, name: str, *, compiled: bool = False,
+                host_adam_rate: float | None = None) -> "CostModel":
+        """The speeds of a GPU in `companion.cost.gpus` (see the class docstring); `compiled`:
+        torch.compile's factor; `host_adam_rate`: the host AdamW's bytes/s (28 B a parameter
+        read and written: fp32 weight, gradient, two moments), measured on yours."""
         from companion.cost import gpus
 
         g = gpus.gpu(name)
-        fp32 = g.fp32_flops * gpus.efficiency(g, "fp32")[0]
-        half = g.flops("bf16" if g.bf16_flops else "fp16")
-        half *= gpus.efficiency(g, "bf16" if g.bf16_flops else "fp16")[0]
+        fp32, fp32_source = g.fp32_flops * gpus.efficiency(g, "fp32")[0], gpus.efficiency(g, "fp32")[1]
+        dtype = "bf16" if g.bf16_flops else "fp16"
+        factor, setup = gpus.step_efficiency(g, compiled=compiled)
+        half = g.flops(dtype) * factor
         link = g.nvlink_bandwidth / 2 if g.nvlink_bandwidth else g.pcie_bandwidth
-        return cls(fp32, half / fp32, 10e-6, g.hbm_bandwidth, g.pcie_bandwidth, link, 25e9)
+        if host_adam_rate is not None and not host_adam_rate > 0:
+            raise ValueError(f"host_adam_rate is bytes/s, a positive number; got {host_adam_rate!r}")
+        host = (f"{host_adam_rate / 1e9:g} GB/s, given (--host-adam-rate)" if host_adam_rate
+                else "25 GB/s, assumed for torch's AdamW on a server CPU (DeepSpeedCPUAdam is "
+                     "5-7x faster than torch's, DeepSpeed's ZeRO-Offload tutorial); time "
+                     "yours with companion.cost.calibrate and pass --host-adam-rate")
+        sources = ((f"{dtype} matmuls", f"{half / 1e12:.0f} TFLOP/s = {factor:.3f} x "
+                                        f"{g.flops(dtype) / 1e12:.1f} ({setup})"),
+                   ("fp32 matmuls", f"{fp32 / 1e12:.1f} TFLOP/s ({fp32_source})"),
+                   ("host AdamW", host),
+                   ("communication", "hidden behind compute where it can be (FSDP prefetches "
+                                     "one unit's all-gather; gradients reduced as backward makes "
+                                     "them); the rest is exposed"))
+        return cls(fp32, half / fp32, 10e-6, g.hbm_bandwidth, g.pcie_bandwidth, link,
+                   host_adam_rate or 25e9, overlap=1.0, sources=sources)
 
     @classmethod
     def for_device(cls, device_type: str) -> "CostModel":
@@ -112,7 +146,8 @@ class CostModel:
                    1 / profile.beta.median if profile.beta else 1e9, 28 * rate,
                    *_disk(profile.device),
                    CostModel.for_device("cpu").activation_bandwidth
-                   if profile.device.startswith("cpu") else None)
+                   if profile.device.startswith("cpu") else None,
+                   overlap=0.0 if profile.device.startswith("cpu") else 1.0)
 
 
 def _disk(device: str) -> tuple[float, float]:
