@@ -9,6 +9,12 @@
   is no second memory to copy to);
 - the host AdamW rate in parameters per second, for the for-loop, foreach and fused versions
   (what ZeRO-Offload's host step runs at);
+- on a CPU, a training step of a small GPT block: the FLOP/s it reaches in fp32 (`step_flops`:
+  attention's kernel, GELU and LayerNorm included, as a model's step runs), and how much faster
+  it runs under bf16 (and fp16) autocast (`autocast`): the rate a 16-bit step reaches, casts
+  and the operators autocast keeps in fp32 included, which the matmul peak does not say (an
+  AMX CPU's bf16 matmul peaks 7x fp32's while its autocast step ran 0.84x fp32's speed, its
+  bf16 attention backward 5x slower; without bf16 units it is far slower);
 - α and β of a gloo process group of 2 ranks (the `launch` module's workers), one fit per round,
   and each collective's curve (seconds against bytes);
 - how 2 ranks share the machine: a training step with both ranks stepping against one alone
@@ -83,6 +89,9 @@ class DeviceProfile:
     collectives: dict[str, list[tuple[int, Measured]]] | None = None  # kind -> [(bytes, s)]
     shared_compute: Measured | None = None            # a step with 2 ranks at once over alone
     overlap: Measured | None = None                   # share of an all-reduce hidden by compute
+    autocast: dict[str, Measured] | None = None       # CPU: dtype -> a block's training step,
+                                                      # fp32 seconds over autocast's (>1: faster)
+    step_flops: Measured | None = None                # CPU: that block's fp32 step, FLOP/s
     world_size: int = 2                               # ranks the collectives were timed on
     seconds: float = 0.0                              # how long calibrate took
 
@@ -146,6 +155,7 @@ class DeviceProfile:
                    device_to_host=md(d["device_to_host"]), alpha=m(d["alpha"]),
                    beta=m(d["beta"]), seconds=d["seconds"], world_size=d["world_size"],
                    shared_compute=m(d["shared_compute"]), overlap=m(d["overlap"]),
+                   autocast=md(d.get("autocast")), step_flops=m(d.get("step_flops")),
                    collectives=None if d["collectives"] is None else {
                        k: [(n, Measured(**x)) for n, x in rows]
                        for k, rows in d["collectives"].items()})
@@ -324,6 +334,39 @@ def _adamw_rates(repeats: int) -> dict[str, Measured]:
     return out
 
 
+def _block_steps(device: torch.device, dtypes: Sequence[str],
+                 repeats: int) -> tuple[Measured, dict[str, Measured]]:
+    """A training step (forward and backward) of one course GPT block (width C = 128, 4 heads,
+    16 x 64 tokens, fused attention): its fp32 FLOP/s (3 x (2·N·12·C² + 4·N·T·C), the
+    planner's count), and for each 16-bit dtype of `dtypes` fp32's seconds over autocast's,
+    one ratio per interleaved round."""
+    from companion.models.gpt import Block
+
+    B, T, C = 16, 64, 128
+    block = Block(C, 4, fused_attention=True).to(device)
+    x = torch.randn(B, T, C, device=device, requires_grad=True)
+    flops = 3 * (2 * B * T * 12 * C * C + 4 * B * T * T * C)
+    out = {}
+
+    def step(dtype=None):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            y = block(x)
+        y.float().square().mean().backward()
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+    for name in [d for d in dtypes if d in ("bfloat16", "float16")]:
+        try:
+            step(getattr(torch, name))
+        except RuntimeError:                                 # not supported on this device
+            continue
+        ratios = [_times(step, device, 1, 3)[0] / _times(lambda: step(getattr(torch, name)),
+                                                         device, 1, 3)[0]
+                  for _ in range(repeats)]
+        out[name] = Measured.of(ratios)
+    fp32 = Measured.of([flops / t for t in _times(step, device, repeats, 3)])
+    return fp32, out
+
+
 def _host_copies(device: torch.device, repeats: int) -> tuple[dict, dict]:
     nbytes = 64 * 2**20
     gpu = torch.empty(nbytes // 4, device=device)
@@ -418,7 +461,10 @@ def _per_rank(device: torch.device, dtypes: Sequence[str], repeats: int) -> dict
                lambda: dst.copy_(big), device, repeats)]),
            "op_seconds": Measured.of(_times(lambda: one.add_(1), device, repeats, inner=1000)),
            "layer_seconds": _layer_seconds(device, repeats),
-           "adamw": _adamw_rates(repeats), "host_to_device": None, "device_to_host": None}
+           "adamw": _adamw_rates(repeats), "host_to_device": None, "device_to_host": None,
+           "step_flops": None, "autocast": None}
+    if not cuda:
+        out["step_flops"], out["autocast"] = _block_steps(device, dtypes, repeats)
     if cuda:
         out["host_to_device"], out["device_to_host"] = _host_copies(device, repeats)
     return out

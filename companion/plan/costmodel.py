@@ -129,8 +129,11 @@ class CostModel:
 
     @classmethod
     def from_profile(cls, profile, *, layer_seconds: float | None = None) -> "CostModel":
-        """The speeds `companion.cost.calibrate` measured: peak fp32 matmul FLOP/s, bf16 over
-        fp32 where bf16 was timed, copy bandwidth, host copies (pinned), gloo's bandwidth (1/β)
+        """The speeds `companion.cost.calibrate` measured: peak fp32 matmul FLOP/s (on a CPU,
+        the FLOP/s a GPT block's fp32 training step reaches, `DeviceProfile.step_flops`, as
+        `for_device("cpu")`'s 26 GFLOP/s was measured), bf16 over fp32 where bf16 was timed (on
+        a CPU, that block's autocast step over its fp32 one, `DeviceProfile.autocast`: the
+        matmul peaks overstate it there), copy bandwidth, host copies (pinned), gloo's bandwidth (1/β)
         and the host AdamW rate (28 bytes a parameter); `layer_seconds` defaults to 16x the
         measured tiny layer (a Linear(8, 8) and a ReLU): on the reference CPU a capstone block's
         forward and backward on 4 tokens cost 1.7 ms, 16x calibrate's 0.106 ms tiny layer.
@@ -138,6 +141,10 @@ class CostModel:
         `for_device("cpu")`'s, a GPU's the defaults (activation offload at the host link's)."""
         fp32 = profile.peak_flops("float32")
         half = profile.peak_flops("bfloat16") / fp32 if "bfloat16" in profile.matmul else 1.0
+        if profile.step_flops is not None:             # a CPU: the rate a block's step reaches
+            fp32 = profile.step_flops.median
+        if profile.autocast and "bfloat16" in profile.autocast:   # a CPU: the step's own rate
+            half = profile.autocast["bfloat16"].median
         host = (profile.host_to_device or {}).get("pinned")
         rate = max(m.median for m in profile.adamw.values())
         return cls(fp32, half, 16 * profile.layer_seconds.median if layer_seconds is None
