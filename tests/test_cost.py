@@ -417,6 +417,9 @@ def test_cost_model_reads_the_gpu_table_and_the_profile(profile):
     assert CostModel.from_profile(both).half_speedup == pytest.approx(7.0)
     assert CostModel.from_profile(dataclasses.replace(
         both, autocast={"bfloat16": slow})).half_speedup == 0.5
+    # LoRA's adapter passes and the 8-bit Adam step at their measured rates
+    assert measured.adapter_bandwidth == profile.adapter_bandwidth.median > 1e8
+    assert measured.adam8bit_rate == profile.adam8bit.median > 1e5
 
 
 def test_calibrate_times_a_blocks_autocast_step_against_fp32():

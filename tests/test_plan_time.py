@@ -119,3 +119,26 @@ def test_the_command_line_takes_host_adam_rate_and_prints_its_source():
     bad = subprocess.run(run + ["--host-adam-rate", "fast"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "positive number of GB/s" in bad.stderr
+
+
+def test_the_cpu_prices_lora_adapters_and_8bit_adam_at_their_measured_rates():
+    """LoRA skips the frozen weights' gradients but adds its adapters' thin matmuls, scale and
+    add (on this course's CPU a LoRA step ran slower than the plain one); the 8-bit step is
+    compute-bound on a CPU, far slower than its bytes say."""
+    shape = GPTShape.of(load_config("gpt2-xl").model_fn(64))
+    base = CostModel.for_device("cpu")
+    measured = dataclasses.replace(base, adapter_bandwidth=base.memory_bandwidth / 5,
+                                   adam8bit_rate=50e6)
+    lora = Candidate(4, lora_rank=8)
+    N, L = 4 * 64, shape.depth
+    nbytes = L * sum(40 * N * o + 24 * N * i for i, o in shape.lora_linear_shapes())
+    assert predict_seconds(shape, lora, base)["adapters"] == pytest.approx(
+        nbytes / base.memory_bandwidth)
+    assert predict_seconds(shape, lora, measured)["adapters"] == pytest.approx(
+        5 * nbytes / base.memory_bandwidth)
+    assert predict_seconds(shape, Candidate(4), measured)["adapters"] == 0
+    eight = Candidate(4, state_bits=8)
+    assert predict_seconds(shape, eight, measured)["optimizer"] == pytest.approx(
+        shape.n_params / 50e6)
+    assert predict_seconds(shape, eight, base)["optimizer"] == pytest.approx(
+        260 * shape.n_params / base.memory_bandwidth)

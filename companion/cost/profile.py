@@ -14,7 +14,12 @@
   it runs under bf16 (and fp16) autocast (`autocast`): the rate a 16-bit step reaches, casts
   and the operators autocast keeps in fp32 included, which the matmul peak does not say (an
   AMX CPU's bf16 matmul peaks 7x fp32's while its autocast step ran 0.84x fp32's speed, its
-  bf16 attention backward 5x slower; without bf16 units it is far slower);
+  bf16 attention backward 5x slower; without bf16 units it is far slower), and the bytes/s a
+  LoRA adapter's passes reach (`adapter_bandwidth`: its thin matmuls, scale and add, forward
+  and backward, ~40·N·out + 24·N·in bytes, timed as a LoRALinear's step over its frozen
+  Linear's: ~10 GB/s here, a fifth of the copy bandwidth), and the course's 8-bit Adam's step
+  in parameters/s (`adam8bit`: compute-bound on a CPU, 51 M/s here where fused AdamW runs
+  ~1,400 M/s: its 260 bytes a parameter under-count it);
 - α and β of a gloo process group of 2 ranks (the `launch` module's workers), one fit per round,
   and each collective's curve (seconds against bytes);
 - how 2 ranks share the machine: a training step with both ranks stepping against one alone
@@ -92,6 +97,8 @@ class DeviceProfile:
     autocast: dict[str, Measured] | None = None       # CPU: dtype -> a block's training step,
                                                       # fp32 seconds over autocast's (>1: faster)
     step_flops: Measured | None = None                # CPU: that block's fp32 step, FLOP/s
+    adapter_bandwidth: Measured | None = None         # CPU: bytes/s of a LoRA adapter's passes
+    adam8bit: Measured | None = None                  # CPU: lowbit.Adam8bit, parameters/s
     world_size: int = 2                               # ranks the collectives were timed on
     seconds: float = 0.0                              # how long calibrate took
 
@@ -156,6 +163,7 @@ class DeviceProfile:
                    beta=m(d["beta"]), seconds=d["seconds"], world_size=d["world_size"],
                    shared_compute=m(d["shared_compute"]), overlap=m(d["overlap"]),
                    autocast=md(d.get("autocast")), step_flops=m(d.get("step_flops")),
+                   adapter_bandwidth=m(d.get("adapter_bandwidth")), adam8bit=m(d.get("adam8bit")),
                    collectives=None if d["collectives"] is None else {
                        k: [(n, Measured(**x)) for n, x in rows]
                        for k, rows in d["collectives"].items()})
@@ -334,6 +342,41 @@ def _adamw_rates(repeats: int) -> dict[str, Measured]:
     return out
 
 
+def _adam8bit_rate(repeats: int) -> Measured:
+    """Parameters per second of `lowbit.Adam8bit`'s step (AdamW's decay, as the planner runs
+    it) on the host, 2^20 parameters in 8 tensors."""
+    from companion import lowbit
+
+    params = [torch.zeros(2**17, requires_grad=True) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = lowbit.Adam8bit(params, weight_decay=0.01, decoupled_weight_decay=True)
+    return Measured.of([2**20 / t for t in _times(opt.step, torch.device("cpu"), repeats)])
+
+
+def _adapter_bandwidth(device: torch.device, repeats: int) -> Measured:
+    """Bytes/s of a rank-8 LoRA adapter's own passes on a (16 x 64, 128) -> 384 Linear: a
+    LoRALinear's forward and backward less its frozen base's, per round, over the bytes those
+    passes move (`ADAPTER_BYTES` of the planner: 40·N·out + 24·N·in in fp32)."""
+    from torch import nn
+
+    from companion.lora import LoRALinear
+
+    N, i, o = 1024, 128, 384
+    x = torch.randn(N, i, device=device, requires_grad=True)
+    g = torch.randn(N, o, device=device)
+    frozen = nn.Linear(i, o).to(device).requires_grad_(False)
+    adapted = LoRALinear(nn.Linear(i, o), 8).to(device)
+
+    def step(layer):
+        layer(x).backward(g)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+    extra = [max(_times(lambda: step(adapted), device, 1, 5)[0]
+                 - _times(lambda: step(frozen), device, 1, 5)[0], 1e-7) for _ in range(repeats)]
+    return Measured.of([(40 * N * o + 24 * N * i) / t for t in extra])
+
+
 def _block_steps(device: torch.device, dtypes: Sequence[str],
                  repeats: int) -> tuple[Measured, dict[str, Measured]]:
     """A training step (forward and backward) of one course GPT block (width C = 128, 4 heads,
@@ -462,9 +505,11 @@ def _per_rank(device: torch.device, dtypes: Sequence[str], repeats: int) -> dict
            "op_seconds": Measured.of(_times(lambda: one.add_(1), device, repeats, inner=1000)),
            "layer_seconds": _layer_seconds(device, repeats),
            "adamw": _adamw_rates(repeats), "host_to_device": None, "device_to_host": None,
-           "step_flops": None, "autocast": None}
+           "step_flops": None, "autocast": None, "adapter_bandwidth": None, "adam8bit": None}
     if not cuda:
         out["step_flops"], out["autocast"] = _block_steps(device, dtypes, repeats)
+        out["adapter_bandwidth"] = _adapter_bandwidth(device, repeats)
+        out["adam8bit"] = _adam8bit_rate(repeats)
     if cuda:
         out["host_to_device"], out["device_to_host"] = _host_copies(device, repeats)
     return out

@@ -59,6 +59,10 @@ class CostModel:
     disk_sync_seconds: float = 1e-4   # one file's flush (msync) to the disk, beyond its bytes
     activation_bandwidth: float | None = None   # bytes/s activation offload's saved tensors
                                   # move each way inside a step (None: host_bandwidth)
+    adam8bit_rate: float | None = None   # parameters/s of the 8-bit Adam step, measured
+                                  # (None: ADAM8BIT_BYTES a parameter at memory_bandwidth)
+    adapter_bandwidth: float | None = None   # bytes/s LoRA adapters' own passes reach (thin
+                                  # matmuls, scale, add; None: memory_bandwidth)
     overlap: float = 0.0          # share of the link's time that can hide behind compute
                                   # (0: none, the course's ZeRO on gloo; 1: NCCL beside kernels)
     sources: tuple[tuple[str, str], ...] = ()   # (speed, where it came from), for the report
@@ -133,7 +137,9 @@ class CostModel:
         the FLOP/s a GPT block's fp32 training step reaches, `DeviceProfile.step_flops`, as
         `for_device("cpu")`'s 26 GFLOP/s was measured), bf16 over fp32 where bf16 was timed (on
         a CPU, that block's autocast step over its fp32 one, `DeviceProfile.autocast`: the
-        matmul peaks overstate it there), copy bandwidth, host copies (pinned), gloo's bandwidth (1/β)
+        matmul peaks overstate it there; a LoRA adapter's passes, `adapter_bandwidth`; the 8-bit
+        Adam step, `adam8bit`),
+        copy bandwidth, host copies (pinned), gloo's bandwidth (1/β)
         and the host AdamW rate (28 bytes a parameter); `layer_seconds` defaults to 16x the
         measured tiny layer (a Linear(8, 8) and a ReLU): on the reference CPU a capstone block's
         forward and backward on 4 tokens cost 1.7 ms, 16x calibrate's 0.106 ms tiny layer.
@@ -154,6 +160,9 @@ class CostModel:
                    *_disk(profile.device),
                    CostModel.for_device("cpu").activation_bandwidth
                    if profile.device.startswith("cpu") else None,
+                   adapter_bandwidth=profile.adapter_bandwidth.median
+                   if profile.adapter_bandwidth else None,
+                   adam8bit_rate=profile.adam8bit.median if profile.adam8bit else None,
                    overlap=0.0 if profile.device.startswith("cpu") else 1.0)
 
 

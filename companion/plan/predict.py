@@ -51,7 +51,8 @@ offloaded; `ADAM8BIT_BYTES` for 8-bit states), QLoRA's dequantizations (`DEQUANT
 base value and the cast to a 16-bit compute dtype, in forward, backward and recompute), offload's
 copies over the host link (PCIe), activation offload's (each saved byte down and up), the NVMe
 tier's 24 B per parameter at `disk_bandwidth` and a flush per file (three per trainable tensor),
-the chunked loss's second head matmul, and the part of ZeRO's or DDP's traffic that compute
+the chunked loss's second head matmul, LoRA adapters' own passes (~40·N·out + 24·N·in bytes per
+adapted Linear at `adapter_bandwidth`), and the part of ZeRO's or DDP's traffic that compute
 does not hide (`_exposed_communication`; the rest is reported as "communication hidden"). A
 Llama's blocks: its matmul weights (q, k, v, o, gate, up, down: 2·C² + 2·C·kv_heads·d + 3·C·I)
 for the GPT's 12·C², attention the same 4·N·T·C.
@@ -248,7 +249,8 @@ def _exposed_communication(s: GPTShape, c: Candidate, cost: CostModel, world_siz
 def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
                     world_size: int = 1) -> dict[str, float]:
     """Predicted seconds of one optimizer step by part: compute, recompute, overhead,
-    optimizer, dequantize (QLoRA), offload, communication (the part not hidden behind compute)
+    optimizer, dequantize (QLoRA), offload, adapters (LoRA), communication (the part not
+    hidden behind compute)
     and their "total"; and, outside the total, "communication hidden": the link time that
     overlaps compute (`_exposed_communication`)."""
     s, c = shape, cand
@@ -280,8 +282,9 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
         "overhead": c.accumulation * (L + 2) * cost.layer_seconds,
         # AdamW reads and writes ~32 B per parameter (weight, gradient, two moments) through
         # the memory it runs in: the host's when offloaded, the device's otherwise
-        "optimizer": optimizer_bytes * shard / (cost.host_memory_bandwidth if c.offload
-                                                else cost.memory_bandwidth),
+        "optimizer": (shard / cost.adam8bit_rate if c.state_bits == 8 and cost.adam8bit_rate
+                      else optimizer_bytes * shard / (cost.host_memory_bandwidth if c.offload
+                                                      else cost.memory_bandwidth)),
         "dequantize": (DEQUANTIZE_BYTES + _DEQUANTIZE_CAST_BYTES[c.precision]) * dequantized
         / cost.memory_bandwidth,
         "offload": (c.accumulation * weight_bytes * trainable + weight_bytes * trainable)
@@ -294,6 +297,14 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
                                if c.activation_offload else 0.0),
         "disk": (2 * 12 * trainable / cost.disk_bandwidth + 3 * s.trainable_tensors(
             c.lora_rank) * cost.disk_sync_seconds) if c.nvme else 0.0,
+        # LoRA's adapters beyond their FLOPs: per adapted Linear and micro-batch, the thin
+        # matmuls' operands, the scale and the add, forward and backward, and the input's two
+        # gradients added: ~40·N·out + 24·N·in bytes in fp32 (half in 16 bits), at the rate
+        # calibrate measures for them (on the CPU a fifth of the copy bandwidth)
+        "adapters": c.accumulation * L * sum(40 * c.micro_batch * T * o + 24 * c.micro_batch
+                                             * T * i for i, o in s.lora_linear_shapes())
+        * (0.5 if c.precision != "fp32" else 1.0)
+        / (cost.adapter_bandwidth or cost.memory_bandwidth) if c.lora_rank else 0.0,
     }
     if world_size > 1:
         exposed = _exposed_communication(s, c, cost, world_size, c.micro_batch * T * block / speed,
