@@ -258,7 +258,9 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
     C, L, V, T = s.width, s.depth, s.vocab, s.seq_len
     block = 2 * s.block_matmul_params() + 4 * T * C                # forward FLOPs per token
     forward = tokens * (L * block + 2 * C * V)
-    backward = forward if c.lora_rank else 2 * forward             # frozen: no weight gradients
+    backward = 2 * forward                             # frozen (LoRA): no weight gradients,
+    if c.lora_rank:                                    # attention's backward as before
+        backward -= tokens * (L * 2 * s.block_matmul_params() + 2 * C * V)
     recompute = tokens * block * (L // c.segments) * (c.segments - 1)
     if c.chunked_loss:                                 # the head's matmul again in backward
         recompute += tokens * 2 * C * V
