@@ -420,6 +420,8 @@ def test_cost_model_reads_the_gpu_table_and_the_profile(profile):
     # LoRA's adapter passes and the 8-bit Adam step at their measured rates
     assert measured.adapter_bandwidth == profile.adapter_bandwidth.median > 1e8
     assert measured.adam8bit_rate == profile.adam8bit.median > 1e5
+    assert measured.adapter_seconds == profile.adapter_seconds.median >= 0
+    assert measured.adam8bit_tensor_seconds == profile.adam8bit_tensor.median >= 0
 
 
 def test_calibrate_times_a_blocks_autocast_step_against_fp32():

@@ -137,8 +137,14 @@ def test_the_cpu_prices_lora_adapters_and_8bit_adam_at_their_measured_rates():
     assert predict_seconds(shape, lora, measured)["adapters"] == pytest.approx(
         5 * nbytes / base.memory_bandwidth)
     assert predict_seconds(shape, Candidate(4), measured)["adapters"] == 0
+    fixed = dataclasses.replace(measured, adapter_seconds=1e-4)
+    assert predict_seconds(shape, lora, fixed)["adapters"] - predict_seconds(
+        shape, lora, measured)["adapters"] == pytest.approx(L * 4 * 1e-4)   # 4 Linears a block
     eight = Candidate(4, state_bits=8)
     assert predict_seconds(shape, eight, measured)["optimizer"] == pytest.approx(
         shape.n_params / 50e6)
+    per_tensor = dataclasses.replace(measured, adam8bit_tensor_seconds=1e-4)
+    assert predict_seconds(shape, eight, per_tensor)["optimizer"] == pytest.approx(
+        shape.n_params / 50e6 + shape.n_tensors * 1e-4)
     assert predict_seconds(shape, eight, base)["optimizer"] == pytest.approx(
         260 * shape.n_params / base.memory_bandwidth)

@@ -17,9 +17,10 @@
   bf16 attention backward 5x slower; without bf16 units it is far slower), and the bytes/s a
   LoRA adapter's passes reach (`adapter_bandwidth`: its thin matmuls, scale and add, forward
   and backward, ~40·N·out + 24·N·in bytes, timed as a LoRALinear's step over its frozen
-  Linear's: ~10 GB/s here, a fifth of the copy bandwidth), and the course's 8-bit Adam's step
-  in parameters/s (`adam8bit`: compute-bound on a CPU, 51 M/s here where fused AdamW runs
-  ~1,400 M/s: its 260 bytes a parameter under-count it);
+  Linear's at two sizes: the bytes' rate and a fixed cost per adapted Linear, `adapter_seconds`), and the course's 8-bit Adam's step
+  in parameters/s and seconds per tensor (`adam8bit`, `adam8bit_tensor`: compute-bound on a
+  CPU, 51-74 M/s here where fused AdamW runs ~1,400 M/s: its 260 bytes a parameter under-count
+  it);
 - α and β of a gloo process group of 2 ranks (the `launch` module's workers), one fit per round,
   and each collective's curve (seconds against bytes);
 - how 2 ranks share the machine: a training step with both ranks stepping against one alone
@@ -98,7 +99,9 @@ class DeviceProfile:
                                                       # fp32 seconds over autocast's (>1: faster)
     step_flops: Measured | None = None                # CPU: that block's fp32 step, FLOP/s
     adapter_bandwidth: Measured | None = None         # CPU: bytes/s of a LoRA adapter's passes
+    adapter_seconds: Measured | None = None           # and its fixed seconds per adapted Linear
     adam8bit: Measured | None = None                  # CPU: lowbit.Adam8bit, parameters/s
+    adam8bit_tensor: Measured | None = None           # and seconds per tensor beyond those
     world_size: int = 2                               # ranks the collectives were timed on
     seconds: float = 0.0                              # how long calibrate took
 
@@ -163,7 +166,9 @@ class DeviceProfile:
                    beta=m(d["beta"]), seconds=d["seconds"], world_size=d["world_size"],
                    shared_compute=m(d["shared_compute"]), overlap=m(d["overlap"]),
                    autocast=md(d.get("autocast")), step_flops=m(d.get("step_flops")),
-                   adapter_bandwidth=m(d.get("adapter_bandwidth")), adam8bit=m(d.get("adam8bit")),
+                   adapter_bandwidth=m(d.get("adapter_bandwidth")),
+                   adapter_seconds=m(d.get("adapter_seconds")), adam8bit=m(d.get("adam8bit")),
+                   adam8bit_tensor=m(d.get("adam8bit_tensor")),
                    collectives=None if d["collectives"] is None else {
                        k: [(n, Measured(**x)) for n, x in rows]
                        for k, rows in d["collectives"].items()})
@@ -342,45 +347,74 @@ def _adamw_rates(repeats: int) -> dict[str, Measured]:
     return out
 
 
-def _adam8bit_rate(repeats: int) -> Measured:
-    """Parameters per second of `lowbit.Adam8bit`'s step (AdamW's decay, as the planner runs
-    it) on the host, 2^20 parameters in 8 tensors."""
+def _adam8bit_rate(repeats: int) -> tuple[Measured, Measured]:
+    """`lowbit.Adam8bit`'s step (AdamW's decay, as the planner runs it) on the host: parameters
+    per second and seconds per tensor (its unfused operators cost per tensor too), from 2^20
+    parameters in 8 tensors and in 64, each round fitted on its own."""
     from companion import lowbit
 
-    params = [torch.zeros(2**17, requires_grad=True) for _ in range(8)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = lowbit.Adam8bit(params, weight_decay=0.01, decoupled_weight_decay=True)
-    return Measured.of([2**20 / t for t in _times(opt.step, torch.device("cpu"), repeats)])
+    def step_of(count: int):
+        params = [torch.zeros(2**20 // count, requires_grad=True) for _ in range(count)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        return lowbit.Adam8bit(params, weight_decay=0.01, decoupled_weight_decay=True).step
+    few, many = step_of(8), step_of(64)
+    rounds = [tuple(_times(s, torch.device("cpu"), 1, 2)[0] for s in (few, many))
+              for _ in range(repeats)]
+
+    def fit(t8: float, t64: float) -> tuple[float, float]:     # (parameters/s, s per tensor)
+        each = max((t64 - t8) / 56, 0.0)
+        return 2**20 / max(t8 - 8 * each, 1e-7), each
+    # the medians' fit (one round's difference is noisy on a shared machine); the rounds' own
+    # fits give the spread
+    rate, each = fit(statistics.median(t for t, _ in rounds),
+                     statistics.median(t for _, t in rounds))
+    fits = [fit(*r) for r in rounds]
+    return _around(rate, [f[0] for f in fits]), _around(each, [f[1] for f in fits])
 
 
-def _adapter_bandwidth(device: torch.device, repeats: int) -> Measured:
-    """Bytes/s of a rank-8 LoRA adapter's own passes on a (16, 64, 128) -> 384 Linear: a
-    LoRALinear's forward and backward less its frozen base's, per round, over the bytes those
-    passes move (`ADAPTER_BYTES` of the planner: 40·N·out + 24·N·in in fp32)."""
+def _around(median: float, values: list[float]) -> Measured:
+    """`median` with the quartiles of `values` as its spread (widened to hold it)."""
+    _, low, high = spread(values)
+    return Measured(median, min(low, median), max(high, median), len(values))
+
+
+def _adapters(device: torch.device, repeats: int) -> tuple[Measured, Measured]:
+    """A rank-8 LoRA adapter's own passes on a 128 -> 384 Linear (a LoRALinear's forward and
+    backward less its frozen base's) at 16 x 64 and 4 x 64 tokens (B, T, C) inputs, as in a
+    model: the bytes/s those passes reach (`predict_seconds`' 40·N·out + 24·N·in in fp32) and
+    their fixed seconds per adapted Linear (a dozen operators beyond the bytes), fitted on the
+    two sizes' medians; the rounds' own fits give the spread."""
     from torch import nn
 
     from companion.lora import LoRALinear
 
-    N, i, o = 1024, 128, 384
-    x = torch.randn(16, N // 16, i, device=device, requires_grad=True)   # (B, T, C), as in a model
-    g = torch.randn(16, N // 16, o, device=device)
+    i, o = 128, 384
     frozen = nn.Linear(i, o).to(device).requires_grad_(False)
     adapted = LoRALinear(nn.Linear(i, o), 8).to(device)
 
-    def step(layer):
-        layer(x).backward(g)
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-    rounds = [(_times(lambda: step(adapted), device, 1, 10)[0],
-               _times(lambda: step(frozen), device, 1, 10)[0]) for _ in range(repeats)]
-    # each round's difference is noisy where the machine is shared: the rate of the medians'
-    # difference, with the rounds' own rates for the spread
-    nbytes = 40 * N * o + 24 * N * i
-    middle = statistics.median(a for a, _ in rounds) - statistics.median(f for _, f in rounds)
-    rates = sorted(nbytes / max(a - f, 1e-7) for a, f in rounds)
-    return Measured(nbytes / max(middle, 1e-7), rates[len(rates) // 4],
-                    rates[(3 * len(rates)) // 4], repeats)
+    def extra(B: int) -> tuple[float, float]:                  # (bytes, seconds) of one round
+        x = torch.randn(B, 64, i, device=device, requires_grad=True)
+        g = torch.randn(B, 64, o, device=device)
+
+        def step(layer):
+            layer(x).backward(g)
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+        seconds = (_times(lambda: step(adapted), device, 1, 10)[0]
+                   - _times(lambda: step(frozen), device, 1, 10)[0])
+        return (40 * o + 24 * i) * B * 64, seconds
+
+    rounds = [(extra(16), extra(4)) for _ in range(repeats)]
+
+    def fit(big: tuple[float, float], small: tuple[float, float]) -> tuple[float, float]:
+        rate = (big[0] - small[0]) / max(big[1] - small[1], 1e-7)
+        return rate, max(small[1] - small[0] / rate, 0.0)
+    (big, _), (small, _) = rounds[0]
+    rate, fixed = fit((big, statistics.median(r[0][1] for r in rounds)),
+                      (small, statistics.median(r[1][1] for r in rounds)))
+    fits = [fit(big, small) for big, small in rounds]
+    return _around(rate, [f[0] for f in fits]), _around(fixed, [f[1] for f in fits])
 
 
 def _block_steps(device: torch.device, dtypes: Sequence[str],
@@ -511,11 +545,13 @@ def _per_rank(device: torch.device, dtypes: Sequence[str], repeats: int) -> dict
            "op_seconds": Measured.of(_times(lambda: one.add_(1), device, repeats, inner=1000)),
            "layer_seconds": _layer_seconds(device, repeats),
            "adamw": _adamw_rates(repeats), "host_to_device": None, "device_to_host": None,
-           "step_flops": None, "autocast": None, "adapter_bandwidth": None, "adam8bit": None}
+           "step_flops": None, "autocast": None, "adapter_bandwidth": None, "adapter_seconds": None,
+           "adam8bit": None,
+           "adam8bit_tensor": None}
     if not cuda:
         out["step_flops"], out["autocast"] = _block_steps(device, dtypes, repeats)
-        out["adapter_bandwidth"] = _adapter_bandwidth(device, repeats)
-        out["adam8bit"] = _adam8bit_rate(repeats)
+        out["adapter_bandwidth"], out["adapter_seconds"] = _adapters(device, repeats)
+        out["adam8bit"], out["adam8bit_tensor"] = _adam8bit_rate(repeats)
     if cuda:
         out["host_to_device"], out["device_to_host"] = _host_copies(device, repeats)
     return out

@@ -61,8 +61,10 @@ class CostModel:
                                   # move each way inside a step (None: host_bandwidth)
     adam8bit_rate: float | None = None   # parameters/s of the 8-bit Adam step, measured
                                   # (None: ADAM8BIT_BYTES a parameter at memory_bandwidth)
+    adam8bit_tensor_seconds: float = 0.0   # and its cost per tensor (unfused operators)
     adapter_bandwidth: float | None = None   # bytes/s LoRA adapters' own passes reach (thin
                                   # matmuls, scale, add; None: memory_bandwidth)
+    adapter_seconds: float = 0.0  # and their fixed cost per adapted Linear and micro-batch
     overlap: float = 0.0          # share of the link's time that can hide behind compute
                                   # (0: none, the course's ZeRO on gloo; 1: NCCL beside kernels)
     sources: tuple[tuple[str, str], ...] = ()   # (speed, where it came from), for the report
@@ -162,7 +164,11 @@ class CostModel:
                    if profile.device.startswith("cpu") else None,
                    adapter_bandwidth=profile.adapter_bandwidth.median
                    if profile.adapter_bandwidth else None,
+                   adapter_seconds=profile.adapter_seconds.median
+                   if profile.adapter_seconds else 0.0,
                    adam8bit_rate=profile.adam8bit.median if profile.adam8bit else None,
+                   adam8bit_tensor_seconds=profile.adam8bit_tensor.median
+                   if profile.adam8bit_tensor else 0.0,
                    overlap=0.0 if profile.device.startswith("cpu") else 1.0)
 
 

@@ -284,7 +284,9 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
         "overhead": c.accumulation * (L + 2) * cost.layer_seconds,
         # AdamW reads and writes ~32 B per parameter (weight, gradient, two moments) through
         # the memory it runs in: the host's when offloaded, the device's otherwise
-        "optimizer": (shard / cost.adam8bit_rate if c.state_bits == 8 and cost.adam8bit_rate
+        "optimizer": (shard / cost.adam8bit_rate + s.trainable_tensors(c.lora_rank)
+                      * cost.adam8bit_tensor_seconds
+                      if c.state_bits == 8 and cost.adam8bit_rate
                       else optimizer_bytes * shard / (cost.host_memory_bandwidth if c.offload
                                                       else cost.memory_bandwidth)),
         "dequantize": (DEQUANTIZE_BYTES + _DEQUANTIZE_CAST_BYTES[c.precision]) * dequantized
@@ -306,7 +308,9 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
         "adapters": c.accumulation * L * sum(40 * c.micro_batch * T * o + 24 * c.micro_batch
                                              * T * i for i, o in s.lora_linear_shapes())
         * (0.5 if c.precision != "fp32" else 1.0)
-        / (cost.adapter_bandwidth or cost.memory_bandwidth) if c.lora_rank else 0.0,
+        / (cost.adapter_bandwidth or cost.memory_bandwidth)
+        + c.accumulation * L * len(s.lora_linear_shapes()) * cost.adapter_seconds
+        if c.lora_rank else 0.0,
     }
     if world_size > 1:
         exposed = _exposed_communication(s, c, cost, world_size, c.micro_batch * T * block / speed,
