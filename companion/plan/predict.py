@@ -47,7 +47,8 @@ attention's 4·N·T·C per block, backward twice that, or once with LoRA's froze
 recomputed blocks once more) at `flops` (times `half_speedup` in bf16), a fixed cost per layer
 and micro-batch (kernel launches: small micro-batches cost more than their FLOPs), the
 optimizer's bytes at the speed of the memory it runs in (the device's, or the host's when
-offloaded; `ADAM8BIT_BYTES` for 8-bit states), QLoRA's dequantizations (`DEQUANTIZE_BYTES` per
+offloaded; `ADAM8BIT_BYTES` for 8-bit states, or where calibrate timed the 8-bit step, a CPU's,
+its rate per parameter and per tensor: compute-bound there), QLoRA's dequantizations (`DEQUANTIZE_BYTES` per
 base value and the cast to a 16-bit compute dtype, in forward, backward and recompute), offload's
 copies over the host link (PCIe), activation offload's (each saved byte down and up), the NVMe
 tier's 24 B per parameter at `disk_bandwidth` and a flush per file (three per trainable tensor),
