@@ -442,10 +442,14 @@ def _block_steps(device: torch.device, dtypes: Sequence[str],
             step(getattr(torch, name))
         except RuntimeError:                                 # not supported on this device
             continue
-        ratios = [_times(step, device, 1, 3)[0] / _times(lambda: step(getattr(torch, name)),
-                                                         device, 1, 3)[0]
+        rounds = [(_times(step, device, 1, 3)[0],
+                   _times(lambda: step(getattr(torch, name)), device, 1, 3)[0])
                   for _ in range(repeats)]
-        out[name] = Measured.of(ratios)
+        # the medians' ratio (one round's is noisy on a shared machine); the rounds' for the
+        # spread
+        out[name] = _around(statistics.median(f for f, _ in rounds)
+                            / statistics.median(h for _, h in rounds),
+                            [f / h for f, h in rounds])
     fp32 = Measured.of([flops / t for t in _times(step, device, repeats, 3)])
     return fp32, out
 
