@@ -9,7 +9,9 @@ plan of `plan.verify.default_plans` (plain, micro-batches, recompute, optimizer 
 offload, LoRA, 8-bit Adam, bf16 autocast, three levers at once) in `--rounds` interleaved rounds
 without the memory tracker, and sets the medians beside `predict_seconds` under two cost models
 on the same timings: `CostModel.for_device(device.type)` (fixed speeds) and
-`CostModel.from_profile(cost.calibrate())` (this machine's, measured first). For each it prints
+`CostModel.from_profile(cost.calibrate())` (this machine's, measured first: on a CPU the FLOP/s a
+GPT block's fp32 step reaches, bf16 autocast's step over fp32's, a LoRA adapter's passes and the
+8-bit Adam step, each at the rate calibrate times, not at the matmul peak). For each it prints
 the table, Spearman's rank correlation with a bootstrap interval (goal: >= 0.9) and the median
 error |predicted / measured - 1|, over every plan and over the fp32 ones. A benchmark, not a test:
 nothing asserts on time. The figures of a run are in benchmarks/README.md.
@@ -72,10 +74,13 @@ def main() -> None:
           f"{args.rounds} interleaved rounds")
     profile = cost.calibrate(device, threads=args.threads, process_group=False)
     calibrated = CostModel.from_profile(profile)
+    adapters = calibrated.adapter_bandwidth or calibrated.memory_bandwidth
+    eight = f"{calibrated.adam8bit_rate / 1e6:.0f} M/s" if calibrated.adam8bit_rate else "-"
     print(f"calibrated in {profile.seconds:.0f} s: fp32 {calibrated.flops / 1e9:.1f} GFLOP/s, "
           f"bf16 / fp32 {calibrated.half_speedup:.3f}, layer {calibrated.layer_seconds * 1e3:.2f}"
           f" ms, copies {calibrated.memory_bandwidth / 1e9:.1f} GB/s, host AdamW "
-          f"{calibrated.host_memory_bandwidth / 1e9:.1f} GB/s")
+          f"{calibrated.host_memory_bandwidth / 1e9:.1f} GB/s, LoRA adapters "
+          f"{adapters / 1e9:.1f} GB/s, 8-bit Adam {eight} parameters")
     fixed = CostModel.for_device(device.type)
     check = rank_check(model_fn, S.cap_batch, plans, cost=fixed, rounds=args.rounds,
                        device=device, progress=True)

@@ -67,7 +67,7 @@ LEVERS: dict[str, dict | Callable | str] = {
     "paged-adam8bit": {"state_bits": 8, "paged": True},
     "optimizer-in-backward": {"in_backward": True},
     "chunked-loss": lambda run, shape: {"chunked_loss": run["loss_chunks"]},
-    "compile": MODELLED_AS_EAGER,
+    "compile": {},                                # no field: the cost model's compiled factor
     "float8": NO_LEVER,
     "fsdp-cpu-offload": NO_LEVER,                 # parameters on the host, brought per module
     "hsdp": NO_LEVER,                             # sharded within a node, replicated across
@@ -212,7 +212,8 @@ def predict_run(run: dict) -> Case:
     in_step = sum(o.bytes for o in fit.lines if o.in_allocator and o.alive == "step")
     same_counter = {"allocated": pred.peak + in_step, "reserved": fit.reserved,
                     "nvidia-smi": fit.total}.get(kind)
-    seconds = predict_seconds(shape, cand, CostModel.for_gpu(card.name), world_size=world)
+    cost = CostModel.for_gpu(card.name, compiled="compile" in run["levers"])   # its factor
+    seconds = predict_seconds(shape, cand, cost, world_size=world)
     compare_tps = run.get("compare_throughput", True)
     measured = measured_peak_bytes(run) if run.get("compare_peak", True) else None
     return Case(run, status, cand, measured, same_counter, fit.total, budget,
@@ -295,7 +296,7 @@ def main() -> None:
     runs = [r for r in load_runs(args.corpus) if args.split in (None, r["split"])]
     cases = [predict_run(r) for r in runs]
     print_cases(cases)
-    print("\n~: predicted with a lever approximated (compile as eager; pure bf16 under adapters "
+    print("\n~: predicted with a lever approximated (pure bf16 under adapters "
           "as bf16 + fp32 master)")
     for split in SPLITS:
         e = errors(cases, split)

@@ -148,10 +148,12 @@ def mlp_params(d_in: int, width: int, depth: int, d_out: int) -> int:
     return d_in * width + width + (depth - 1) * (width * width + width) + width * d_out + d_out
 
 
-def gpt_params(vocab: int, seq_len: int, width: int, depth: int) -> int:
-    """Parameters of `companion.models.GPT`: embeddings, 12C² + 13C per block, final norm, head."""
+def gpt_params(vocab: int, seq_len: int, width: int, depth: int, *, tied: bool = False) -> int:
+    """Parameters of `companion.models.GPT`: embeddings, 12C² + 13C per block, final norm, head
+    (C·vocab + vocab; nothing with `tied`, GPT-2's head, which is the token embedding)."""
     C = width
-    return (vocab + seq_len) * C + depth * (12 * C * C + 13 * C) + 2 * C + C * vocab + vocab
+    head = 0 if tied else C * vocab + vocab
+    return (vocab + seq_len) * C + depth * (12 * C * C + 13 * C) + 2 * C + head
 
 
 def mlp_activations(batch: int, width: int, depth: int, d_out: int, *,

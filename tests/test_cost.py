@@ -209,8 +209,9 @@ def test_zero3_prefetch_hides_gathers_shorter_than_a_layer():
     plain = model.zero_step(layers, s, 2, 3, prefetch=0)
     assert plain.communication == pytest.approx(2 * g + (g + r + g) + r)
     # prefetch 1: both forward gathers issued at once, only the first is waited for
-    assert model._pipeline([0, 1], [g, g], [f, f], 1, s) == pytest.approx(g)
-    assert model._pipeline([0, 1], [g, g], [f, f], 0, s) == pytest.approx(2 * g)
+    assert model.exposed_link([0, 1], [g, g], [f, f], 1, s.overlap) == pytest.approx(g)
+    assert model.exposed_link([0, 1], [g, g], [f, f], 0, s.overlap) == pytest.approx(2 * g)
+    assert model.exposed_link([0, 1], [g, g], [f, f], 1, 0.0) == pytest.approx(2 * g)   # blocks
     ahead = model.zero_step(layers, s, 2, 3, prefetch=1)
     assert ahead.communication < plain.communication
     kept = model.zero_step(layers, s, 2, 3, reshard_after_forward=False)
@@ -405,7 +406,33 @@ def test_cost_model_reads_the_gpu_table_and_the_profile(profile):
     assert a100.memory_bandwidth == gpus.gpu("A100 40GB").hbm_bandwidth
     assert CostModel.for_gpu("H100 SXM").flops > a100.flops
     measured = CostModel.from_profile(profile)
-    assert measured.flops == profile.peak_flops() and measured.half_speedup == 1.0
+    assert measured.flops == profile.step_flops.median and measured.half_speedup == 1.0
+    assert measured.flops < profile.peak_flops()    # a block's step, not one large matmul
+    assert measured.overlap == 0.0                  # the course's ZeRO on gloo: nothing hides
+    # a CPU's bf16 is priced at its autocast step's measured rate, not at the matmul peak
+    slow = cost.Measured(0.5, 0.4, 0.6, 3)
+    peaks = {**profile.matmul,
+             "bfloat16": [(256, cost.Measured(7 * profile.peak_flops(), 0, 0, 3))]}
+    both = dataclasses.replace(profile, matmul=peaks)
+    assert CostModel.from_profile(both).half_speedup == pytest.approx(7.0)
+    assert CostModel.from_profile(dataclasses.replace(
+        both, autocast={"bfloat16": slow})).half_speedup == 0.5
+    # LoRA's adapter passes and the 8-bit Adam step at their measured rates
+    assert measured.adapter_bandwidth == profile.adapter_bandwidth.median > 1e8
+    assert measured.adam8bit_rate == profile.adam8bit.median > 1e5
+    assert measured.adapter_seconds == profile.adapter_seconds.median >= 0
+    assert measured.adam8bit_tensor_seconds == profile.adam8bit_tensor.median >= 0
+
+
+def test_calibrate_times_a_blocks_autocast_step_against_fp32():
+    from companion.cost.profile import _block_steps
+
+    torch.set_num_threads(1)
+    flops, found = _block_steps(torch.device("cpu"), ["float32", "bfloat16"], 3)
+    assert flops.low <= flops.median <= flops.high and flops.median > 1e8
+    assert set(found) == {"bfloat16"} and found["bfloat16"].repeats == 3
+    assert found["bfloat16"].low <= found["bfloat16"].median <= found["bfloat16"].high
+    assert 0 < found["bfloat16"].median < 100
 
 
 def test_validation_predicts_and_measures_each_configuration(profile):

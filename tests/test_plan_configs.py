@@ -11,6 +11,8 @@ from companion.estimate import gpt_params
 from companion.models import GPT, Llama
 from companion.plan.configs import _FOLDER, load_config, shipped
 from companion.plan.named import parse_batch, plan_dict, plan_named
+from companion.plan.parts import state_bytes
+from companion.plan.space import Candidate, GPTShape
 
 # Each model card's parameter count (Hugging Face Hub, safetensors metadata / model cards).
 PUBLISHED = {"gpt2-xl": 1_557_611_200, "llama-3-8b": 8_030_261_248,
@@ -47,17 +49,50 @@ def test_llama_shapes_build_with_the_published_count(name):
     assert model.seq_len == 512 and model.rotary.cos.shape == (512, config.width // config.heads)
 
 
-def test_the_course_gpt_built_for_gpt2_xl_has_an_untied_head():
-    """GPT-2 ties its head to the embedding; the course GPT's head is its own Linear, with a
-    bias, and it learns seq_len positions: the simulated model holds V·C + V more at 1024."""
+def test_gpt2_xl_is_built_with_its_head_tied_to_the_embedding():
+    """GPT-2 ties its head to the token embedding (no bias): the built model holds the published
+    1,557,611,200 parameters at 1,024 tokens (the course GPT learns seq_len positions, so fewer
+    at 256), and the plan's states count the head once (an untied head: 1,638,072,657)."""
     config = load_config("gpt2-xl")
     V, C = config.vocab, config.width
     for T in (1024, 256):
         model, n = _built(config.model_fn(T))
-        assert isinstance(model, GPT) and n == config.built_params(T) == gpt_params(V, T, C, 48)
-        assert n - config.n_params() == V * C + V + (T - 1024) * C
+        assert isinstance(model, GPT) and model.head.weight is model.tok.weight
+        assert model.head.bias is None
+        assert n == config.built_params(T) == gpt_params(V, T, C, 48, tied=True)
+        assert n - config.n_params() == (T - 1024) * C
+    assert config.built_params(1024) == PUBLISHED["gpt2-xl"] == 1_557_611_200
+    assert gpt_params(V, 1024, C, 48) == 1_638_072_657              # the untied course GPT
+    shape = GPTShape.of(config.model_fn(1024))
+    assert shape.tied and shape.n_params == 1_557_611_200
+    weights, grads, optimizer, _, _ = state_bytes(shape, Candidate(1), 1)
+    assert (weights, grads, optimizer) == (4 * 1_557_611_200, 4 * 1_557_611_200,
+                                           8 * 1_557_611_200)
     with pytest.raises(ValueError, match="at most 1024"):
         config.model_fn(2048)
+
+
+def test_tie_word_embeddings_is_read_for_each_family(tmp_path):
+    """A GPT-2 config that unties its head, and a small Llama that ties it (Llama 3.2 1B, Qwen2.5
+    0.5B do): each built as described, each counted as built."""
+    path = tmp_path / "config.json"
+    gpt2 = {"model_type": "gpt2", "vocab_size": 100, "n_positions": 32, "n_embd": 64,
+            "n_layer": 2, "n_head": 4}
+    for tie in (True, False):
+        path.write_text(json.dumps({**gpt2, "tie_word_embeddings": tie}))
+        config = load_config(path)
+        model, n = _built(config.model_fn())
+        assert (model.head.weight is model.tok.weight) == tie == GPTShape.of(config.model_fn()).tied
+        assert n == config.built_params() == gpt_params(100, 32, 64, 2, tied=tie)
+        assert n - config.n_params() == (0 if tie else 100)        # the course head's bias
+    llama = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 96,
+             "vocab_size": 100, "max_position_embeddings": 32, "tie_word_embeddings": True}
+    path.write_text(json.dumps(llama))
+    config = load_config(path)
+    model, n = _built(config.model_fn())
+    assert model.head.weight is model.tok.weight and n == config.n_params()
+    assert GPTShape.of(config.model_fn()).n_params == n
 
 
 def test_a_config_json_on_disk_and_its_errors(tmp_path):
@@ -104,7 +139,7 @@ def test_batch_in_tokens_or_sequences():
 def test_plan_named_fits_each_plan_and_says_why():
     result = plan_named("gpt2-xl", gpu="A100 80GB", seq_len=1024, batch=32, verify=0)
     data = plan_dict(result, top=3)
-    assert data["gpu"] == "A100 80GB" and data["n_params"] == 1_638_072_657
+    assert data["gpu"] == "A100 80GB" and data["n_params"] == 1_557_611_200
     for row in data["plans"]:
         assert row["gpu_bytes"] <= data["budget"]
         names = [line["name"] for line in row["memory_lines"]]

@@ -46,7 +46,8 @@ import dataclasses
 
 import torch
 
-__all__ = ["GPU", "GPUS", "GROUPS", "gpu", "gpu_for_device", "ridge_point", "efficiency"]
+__all__ = ["GPU", "GPUS", "GROUPS", "gpu", "gpu_for_device", "ridge_point", "efficiency",
+           "step_efficiency"]
 
 KIB, GIB = 2**10, 2**30
 GROUPS = ("memory", "flops", "bandwidth", "pcie", "nvlink", "sms", "sram")   # cited groups
@@ -369,3 +370,58 @@ def efficiency(gpu: GPU | str, dtype: torch.dtype | str, *, measured_flops: floa
         return factor, f"cited: {citation}"
     return factor, (f"cited for the {_TENSOR_FROM[g.name]}, no published figure for the {g.name}: "
                     f"{citation}")
+
+
+# A whole training step's MFU by setup (what the planner's `CostModel.for_gpu` prices bf16 at):
+# (family, compiled) -> (factor, which setup, source). The planner plans eager PyTorch (the
+# course's code, FSDP for ZeRO-3): eager is the default.
+_TORCHTITAN = ("torchtitan docs/performance.md (pytorch/torchtitan at bf835b5, 2025-06-13), "
+               "Table 1: Llama 3.1 8B, 8 H100 (96 GB HBM2e, 500 W), local batch 2 x 8192, "
+               "selective activation checkpointing: FSDP {} tok/s/GPU; 'the 1D Llama 3.1 8B model "
+               "training on 8 or 128 H100 GPUs without Float8 achieves 33% to 39% MFU'. Here "
+               "{} x 57.91 GFLOP a token (6 x 7.505e9 matmul weights + 12·L·C·T attention, "
+               "torchtitan's count and the planner's) / 989.5 TFLOP/s = {:.3f}; its 500 W parts "
+               "run below that peak (footnote 2), so an H100 SXM at 700 W runs faster")
+_SETUPS = {
+    ("H100", False): (0.337, "eager FSDP, H100", _TORCHTITAN.format("5,762", "5,762", 0.337)),
+    ("H100", True): (0.390, "FSDP + torch.compile, H100",
+                     _TORCHTITAN.format("+ torch.compile 6,667", "6,667", 0.390)),
+    ("A100", False): (0.57, "eager FSDP, A100",
+                      "PyTorch blog 'Maximizing training throughput using PyTorch FSDP' (IBM and "
+                      "Meta, 2024-03-13, https://research.ibm.com/blog/pytorch-fsdp): Llama 2 "
+                      "7B on 128 A100s, 3,700 tok/s/GPU, 'a model FLOPS utilization (MFU) ... "
+                      "of 57%' (SDPA FlashAttention, selective activation checkpointing; "
+                      "torch.compile came in the follow-up post)"),
+    ("A100", True): (0.68, "FSDP + torch.compile, A100",
+                     "PyTorch blog 'Maximizing training throughput using PyTorch FSDP and Torch."
+                     "compile' (https://pytorch.org/blog/maximizing-training-throughput/): "
+                     "'we achieve a MFU of 68% for the 7B model on A100 GPUs'"),
+    ("GeForce", True): (0.548, "torch.compile, one GeForce RTX 4090",
+                        "karpathy/nanoGPT issue #182 (comment of 2023-03-02): 'on 1x 4090 GPU, "
+                        "I am getting 29% MFU while training GPT-2 124M model'; nanoGPT's MFU "
+                        "is over the A100's 312 TFLOP/s (model.py estimate_mfu, compile=True "
+                        "by default): 90.5 TFLOP/s, 0.548 of the 4090's 165.2 (fp32 "
+                        "accumulation)"),
+    ("GeForce", False): (0.474, "eager, one GeForce RTX 4090",
+                         "no published eager figure: the compiled 4090's 0.548 x torchtitan's "
+                         "eager over compiled (5,762 / 6,667)"),
+    ("V100", False): (0.30, "eager Megatron-LM, one V100", _TENSOR["V100"][1]),
+}
+_SETUP_FAMILY = {"V100": "V100", "T4": "V100", "A10": "A100", "A100 40GB": "A100",
+                 "A100 80GB": "A100", "L4": "GeForce", "L40S": "GeForce", "RTX 4090": "GeForce",
+                 "H100 PCIe": "H100", "H100 SXM": "H100", "H200": "H100", "B200": "H100"}
+
+
+def step_efficiency(gpu: GPU | str, *, compiled: bool = False) -> tuple[float, str]:
+    """(MFU a whole training step reaches in bf16 on `gpu`, "setup: source"), by setup: eager
+    PyTorch (the planner's default, as the course runs) or torch.compile'd, from the closest
+    published run (`_SETUPS`); a GPU without a run of its own borrows its family's and says so.
+    Unlike `efficiency` (tuned 3D/4D-parallel runs), these are single-node FSDP or one-GPU runs."""
+    g = _as_gpu(gpu)
+    family = _SETUP_FAMILY[g.name]
+    factor, setup, source = _SETUPS.get((family, compiled), _SETUPS[(family, False)])
+    if (family, compiled) not in _SETUPS:
+        setup += " (no compiled figure: eager's)"
+    where = "" if g.name in ("H100 SXM", "A100 40GB", "A100 80GB", "RTX 4090", "V100") \
+        else f" (borrowed for the {g.name})"
+    return factor, f"{setup}{where}: {source}"

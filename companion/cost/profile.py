@@ -9,6 +9,18 @@
   is no second memory to copy to);
 - the host AdamW rate in parameters per second, for the for-loop, foreach and fused versions
   (what ZeRO-Offload's host step runs at);
+- on a CPU, a training step of a small GPT block: the FLOP/s it reaches in fp32 (`step_flops`:
+  attention's kernel, GELU and LayerNorm included, as a model's step runs), and how much faster
+  it runs under bf16 (and fp16) autocast (`autocast`): the rate a 16-bit step reaches, casts
+  and the operators autocast keeps in fp32 included, which the matmul peak does not say (an
+  AMX CPU's bf16 matmul peaks 7x fp32's while its autocast step ran 0.84x fp32's speed, its
+  bf16 attention backward 5x slower; without bf16 units it is far slower), and the bytes/s a
+  LoRA adapter's passes reach (`adapter_bandwidth`: its thin matmuls, scale and add, forward
+  and backward, ~40·N·out + 24·N·in bytes, timed as a LoRALinear's step over its frozen
+  Linear's at two sizes: the bytes' rate and a fixed cost per adapted Linear, `adapter_seconds`), and the course's 8-bit Adam's step
+  in parameters/s and seconds per tensor (`adam8bit`, `adam8bit_tensor`: compute-bound on a
+  CPU, 51-74 M/s here where fused AdamW runs ~1,400 M/s: its 260 bytes a parameter under-count
+  it);
 - α and β of a gloo process group of 2 ranks (the `launch` module's workers), one fit per round,
   and each collective's curve (seconds against bytes);
 - how 2 ranks share the machine: a training step with both ranks stepping against one alone
@@ -83,6 +95,13 @@ class DeviceProfile:
     collectives: dict[str, list[tuple[int, Measured]]] | None = None  # kind -> [(bytes, s)]
     shared_compute: Measured | None = None            # a step with 2 ranks at once over alone
     overlap: Measured | None = None                   # share of an all-reduce hidden by compute
+    autocast: dict[str, Measured] | None = None       # CPU: dtype -> a block's training step,
+                                                      # fp32 seconds over autocast's (>1: faster)
+    step_flops: Measured | None = None                # CPU: that block's fp32 step, FLOP/s
+    adapter_bandwidth: Measured | None = None         # CPU: bytes/s of a LoRA adapter's passes
+    adapter_seconds: Measured | None = None           # and its fixed seconds per adapted Linear
+    adam8bit: Measured | None = None                  # CPU: lowbit.Adam8bit, parameters/s
+    adam8bit_tensor: Measured | None = None           # and seconds per tensor beyond those
     world_size: int = 2                               # ranks the collectives were timed on
     seconds: float = 0.0                              # how long calibrate took
 
@@ -146,6 +165,10 @@ class DeviceProfile:
                    device_to_host=md(d["device_to_host"]), alpha=m(d["alpha"]),
                    beta=m(d["beta"]), seconds=d["seconds"], world_size=d["world_size"],
                    shared_compute=m(d["shared_compute"]), overlap=m(d["overlap"]),
+                   autocast=md(d.get("autocast")), step_flops=m(d.get("step_flops")),
+                   adapter_bandwidth=m(d.get("adapter_bandwidth")),
+                   adapter_seconds=m(d.get("adapter_seconds")), adam8bit=m(d.get("adam8bit")),
+                   adam8bit_tensor=m(d.get("adam8bit_tensor")),
                    collectives=None if d["collectives"] is None else {
                        k: [(n, Measured(**x)) for n, x in rows]
                        for k, rows in d["collectives"].items()})
@@ -324,6 +347,112 @@ def _adamw_rates(repeats: int) -> dict[str, Measured]:
     return out
 
 
+def _adam8bit_rate(repeats: int) -> tuple[Measured, Measured]:
+    """`lowbit.Adam8bit`'s step (AdamW's decay, as the planner runs it) on the host: parameters
+    per second and seconds per tensor (its unfused operators cost per tensor too), from 2^20
+    parameters in 8 tensors and in 64, each round fitted on its own."""
+    from companion import lowbit
+
+    def step_of(count: int):
+        params = [torch.zeros(2**20 // count, requires_grad=True) for _ in range(count)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        return lowbit.Adam8bit(params, weight_decay=0.01, decoupled_weight_decay=True).step
+    few, many = step_of(8), step_of(64)
+    rounds = [tuple(_times(s, torch.device("cpu"), 1, 2)[0] for s in (few, many))
+              for _ in range(repeats)]
+
+    def fit(t8: float, t64: float) -> tuple[float, float]:     # (parameters/s, s per tensor)
+        each = max((t64 - t8) / 56, 0.0)
+        return 2**20 / max(t8 - 8 * each, 1e-7), each
+    # the fastest rounds' fit (another job on a shared machine only adds time); the rounds'
+    # own fits give the spread
+    rate, each = fit(min(t for t, _ in rounds), min(t for _, t in rounds))
+    fits = [fit(*r) for r in rounds]
+    return _around(rate, [f[0] for f in fits]), _around(each, [f[1] for f in fits])
+
+
+def _around(median: float, values: list[float]) -> Measured:
+    """`median` with the quartiles of `values` as its spread (widened to hold it)."""
+    _, low, high = spread(values)
+    return Measured(median, min(low, median), max(high, median), len(values))
+
+
+def _adapters(device: torch.device, repeats: int) -> tuple[Measured, Measured]:
+    """A rank-8 LoRA adapter's own passes on a 128 -> 384 Linear (a LoRALinear's forward and
+    backward less its frozen base's) at 16 x 64 and 4 x 64 tokens (B, T, C) inputs, as in a
+    model: the bytes/s those passes reach (`predict_seconds`' 40·N·out + 24·N·in in fp32) and
+    their fixed seconds per adapted Linear (a dozen operators beyond the bytes), fitted on the
+    two sizes' median differences (a difference is not helped by the minimum); the rounds' own
+    fits give the spread."""
+    from torch import nn
+
+    from companion.lora import LoRALinear
+
+    i, o = 128, 384
+    frozen = nn.Linear(i, o).to(device).requires_grad_(False)
+    adapted = LoRALinear(nn.Linear(i, o), 8).to(device)
+
+    def extra(B: int) -> tuple[float, float]:                  # (bytes, seconds) of one round
+        x = torch.randn(B, 64, i, device=device, requires_grad=True)
+        g = torch.randn(B, 64, o, device=device)
+
+        def step(layer):
+            layer(x).backward(g)
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+        seconds = (_times(lambda: step(adapted), device, 1, 10)[0]
+                   - _times(lambda: step(frozen), device, 1, 10)[0])
+        return (40 * o + 24 * i) * B * 64, seconds
+
+    rounds = [(extra(16), extra(4)) for _ in range(repeats)]
+
+    def fit(big: tuple[float, float], small: tuple[float, float]) -> tuple[float, float]:
+        rate = (big[0] - small[0]) / max(big[1] - small[1], 1e-7)
+        return rate, max(small[1] - small[0] / rate, 0.0)
+    (big, _), (small, _) = rounds[0]
+    rate, fixed = fit((big, statistics.median(r[0][1] for r in rounds)),   # differences: the
+                      (small, statistics.median(r[1][1] for r in rounds)))  # medians
+    fits = [fit(big, small) for big, small in rounds]
+    return _around(rate, [f[0] for f in fits]), _around(fixed, [f[1] for f in fits])
+
+
+def _block_steps(device: torch.device, dtypes: Sequence[str],
+                 repeats: int) -> tuple[Measured, dict[str, Measured]]:
+    """A training step (forward and backward) of one course GPT block (width C = 128, 4 heads,
+    16 x 64 tokens, fused attention): its fp32 FLOP/s (3 x (2·N·12·C² + 4·N·T·C), the
+    planner's count), and for each 16-bit dtype of `dtypes` fp32's seconds over autocast's,
+    one ratio per interleaved round."""
+    from companion.models.gpt import Block
+
+    B, T, C = 16, 64, 128
+    block = Block(C, 4, fused_attention=True).to(device)
+    x = torch.randn(B, T, C, device=device, requires_grad=True)
+    flops = 3 * (2 * B * T * 12 * C * C + 4 * B * T * T * C)
+    out = {}
+
+    def step(dtype=None):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            y = block(x)
+        y.float().square().mean().backward()
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+    for name in [d for d in dtypes if d in ("bfloat16", "float16")]:
+        try:
+            step(getattr(torch, name))
+        except RuntimeError:                                 # not supported on this device
+            continue
+        rounds = [(_times(step, device, 1, 3)[0],
+                   _times(lambda: step(getattr(torch, name)), device, 1, 3)[0])
+                  for _ in range(repeats)]
+        # the fastest rounds' ratio (another job on a shared machine only adds time, and one
+        # burst swung a single round's ratio to 1.2-1.7); the rounds' own ratios for the spread
+        out[name] = _around(min(f for f, _ in rounds) / min(h for _, h in rounds),
+                            [f / h for f, h in rounds])
+    fp32 = Measured.of([flops / t for t in _times(step, device, repeats, 3)])
+    return fp32, out
+
+
 def _host_copies(device: torch.device, repeats: int) -> tuple[dict, dict]:
     nbytes = 64 * 2**20
     gpu = torch.empty(nbytes // 4, device=device)
@@ -418,7 +547,14 @@ def _per_rank(device: torch.device, dtypes: Sequence[str], repeats: int) -> dict
                lambda: dst.copy_(big), device, repeats)]),
            "op_seconds": Measured.of(_times(lambda: one.add_(1), device, repeats, inner=1000)),
            "layer_seconds": _layer_seconds(device, repeats),
-           "adamw": _adamw_rates(repeats), "host_to_device": None, "device_to_host": None}
+           "adamw": _adamw_rates(repeats), "host_to_device": None, "device_to_host": None,
+           "step_flops": None, "autocast": None, "adapter_bandwidth": None, "adapter_seconds": None,
+           "adam8bit": None,
+           "adam8bit_tensor": None}
+    if not cuda:
+        out["step_flops"], out["autocast"] = _block_steps(device, dtypes, repeats)
+        out["adapter_bandwidth"], out["adapter_seconds"] = _adapters(device, repeats)
+        out["adam8bit"], out["adam8bit_tensor"] = _adam8bit_rate(repeats)
     if cuda:
         out["host_to_device"], out["device_to_host"] = _host_copies(device, repeats)
     return out

@@ -44,8 +44,8 @@ from companion.cost.speeds import (Layer, Speeds, gpt_layers, mlp_layers,  # noq
 
 __all__ = ["Speeds", "Layer", "StepTime", "mlp_layers", "gpt_layers", "training_flops",
            "single_step", "ddp_step", "zero_step", "offload_step", "zero_traffic",
-           "tokens_to_hide_gathers", "OPTIMIZER_BYTES", "OFFLOAD_RUNGS", "offload_traffic",
-           "offload_ladder", "offload_break_even"]
+           "tokens_to_hide_gathers", "exposed_link", "OPTIMIZER_BYTES", "OFFLOAD_RUNGS",
+           "offload_traffic", "offload_ladder", "offload_break_even"]
 
 # bytes an optimizer step reads and writes per parameter (fp32): SGD reads w, g and writes w;
 # AdamW also reads and writes both moments
@@ -246,10 +246,10 @@ def zero_step(layers: Sequence[Layer], s: Speeds, world_size: int, stage: int, *
     bwd = [l.backward_seconds(s) for l in layers]
     exposed_total = 0.0
     for _ in range(k):
-        exposed_total += _pipeline(units, gather, fwd, prefetch, s)          # forward
+        exposed_total += exposed_link(units, gather, fwd, prefetch, s.overlap)   # forward
         order = list(reversed(units))
         again = gather if reshard_after_forward else [0.0] * len(layers)
-        exposed_total += _pipeline(order, again, bwd, prefetch, s, after=scatter)
+        exposed_total += exposed_link(order, again, bwd, prefetch, s.overlap, after=scatter)
     # each gather copies the shards into the full flat buffer and hands out views of it; each
     # unit's gradients are flattened for the reduce-scatter: passes over the bytes, per micro-batch
     gathered = (2 if reshard_after_forward else 1) * gather_bytes_per_param / grad_bytes
@@ -257,11 +257,17 @@ def zero_step(layers: Sequence[Layer], s: Speeds, world_size: int, stage: int, *
                                bucketing=_copies(layers, s, grad_bytes, k * (gathered + 1)))
 
 
-def _pipeline(order: Sequence[int], gather: Sequence[float], compute: Sequence[float],
-              prefetch: int, s: Speeds, after: Sequence[float] | None = None) -> float:
+def exposed_link(order: Sequence[int], gather: Sequence[float], compute: Sequence[float],
+                 prefetch: int, overlap: float = 1.0,
+                 after: Sequence[float] | None = None) -> float:
     """Exposed link time of running units in `order`, unit i needing gather[i] first: with
     prefetch d, the gather of the unit d ahead is issued when a unit starts computing. One link:
-    gathers and (in backward) each unit's reduce-scatter queue on it in issue order."""
+    gathers and (in backward) each unit's reduce-scatter (`after`) queue on it in issue order.
+    What the compute stream waits for, the link's tail after the last unit, and (1 - overlap) of
+    the link time that hid (`Speeds.overlap`: 1 where the link runs beside the compute, as NCCL
+    on its own stream; 0 where each collective blocks it). The planner's `predict_seconds`
+    prices ZeRO-3's gathers (FSDP's prefetch of one unit) and every stage's gradient
+    reductions with it."""
     link = clock = busy = 0.0
     done: dict[int, float] = {}
     issued = 0
@@ -285,7 +291,7 @@ def _pipeline(order: Sequence[int], gather: Sequence[float], compute: Sequence[f
     waited = clock - compute_only                       # time the compute stream stood still
     tail = max(0.0, link - clock)                       # the last reduce-scatter, after compute
     hidden = busy - waited - tail
-    return waited + tail + (1 - s.overlap) * max(0.0, hidden)
+    return waited + tail + (1 - overlap) * max(0.0, hidden)
 
 
 def offload_step(layers: Sequence[Layer], s: Speeds, *, k: int = 1, weight_bytes: int = 2,

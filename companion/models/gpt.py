@@ -88,12 +88,15 @@ class GPT(nn.Module):
     """A small GPT-style decoder over `vocab` tokens and sequences up to `seq_len` long.
 
     Parameters: (vocab + seq_len)·C for embeddings, 12·C² + 13·C per block, 2·C for the final
-    LayerNorm, C·vocab + vocab for the head (not tied to the embedding)."""
+    LayerNorm, C·vocab + vocab for the head (not tied to the embedding). `tie_head=True` builds
+    GPT-2's head: no bias, its weight the token embedding's (one tensor, counted once; HF's
+    `GPT2LMHeadModel` ties `lm_head.weight` to `transformer.wte.weight`), so the head adds
+    nothing to the count."""
 
     def __init__(self, vocab: int, seq_len: int, width: int, depth: int, heads: int, *,
                  seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, fused_attention: bool = False,
-                 attention: str | None = None):
+                 attention: str | None = None, tie_head: bool = False):
         super().__init__()
         torch.manual_seed(seed)
         factory = {"dtype": dtype, "device": device}
@@ -104,7 +107,9 @@ class GPT(nn.Module):
                                             attention=attention, **factory)
                                       for _ in range(depth)])
         self.ln = nn.LayerNorm(width, **factory)
-        self.head = nn.Linear(width, vocab, **factory)
+        self.head = nn.Linear(width, vocab, bias=not tie_head, **factory)
+        if tie_head:
+            self.head.weight = self.tok.weight                      # one (vocab, C) tensor
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

@@ -6,7 +6,8 @@
         --batch 256 --budget 24GiB --device cuda --gpu "RTX 4090" --json
 
 `--model gpt2-xl | llama-3-8b | PATH/config.json` plans a published model on a GPU of the cost
-model's table (`--gpu`, `--gpus`, `--seq-len`, `--batch 1M-tokens`, `--host-gib`, `--why-oom`):
+model's table (`--gpu`, `--gpus`, `--seq-len`, `--batch 1M-tokens`, `--host-gib`, `--why-oom`,
+`--host-adam-rate`; the output ends with the speeds its step times use and their sources):
 see `companion.plan.named`. Otherwise `--model` names a function of no arguments that returns
 the model (module:function, with the module importable from the current folder, or a
 path/to/file.py:function); `--step` one that
@@ -69,6 +70,16 @@ def _cli_names(names) -> list[str]:
     return [n.replace("_", "-") if n in new else n for n in names]
 
 
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a positive number of GB/s, e.g. 60; got {text!r}")
+    return value
+
+
 def _named(spec: str) -> bool:
     """Whether --model names a shipped config or a config.json (not module:function)."""
     return spec.endswith(".json") or ":" not in spec
@@ -79,13 +90,17 @@ def _run_named(args) -> int:
     from companion.plan.report import why_oom
     from companion.plan.space import TECHNIQUES, technique_name
 
+    from companion.plan.costmodel import CostModel
+
     allow = ([technique_name(a) for a in args.allow] if args.allow != _GENERIC_DEFAULT
              else None)
     try:
         if allow is not None and set(allow) - set(TECHNIQUES):
             raise ValueError(f"--allow: choose from {', '.join(_cli_names(TECHNIQUES))}")
         kwargs = {} if allow is None else {"allow": tuple(allow)}
-        result = plan_named(args.model, gpu=args.gpu or "H100 SXM", gpus=args.gpus,
+        cost = CostModel.for_gpu(args.gpu or "H100 SXM", host_adam_rate=None if
+                                 args.host_adam_rate is None else args.host_adam_rate * 1e9)
+        result = plan_named(args.model, gpu=args.gpu or "H100 SXM", gpus=args.gpus, cost=cost,
                             seq_len=args.seq_len, batch=args.batch or "1M-tokens",
                             budget=args.budget, verify=args.simulate,
                             host_budget=int(args.host_gib * 2**30) if args.host_gib else None,
@@ -103,13 +118,16 @@ def _run_named(args) -> int:
           + (f", what CUDA reports of its {format_bytes(result.gpu.memory_bytes)}"
              if result.budget == result.gpu.usable_bytes else "") + ")")
     if args.why_oom:
-        print(why_oom(result.plain, result.shown, result.budget))
+        print(why_oom(result.plain, result.shown, result.budget, shape=result.shape,
+                      cost=result.cost, world_size=result.world_size))
         if any(r.fit.how == "replayed" for r in result.shown):
             print("Each fix's total is its simulated step replayed through the allocator "
                   "(rounding and fragmentation included).")
         print("\n".join(NOT_KNOWN))
-        return 0
-    print(format_plans(result))
+    else:
+        print(format_plans(result))
+    print("Speeds the step times use:")
+    print("\n".join(f"  {line}" for line in result.cost.describe()))
     return 0
 
 
@@ -197,6 +215,10 @@ def add_parser(sub) -> None:
                                                  "its total as CUDA reports it)")
     p.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (named models)")
     p.add_argument("--host-gib", type=float, help="host memory per GPU for offload, GiB")
+    p.add_argument("--host-adam-rate", type=_rate, metavar="GB/S",
+                   help="bytes the offloaded AdamW streams on your host, GB/s (28 B a "
+                        "parameter; default 25, assumed: time yours with companion.cost."
+                        "calibrate, whose host AdamW rate x 28 it is)")
     p.add_argument("--why-oom", action="store_true",
                    help="explain why the plain setup does not fit, and the cheapest fixes")
     p.add_argument("--simulate", type=int, default=4,

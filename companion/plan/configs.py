@@ -10,9 +10,13 @@ config.json files on the Hugging Face Hub (which the test machines cannot reach;
 "_source" says where its values were read); `n_params` equals each model card's count
 (tests/test_plan_configs.py).
 
-`model_fn` builds a GPT-2 shape as the course's `companion.models.GPT`, whose head is untied and
-has a bias and whose learned positions are seq_len long, so it holds more parameters than GPT-2
-(`built_params`); a Llama shape as `companion.models.Llama`, with the published count exactly.
+`model_fn` builds the model the config describes: a GPT-2 shape as the course's
+`companion.models.GPT` with `tie_head` (GPT-2's head is the token embedding, no bias:
+`tie_word_embeddings`, true unless the config says otherwise), whose learned positions are seq_len
+long (GPT-2 XL at 1,024 tokens: 1,557,611,200 parameters, the published count); a Llama shape as
+`companion.models.Llama`, tied where `tie_word_embeddings` says so (Llama 3.2 1B, Qwen2.5 0.5B),
+with the published count exactly. Tied, the head is one tensor with the embedding: its weights,
+gradients and AdamW states are counted once.
 
 Example:
     >>> load_config("llama-3-8b").n_params()
@@ -60,24 +64,25 @@ class ModelConfig:
     def n_params(self) -> int:
         """The published model's parameters, by formula.
         GPT-2: (V + T)·C + L·(4·C² + 2·C·I + 9·C + I) + 2·C, head tied (T: n_positions; with
-        I = 4C a layer is 12·C² + 13·C).
+        I = 4C a layer is 12·C² + 13·C); untied (`tie_word_embeddings` false) V·C more.
         Llama: `companion.estimate.llama_params` (V·C + L·(2·C + 2·C·(h·d) + 2·C·(kv·d) +
         3·C·I) + C + V·C untied, d = C / h; q, k, v biases h·d + 2·kv·d per layer)."""
         V, C, L, I = self.vocab, self.width, self.depth, self.intermediate
         if self.family == "gpt2":
-            return (V + self.max_seq_len) * C + L * (4 * C * C + 2 * C * I + 9 * C + I) + 2 * C
+            return ((V + self.max_seq_len) * C + L * (4 * C * C + 2 * C * I + 9 * C + I) + 2 * C
+                    + (0 if self.tied else V * C))
         return llama_params(V, C, L, self.heads, kv_heads=self.kv_heads, intermediate=I,
                             tied=self.tied, qkv_bias=self.qkv_bias)
 
     def built_params(self, seq_len: int | None = None) -> int:
         """Parameters of the model `model_fn(seq_len)` builds, which the planner simulates.
-        Llama shapes: `n_params()`. GPT-2: the course GPT's head is untied, with a bias (V·C + V
-        more) and it learns seq_len positions, not n_positions."""
+        Llama shapes: `n_params()`. GPT-2: the course GPT learns seq_len positions, not
+        n_positions (fewer below the config's longest); an untied head has a bias (V more)."""
         if self.family != "gpt2":
             return self.n_params()
         T = self._seq_len(seq_len)
         V, C = self.vocab, self.width
-        return self.n_params() + V * C + V + (T - self.max_seq_len) * C
+        return self.n_params() + (0 if self.tied else V) + (T - self.max_seq_len) * C
 
     def model_fn(self, seq_len: int | None = None) -> Callable:
         """A function of dtype= and device= (and fused_attention=, always True) that builds
@@ -94,7 +99,7 @@ class ModelConfig:
                              f"{4 * self.width} wide, this config's n_inner is "
                              f"{self.intermediate}; it can be counted but not built")
         return functools.partial(GPT, self.vocab, T, self.width, self.depth, self.heads,
-                                 fused_attention=True)
+                                 fused_attention=True, tie_head=self.tied)
 
     def _seq_len(self, seq_len: int | None) -> int:
         seq_len = seq_len or self.max_seq_len
@@ -115,7 +120,9 @@ def _gpt2(config: dict, name: str) -> ModelConfig:
     C, heads = _get(config, "n_embd", name), _get(config, "n_head", name)
     return ModelConfig(name, "gpt2", _get(config, "vocab_size", name), C,
                        _get(config, "n_layer", name), heads, heads,
-                       config.get("n_inner") or 4 * C, True, _get(config, "n_positions", name),
+                       config.get("n_inner") or 4 * C,
+                       bool(config.get("tie_word_embeddings", True)),   # GPT-2's default
+                       _get(config, "n_positions", name),
                        norm_eps=config.get("layer_norm_epsilon", 1e-5))
 
 

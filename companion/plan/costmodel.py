@@ -14,13 +14,22 @@ class CostModel:
 
     `for_gpu(name)`: a GPU of `companion.cost.gpus` (each number cited there): fp32 matmuls on the
     CUDA cores (PyTorch leaves TF32 off for matmuls by default since 1.12,
-    `torch.backends.cuda.matmul.allow_tf32 = False`, pytorch/pytorch#67384) and bf16 on the
-    tensor cores, each at its peak times `gpus.efficiency` (the fraction training reaches, cited
-    there); HBM bandwidth for the optimizer; PCIe (one direction) to the host; NVLink (one
-    direction, half the total NVIDIA quotes) between GPUs, or PCIe where there is none; 10 µs
-    per layer and micro-batch of kernel launches (assumed: a CUDA launch costs a few µs and a
-    block launches a few). An offloaded AdamW runs on the host at 25 GB/s (assumed: a server's
-    DRAM streams 100-200 GB/s at peak; time yours with `companion.cost.calibrate`).
+    `torch.backends.cuda.matmul.allow_tf32 = False`, pytorch/pytorch#67384) at their peak times
+    `gpus.efficiency` (one large SGEMM's share, cited there), and bf16 on the tensor cores at
+    their peak times `gpus.step_efficiency` for the setup (eager by default, as the course runs;
+    `compiled=True` for torch.compile): the MFU a published whole step of that setup reached
+    (eager FSDP on H100s: torchtitan's 0.337; a GeForce card, an A100: their own runs, cited
+    there), so the step's non-matmul work and launches are inside that factor; HBM bandwidth
+    for the optimizer; PCIe (one direction) to the host; NVLink (one direction, half the total
+    NVIDIA quotes) between GPUs, or PCIe where there is none; 10 µs per layer and micro-batch
+    of kernel launches (assumed: a CUDA launch costs a few µs and a block launches a few);
+    communication that hides behind compute (`overlap` 1: NCCL runs on its own streams, FSDP
+    prefetches the next unit's all-gather, `companion.zero.prefetch`). An offloaded AdamW runs
+    on the host at `host_adam_rate` bytes/s when given (`--host-adam-rate`: time yours with
+    `companion.cost.calibrate`), else at 25 GB/s (assumed for torch's AdamW on a server: its
+    DRAM streams 100-200 GB/s at peak; DeepSpeedCPUAdam "is 5X–7X faster than the standard
+    PyTorch implementation", DeepSpeed's ZeRO-Offload tutorial, docs/_tutorials/
+    zero-offload.md). `sources` says where each speed came from (`describe()`).
     `for_device("cuda")` is `for_gpu("A100 40GB")`. The NVMe tier: 3 GB/s each way (assumed: a
     PCIe 4 NVMe drive writes 3-7 GB/s) and 0.1 ms per file's flush (assumed).
     `for_device("cpu")`: one core of the course's reference CPU (a 2-core AMD EPYC with AVX2,
@@ -50,18 +59,49 @@ class CostModel:
     disk_sync_seconds: float = 1e-4   # one file's flush (msync) to the disk, beyond its bytes
     activation_bandwidth: float | None = None   # bytes/s activation offload's saved tensors
                                   # move each way inside a step (None: host_bandwidth)
+    adam8bit_rate: float | None = None   # parameters/s of the 8-bit Adam step, measured
+                                  # (None: ADAM8BIT_BYTES a parameter at memory_bandwidth)
+    adam8bit_tensor_seconds: float = 0.0   # and its cost per tensor (unfused operators)
+    adapter_bandwidth: float | None = None   # bytes/s LoRA adapters' own passes reach (thin
+                                  # matmuls, scale, add; None: memory_bandwidth)
+    adapter_seconds: float = 0.0  # and their fixed cost per adapted Linear and micro-batch
+    overlap: float = 0.0          # share of the link's time that can hide behind compute
+                                  # (0: none, the course's ZeRO on gloo; 1: NCCL beside kernels)
+    sources: tuple[tuple[str, str], ...] = ()   # (speed, where it came from), for the report
+
+    def describe(self) -> list[str]:
+        """One line per speed that has a source: what it is and where it came from."""
+        return [f"{name}: {source}" for name, source in self.sources]
 
     @classmethod
-    def for_gpu(cls, name: str) -> "CostModel":
-        """The speeds of a GPU in `companion.cost.gpus` (see the class docstring)."""
+    def for_gpu(cls, name: str, *, compiled: bool = False,
+                host_adam_rate: float | None = None) -> "CostModel":
+        """The speeds of a GPU in `companion.cost.gpus` (see the class docstring); `compiled`:
+        torch.compile's factor; `host_adam_rate`: the host AdamW's bytes/s (28 B a parameter
+        read and written: fp32 weight, gradient, two moments), measured on yours."""
         from companion.cost import gpus
 
         g = gpus.gpu(name)
-        fp32 = g.fp32_flops * gpus.efficiency(g, "fp32")[0]
-        half = g.flops("bf16" if g.bf16_flops else "fp16")
-        half *= gpus.efficiency(g, "bf16" if g.bf16_flops else "fp16")[0]
+        fp32, fp32_source = g.fp32_flops * gpus.efficiency(g, "fp32")[0], gpus.efficiency(g, "fp32")[1]
+        dtype = "bf16" if g.bf16_flops else "fp16"
+        factor, setup = gpus.step_efficiency(g, compiled=compiled)
+        half = g.flops(dtype) * factor
         link = g.nvlink_bandwidth / 2 if g.nvlink_bandwidth else g.pcie_bandwidth
-        return cls(fp32, half / fp32, 10e-6, g.hbm_bandwidth, g.pcie_bandwidth, link, 25e9)
+        if host_adam_rate is not None and not host_adam_rate > 0:
+            raise ValueError(f"host_adam_rate is bytes/s, a positive number; got {host_adam_rate!r}")
+        host = (f"{host_adam_rate / 1e9:g} GB/s, given (--host-adam-rate)" if host_adam_rate
+                else "25 GB/s, assumed for torch's AdamW on a server CPU (DeepSpeedCPUAdam is "
+                     "5-7x faster than torch's, DeepSpeed's ZeRO-Offload tutorial); time "
+                     "yours with companion.cost.calibrate and pass --host-adam-rate")
+        sources = ((f"{dtype} matmuls", f"{half / 1e12:.0f} TFLOP/s = {factor:.3f} x "
+                                        f"{g.flops(dtype) / 1e12:.1f} ({setup})"),
+                   ("fp32 matmuls", f"{fp32 / 1e12:.1f} TFLOP/s ({fp32_source})"),
+                   ("host AdamW", host),
+                   ("communication", "hidden behind compute where it can be (FSDP prefetches "
+                                     "one unit's all-gather; gradients reduced as backward makes "
+                                     "them); the rest is exposed"))
+        return cls(fp32, half / fp32, 10e-6, g.hbm_bandwidth, g.pcie_bandwidth, link,
+                   host_adam_rate or 25e9, overlap=1.0, sources=sources)
 
     @classmethod
     def for_device(cls, device_type: str) -> "CostModel":
@@ -95,8 +135,13 @@ class CostModel:
 
     @classmethod
     def from_profile(cls, profile, *, layer_seconds: float | None = None) -> "CostModel":
-        """The speeds `companion.cost.calibrate` measured: peak fp32 matmul FLOP/s, bf16 over
-        fp32 where bf16 was timed, copy bandwidth, host copies (pinned), gloo's bandwidth (1/β)
+        """The speeds `companion.cost.calibrate` measured: peak fp32 matmul FLOP/s (on a CPU,
+        the FLOP/s a GPT block's fp32 training step reaches, `DeviceProfile.step_flops`, as
+        `for_device("cpu")`'s 26 GFLOP/s was measured), bf16 over fp32 where bf16 was timed (on
+        a CPU, that block's autocast step over its fp32 one, `DeviceProfile.autocast`: the
+        matmul peaks overstate it there; a LoRA adapter's passes, `adapter_bandwidth`; the 8-bit
+        Adam step, `adam8bit`),
+        copy bandwidth, host copies (pinned), gloo's bandwidth (1/β)
         and the host AdamW rate (28 bytes a parameter); `layer_seconds` defaults to 16x the
         measured tiny layer (a Linear(8, 8) and a ReLU): on the reference CPU a capstone block's
         forward and backward on 4 tokens cost 1.7 ms, 16x calibrate's 0.106 ms tiny layer.
@@ -104,6 +149,10 @@ class CostModel:
         `for_device("cpu")`'s, a GPU's the defaults (activation offload at the host link's)."""
         fp32 = profile.peak_flops("float32")
         half = profile.peak_flops("bfloat16") / fp32 if "bfloat16" in profile.matmul else 1.0
+        if profile.step_flops is not None:             # a CPU: the rate a block's step reaches
+            fp32 = profile.step_flops.median
+        if profile.autocast and "bfloat16" in profile.autocast:   # a CPU: the step's own rate
+            half = profile.autocast["bfloat16"].median
         host = (profile.host_to_device or {}).get("pinned")
         rate = max(m.median for m in profile.adamw.values())
         return cls(fp32, half, 16 * profile.layer_seconds.median if layer_seconds is None
@@ -112,7 +161,15 @@ class CostModel:
                    1 / profile.beta.median if profile.beta else 1e9, 28 * rate,
                    *_disk(profile.device),
                    CostModel.for_device("cpu").activation_bandwidth
-                   if profile.device.startswith("cpu") else None)
+                   if profile.device.startswith("cpu") else None,
+                   adapter_bandwidth=profile.adapter_bandwidth.median
+                   if profile.adapter_bandwidth else None,
+                   adapter_seconds=profile.adapter_seconds.median
+                   if profile.adapter_seconds else 0.0,
+                   adam8bit_rate=profile.adam8bit.median if profile.adam8bit else None,
+                   adam8bit_tensor_seconds=profile.adam8bit_tensor.median
+                   if profile.adam8bit_tensor else 0.0,
+                   overlap=0.0 if profile.device.startswith("cpu") else 1.0)
 
 
 def _disk(device: str) -> tuple[float, float]:

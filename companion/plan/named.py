@@ -54,10 +54,11 @@ def parse_batch(text: str | int, seq_len: int, gpus: int = 1) -> int:
 def plan_named(model: str, *, gpu: str = "H100 SXM", gpus: int = 1, seq_len: int | None = None,
                batch: str | int = "1M-tokens", budget: int | None = None,
                host_budget: int | None = None, allow=DEFAULT_ALLOW, verify: int = 1,
-               show: int = 5):
+               show: int = 5, cost=None):
     """The planner's answer for a shipped model name or a config.json path on `gpus` GPUs,
     within `budget` bytes per GPU (default the card's usable bytes, `GPU.usable_bytes`: what
-    CUDA reports, not the nominal size); the `show` fastest plans are each replayed."""
+    CUDA reports, not the nominal size); the `show` fastest plans are each replayed. `cost`: a
+    `CostModel` for the time (default `CostModel.for_gpu(gpu)`)."""
     from companion.cost import gpus as table
     from companion.plan.configs import load_config
     from companion.plan.planner import plan
@@ -68,7 +69,8 @@ def plan_named(model: str, *, gpu: str = "H100 SXM", gpus: int = 1, seq_len: int
     sequences = parse_batch(batch, seq_len, gpus)
     result = plan(config.model_fn(seq_len), sequences, budget=budget or card.usable_bytes,
                   device="cuda", gpu=card.name, world_size=gpus, allow=allow,
-                  host_budget=host_budget, verify=verify, simulate_plain=False, show=show)
+                  host_budget=host_budget, verify=verify, simulate_plain=False, show=show,
+                  cost=cost)
     result.config = config
     return result
 

@@ -57,18 +57,21 @@ computing in bf16, which the formula covers. On a small Llama the predictions la
 of the simulated step for every lever (LoRA's and QLoRA's within 2%, high), on one rank and two
 (tests/test_plan_llama.py).
 
-Time. `CostModel` adds, with no overlap: matmul FLOPs (forward 2·N·(params in matmuls) plus
+Time. `CostModel` adds: matmul FLOPs (forward 2·N·(params in matmuls) plus
 attention's 4·N·T·C per block, backward twice that, or once with LoRA's frozen weights, the
 recomputed blocks once more) at `flops` (times `half_speedup` in bf16), a fixed cost per layer
 and micro-batch (kernel launches: small micro-batches cost more than their FLOPs), the
 optimizer's bytes at the speed of the memory it runs in (the device's, or the host's when
-offloaded; `ADAM8BIT_BYTES` for 8-bit states), QLoRA's dequantizations (`DEQUANTIZE_BYTES` per
+offloaded; `ADAM8BIT_BYTES` for 8-bit states, or where calibrate timed the 8-bit step, a CPU's,
+its rate per parameter and per tensor: compute-bound there), QLoRA's dequantizations (`DEQUANTIZE_BYTES` per
 base value and the cast to a 16-bit compute dtype, in forward, backward and recompute), offload's
 copies over the host link (PCIe), activation offload's (each saved byte down and up), the NVMe
 tier's 24 B per parameter at `disk_bandwidth` and a flush per file (three per trainable tensor),
-the chunked loss's second head matmul, and ZeRO's traffic. A Llama's blocks: its matmul weights
-(q, k, v, o, gate, up, down: 2·C² + 2·C·kv_heads·d + 3·C·I) for the GPT's 12·C², attention the
-same 4·N·T·C.
+the chunked loss's second head matmul, LoRA adapters' own passes (~40·N·out + 24·N·in bytes per
+adapted Linear at `adapter_bandwidth`), and the part of ZeRO's or DDP's traffic that compute
+does not hide (`_exposed_communication`; the rest is reported as "communication hidden"). A
+Llama's blocks: its matmul weights (q, k, v, o, gate, up, down: 2·C² + 2·C·kv_heads·d + 3·C·I)
+for the GPT's 12·C², attention the same 4·N·T·C.
 
 8-bit states and QLoRA (chapter 11): the moments are `estimate.model_states(state_bits=8)` less the
 tensors under 4096 values, which keep fp32 moments; QLoRA's adapted Linear weights are
@@ -85,7 +88,10 @@ grid single-device predictions land within 6% of the simulated step, ZeRO-2/3 wi
 simulation runs the CPU's dispatch but RMSNorm's, which it runs as CUDA's fused kernel saves when
 simulating CUDA (`simulation._FusedRMSNorm`; the CPU's composite keeps fp32 copies besides, ~1.3x
 a Llama block's activations in bf16); the Llama's other CUDA terms (SDPA's kernels) are read
-off torch's dispatch, not measured. The cost model assumes no overlap of compute, copies and links.
+off torch's dispatch, not measured. The cost model overlaps communication with compute only
+(per block: ZeRO-3's gathers and reduce-scatters, DDP's and ZeRO-1/2's gradient reductions;
+`CostModel.overlap` says how much can hide: all on a GPU, none for the course's ZeRO on gloo);
+copies, the optimizer and the host step are added in full.
 """
 from __future__ import annotations
 
@@ -258,16 +264,54 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
     return step
 
 
+def _exposed_communication(s: GPTShape, c: Candidate, cost: CostModel, world_size: int,
+                           forward_per_block: float, recompute_share: float) -> float:
+    """Seconds of one step's communication the compute does not hide (`cost.overlap` of what
+    can hide does). Per block (a unit, FSDP's wrapping): ZeRO-3 gathers its weights before its
+    forward and again before its backward, one block ahead (FSDP2's default prefetch), and
+    reduce-scatters its fp32 gradient as its backward ends; DDP and ZeRO-1/2 reduce each
+    block's gradient as backward makes it (the last micro-batch's, every one's under ZeRO-2)
+    and ZeRO-1/2 gather the stepped weights after the step, with nothing to hide behind. The
+    rest (embeddings, head, final norm) is one unit gathered first and reduced last, exposed.
+    `companion.cost.step.exposed_link` schedules it, as `zero_step` does for chapter 07."""
+    from companion.cost.step import exposed_link
+
+    ring = (world_size - 1) / world_size
+    per_byte = ring / cost.network_bandwidth
+    L, block, trainable = s.depth, s.block_params(), s.n_params
+    rest = trainable - L * block
+    backward_per_block = forward_per_block * (2 + recompute_share)
+    fwd, bwd = [forward_per_block] * L, [backward_per_block] * L
+    if c.zero_stage == 3:
+        gb = 2 if c.precision == "autocast" else 4     # FSDP gathers bf16 (autocast) or fp32
+        gather, scatter = [gb * block * per_byte] * L, [4 * block * per_byte] * L
+        micro = (2 * gb * rest + 4 * rest) * per_byte \
+            + exposed_link(range(L), gather, fwd, 1, cost.overlap) \
+            + exposed_link(range(L - 1, -1, -1), gather, bwd, 1, cost.overlap, after=scatter)
+        return c.accumulation * micro
+    reduce = (2 if c.zero_stage == 0 else 1) * 4 * per_byte   # all-reduce, or reduce-scatter
+    syncs = c.accumulation if c.zero_stage == 2 else 1         # no_sync until the last
+    backward = exposed_link(range(L - 1, -1, -1), [0.0] * L, bwd, 1, cost.overlap,
+                            after=[reduce * block] * L) + reduce * rest
+    gather_after = 4 * trainable * per_byte if c.zero_stage in (1, 2) else 0.0
+    return syncs * backward + gather_after
+
+
 def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
                     world_size: int = 1) -> dict[str, float]:
     """Predicted seconds of one optimizer step by part: compute, recompute, overhead,
-    optimizer, dequantize (QLoRA), offload, communication (and their "total")."""
+    optimizer, dequantize (QLoRA), offload, adapters (LoRA), communication (the part not
+    hidden behind compute)
+    and their "total"; and, outside the total, "communication hidden": the link time that
+    overlaps compute (`_exposed_communication`)."""
     s, c = shape, cand
     tokens = c.micro_batch * c.accumulation * s.seq_len            # this rank's, per step
     C, L, V, T = s.width, s.depth, s.vocab, s.seq_len
     block = 2 * s.block_matmul_params() + 4 * T * C                # forward FLOPs per token
     forward = tokens * (L * block + 2 * C * V)
-    backward = forward if c.lora_rank else 2 * forward             # frozen: no weight gradients
+    backward = 2 * forward                             # frozen (LoRA): no weight gradients,
+    if c.lora_rank:                                    # attention's backward as before
+        backward -= tokens * (L * 2 * s.block_matmul_params() + 2 * C * V)
     recompute = tokens * block * (L // c.segments) * (c.segments - 1)
     if c.chunked_loss:                                 # the head's matmul again in backward
         recompute += tokens * 2 * C * V
@@ -298,13 +342,16 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
         "overhead": c.accumulation * (L + 2) * cost.layer_seconds,
         # AdamW reads and writes ~32 B per parameter (weight, gradient, two moments) through
         # the memory it runs in: the host's when offloaded, the device's otherwise
-        "optimizer": optimizer_bytes * shard / (cost.host_memory_bandwidth if c.offload
-                                                else cost.memory_bandwidth),
+        "optimizer": (shard / cost.adam8bit_rate + s.trainable_tensors(c.lora_rank)
+                      * cost.adam8bit_tensor_seconds
+                      if c.state_bits == 8 and cost.adam8bit_rate
+                      else optimizer_bytes * shard / (cost.host_memory_bandwidth if c.offload
+                                                      else cost.memory_bandwidth)),
         "dequantize": (DEQUANTIZE_BYTES + _DEQUANTIZE_CAST_BYTES[c.precision]) * dequantized
         / cost.memory_bandwidth,
         "offload": (c.accumulation * weight_bytes * trainable + weight_bytes * trainable)
         / cost.host_bandwidth if c.offload else 0.0,
-        "communication": sent / cost.network_bandwidth if world_size > 1 else 0.0,
+        "communication": 0.0,
         # saved activations down in forward and up in backward, not overlapped (our hooks copy
         # on the compute stream); the NVMe tier reads and writes 12 B per parameter each step
         "activation offload": (2 * c.accumulation * activation_bytes(s, c, "cuda")[0]
@@ -319,6 +366,22 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
         # each step (under memory pressure; with room to spare they stay and cost nothing)
         "paging": (2 * paged_state_bytes(s, c, state_bytes(s, c, world_size)[2], "cuda")[1]
                    / cost.host_bandwidth if c.paged else 0.0),
+        # LoRA's adapters beyond their FLOPs: per adapted Linear and micro-batch, the thin
+        # matmuls' operands, the scale and the add, forward and backward, and the input's two
+        # gradients added: ~40·N·out + 24·N·in bytes in fp32 (half in 16 bits), at the rate
+        # calibrate measures for them (on the CPU a fifth of the copy bandwidth)
+        "adapters": c.accumulation * L * sum(40 * c.micro_batch * T * o + 24 * c.micro_batch
+                                             * T * i for i, o in s.lora_linear_shapes())
+        * (0.5 if c.precision != "fp32" else 1.0)
+        / (cost.adapter_bandwidth or cost.memory_bandwidth)
+        + c.accumulation * L * len(s.lora_linear_shapes()) * cost.adapter_seconds
+        if c.lora_rank else 0.0,
     }
+    if world_size > 1:
+        exposed = _exposed_communication(s, c, cost, world_size, c.micro_batch * T * block / speed,
+                                         (L // c.segments) * (c.segments - 1) / L)
+        parts["communication"] = min(exposed, sent / cost.network_bandwidth)
     parts["total"] = sum(parts.values())
+    if world_size > 1:
+        parts["communication hidden"] = sent / cost.network_bandwidth - parts["communication"]
     return parts

@@ -85,7 +85,8 @@ class GPTShape:
     llama: bool = False       # a Llama: RMSNorm, rotary positions, GQA, SwiGLU, always SDPA
     kv_heads: int = 0         # the Llama's key/value heads
     intermediate: int = 0     # the Llama's SwiGLU width
-    tied: bool = False        # head and token embedding one tensor (Llama 3.2 1B, Qwen2.5 0.5B)
+    tied: bool = False        # head and token embedding one tensor (GPT-2, Llama 3.2 1B,
+                              # Qwen2.5 0.5B): counted once in n_params
     qkv_bias: bool = False    # biases on q, k and v (Qwen2)
 
     @classmethod
@@ -111,11 +112,11 @@ class GPTShape:
         block = model.blocks[0]
         llama = {"llama": True, "kv_heads": block.kv_heads,
                  "intermediate": block.gate_proj.out_features,
-                 "tied": model.head.weight is model.tok.weight,
                  "qkv_bias": block.q_proj.bias is not None} if isinstance(model, Llama) else {}
         return cls(**llama, vocab=model.tok.num_embeddings, seq_len=model.seq_len,
                    width=model.tok.embedding_dim, depth=len(model.blocks), heads=block.heads,
                    fused_attention=block.fused_attention,
+                   tied=model.head.weight is model.tok.weight,
                    n_params=sum(p.numel() for p in params),
                    n_params_1d=sum(p.numel() for p in params if p.dim() == 1),
                    largest=max(p.numel() for p in params),
