@@ -129,11 +129,12 @@ def format_plans(result, *, top: int = 5) -> str:
         tensors, _ = _tensors(r)
         how = (r.fit.how if r.fit.how in ("replayed", "simulated") else
                "predicted, not replayed: unchecked" if result.device.type == "cuda" else
+               "interpolated, not simulated" if result.shape is None else
                "predicted, not simulated")
         where = "GPU memory" if result.device.type == "cuda" else "memory"
         out.append(f"   {where} {format_bytes(r.fit.total)} of {format_bytes(result.budget)}"
                    f" ({how}): tensors {format_bytes(tensors)} at the "
-                   f"{r.predicted.phase} phase"
+                   f"{r.phase} phase"
                    + (f" (predicted {format_bytes(r.predicted.peak)})"
                       if tensors != r.predicted.peak else ""))
         out += [f"     {o.name}: {format_bytes(o.bytes)}" for o in r.fit.lines
@@ -154,7 +155,8 @@ def format_plans(result, *, top: int = 5) -> str:
         out.append(f"  the budget: the {result.gpu.name}'s total as CUDA reports it "
                    f"({format_bytes(result.gpu.memory_bytes)} nominal): "
                    f"{result.gpu.usable_source}")
-    out += list(NOT_KNOWN)
+    if result.device.type == "cuda":
+        out += list(NOT_KNOWN)
     out.append("Not searched: tensor and pipeline parallelism (one layer must fit one GPU).")
     if result.shape is None:
         out.append("Not searched for a traced model: ZeRO, offload, chunked loss, QLoRA (the "
