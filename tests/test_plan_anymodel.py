@@ -137,3 +137,23 @@ def test_command_line_plans_a_model_of_ones_own():
     assert "by kind at the peak" in out.stdout and "checked for real" in out.stdout
     bad = _cli("--model", "examples.models:nothing", "--batch", "4", "--budget", "1GiB")
     assert bad.returncode == 2 and "has no 'nothing'" in bad.stderr
+
+
+def test_the_command_line_refuses_bad_numbers_and_keeps_the_levers_asked_for():
+    for flag in (["--gpus", "0"], ["--budget", "0"], ["--seq-len", "0"],
+                 ["--host-adam-rate", "inf"], ["--simulate", "-1"], ["--lora-rank", "0"]):
+        bad = _cli("--model", "gpt2-xl", "--gpu", "RTX 4090", *flag)
+        assert bad.returncode == 2 and flag[0] in bad.stderr and "Traceback" not in bad.stderr
+    # the exact levers asked for, not the default set (which adds bf16 and offload): fp32 GPT-2
+    # XL does not fit a 4090 with accumulation and checkpointing alone
+    asked = _cli("--model", "gpt2-xl", "--gpu", "RTX 4090", "--seq-len", "1024", "--batch", "16",
+                 "--allow", "accumulation", "checkpointing")
+    assert asked.returncode == 2 and "no plan fits" in asked.stderr
+
+
+def test_a_plan_whose_simulation_failed_is_not_listed():
+    # 2 micro-batches of 16 is interpolated at 29.00 MiB and simulates at 29.77: over 29.2 MiB
+    p = plan_model(M.mha_lm, 32, budget="29.2 MiB", seq_len=64)
+    assert p.failed and all(r.fit.fits for r in p.shown) and not set(map(id, p.failed)) & set(
+        map(id, p.shown))
+    assert all(r.fit.total <= parse_bytes("29.2 MiB") for r in p.shown if r.simulated)

@@ -59,9 +59,32 @@ def load_object(spec: str):
 
 def _size(text: str) -> int:
     try:
-        return parse_bytes(text)
+        value = parse_bytes(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a positive size, e.g. 24GiB; got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1; got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 0; got {text!r}")
+    return value
 
 
 def _cli_names(names) -> list[str]:
@@ -75,7 +98,7 @@ def _rate(text: str) -> float:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:
+    if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"a positive number of GB/s, e.g. 60; got {text!r}")
     return value
 
@@ -92,8 +115,7 @@ def _run_named(args) -> int:
 
     from companion.plan.costmodel import CostModel
 
-    allow = ([technique_name(a) for a in args.allow] if args.allow != _GENERIC_DEFAULT
-             else None)
+    allow = [technique_name(a) for a in args.allow] if args.allow is not None else None
     try:
         if allow is not None and set(allow) - set(TECHNIQUES):
             raise ValueError(f"--allow: choose from {', '.join(_cli_names(TECHNIQUES))}")
@@ -104,7 +126,7 @@ def _run_named(args) -> int:
                             seq_len=args.seq_len, batch=args.batch or "1M-tokens",
                             budget=args.budget, verify=args.simulate,
                             host_budget=int(args.host_gib * 2**30) if args.host_gib else None,
-                            **kwargs)
+                            lora_rank=args.lora_rank, **kwargs)
     except (ValueError, TypeError, RuntimeError, FileNotFoundError) as e:
         print(f"companion plan: {e}", file=sys.stderr)
         return 2
@@ -159,6 +181,8 @@ def _run(args) -> int:
 
     try:
         from companion.plan.anymodel import GENERIC
+        if args.allow is None:
+            args.allow = list(_GENERIC_DEFAULT)
         if set(args.allow) - set(GENERIC):
             raise ValueError(f"--allow for your own model: choose from {', '.join(GENERIC)}")
         model_fn = load_object(args.model)
@@ -208,12 +232,12 @@ def add_parser(sub) -> None:
                    help="optimizer(params) -> torch.optim.Optimizer (default AdamW)")
     p.add_argument("--batch", help="examples per optimizer step; for a named model also "
                                     "tokens, e.g. 1M-tokens (default)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default step)")
-    p.add_argument("--vocab", type=int, help="vocabulary (default: the first nn.Embedding's)")
+    p.add_argument("--seq-len", type=_positive, help="tokens per sequence (default step)")
+    p.add_argument("--vocab", type=_positive, help="vocabulary (default: the first nn.Embedding's)")
     p.add_argument("--budget", type=_size, help="memory per device, e.g. 24GiB (a named "
                                                  "model: default the GPU's usable memory, "
                                                  "its total as CUDA reports it)")
-    p.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (named models)")
+    p.add_argument("--gpus", type=_positive, default=1, help="data-parallel GPUs (named models)")
     p.add_argument("--host-gib", type=float, help="host memory per GPU for offload, GiB")
     p.add_argument("--host-adam-rate", type=_rate, metavar="GB/S",
                    help="bytes the offloaded AdamW streams on your host, GB/s (28 B a "
@@ -221,19 +245,21 @@ def add_parser(sub) -> None:
                         "calibrate, whose host AdamW rate x 28 it is)")
     p.add_argument("--why-oom", action="store_true",
                    help="explain why the plain setup does not fit, and the cheapest fixes")
-    p.add_argument("--simulate", type=int, default=4,
-                   help="plans simulated on fake tensors before one is chosen (0: none)")
+    p.add_argument("--simulate", type=_count, default=4,
+                   help="plans simulated on fake tensors before one is chosen (0: none, and "
+                        "nothing printed is checked); on CUDA up to 5 more are simulated and "
+                        "replayed for the list of plans that fit")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="whose speeds rank the plans and whose lines the budget loses (cuda: "
                         "the context, cuBLAS's workspace)")
     p.add_argument("--gpu", help="a GPU of companion.cost.gpus for the speeds, e.g. 'H100 SXM'")
-    p.add_argument("--allow", nargs="+", default=_GENERIC_DEFAULT,
+    p.add_argument("--allow", nargs="+", default=None,
                    help="levers: for your own model accumulation checkpointing autocast lora "
                         "adam8bit (default accumulation checkpointing); for a named model any "
                         "of companion.plan.TECHNIQUES (default the exact ones and bf16), among "
                         "them selective-checkpointing pure-bf16 optimizer-in-backward "
                         "paged-adam8bit")
-    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--lora-rank", type=_positive, default=8)
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     p.add_argument("--check", action="store_true",
                    help="then run the chosen step for real on this CPU and print its peak")

@@ -54,7 +54,7 @@ def parse_batch(text: str | int, seq_len: int, gpus: int = 1) -> int:
 def plan_named(model: str, *, gpu: str = "H100 SXM", gpus: int = 1, seq_len: int | None = None,
                batch: str | int = "1M-tokens", budget: int | None = None,
                host_budget: int | None = None, allow=DEFAULT_ALLOW, verify: int = 1,
-               show: int = 5, cost=None):
+               show: int = 5, cost=None, lora_rank: int = 8):
     """The planner's answer for a shipped model name or a config.json path on `gpus` GPUs,
     within `budget` bytes per GPU (default the card's usable bytes, `GPU.usable_bytes`: what
     CUDA reports, not the nominal size); the `show` fastest plans are each replayed. `cost`: a
@@ -67,10 +67,10 @@ def plan_named(model: str, *, gpu: str = "H100 SXM", gpus: int = 1, seq_len: int
     seq_len = seq_len or config.max_seq_len
     card = table.gpu(gpu)
     sequences = parse_batch(batch, seq_len, gpus)
-    result = plan(config.model_fn(seq_len), sequences, budget=budget or card.usable_bytes,
+    result = plan(config.model_fn(seq_len), sequences, budget=card.usable_bytes if budget is None else budget,
                   device="cuda", gpu=card.name, world_size=gpus, allow=allow,
                   host_budget=host_budget, verify=verify, simulate_plain=False, show=show,
-                  cost=cost)
+                  cost=cost, lora_rank=lora_rank)
     result.config = config
     return result
 
@@ -89,7 +89,7 @@ def _row(r) -> dict:
     return {"plan": r.candidate.describe(), "levers": r.candidate.techniques(),
             "gpu_bytes": r.fit.total,
             "checked": "replayed" if r.fit.how == "replayed" else "predicted",
-            "fits": r.fit.fits,
+            "fits": r.fit.fits if r.fit.how != "predicted" else None,   # unchecked: null
             "memory_lines": [{"name": "tensors at the peak", "bytes": tensors, "source": source}]
             + [{"name": o.name, "bytes": o.bytes, "source": o.source} for o in step],
             "load_bytes": r.fit.load,
@@ -121,10 +121,19 @@ def format_plans(result, *, top: int = 5) -> str:
     allocator) with their memory lines, which add up to the total, and time parts."""
     out, sources = [result.table(limit=top), ""], {}
     for r in result.failed:
-        out.append(f"Predicted to fit, but its simulated step does not when replayed through "
-                   f"the allocator: {r.candidate.describe()} ({r.fit.lines[-1].source}).")
+        if r.fit.how == "replayed":
+            out.append(f"Predicted to fit, but its simulated step does not when replayed "
+                       f"through the allocator: {r.candidate.describe()} "
+                       f"({r.fit.lines[-1].source}).")
+        else:
+            out.append(f"Predicted to fit, but its simulated step needs "
+                       f"{format_bytes(r.fit.total)}: {r.candidate.describe()}.")
     for i, r in enumerate(result.shown[:top], 1):
-        parts = ", ".join(f"{k} {v:.2f}s" for k, v in r.seconds.items() if k != "total" and v)
+        parts = ", ".join(f"{k} {v:.2f}s" for k, v in r.seconds.items()
+                          if k not in ("total", "communication hidden") and v)
+        if r.seconds.get("communication hidden"):
+            parts += (f"; besides, {r.seconds['communication hidden']:.2f}s of communication "
+                      "hidden behind compute")
         out.append(f"{i}. {r.candidate.describe()}: step {r.seconds['total']:.2f} s ({parts})")
         tensors, _ = _tensors(r)
         how = (r.fit.how if r.fit.how in ("replayed", "simulated") else

@@ -104,7 +104,8 @@ class Plan:
     @property
     def failed(self) -> list[Row]:
         """Plans predicted to fit whose simulated step did not when replayed."""
-        return [r for r in self.rows if r.fit.how == "replayed" and not r.fit.fits]
+        return [r for r in self.rows if r.fit.how in ("replayed", "simulated")
+                and not r.fit.fits]
 
     def table(self, limit: int = 8) -> str:
         """The plain run, then up to `limit` of the plans listed (`shown`), fastest first: each
@@ -371,8 +372,8 @@ def _plan(model: Formulas | Traced, batch: int, *, budget, device: torch.device,
                     break
                 tried += 1
             simulated(row)
-            if row.fit.fits:
-                return found(chosen=row, shown=fitting)
+            if row.fit.fits:                       # listed: all but those that failed
+                return found(chosen=row, shown=[r for r in fitting if r.fit.fits])
         raise _missed([r for r in fitting if r.simulated is not None], usable)
     show = 5 if show is None else show
     if not verify:
