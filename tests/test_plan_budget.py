@@ -56,6 +56,30 @@ def test_flash_attention_scratch_adds_the_expanded_dk_dv_under_grouped_query_att
         4 * 2 * t * 8 * 32 + 4 * 2 * 8 * t + 2 * 2 * 2 * 256 * 8 * d)  # d 16 rounds up to 32
 
 
+def test_grouped_query_attention_in_fp32_on_cuda_counts_the_math_kernel_not_flash():
+    # SDPA has no fused kernel for GQA in fp32 on CUDA: the math path saves each block's
+    # (B, H, T, T) weights and k, v expanded to every head, which the CPU's simulated step
+    # does not show (review of issue 52: a plan printed as fitting with a FlashAttention line)
+    from companion.models import Llama
+    llama = functools.partial(Llama, 512, 256, 128, 4, 8, kv_heads=2)   # 4 blocks
+    shape = GPTShape.of(llama)
+    card = gpus.gpu("H100 SXM")
+    B, T, H, C, kv = 2, 256, 8, 128, 2 * 16
+
+    def names(cand):
+        return {o.name: o.bytes for o in budgets.lines(shape, cand, device_type="cuda", gpu=card)}
+
+    fp32, bf16 = names(Candidate(B)), names(Candidate(B, precision="autocast"))
+    math = "SDPA's math kernel: saved attention weights and expanded keys and values"
+    assert fp32[math] == 4 * 4 * (B * H * T * T + 2 * B * T * (C - kv))
+    assert "FlashAttention backward scratch" not in fp32 and math not in bf16
+    assert "FlashAttention backward scratch" in bf16
+    two = names(Candidate(B, segments=2))                 # one segment's blocks at a time
+    assert two[math] == fp32[math] // 2
+    plain = functools.partial(Llama, 512, 256, 128, 4, 8, kv_heads=8)  # no GQA: flash runs
+    assert budgets.math_attention_bytes(GPTShape.of(plain), Candidate(B)) == 0
+
+
 def test_a_predicted_fit_adds_the_lines_and_one_segment_of_headroom():
     found = [allocator.context(), allocator.Overhead("w", 10 * MiB, "s")]
     fit = budgets.fit_predicted(1 * GiB, 0, 4 * MiB, 2 * GiB, found, "cuda")

@@ -28,7 +28,7 @@ import dataclasses
 from companion import allocator
 from companion.plan.space import Candidate, GPTShape
 
-__all__ = ["Fit", "lines", "fit_predicted", "fit_simulated", "usable"]
+__all__ = ["Fit", "lines", "fit_predicted", "fit_simulated", "usable", "math_attention_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +52,9 @@ def lines(shape: GPTShape, cand: Candidate, *, device_type: str, gpu=None, world
     heads = shape.heads
     kv_heads = shape.kv_heads if shape.llama and shape.kv_heads else heads
     itemsize = 4 if cand.precision == "fp32" else 2                 # q's dtype
+    math = math_attention_bytes(shape, cand)          # GQA in fp32: no FlashAttention
     attention = ((cand.micro_batch, shape.seq_len, heads, shape.width // heads, kv_heads,
-                  itemsize) if fused else None)
+                  itemsize) if fused and not math else None)
     backlog = None
     if cand.offload:                                   # a 16-bit gradient still going down
         backlog = allocator.record_stream_backlog((2 if cand.precision != "fp32" else 4)
@@ -62,7 +63,29 @@ def lines(shape: GPTShape, cand: Candidate, *, device_type: str, gpu=None, world
                                    backlog=backlog, context_bytes=context_bytes)
     if cand.precision in ("mixed", "main_grad") or cand.nf4_base:
         out.append(allocator.conversion_temporary(shape.largest))
+    if math:
+        out.append(allocator.Overhead(
+            "SDPA's math kernel: saved attention weights and expanded keys and values", math,
+            "grouped-query attention in fp32 runs on no fused kernel on CUDA (PyTorch's SDPA "
+            "sends enable_gqa to FlashAttention, fp16/bf16 only, or to the math path; "
+            "sdp_utils.cpp), which saves each block's softmax (B, H, T, T) and k, v expanded to "
+            "every head; counted for the blocks alive at the peak, not in the simulated step"))
     return out
+
+
+def math_attention_bytes(shape: GPTShape, cand: Candidate) -> int:
+    """Bytes a Llama with grouped-query attention saves beyond the fused kernel's when it runs
+    in fp32 on CUDA, where SDPA has no fused kernel for it: per block alive at the peak (every
+    block, or one segment's and the checkpoints' when checkpointing), the fp32 attention
+    weights (B·H·T² values) and the keys and values expanded to every head (2·B·T·(C - kv·d));
+    0 when the plan computes in 16 bits or the model has no GQA."""
+    if not (shape.llama and shape.kv_heads and shape.kv_heads != shape.heads
+            and cand.precision == "fp32"):
+        return 0
+    B, T, C, H = cand.micro_batch, shape.seq_len, shape.width, shape.heads
+    kv = shape.kv_heads * (C // H)
+    blocks = shape.depth if cand.segments == 1 else -(-shape.depth // cand.segments)
+    return blocks * 4 * (B * H * T * T + 2 * B * T * (C - kv))
 
 
 def _outside(found: list[allocator.Overhead]) -> int:
