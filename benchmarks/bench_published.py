@@ -47,11 +47,10 @@ OUTCOMES = ("ran", "out of memory")
 
 
 # Each lever name of the corpus (the CLI's `--allow` names) and the Candidate fields it sets.
-# A dict: fixed fields; a function of (run, shape): fields read off the run; MODELLED_AS_EAGER:
-# a lever the planner has no field for, predicted as the run without it (marked "~"); NO_LEVER:
-# none is planned, the run is not expressible. A combination Candidate refuses makes the run
+# A dict: fixed fields ({}: none, as "compile", which only picks the cost model's compiled
+# factor); a function of (run, shape): fields read off the run; NO_LEVER: none is planned, the
+# run is not expressible. A combination Candidate refuses makes the run
 # "not expressible".
-MODELLED_AS_EAGER = "modelled as without it"
 NO_LEVER = "no planner lever"
 LEVERS: dict[str, dict | Callable | str] = {
     "checkpointing": lambda run, shape: {"segments": shape.depth},      # every block
@@ -152,9 +151,6 @@ def build_candidate(run: dict, shape: GPTShape) -> tuple[Candidate | None, str]:
         spec = LEVERS[lever]
         if spec == NO_LEVER:
             return None, f"not expressible: the planner has no lever for {lever}"
-        if spec == MODELLED_AS_EAGER:
-            approximated = True
-            continue
         spec = spec(run, shape) if callable(spec) else spec
         if adapters and lever in ADAPTER_FALLBACK and not _accepts({**spec, "lora_rank": 8}):
             spec, approximated = ADAPTER_FALLBACK[lever], True

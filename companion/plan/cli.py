@@ -67,24 +67,20 @@ def _size(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a whole number of at least 1; got {text!r}")
-    return value
+def _whole(low: int):
+    """An argparse type: a whole number of at least `low`, or a clear message."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"a whole number of at least {low}; got {text!r}")
+        return value
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a whole number of at least 0; got {text!r}")
-    return value
+_positive, _count = _whole(1), _whole(0)
 
 
 def _cli_names(names) -> list[str]:
