@@ -95,3 +95,29 @@ def test_the_practitioners_commands_exit_2_without_a_traceback(tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr
         assert run.stdout == ""
+
+
+def test_the_factory_a_refused_model_type_suggests_plans_that_model(capsys, tmp_path,
+                                                                     monkeypatch):
+    """Phi-3's model_type is refused; the two lines the message gives, written to factory.py,
+    plan the same config.json through transformers (a tiny Phi-3 here)."""
+    transformers = pytest.importorskip("transformers")
+    config = {"model_type": "phi3", "vocab_size": 128, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "max_position_embeddings": 64,
+              "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.chdir(tmp_path)
+    rc, err = _plan(capsys, "--model", "config.json", "--simulate", "0")
+    assert rc == 2 and "model_type 'phi3' is not supported" in err
+    lines = [line.strip() for line in err.splitlines() if line.startswith("    ")]
+    assert len(lines) == 2 and lines[0].startswith("from transformers import")
+    (tmp_path / "factory.py").write_text("\n".join(lines) + "\n")
+    rc = main(["plan", "--model", "factory.py:build", "--batch", "2", "--seq-len", "16",
+               "--budget", "1GiB", "--device", "cpu", "--simulate", "1"])
+    out = capsys.readouterr().out
+    import torch
+    with torch.device("meta"):
+        n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(str(tmp_path / "config.json"))).parameters())
+    assert rc == 0 and f"model factory.py:build: {n:,} parameters" in out
