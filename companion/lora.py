@@ -105,7 +105,8 @@ class LoRALinear(nn.Module):
 
     def merge_(self) -> None:
         """Add s·B·A into the frozen weight in place (PEFT's `LoraLayer.merge`); forward then
-        runs the base Linear alone. `unmerge_` takes it out again (up to rounding: W + Δ − Δ)."""
+        runs the base Linear alone. `unmerge_` takes it out again (up to rounding:
+        W + Δ − Δ)."""
         if self.merged:
             raise ValueError("this adapter is already merged: unmerge_ first")
         with torch.no_grad():

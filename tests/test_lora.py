@@ -251,7 +251,8 @@ def test_an_adapter_saved_here_loads_in_peft_with_the_same_outputs(tmp_path):
     made = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=_TARGETS,
                                                          task_type="CAUSAL_LM"))
     made.save_pretrained(tmp_path / "peft")
-    mine, peft_own = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("ours", "peft"))
+    mine, peft_own = (load_file(tmp_path / d / "adapter_model.safetensors")
+                      for d in ("ours", "peft"))
     assert {k: v.shape for k, v in mine.items()} == {k: v.shape for k, v in peft_own.items()}
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in mine
     config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
@@ -274,7 +275,8 @@ def test_an_adapter_peft_saved_loads_here_with_the_same_outputs(tmp_path):
     # and back: what we save again is what PEFT saved
     from safetensors.torch import load_file
     lora.save_adapter(ours, tmp_path / "again")
-    first, again = (load_file(p / "adapter_model.safetensors") for p in (tmp_path, tmp_path / "again"))
+    first, again = (load_file(p / "adapter_model.safetensors")
+                    for p in (tmp_path, tmp_path / "again"))
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
 

@@ -226,11 +226,13 @@ _SMALL = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("hidden_size", "256", "'hidden_size' must be a positive whole number, got \"256\" \\(a string"),
+    ("hidden_size", "256",
+     "'hidden_size' must be a positive whole number, got \"256\" \\(a string"),
     ("hidden_size", 64.0, "'hidden_size' must be a positive whole number, got 64.0"),
     ("num_hidden_layers", 0, "'num_hidden_layers' must be a positive whole number, got 0"),
     ("vocab_size", -100, "'vocab_size' must be a positive whole number, got -100"),
-    ("num_attention_heads", True, "'num_attention_heads' must be a positive whole number, got true"),
+    ("num_attention_heads", True,
+     "'num_attention_heads' must be a positive whole number, got true"),
     ("num_key_value_heads", 3, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     ("num_attention_heads", 5, "hidden_size 64 is not a multiple of num_attention_heads 5"),
     ("rms_norm_eps", float("nan"), "'rms_norm_eps' must be a positive finite number, got NaN"),

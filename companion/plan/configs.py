@@ -8,9 +8,9 @@ embedding) and the Llama family (Llama, Mistral, Qwen2: `hidden_size`, `num_hidd
 Llama's q, k, v and o with `attention_bias` and its gate, up and down with `mlp_bias`, as
 transformers builds them). Every key read is checked: a wrong type or a value that is not
 positive is an error naming the key. A `model_type` outside these is refused with a two-line
-factory that builds it with transformers, for `--model factory.py:build`. A few published configurations
-ship as JSON files in the folder `configs/` beside this module, written from the models'
-config.json files on the Hugging Face Hub (which the test machines cannot reach; each file's
+factory that builds it with transformers, for `--model factory.py:build`. A few published
+configurations ship as JSON files in the folder `configs/` beside this module, written from the
+models' config.json files on the Hugging Face Hub (which the test machines cannot reach; each file's
 "_source" says where its values were read); `n_params` equals each model card's count
 (tests/test_plan_configs.py).
 
