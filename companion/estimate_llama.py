@@ -23,7 +23,8 @@ _VALUE_BYTES = {"fp32": 4, "mixed": 2, "bf16": 2, "fp16": 2}   # the model's dty
 
 
 def llama_params(vocab: int, width: int, depth: int, heads: int, *, kv_heads: int,
-                 intermediate: int, tied: bool = False, qkv_bias: bool = False) -> int:
+                 intermediate: int, tied: bool = False, qkv_bias: bool = False,
+                 o_bias: bool = False, mlp_bias: bool = False) -> int:
     """Parameters of `companion.models.Llama`, with C = width, d = width // heads, I =
     intermediate, V = vocab, L = depth:
 
@@ -31,10 +32,13 @@ def llama_params(vocab: int, width: int, depth: int, heads: int, *, kv_heads: in
 
     (embedding; per block two RMSNorms, q, k and v, o, gate, up and down; the final RMSNorm; the
     head, left out when `tied` to the embedding). `qkv_bias` (Qwen2) adds heads·d + 2·kv_heads·d
-    per block."""
+    per block, `o_bias` C (o's output) and `mlp_bias` 2·I + C (gate, up, down): transformers'
+    LlamaAttention gives q, k, v and o biases with `attention_bias`, LlamaMLP its three with
+    `mlp_bias` (transformers/models/llama/modeling_llama.py, 5.25)."""
     C, I, d = width, intermediate, width // heads
     q, kv = heads * d, kv_heads * d
     block = 2 * C + C * q + 2 * C * kv + q * C + 3 * C * I + (q + 2 * kv if qkv_bias else 0)
+    block += (C if o_bias else 0) + (2 * I + C if mlp_bias else 0)
     return vocab * C + depth * block + C + (0 if tied else C * vocab)
 
 

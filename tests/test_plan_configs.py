@@ -9,7 +9,7 @@ from torch._subclasses import FakeTensorMode
 
 from companion.estimate import gpt_params
 from companion.models import GPT, Llama
-from companion.plan.configs import _FOLDER, load_config, shipped
+from companion.plan.configs import _FOLDER, from_dict, load_config, shipped
 from companion.plan.named import parse_batch, plan_dict, plan_named
 from companion.plan.parts import state_bytes
 from companion.plan.space import Candidate, GPTShape
@@ -158,3 +158,130 @@ def test_the_command_line_prints_plans_why_oom_and_json():
     assert "over, at the" in why.stdout and "fix:" in why.stdout
     out = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=300)
     assert json.loads(out.stdout)["plans"]
+
+
+# ------------------------------------------- every field read, counted as transformers counts it
+
+def _transformers_count(config) -> int:
+    """transformers' own count of a config: its model built on the meta device (no memory)."""
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+@pytest.mark.parametrize("mlp_bias", [False, True])
+@pytest.mark.parametrize("tied,kv_heads", [(False, 4), (True, 2)])
+def test_llama_biases_count_as_transformers_builds_them(attention_bias, mlp_bias, tied, kv_heads):
+    """attention_bias gives q, k, v AND o biases, mlp_bias gate, up and down's (transformers 5.25,
+    models/llama/modeling_llama.py): the count, the model built and the planner's shape equal
+    transformers' count of the same config, and the planner's states hold every bias."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172,
+                                  num_hidden_layers=3, num_attention_heads=4,
+                                  num_key_value_heads=kv_heads, tie_word_embeddings=tied,
+                                  attention_bias=attention_bias, mlp_bias=mlp_bias)
+    expected = _transformers_count(hf)
+    config = from_dict(json.loads(hf.to_json_string()))
+    assert config.n_params() == expected
+    model, n = _built(config.model_fn(64))
+    block = model.blocks[0]
+    assert n == expected and (block.o_proj.bias is not None) == attention_bias
+    assert (block.down_proj.bias is not None) == mlp_bias
+    shape = GPTShape.of(config.model_fn(64))
+    assert shape.n_params == expected
+    head = 0 if tied else 256 * 64
+    assert 256 * 64 + head + 64 + 3 * shape.block_params() == expected
+    weights, grads, optimizer, _, _ = state_bytes(shape, Candidate(1), 1)
+    assert (weights, grads, optimizer) == (4 * expected, 4 * expected, 8 * expected)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_qwen2_and_mistral_ignore_the_llama_bias_keys_as_transformers_does(kind):
+    transformers = pytest.importorskip("transformers")
+    cls = {"qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[kind]
+    hf = cls(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+    data = {**json.loads(hf.to_json_string()), "attention_bias": True, "mlp_bias": True}
+    config = from_dict(data)
+    assert config.n_params() == _transformers_count(hf) == _built(config.model_fn(32))[1]
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (kind == "qwen2", False, False)
+
+
+def test_rope_theta_is_read_where_transformers_5_writes_it():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    data = json.loads(hf.to_json_string())
+    assert "rope_theta" not in data                     # inside rope_parameters
+    assert from_dict(data).rope_theta == 5e5
+    assert from_dict({**data, "rope_parameters": None, "rope_theta": 1e6}).rope_theta == 1e6
+
+
+_SMALL = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+          "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 100,
+          "max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("hidden_size", "256",
+     "'hidden_size' must be a positive whole number, got \"256\" \\(a string"),
+    ("hidden_size", 64.0, "'hidden_size' must be a positive whole number, got 64.0"),
+    ("num_hidden_layers", 0, "'num_hidden_layers' must be a positive whole number, got 0"),
+    ("vocab_size", -100, "'vocab_size' must be a positive whole number, got -100"),
+    ("num_attention_heads", True,
+     "'num_attention_heads' must be a positive whole number, got true"),
+    ("num_key_value_heads", 3, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ("num_attention_heads", 5, "hidden_size 64 is not a multiple of num_attention_heads 5"),
+    ("rms_norm_eps", float("nan"), "'rms_norm_eps' must be a positive finite number, got NaN"),
+    ("rope_theta", "1e4", "'rope_theta' must be a positive finite number"),
+    ("tie_word_embeddings", 1, "'tie_word_embeddings' must be true or false, got 1"),
+    ("attention_bias", "yes", "'attention_bias' must be true or false"),
+    ("mlp_bias", 0, "'mlp_bias' must be true or false, got 0"),
+    ("model_type", 7, "'model_type' must be a string"),
+])
+def test_every_field_read_is_checked_and_named(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        from_dict({**_SMALL, key: value})
+
+
+def test_a_config_that_is_not_an_object_or_has_no_model_type_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    for data, match in ([[1, 2], "one JSON object .* this one a list"],
+                        ["llama", "this one a string"], [{}, "has no 'model_type'"]):
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=match):
+            load_config(path)
+    path.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ValueError, match="is not JSON"):
+        load_config(path)
+
+
+def test_a_refused_model_type_says_how_to_plan_it_with_transformers(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_SMALL, "model_type": "phi3"}))
+    with pytest.raises(ValueError) as e:
+        load_config(path)
+    text = str(e.value)
+    assert "model_type 'phi3' is not supported; supported: gpt2, llama, mistral, qwen2" in text
+    assert "--model factory.py:build" in text
+    assert f'AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("{path}"))' in text
+
+
+def test_seq_len_zero_is_an_error_not_the_longest():
+    config = load_config("llama-3-8b")
+    for bad in (0, -1, True, 8.5):
+        with pytest.raises(ValueError, match="seq_len must be a positive whole number"):
+            config.model_fn(bad)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="seq_len must be a whole number of at least 1"):
+            plan_named("llama-3-8b", seq_len=bad, verify=0)
+    with pytest.raises(ValueError, match="gpus must be a whole number of at least 1, got 0"):
+        plan_named("llama-3-8b", gpus=0, verify=0)
+    with pytest.raises(ValueError, match="gpus must be a whole number of at least 1, got 0"):
+        parse_batch("1M-tokens", 4096, 0)
+    for bad in ("0", 0, "1..2M-tokens", True):
+        with pytest.raises(ValueError, match="--batch"):
+            parse_batch(bad, 4096)

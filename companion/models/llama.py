@@ -2,7 +2,8 @@
 
 Where `GPT` has learned positions, LayerNorm, one qkv Linear and a 4x GELU MLP, a Llama block has
 RMSNorm, rotary position embeddings, grouped-query attention (fewer key/value heads than query
-heads) and a SwiGLU MLP; no biases, except Qwen2's on q, k and v (`qkv_bias=True`). Attention is
+heads) and a SwiGLU MLP; no biases, except Qwen2's on q, k and v (`qkv_bias=True`) and those a
+Llama config asks for (`attention_bias`: `qkv_bias` and `o_bias`; `mlp_bias`). Attention is
 always `F.scaled_dot_product_attention` (fused: no (T, T) tensor is kept for backward). The
 interface is `GPT`'s (`seq_len`, `tok`, `blocks`, `norm`, `head`, `loss`), so the planner's
 training code drives either; `companion.plan.configs` builds one from a Hugging Face config.json.
@@ -70,7 +71,8 @@ class LlamaBlock(nn.Module):
     al., 2023). SwiGLU (Shazeer, 2020): down(silu(gate(x)) · up(x))."""
 
     def __init__(self, width: int, heads: int, *, kv_heads: int, intermediate: int,
-                 rotary: Rotary, qkv_bias: bool = False, norm_eps: float = 1e-5, **factory):
+                 rotary: Rotary, qkv_bias: bool = False, o_bias: bool = False,
+                 mlp_bias: bool = False, norm_eps: float = 1e-5, **factory):
         super().__init__()
         if width % heads:
             raise ValueError(f"width {width} must be a multiple of heads {heads}")
@@ -86,12 +88,12 @@ class LlamaBlock(nn.Module):
         self.q_proj = nn.Linear(width, heads * hd, bias=qkv_bias, **factory)
         self.k_proj = nn.Linear(width, kv_heads * hd, bias=qkv_bias, **factory)
         self.v_proj = nn.Linear(width, kv_heads * hd, bias=qkv_bias, **factory)
-        self.o_proj = nn.Linear(heads * hd, width, bias=False, **factory)
+        self.o_proj = nn.Linear(heads * hd, width, bias=o_bias, **factory)
         self.rotary = rotary                                   # shared: one cos, one sin
         self.mlp_norm = nn.RMSNorm(width, eps=norm_eps, **factory)
-        self.gate_proj = nn.Linear(width, intermediate, bias=False, **factory)
-        self.up_proj = nn.Linear(width, intermediate, bias=False, **factory)
-        self.down_proj = nn.Linear(intermediate, width, bias=False, **factory)
+        self.gate_proj = nn.Linear(width, intermediate, bias=mlp_bias, **factory)
+        self.up_proj = nn.Linear(width, intermediate, bias=mlp_bias, **factory)
+        self.down_proj = nn.Linear(intermediate, width, bias=mlp_bias, **factory)
 
     @property
     def fused_attention(self) -> bool:
@@ -123,7 +125,9 @@ class Llama(nn.Module):
     Parameters, with C = width, d = width // heads, I = intermediate, V = vocab, L = depth:
         V·C (embedding)
       + L·(2·C (two RMSNorms) + C·(heads·d) (q) + 2·C·(kv_heads·d) (k, v) + (heads·d)·C (o)
-           + 3·C·I (gate, up, down) [+ heads·d + 2·kv_heads·d with qkv_bias])
+           + 3·C·I (gate, up, down) [+ heads·d + 2·kv_heads·d with qkv_bias, + C with o_bias,
+           + 2·I + C with mlp_bias: transformers' Llama with attention_bias has all four
+           attention biases, with mlp_bias the MLP's three])
       + C (final RMSNorm) + C·V (head, unless tied: then it is the embedding's weight).
     Llama 3 8B (V 128256, C 4096, L 32, 32 heads, 8 kv heads, I 14336): 8,030,261,248.
     What a step saves for backward: `companion.estimate.llama_activations`, to the byte on the
@@ -132,7 +136,8 @@ class Llama(nn.Module):
 
     def __init__(self, vocab: int, seq_len: int, width: int, depth: int, heads: int, *,
                  kv_heads: int | None = None, intermediate: int | None = None,
-                 tied: bool = False, qkv_bias: bool = False, rope_theta: float = 10000.0,
+                 tied: bool = False, qkv_bias: bool = False, o_bias: bool = False,
+                 mlp_bias: bool = False, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, fused_attention: bool = True):
         super().__init__()
@@ -147,7 +152,8 @@ class Llama(nn.Module):
         self.blocks = nn.Sequential(*[
             LlamaBlock(width, heads, kv_heads=kv_heads or heads,
                        intermediate=intermediate or llama_intermediate(width),
-                       rotary=self.rotary, qkv_bias=qkv_bias, norm_eps=norm_eps, **factory)
+                       rotary=self.rotary, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+                       norm_eps=norm_eps, **factory)
             for _ in range(depth)])
         self.norm = nn.RMSNorm(width, eps=norm_eps, **factory)
         self.head = nn.Linear(width, vocab, bias=False, **factory)

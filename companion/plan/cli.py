@@ -89,6 +89,17 @@ def _cli_names(names) -> list[str]:
     return [n.replace("_", "-") if n in new else n for n in names]
 
 
+def _gib(text: str) -> float:
+    """--host-gib: GiB of host memory, 0 or more and finite (0: nothing may go to the host)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a number of GiB, 0 or more, e.g. 64; got {text!r}")
+    return value
+
+
 def _rate(text: str) -> float:
     try:
         value = float(text)
@@ -116,12 +127,15 @@ def _run_named(args) -> int:
         if allow is not None and set(allow) - set(TECHNIQUES):
             raise ValueError(f"--allow: choose from {', '.join(_cli_names(TECHNIQUES))}")
         kwargs = {} if allow is None else {"allow": tuple(allow)}
-        cost = CostModel.for_gpu(args.gpu or "H100 SXM", host_adam_rate=None if
+        gpu = "H100 SXM" if args.gpu is None else args.gpu    # None only: "" is an error
+        cost = CostModel.for_gpu(gpu, host_adam_rate=None if
                                  args.host_adam_rate is None else args.host_adam_rate * 1e9)
-        result = plan_named(args.model, gpu=args.gpu or "H100 SXM", gpus=args.gpus, cost=cost,
-                            seq_len=args.seq_len, batch=args.batch or "1M-tokens",
+        result = plan_named(args.model, gpu=gpu, gpus=args.gpus, cost=cost,
+                            seq_len=args.seq_len,
+                            batch="1M-tokens" if args.batch is None else args.batch,
                             budget=args.budget, verify=args.simulate,
-                            host_budget=int(args.host_gib * 2**30) if args.host_gib else None,
+                            host_budget=None if args.host_gib is None      # 0 GiB is no host
+                            else int(args.host_gib * 2**30),
                             lora_rank=args.lora_rank, **kwargs)
     except (ValueError, TypeError, RuntimeError, FileNotFoundError) as e:
         print(f"companion plan: {e}", file=sys.stderr)
@@ -154,7 +168,7 @@ def _run(args) -> int:
 
     if _named(args.model):
         return _run_named(args)
-    if args.budget is None and args.gpu:
+    if args.budget is None and args.gpu is not None:
         from companion.cost import gpus
         try:                                   # the card's usable bytes, what CUDA reports
             args.budget = gpus.gpu(args.gpu).usable_bytes
@@ -166,10 +180,10 @@ def _run(args) -> int:
               "(or --gpu, whose usable memory is the budget)", file=sys.stderr)
         return 2
     try:
-        args.batch = int(args.batch)
-    except ValueError:
-        print(f"companion plan: --batch is a number of examples here, got {args.batch!r}",
-              file=sys.stderr)
+        args.batch = _positive(args.batch)
+    except argparse.ArgumentTypeError:
+        print(f"companion plan: --batch is a whole number of examples (at least 1) here, got "
+              f"{args.batch!r}", file=sys.stderr)
         return 2
 
     from companion.plan.anymodel import plan_model
@@ -184,8 +198,9 @@ def _run(args) -> int:
         model_fn = load_object(args.model)
         step = load_object(args.step) if args.step else None
         optimizer = load_object(args.optimizer) if args.optimizer else torch.optim.AdamW
-        cost = CostModel.for_gpu(args.gpu) if args.gpu else None
-        device = args.device or ("cuda" if args.gpu or torch.cuda.is_available() else "cpu")
+        cost = CostModel.for_gpu(args.gpu) if args.gpu is not None else None
+        device = args.device or ("cuda" if args.gpu is not None or torch.cuda.is_available()
+                                 else "cpu")
         result = plan_model(model_fn, args.batch, budget=args.budget, step=step,
                             seq_len=args.seq_len, vocab=args.vocab, optimizer=optimizer,
                             device=device, allow=args.allow, lora_rank=args.lora_rank,
@@ -234,7 +249,7 @@ def add_parser(sub) -> None:
                                                  "model: default the GPU's usable memory, "
                                                  "its total as CUDA reports it)")
     p.add_argument("--gpus", type=_positive, default=1, help="data-parallel GPUs (named models)")
-    p.add_argument("--host-gib", type=float, help="host memory per GPU for offload, GiB")
+    p.add_argument("--host-gib", type=_gib, help="host memory per GPU for offload, GiB")
     p.add_argument("--host-adam-rate", type=_rate, metavar="GB/S",
                    help="bytes the offloaded AdamW streams on your host, GB/s (28 B a "
                         "parameter; default 25, assumed: time yours with companion.cost."

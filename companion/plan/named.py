@@ -31,23 +31,37 @@ DEFAULT_ALLOW = EXACT + LOW_PRECISION
 _TOKENS = re.compile(r"^\s*([0-9.]+)\s*([kKmMgG]?)\s*-?\s*tokens?\s*$")
 
 
+def _whole(name: str, value, low: int = 1) -> int:
+    """`value` if it is a whole number of at least `low` (not a bool), else a ValueError that
+    names it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be a whole number of at least {low}, got {value!r}")
+    return value
+
+
 def parse_batch(text: str | int, seq_len: int, gpus: int = 1) -> int:
     """Sequences per optimizer step from "256" (sequences) or "1M-tokens" (2^20 tokens: K, M and
     G are powers of 1024, as the Llama and GPT-3 papers count batch tokens), rounded down to a
     multiple of `gpus` sequences (at least `gpus`)."""
+    seq_len, gpus = _whole("seq_len", seq_len), _whole("gpus", gpus)
+    if isinstance(text, bool):
+        raise ValueError(f"--batch is a number of sequences, got {text!r}")
     if isinstance(text, int) or str(text).strip().isdigit():
         sequences = int(text)
+        if sequences < 1:
+            raise ValueError(f"--batch must be at least 1 sequence, got {text!r}")
     else:
         found = _TOKENS.match(str(text))
-        if not found:
+        try:
+            tokens = float(found[1]) * 1024 ** " kmg".index(found[2].lower() or " ")
+        except (TypeError, ValueError):          # no match, or a number such as "1..2"
             raise ValueError(f"--batch is a number of sequences (256) or of tokens (1M-tokens, "
-                             f"512K-tokens), got {text!r}")
-        tokens = float(found[1]) * 1024 ** " kmg".index(found[2].lower() or " ")
+                             f"512K-tokens), got {text!r}") from None
         sequences = int(tokens // seq_len)
     sequences -= sequences % gpus
     if sequences < gpus:
-        raise ValueError(f"the batch is fewer sequences of {seq_len} tokens than the {gpus} "
-                         "GPUs: give a larger batch")
+        raise ValueError(f"the batch ({text}) is fewer sequences of {seq_len} tokens than the "
+                         f"{gpus} GPU(s): give a larger batch")
     return sequences
 
 
@@ -58,13 +72,24 @@ def plan_named(model: str, *, gpu: str = "H100 SXM", gpus: int = 1, seq_len: int
     """The planner's answer for a shipped model name or a config.json path on `gpus` GPUs,
     within `budget` bytes per GPU (default the card's usable bytes, `GPU.usable_bytes`: what
     CUDA reports, not the nominal size); the `show` fastest plans are each replayed. `cost`: a
-    `CostModel` for the time (default `CostModel.for_gpu(gpu)`)."""
+    `CostModel` for the time (default `CostModel.for_gpu(gpu)`). Every number is checked first
+    (a ValueError names it): `seq_len` None means the config's longest, never 0."""
     from companion.cost import gpus as table
     from companion.plan.configs import load_config
     from companion.plan.planner import plan
 
+    _whole("gpus", gpus)
+    _whole("verify", verify, 0)
+    _whole("show", show, 0)
+    _whole("lora_rank", lora_rank)
+    if budget is not None:
+        _whole("budget (bytes)", budget)
+    if host_budget is not None and not isinstance(host_budget, str):   # "64GiB": the planner's
+        _whole("host_budget (bytes)", host_budget, 0)
+    if seq_len is not None:
+        _whole("seq_len", seq_len)
     config = load_config(model)
-    seq_len = seq_len or config.max_seq_len
+    seq_len = config.max_seq_len if seq_len is None else seq_len
     card = table.gpu(gpu)
     sequences = parse_batch(batch, seq_len, gpus)
     result = plan(config.model_fn(seq_len), sequences, budget=card.usable_bytes if budget is None else budget,

@@ -88,6 +88,8 @@ class GPTShape:
     tied: bool = False        # head and token embedding one tensor (GPT-2, Llama 3.2 1B,
                               # Qwen2.5 0.5B): counted once in n_params
     qkv_bias: bool = False    # biases on q, k and v (Qwen2)
+    o_bias: bool = False      # a bias on o (transformers' Llama with attention_bias)
+    mlp_bias: bool = False    # biases on gate, up and down (Llama's mlp_bias)
 
     @classmethod
     def of(cls, model_fn: Callable[..., torch.nn.Module]) -> "GPTShape":
@@ -112,7 +114,9 @@ class GPTShape:
         block = model.blocks[0]
         llama = {"llama": True, "kv_heads": block.kv_heads,
                  "intermediate": block.gate_proj.out_features,
-                 "qkv_bias": block.q_proj.bias is not None} if isinstance(model, Llama) else {}
+                 "qkv_bias": block.q_proj.bias is not None,
+                 "o_bias": block.o_proj.bias is not None,
+                 "mlp_bias": block.gate_proj.bias is not None} if isinstance(model, Llama) else {}
         return cls(**llama, vocab=model.tok.num_embeddings, seq_len=model.seq_len,
                    width=model.tok.embedding_dim, depth=len(model.blocks), heads=block.heads,
                    fused_attention=block.fused_attention,
@@ -131,10 +135,12 @@ class GPTShape:
 
     def block_params(self) -> int:
         """Parameters of one block: the matmuls' and GPT's 13·C of biases and LayerNorms, or
-        the Llama's two RMSNorms (and q, k and v's biases with qkv_bias)."""
+        the Llama's two RMSNorms (and q, k and v's biases with qkv_bias, o's with o_bias, gate,
+        up and down's with mlp_bias)."""
         if not self.llama:
             return self.block_matmul_params() + 13 * self.width
         bias = (self.heads + 2 * self.kv_heads) * (self.width // self.heads) * self.qkv_bias
+        bias += self.width * self.o_bias + (2 * self.intermediate + self.width) * self.mlp_bias
         return self.block_matmul_params() + 2 * self.width + bias
 
     def lora_params(self, rank: int) -> int:
