@@ -270,6 +270,14 @@ def test_bad_snapshots_get_a_message():
         explain(snap)
 
 
+def test_an_oom_entry_has_no_addr_and_is_read():
+    """torch.cuda.memory._snapshot's TraceEntry: "addr: int  # not present for OOM"."""
+    snap = _step().snapshot()
+    snap["device_traces"][0].append({"action": "oom", "size": 64 * MiB, "device_free": MiB,
+                                     "stream": 0, "frames": []})
+    assert explain(snap)["kinds"] == explain(_step().snapshot())["kinds"]
+
+
 class _Payload:
     """Unpickling this calls open(path, "w"): code in the file, run by a plain pickle.load."""
 
