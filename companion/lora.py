@@ -81,6 +81,25 @@ class LoRALinear(nn.Module):
         self.merged = False                  # True while W holds W + s·B·A (`merge_`)
         base.requires_grad_(False)                                    # frozen: no grad, no state
 
+    # The base layer's attributes, read through the adapter as PEFT's layers let them be
+    # (transformers' T5 reads `wo.weight.dtype`; others `in_features`). Not parameters of
+    # the adapter: `parameters()` still lists W and b once, under `base`.
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:                      # W already holds the update
             return self.base(x)
@@ -308,6 +327,22 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
+def _tied(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> dict[str, str]:
+    """{adapter name: the other module's parameter} for each adapted weight that another module
+    of `model` holds too (a head tied to the input embedding)."""
+    owners: dict[int, list[str]] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for pname, p in m.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
+    found = {}
+    for name, layer in layers:
+        others = [o for o in owners.get(id(layer.base.weight), [])
+                  if not o.startswith(f"{name}.")]
+        if others:
+            found[name] = others[0]
+    return found
+
+
 def merge_lora(model: nn.Module, *, unload: bool = False) -> nn.Module:
     """Merge every adapter of `model` into its frozen weight, W <- W + s·B·A, in place.
 
@@ -318,6 +353,11 @@ def merge_lora(model: nn.Module, *, unload: bool = False) -> nn.Module:
     weight, and the adapters are gone: a model of plain layers for inference or export. Either
     way the merged weights equal PEFT's bit for bit (`LoRALinear.delta_weight`), and every
     parameter stays frozen as `apply_lora` left it (PEFT's do too). Returns `model`.
+
+    A weight another module shares (an output head tied to the input embedding) cannot take the
+    update in place without changing that module too: `unload=False` refuses it by name, and
+    `unload=True` gives the adapted layer a merged weight of its own (the tie is broken; the
+    embedding keeps its trained values). PEFT 0.21.2 only warns when such a layer is targeted.
 
     A QLoRA layer (`lowbit.QLoRALinear`, an NF4 base) cannot take the update in place: an error
     names it. An adapter already merged is an error (merge twice would add the update twice)."""
@@ -334,7 +374,17 @@ def merge_lora(model: nn.Module, *, unload: bool = False) -> nn.Module:
     done = [n for n, m in layers if m.merged] + [type(o).__name__ for o, _, d in deltas if d.merged]
     if done:
         raise ValueError(f"already merged: {', '.join(done[:4])}; unmerge_lora(model) first")
+    tied = _tied(model, layers)
+    if tied and not unload:
+        raise ValueError(f"cannot merge in place into a weight another module shares "
+                         f"({'; '.join(f'{a} is {b}' for a, b in list(tied.items())[:3])}): the "
+                         f"update would change that module too (tied input and output "
+                         f"embeddings). merge_lora(model, unload=True) gives the adapted layer a "
+                         f"merged weight of its own, or leave it out of apply_lora's targets")
     for name, layer in layers:
+        if name in tied:                     # its own merged copy; the shared weight untouched
+            _replace(model, name, layer.merge())
+            continue
         layer.merge_()
         if unload:
             _replace(model, name, layer.base)
