@@ -21,6 +21,11 @@ Example:
     >>> print(p)
     >>> p.check().peak             # the chosen step run for real on this CPU
 
+An op the fake tensors cannot run (a data-dependent shape: `nonzero` in MoE routing; a meta
+kernel stricter than the CPU's: grouped_mm in fp32) is named with its module, and the real step
+is measured on this CPU at small micro-batches and scaled instead, the plan saying so
+(`fallback`; `fallback=False` stops with the error).
+
 Simplified vs the formulas: no ZeRO, offload or QLoRA levers; time from counted FLOPs at the cost
 model's rate plus a fixed cost per block and micro-batch (no measured kernel); on CUDA the lines
 beyond the tensors are the context and cuBLAS's workspace (no attention kernel is known).
@@ -50,20 +55,23 @@ def plan_model(model_fn: Callable[[], nn.Module], batch: int, *, budget: int | s
                optimizer: Callable = torch.optim.AdamW, device: torch.device | str = "cpu",
                allow: Iterable[str] = ("accumulation", "checkpointing"), lora_rank: int = 8,
                margin: float | None = None, cost: CostModel | None = None,
-               gpu: str | None = None, verify: int = 8) -> Plan:
+               gpu: str | None = None, verify: int = 8, fallback: bool = True) -> Plan:
     """The fastest plan (by `cost`) whose traced step fits `budget` bytes per device, for any
     model. `step(model, batch)` returns a micro-batch's loss (it makes its own inputs); default
     `next_token_step(seq_len, vocab)`, with vocab read from the model's first nn.Embedding.
     `optimizer(params)` makes the optimizer (default AdamW). `allow`: levers of `GENERIC`
     (default the exact ones: accumulation and checkpointing). `verify`: candidates simulated
-    beyond those traced while predicting. Raises ValueError when none fits."""
+    beyond those traced while predicting. `fallback`: when an op of the step cannot run on fake
+    tensors, measure the real step on this CPU at small micro-batches and scale it (the plan's
+    notes say so); False raises an error naming the op. Raises ValueError when none fits."""
     allow = tuple((allow,) if isinstance(allow, str) else allow)
     if set(allow) - set(GENERIC):
         raise ValueError(f"unknown lever(s) {sorted(set(allow) - set(GENERIC))}: for any model "
                          f"choose from {', '.join(GENERIC)}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
-    model = Traced(model_fn, step=step, seq_len=seq_len, vocab=vocab, optimizer=optimizer)
+    model = Traced(model_fn, step=step, seq_len=seq_len, vocab=vocab, optimizer=optimizer,
+                   fallback=fallback)
     return _plan(model, batch, budget=budget, device=torch.device(device), world_size=1,
                  allow=allow, lora_rank=lora_rank, host_budget=None, margin=margin, cost=cost,
                  lr=1e-3, verify=verify, simulate_plain=True, gpu=gpu, context_bytes=None)

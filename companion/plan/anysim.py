@@ -11,12 +11,15 @@ import dataclasses
 import gc
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import FlopCounterMode
 
 from companion import lora, lowbit
@@ -33,7 +36,17 @@ _WHAT = ("the planner builds your model on fake tensors (shapes only, nothing al
 
 
 def build_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
-    """model_fn(), with an error that names the cause when it cannot run on fake tensors."""
+    """model_fn(), with an error that names the cause when it cannot run on fake tensors.
+
+    Two kinds of factory cannot run under FakeTensorMode. One that converts its model
+    (`.to(memory_format=torch.channels_last)`, `.float()`): `nn.Module._apply` swaps each fake
+    parameter for its converted copy, and FakeTensorMode's memo holds a weak reference to it,
+    which `torch.utils.swap_tensors` refuses ("Couldn't swap Conv2d.weight"; the flag
+    `torch.__future__.set_overwrite_module_params_on_conversion(True)` does not avoid it, since
+    fake parameters are always swapped). And one whose initialisation reads values
+    (`nn.init.trunc_normal_` calls `.item()`: transformers' ViT). Either is built on the meta
+    device instead (no dispatch mode: conversions copy in place, and `trunc_normal_` skips meta
+    tensors), and its tensors are then made fake with the same shapes, strides and dtypes."""
     if isinstance(model_fn, nn.Module) or not callable(model_fn):
         raise TypeError(f"model_fn is a {type(model_fn).__name__}, not a function that builds the "
                         f"model: {_WHAT}")
@@ -42,23 +55,73 @@ def build_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
     except TypeError as e:
         raise TypeError(f"model_fn() raised TypeError: {e}. {_WHAT}") from e
     except Exception as e:
-        raise RuntimeError(f"model_fn() raised {type(e).__name__} while building the model on "
-                           f"fake tensors (FakeTensorMode): {e}. {_WHAT}") from e
+        if not (_faking() and ("Couldn't swap" in str(e) or isinstance(
+                e, (DataDependentOutputException, DynamicOutputShapeException)))):
+            raise RuntimeError(f"model_fn() raised {type(e).__name__} while building the model on "
+                               f"fake tensors (FakeTensorMode): {e}. {_WHAT}") from e
+        model = _built_on_meta(model_fn, e)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_fn() returned a {type(model).__name__}, not an nn.Module")
     return model
 
 
+def _faking() -> bool:
+    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+
+
+def _built_on_meta(model_fn: Callable[[], nn.Module], swap: Exception) -> nn.Module:
+    """model_fn() on the meta device (no dispatch mode, so conversions copy in place), then each
+    parameter and buffer a fake tensor of its shape, strides and dtype; shared ones stay shared."""
+    try:
+        with _disable_current_modes(), torch.device("meta"):
+            model = model_fn()
+    except Exception as e:
+        raise RuntimeError(f"model_fn() cannot run on fake tensors ({type(swap).__name__}: "
+                           f"{swap}), and building it on the meta device instead raised "
+                           f"{type(e).__name__}: {e}. {_WHAT}") from e
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                    made[id(t)] = (t, nn.Parameter(fake, requires_grad=t.requires_grad)
+                                   if isinstance(t, nn.Parameter) else fake)
+                table[key] = made[id(t)][1]
+    return model
+
+
 def next_token_step(seq_len: int, vocab: int) -> Callable[[nn.Module, int], torch.Tensor]:
     """The default step of a language model: `batch` random sequences of `seq_len` token ids in,
-    logits (batch, seq_len, vocab) out, cross-entropy against the next token."""
+    logits (batch, seq_len, vocab) out, cross-entropy against the next token. The model may
+    return the logits, a dict or Hugging Face `ModelOutput` holding "logits", or a tuple whose
+    first element they are (`return_dict=False`)."""
     def step(model: nn.Module, batch: int) -> torch.Tensor:
         device = next(model.parameters()).device
         x = torch.randint(vocab, (batch, seq_len), device=device)
-        logits = model(x)
-        logits = getattr(logits, "logits", logits)             # Hugging Face's output objects
+        logits = _logits(model(x))                             # (batch, seq_len, vocab)
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
     return step
+
+
+def _logits(out) -> torch.Tensor:
+    """The logits in a model's output: the tensor, out["logits"], out.logits or out[0]."""
+    if isinstance(out, Mapping):                               # a dict, or a ModelOutput
+        found = out.get("logits")
+    elif isinstance(out, (tuple, list)) and out:
+        found = out[0]
+    else:
+        found = getattr(out, "logits", out)
+    if not isinstance(found, torch.Tensor) or found.dim() != 3:
+        what = (f"{type(out).__name__} with keys {list(out.keys())}" if isinstance(out, Mapping)
+                else f"{type(found).__name__}" + (f" of shape {tuple(found.shape)}"
+                                                  if isinstance(found, torch.Tensor) else ""))
+        raise TypeError(f"the default step reads logits (batch, seq_len, vocab) from the model's "
+                        f"output (the tensor, a dict or ModelOutput with 'logits', or a tuple "
+                        f"that starts with them), got {what}: pass step(model, batch) -> loss")
+    return found
 
 
 def blocks_of(model: nn.Module) -> nn.Module | None:

@@ -129,6 +129,9 @@ def fit_simulated(tracker, weights: int, budget: int, found: list[allocator.Over
     leaves it (the workspaces taken first)."""
     if device_type != "cuda":
         return Fit(tracker.peak <= budget, tracker.peak, tracker.peak, (), "simulated")
+    if not hasattr(tracker, "_ledger"):           # measured at small sizes, scaled: no trace
+        return fit_predicted(tracker.peak, weights, allocator.LARGE_REQUEST, budget, found,
+                             device_type)
     found = [o for o in found if o.alive != "bound"]
     cap = usable(budget, found) - _inside(found)
     replayed = allocator.replay(tracker, cap=cap)

@@ -204,7 +204,8 @@ def _run(args) -> int:
         result = plan_model(model_fn, args.batch, budget=args.budget, step=step,
                             seq_len=args.seq_len, vocab=args.vocab, optimizer=optimizer,
                             device=device, allow=args.allow, lora_rank=args.lora_rank,
-                            cost=cost, gpu=args.gpu, verify=max(args.simulate, 1))
+                            cost=cost, gpu=args.gpu, verify=max(args.simulate, 1),
+                            fallback=not args.no_fallback)
     except (ValueError, TypeError, RuntimeError) as e:
         print(f"companion plan: {e}", file=sys.stderr)
         return 2
@@ -274,4 +275,8 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     p.add_argument("--check", action="store_true",
                    help="then run the chosen step for real on this CPU and print its peak")
+    p.add_argument("--no-fallback", action="store_true",
+                   help="your own model: when an op of the step cannot run on fake tensors, "
+                        "stop with an error naming it, instead of measuring the real step on "
+                        "this CPU at small micro-batches and scaling it")
     p.set_defaults(run=_run)

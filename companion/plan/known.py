@@ -36,6 +36,7 @@ from torch._subclasses import FakeTensorMode
 from companion import allocator, lora
 from companion.memory import MemoryTracker
 from companion.plan import budget as budgets
+from companion.plan import fallback as fallbacks
 from companion.plan.anysim import blocks_of, build_model, next_token_step, simulate_model
 from companion.plan.costmodel import CostModel
 from companion.plan.predict import (ADAM8BIT_BYTES, Prediction, predict_memory,
@@ -67,6 +68,7 @@ class Formulas:
     """A course GPT or Llama: every lever, peaks and times from `predict`'s formulas."""
 
     how = "formulas"
+    notes: tuple[str, ...] = ()
 
     def __init__(self, model_fn: Callable[..., nn.Module], shape: GPTShape):
         self.model_fn, self.shape = model_fn, shape
@@ -108,13 +110,18 @@ class Formulas:
 
 class Traced:
     """Any model with a step: each combination of `GENERIC` levers traced on fake tensors at its
-    smallest and largest micro-batch, the sizes in between interpolated."""
+    smallest and largest micro-batch, the sizes in between interpolated.
+
+    When an op of the step cannot run on fake tensors (`fallback.diagnose`), `fallback=True`
+    measures every row's real step on this CPU at small micro-batches and scales it
+    (`fallback.scaled`; `how` becomes "measured and scaled", `notes` say so); `fallback=False`
+    raises a RuntimeError that names the op, the module and why."""
 
     how = "traced"
 
     def __init__(self, model_fn: Callable[[], nn.Module], *, step: Callable | None = None,
                  seq_len: int | None = None, vocab: int | None = None,
-                 optimizer: Callable = torch.optim.AdamW):
+                 optimizer: Callable = torch.optim.AdamW, fallback: bool = True):
         with FakeTensorMode():
             model = build_model(model_fn)
         self.model_fn, self.optimizer, self.shape = model_fn, optimizer, None
@@ -132,6 +139,8 @@ class Traced:
         self.segments = _segments(model)
         self._traces: dict[Candidate, tuple[MemoryTracker, float, int]] = {}
         self._micro: list[int] = []
+        self.fallback, self.unsimulable = fallback, None
+        self._bases: set[str] = set()            # how the measured rows were scaled
 
     def allowed(self, allow: tuple[str, ...]) -> tuple[str, ...]:
         """The levers of `allow` a traced step can pull (`GENERIC`)."""
@@ -153,9 +162,36 @@ class Traced:
 
     def _trace(self, cand: Candidate) -> tuple[MemoryTracker, float, int]:
         if cand not in self._traces:
-            self._traces[cand] = simulate_model(self.model_fn, cand, self.step,
-                                                optimizer=self.optimizer)
+            self._traces[cand] = self._simulated(cand)
         return self._traces[cand]
+
+    def _simulated(self, cand: Candidate) -> tuple[MemoryTracker, float, int]:
+        """The fake step; once an op of it could not run, the real one measured and scaled."""
+        if self.unsimulable is None:
+            try:
+                with fallbacks.quiet():
+                    return simulate_model(self.model_fn, cand, self.step,
+                                          optimizer=self.optimizer)
+            except Exception as e:
+                found = fallbacks.diagnose(e)
+                if found is None:
+                    raise
+                if not self.fallback:
+                    raise RuntimeError(f"{found}. With fallback=True (the CLI without "
+                                       f"--no-fallback) the planner measures the real step on "
+                                       f"this CPU at small micro-batches and scales it; or "
+                                       f"pass a step that avoids the op") from None
+            self.unsimulable, self.how = found, "measured and scaled"
+        found = fallbacks.scaled(
+            lambda c: simulate_model(self.model_fn, c, self.step, optimizer=self.optimizer,
+                                     fake=False), cand, self.n_params, self.unsimulable)
+        self._bases.add(found[0].basis)
+        return found
+
+    @property
+    def notes(self) -> list[str]:
+        """What the plan prints of how its rows were found: nothing when all were simulated."""
+        return fallbacks.note(self.unsimulable, self._bases) if self.unsimulable else []
 
     def predict(self, cand: Candidate, *, world_size: int, device_type: str, cost: CostModel
                 ) -> tuple[Prediction, dict[str, float]]:

@@ -123,6 +123,7 @@ class Plan:
                          f"{format_bytes(r.predicted.peak):>11}{sim:>11}{host:>11}"
                          f"{_time(r.seconds['total']):>11}")
             lines += [f"{'':4}{line}" for line in more]
+        lines += [line for note in self.model.notes for line in textwrap.wrap(note, 100)]
         return "\n".join(lines)
 
     def explain(self) -> str:
@@ -208,7 +209,8 @@ class Plan:
         """The plan as JSON-ready data: the plain run, the chosen plan and every candidate."""
         return {"batch": self.batch, "budget": self.budget, "usable": self.usable,
                 "device": str(self.device), "n_params": self.n_params,
-                "known_by": self.model.how, "plain": self.plain.to_dict(),
+                "known_by": self.model.how, "notes": list(self.model.notes),
+                "plain": self.plain.to_dict(),
                 "chosen": self.chosen_row.to_dict(),
                 "candidates": [r.to_dict() for r in self.rows]}
 
