@@ -36,7 +36,8 @@ from torch._subclasses import FakeTensorMode
 from companion import allocator, lora
 from companion.memory import MemoryTracker
 from companion.plan import budget as budgets
-from companion.plan.anysim import blocks_of, build_model, next_token_step, simulate_model
+from companion.plan.anysim import (blocks_of, build_model, checkpointed_already, count_flops,
+                                   measure_step, next_token_step, simulate_memory)
 from companion.plan.costmodel import CostModel
 from companion.plan.predict import (ADAM8BIT_BYTES, Prediction, predict_memory,
                                     predict_seconds)
@@ -67,6 +68,7 @@ class Formulas:
     """A course GPT or Llama: every lever, peaks and times from `predict`'s formulas."""
 
     how = "formulas"
+    note = None                                        # nothing to say beside the table
 
     def __init__(self, model_fn: Callable[..., nn.Module], shape: GPTShape):
         self.model_fn, self.shape = model_fn, shape
@@ -111,6 +113,7 @@ class Traced:
     smallest and largest micro-batch, the sizes in between interpolated."""
 
     how = "traced"
+    note: str | None = None          # what the model does itself that the plan must say
 
     def __init__(self, model_fn: Callable[[], nn.Module], *, step: Callable | None = None,
                  seq_len: int | None = None, vocab: int | None = None,
@@ -129,8 +132,14 @@ class Traced:
                                  "pass step(model, batch) -> loss")
             step = next_token_step(seq_len, vocab)
         self.step = step
-        self.segments = _segments(model)
+        already = checkpointed_already(model)
+        self.note = (None if already is None else
+                     f"the model recomputes its blocks already ({already} in model_fn): every "
+                     f"row, the plain run's too, is checkpointed that way, and the checkpointing "
+                     f"lever is not pulled again")
+        self.segments = 1 if already else _segments(model)
         self._traces: dict[Candidate, tuple[MemoryTracker, float, int]] = {}
+        self._flops: dict[Candidate, int] = {}
         self._micro: list[int] = []
 
     def allowed(self, allow: tuple[str, ...]) -> tuple[str, ...]:
@@ -152,9 +161,16 @@ class Traced:
                 for combo in _combos(allow, lora_rank, self.segments) for m in self._micro]
 
     def _trace(self, cand: Candidate) -> tuple[MemoryTracker, float, int]:
+        """The candidate's simulated step (`anysim.simulate_memory`) and its FLOPs, counted in a
+        run of their own (`anysim.count_flops`) once per micro-batch, checkpointing, precision
+        and LoRA rank (accumulation and the optimizer's states do not change them)."""
         if cand not in self._traces:
-            self._traces[cand] = simulate_model(self.model_fn, cand, self.step,
-                                                optimizer=self.optimizer)
+            tracker, blocks = simulate_memory(self.model_fn, cand, self.step,
+                                              optimizer=self.optimizer)
+            key = dataclasses.replace(cand, accumulation=1, state_bits=32)
+            if key not in self._flops:
+                self._flops[key] = count_flops(self.model_fn, key, self.step)
+            self._traces[cand] = (tracker, self._flops[key], blocks)
         return self._traces[cand]
 
     def predict(self, cand: Candidate, *, world_size: int, device_type: str, cost: CostModel
@@ -201,9 +217,10 @@ class Traced:
         return self._trace(cand)[0]
 
     def check(self, cand: Candidate) -> MemoryTracker:
-        """The step of `cand` run for real on this CPU, measured by `track`."""
-        return simulate_model(self.model_fn, cand, self.step, optimizer=self.optimizer,
-                              fake=False)[0]
+        """The step of `cand` as a training loop runs it, for real on this CPU: built, stepped
+        once, the next step measured by `track` alone (`anysim.measure_step`), not the
+        simulation run on real tensors."""
+        return measure_step(self.model_fn, cand, self.step, optimizer=self.optimizer)
 
 
 def _seconds(cand: Candidate, flops: float, blocks: int, trainable: int, cost: CostModel
