@@ -2,6 +2,7 @@
 user's own training loop, measured by `companion.memory.track` and by torch's MemTracker; the
 checkpointing lever on Hugging Face models with a padding mask; a factory that checkpoints
 already; parameters labelled by the parameter set, not by `is_leaf`."""
+import functools
 import subprocess
 import sys
 
@@ -178,6 +179,22 @@ def test_a_factory_that_checkpoints_already_is_planned_as_it_is_and_said_so():
     assert abs(p.plain.simulated - mine.peak) <= 0.001 * mine.peak
     held = 4 * sum(p.numel() for p in peft_style().parameters())
     assert mine.breakdown()["parameters"] == p.plain.kinds["parameters"] == held
+
+
+def wrapped_by_hand():
+    """The lever's checkpointing, done in the factory."""
+    model = KwargsLM()
+    for block in list(model.blocks)[:-1]:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model
+
+
+def test_a_factory_that_wraps_its_blocks_is_not_checkpointed_twice():
+    p = plan_model(wrapped_by_hand, B, budget="1 GiB", step=kwargs_step, allow="checkpointing")
+    assert [r.candidate.segments for r in p.rows] == [1]
+    assert "torch.utils.checkpoint" in p.to_dict()["note"] and "Note: " in str(p)
+    lever = simulate_memory(KwargsLM, Candidate(B, segments=4), kwargs_step)[0].peak
+    assert p.plain.simulated == lever
 
 
 def test_a_plain_model_is_planned_without_importing_transformers():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import warnings
@@ -77,8 +78,11 @@ def _checkpoint(model: nn.Module, container: nn.Module) -> None:
     (non-reentrant `torch.utils.checkpoint`; the last block's tensors are used at once by
     backward, as `checkpoint_sequential` runs its last segment); a Sequential runs as round(√n)
     segments (`checkpoint_sequential`). A Hugging Face model's KV cache is turned off first, as
-    its own `gradient_checkpointing_enable` does: recomputing a layer would append its keys to
-    the cache a second time (and on a padded batch attend to twice as many keys as the mask)."""
+    its own checkpointing does ("`use_cache=True` is incompatible with gradient checkpointing",
+    transformers' `merge_with_config_defaults`): recomputing a layer would append its keys to
+    the cache again, and on a padded batch the recomputed attention sees twice the keys its mask
+    covers and fails. Its own switch (`gradient_checkpointing_enable`) is not used: it
+    checkpoints every layer, the last one too."""
     for hf in _hf_models(model):
         hf.config.use_cache = False
     if isinstance(container, nn.Sequential):
@@ -104,11 +108,21 @@ def _hf_models(model: nn.Module) -> list[nn.Module]:
 def checkpointed_already(model: nn.Module) -> str | None:
     """How `model` already recomputes its blocks, as built: Hugging Face's
     `gradient_checkpointing_enable()` (a module's `gradient_checkpointing` flag set, what its
-    `is_gradient_checkpointing` reads) or torch's `checkpoint_wrapper`; None if neither."""
+    `is_gradient_checkpointing` reads), torch's `checkpoint_wrapper`, or a block's `forward`
+    replaced by one that calls `checkpoint` (as this lever does); None if none of them."""
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         return "Hugging Face's gradient_checkpointing_enable()"
     if any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()):
         return "torch's checkpoint_wrapper"
+    container = blocks_of(model)
+    for block in container if container is not None else ():
+        forward = vars(block).get("forward")
+        if isinstance(forward, functools.partial):
+            forward = forward.func
+        code = getattr(forward, "__code__", None)
+        if forward is torch.utils.checkpoint.checkpoint or (
+                code is not None and "checkpoint" in code.co_names):
+            return "its blocks' forward wrapped in torch.utils.checkpoint"
     return None
 
 
