@@ -130,6 +130,7 @@ def users_step(make, step, checkpointed: bool, *, by: str = "track"):
     return tracker
 
 
+@pytest.mark.filterwarnings("ignore:The module hierarchy tracking")   # MemTracker's, on HF
 @pytest.mark.parametrize("segments", [1, 4])
 @pytest.mark.parametrize("case", ["mha_lm", "kwargs", "hf_llama"])
 def test_simulated_rows_are_the_users_own_step(case, segments):
