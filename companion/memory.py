@@ -239,7 +239,10 @@ def _labels(ledger: _Ledger) -> Iterator[None]:
                 ledger.label(value, _OPT)
 
     def pack(t):
-        ledger.label(t, _PARAM if t.requires_grad and t.is_leaf else _ACT)
+        # A parameter is an nn.Parameter (modules' and the optimizers' are labelled by the hooks
+        # too), not any leaf that requires grad: Hugging Face's enable_input_require_grads makes
+        # a frozen embedding's output one, and it is an activation.
+        ledger.label(t, _PARAM if isinstance(t, torch.nn.Parameter) else _ACT)
         if isinstance(t, FakeTensor):            # its fake mode must see the detach, or the
             return t.detach()                    # copy comes back a plain meta tensor
         with torch._C._DisableTorchDispatch():   # detach allocates nothing: skip the ledger

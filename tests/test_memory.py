@@ -486,3 +486,24 @@ def test_a_nested_cuda_tracker_leaves_the_outer_peak_whole(monkeypatch):
     with track("cuda:0") as again:                    # a later tracker starts afresh
         fake.alloc(50)
     assert again.peak == 50
+
+
+def test_a_leaf_that_requires_grad_is_not_a_parameter():
+    """Saved for backward, a leaf that requires grad (what Hugging Face's
+    enable_input_require_grads makes of a frozen embedding's output) is an activation; only
+    nn.Parameters are parameters."""
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(16))
+
+        def forward(self, x):
+            return x * self.w                        # saves x and w
+
+    with track() as t:
+        model, x = Scale(), torch.randn(64, 16).requires_grad_()
+        loss = model(x).sum()
+        kinds = t.breakdown("current")
+    assert kinds["parameters"] == 16 * 4
+    assert kinds["activations"] == 64 * 16 * 4
+    del loss

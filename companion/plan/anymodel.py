@@ -3,8 +3,9 @@
 The course's GPT has formulas (`predict`); a practitioner's model has none. `plan_model` is
 `planner.plan` with the model's own step: every candidate is scored by the same fake-tensor
 simulation that checks the GPT's plans (`known.Traced`): the step runs on tensors that have
-shapes and dtypes but no memory (`FakeTensorMode`), measured by `companion.memory.track`, while
-`torch.utils.flop_counter.FlopCounterMode` counts its matmul and convolution FLOPs for the time.
+shapes and dtypes but no memory (`FakeTensorMode`), measured by `companion.memory.track`;
+`torch.utils.flop_counter.FlopCounterMode` counts its matmul and convolution FLOPs for the time
+in a fake run of their own (its hooks would change what the step holds).
 Memory and FLOPs grow linearly with the micro-batch, so each combination of levers is simulated
 at the smallest and the largest micro-batch and the sizes in between are interpolated; the
 fastest candidate that fits is then simulated itself before it is chosen. The table, the budget's

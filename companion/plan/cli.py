@@ -215,6 +215,8 @@ def _run(args) -> int:
     plain = result.plain
     print(f"model {args.model}: {result.n_params:,} parameters; batch {args.batch}, budget "
           f"{format_bytes(result.budget)} ({format_bytes(result.usable)} usable) on {device}")
+    if result.model.note:                          # e.g. it checkpoints its blocks already
+        print(f"note: {result.model.note}")
     print(f"the whole batch in one step, no lever: peak {format_bytes(plain.peak)} "
           f"({plain.phase}), by kind at the peak:")
     for kind in KINDS:

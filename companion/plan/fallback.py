@@ -8,7 +8,7 @@ kernel is stricter than the CPU kernel the real step runs (`aten._grouped_mm` wa
 tensors; transformers' Mixtral trains in fp32 on the CPU with it). `diagnose` reads the failure's
 traceback for the op (the innermost dispatched `OpOverload`) and the module it ran in (the
 innermost `nn.Module` call), `scaled` runs the real step on this CPU at two small micro-batches
-(`simulate_model(fake=False)`, measured by `companion.memory.track`, the same levers, a fixed
+(`anysim.simulate_memory(fake=False)`, measured by `companion.memory.track`, the same levers, a fixed
 seed) and extrapolates its live bytes linearly in the micro-batch, allocation by allocation.
 
 Example:
@@ -142,7 +142,7 @@ def available_bytes() -> int | None:
 def scaled(run: Callable[[Candidate], tuple], cand: Candidate, n_params: int,
            why: Unsimulable) -> tuple[Scaled, float, int]:
     """(tracker-like peak, FLOPs, blocks) of `cand` from its real step at two small micro-batches:
-    `run(candidate)` is `simulate_model(..., fake=False)`.
+    `run(candidate)` is the real step measured (`known.Traced._simulated`: `simulate_memory(fake=False)` and `count_flops(fake=False)`).
 
     The two are m and m + 1 from m = 2 (a micro-batch of 1 runs other ops: 527 allocations and
     frees against 640 at 2 to 8 for a top-1 MoE, 1106 against 1110 for a small Mixtral): the

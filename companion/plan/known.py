@@ -37,7 +37,8 @@ from companion import allocator, lora
 from companion.memory import MemoryTracker
 from companion.plan import budget as budgets
 from companion.plan import fallback as fallbacks
-from companion.plan.anysim import blocks_of, build_model, next_token_step, simulate_model
+from companion.plan.anysim import (blocks_of, build_model, checkpointed_already, count_flops,
+                                   measure_step, next_token_step, simulate_memory)
 from companion.plan.costmodel import CostModel
 from companion.plan.predict import (ADAM8BIT_BYTES, Prediction, predict_memory,
                                     predict_seconds)
@@ -69,6 +70,7 @@ class Formulas:
 
     how = "formulas"
     notes: tuple[str, ...] = ()
+    note = None                                        # nothing to say beside the table
 
     def __init__(self, model_fn: Callable[..., nn.Module], shape: GPTShape):
         self.model_fn, self.shape = model_fn, shape
@@ -118,6 +120,7 @@ class Traced:
     raises a RuntimeError that names the op, the module and why."""
 
     how = "traced"
+    note: str | None = None          # what the model does itself that the plan must say
 
     def __init__(self, model_fn: Callable[[], nn.Module], *, step: Callable | None = None,
                  seq_len: int | None = None, vocab: int | None = None,
@@ -136,8 +139,14 @@ class Traced:
                                  "pass step(model, batch) -> loss")
             step = next_token_step(seq_len, vocab)
         self.step = step
-        self.segments = _segments(model)
+        already = checkpointed_already(model)
+        self.note = (None if already is None else
+                     f"the model recomputes its blocks already ({already} in model_fn): every "
+                     f"row, the plain run's too, is checkpointed that way, and the checkpointing "
+                     f"lever is not pulled again")
+        self.segments = 1 if already else _segments(model)
         self._traces: dict[Candidate, tuple[MemoryTracker, float, int]] = {}
+        self._flops: dict[Candidate, int] = {}
         self._micro: list[int] = []
         self.fallback, self.unsimulable = fallback, None
         self._bases: set[str] = set()            # how the measured rows were scaled
@@ -161,6 +170,9 @@ class Traced:
                 for combo in _combos(allow, lora_rank, self.segments) for m in self._micro]
 
     def _trace(self, cand: Candidate) -> tuple[MemoryTracker, float, int]:
+        """The candidate's simulated step (`anysim.simulate_memory`) and its FLOPs, counted in a
+        run of their own (`anysim.count_flops`) once per micro-batch, checkpointing, precision
+        and LoRA rank (accumulation and the optimizer's states do not change them)."""
         if cand not in self._traces:
             self._traces[cand] = self._simulated(cand)
         return self._traces[cand]
@@ -170,8 +182,12 @@ class Traced:
         if self.unsimulable is None:
             try:
                 with fallbacks.quiet():
-                    return simulate_model(self.model_fn, cand, self.step,
-                                          optimizer=self.optimizer)
+                    tracker, blocks = simulate_memory(self.model_fn, cand, self.step,
+                                                      optimizer=self.optimizer)
+                    key = dataclasses.replace(cand, accumulation=1, state_bits=32)
+                    if key not in self._flops:
+                        self._flops[key] = count_flops(self.model_fn, key, self.step)
+                    return tracker, self._flops[key], blocks
             except Exception as e:
                 found = fallbacks.diagnose(e)
                 if found is None:
@@ -182,9 +198,12 @@ class Traced:
                                        f"this CPU at small micro-batches and scales it; or "
                                        f"pass a step that avoids the op") from None
             self.unsimulable, self.how = found, "measured and scaled"
-        found = fallbacks.scaled(
-            lambda c: simulate_model(self.model_fn, c, self.step, optimizer=self.optimizer,
-                                     fake=False), cand, self.n_params, self.unsimulable)
+        def real(c: Candidate) -> tuple[MemoryTracker, int, int]:
+            tracker, blocks = simulate_memory(self.model_fn, c, self.step,
+                                              optimizer=self.optimizer, fake=False)
+            return tracker, count_flops(self.model_fn, c, self.step, fake=False), blocks
+
+        found = fallbacks.scaled(real, cand, self.n_params, self.unsimulable)
         self._bases.add(found[0].basis)
         return found
 
@@ -237,9 +256,10 @@ class Traced:
         return self._trace(cand)[0]
 
     def check(self, cand: Candidate) -> MemoryTracker:
-        """The step of `cand` run for real on this CPU, measured by `track`."""
-        return simulate_model(self.model_fn, cand, self.step, optimizer=self.optimizer,
-                              fake=False)[0]
+        """The step of `cand` as a training loop runs it, for real on this CPU: built, stepped
+        once, the next step measured by `track` alone (`anysim.measure_step`), not the
+        simulation run on real tensors."""
+        return measure_step(self.model_fn, cand, self.step, optimizer=self.optimizer)
 
 
 def _seconds(cand: Candidate, flops: float, blocks: int, trainable: int, cost: CostModel

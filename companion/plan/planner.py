@@ -155,6 +155,8 @@ class Plan:
             text.append(f"  host memory: {format_bytes(r.predicted.host)} predicted"
                         + (f", {format_bytes(r.simulated_host)} simulated"
                            if r.simulated_host is not None else "") + ".")
+        if self.model.note:                    # e.g. a traced model that checkpoints itself
+            text.append(f"  Note: {self.model.note}.")
         for x in faster:
             text.append(f"  Faster, but its simulated step needs {format_bytes(x.simulated)}: "
                         f"{x.candidate.describe()}.")
@@ -209,7 +211,8 @@ class Plan:
         """The plan as JSON-ready data: the plain run, the chosen plan and every candidate."""
         return {"batch": self.batch, "budget": self.budget, "usable": self.usable,
                 "device": str(self.device), "n_params": self.n_params,
-                "known_by": self.model.how, "notes": list(self.model.notes),
+                "known_by": self.model.how, "note": self.model.note,
+                "notes": list(self.model.notes),
                 "plain": self.plain.to_dict(),
                 "chosen": self.chosen_row.to_dict(),
                 "candidates": [r.to_dict() for r in self.rows]}
