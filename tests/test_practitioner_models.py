@@ -74,3 +74,20 @@ def test_a_head_tied_to_the_embedding_is_merged_into_a_weight_of_its_own(name):
     torch.manual_seed(1)
     with torch.no_grad():
         torch.testing.assert_close(step(model, 2), before, rtol=1e-4, atol=1e-5)
+
+
+def test_why_oom_for_a_model_of_ones_own_compares_fixes_with_a_bf16_step(tmp_path):
+    """`--why-oom` was read only for a published model; for a factory it printed the plan."""
+    import subprocess
+    import sys
+    out = subprocess.run(
+        [sys.executable, "-m", "companion", "plan", "--model", "tests/hf_zoo.py:hf_llama",
+         "--step", "tests/hf_zoo.py:padded_lm_step", "--batch", "8", "--budget", "531MiB",
+         "--device", "cuda", "--gpu", "RTX 4090", "--why-oom", "--allow", "accumulation",
+         "autocast"], capture_output=True, text=True, timeout=600,
+        cwd=__import__("pathlib").Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr
+    assert "the plain step needs" in out.stdout and " over, at the " in out.stdout
+    fixes = [line for line in out.stdout.splitlines() if line.startswith("  fix: ")]
+    assert fixes and all("x a bf16 step of the whole batch" in f for f in fixes), out.stdout
+    assert "micro-batches" in fixes[0]

@@ -232,7 +232,7 @@ def simulate_model(model_fn: Callable[[], nn.Module], cand: Candidate,
     """(tracker, FLOPs of one micro-batch's forward and backward, blocks) of a step of the plan
     (`simulate_memory`, then `count_flops`)."""
     tracker, blocks = simulate_memory(model_fn, cand, step, optimizer=optimizer, fake=fake)
-    return tracker, count_flops(model_fn, cand, step), blocks
+    return tracker, count_flops(model_fn, cand, step, fake=fake), blocks
 
 
 def simulate_memory(model_fn: Callable[[], nn.Module], cand: Candidate,

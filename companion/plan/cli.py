@@ -18,6 +18,7 @@ fake tensors: nothing is allocated, so a model larger than this machine is plann
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -222,14 +223,35 @@ def _run(args) -> int:
     for kind in KINDS:
         print(f"  {kind.replace('_', ' '):<18}{format_bytes(plain.kinds.get(kind, 0)):>12}")
     print()
-    from companion.plan.named import format_plans
-    print(format_plans(result))
+    if args.why_oom:
+        from companion.plan.report import why_oom
+        print(why_oom(plain, result.shown, result.budget, base_seconds=_bf16_seconds(result)))
+        if any(r.fit.how == "replayed" for r in result.shown):
+            print("Each fix's total is its simulated step replayed through the allocator "
+                  "(rounding and fragmentation included).")
+    else:
+        from companion.plan.named import format_plans
+        print(format_plans(result))
     if args.check:
         real = result.check()
         print(f"checked for real on this CPU: the chosen step peaked at {format_bytes(real.peak)} "
               f"({real.peak_phase}) against {format_bytes(result.chosen_row.peak)} simulated "
               f"({(real.peak - result.chosen_row.peak) / result.chosen_row.peak:+.1%})")
     return 0
+
+
+def _bf16_seconds(result) -> float | None:
+    """The predicted step time of the whole batch under bf16 autocast, the step a practitioner
+    would run on a GPU (its FLOPs traced like every row's); None on a CPU, where fp32 is the
+    usual step."""
+    if result.device.type != "cuda":
+        return None
+    want = dataclasses.replace(result.plain.candidate, precision="autocast")
+    found = next((r for r in result.rows if r.candidate == want), None)
+    if found is not None:
+        return found.seconds["total"]
+    return result.model.predict(want, world_size=1, device_type="cuda",
+                                cost=result.cost)[1]["total"]
 
 
 def add_parser(sub) -> None:

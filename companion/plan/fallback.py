@@ -142,7 +142,8 @@ def available_bytes() -> int | None:
 def scaled(run: Callable[[Candidate], tuple], cand: Candidate, n_params: int,
            why: Unsimulable) -> tuple[Scaled, float, int]:
     """(tracker-like peak, FLOPs, blocks) of `cand` from its real step at two small micro-batches:
-    `run(candidate)` is the real step measured (`known.Traced._simulated`: `simulate_memory(fake=False)` and `count_flops(fake=False)`).
+    `run(candidate)` is the real step measured (`known.Traced._simulated`:
+    `simulate_memory(fake=False)` and `count_flops(fake=False)`).
 
     The two are m and m + 1 from m = 2 (a micro-batch of 1 runs other ops: 527 allocations and
     frees against 640 at 2 to 8 for a top-1 MoE, 1106 against 1110 for a small Mixtral): the

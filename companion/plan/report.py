@@ -97,12 +97,12 @@ def plot_waterfall(plan, ax=None):
 
 
 def why_oom(plain, rows, budget: int, *, top: int = 3, shape=None, cost=None,
-            world_size: int = 1) -> str:
+            world_size: int = 1, base_seconds: float | None = None) -> str:
     """Why the `plain` row's setup does not fit: its largest terms against the budget, then the
     `top` fastest of `rows` that fit, with what each costs in time: against the step a
-    practitioner would run, the whole batch in bf16 (autocast; given `shape` and `cost`), not
-    the plain fp32 row (fp32 on the CUDA cores: at the cited factors 1.6x a bf16 step on an
-    RTX 4090, 8.3x on an H100 SXM)."""
+    practitioner would run, the whole batch in bf16 (autocast; given `shape` and `cost`, or a
+    traced model's `base_seconds`), not the plain fp32 row (fp32 on the CUDA cores: at the cited
+    factors 1.6x a bf16 step on an RTX 4090, 8.3x on an H100 SXM)."""
     p, fit = plain.predicted, plain.fit
     over = fit.total - budget
     kinds = sorted(p.kinds().items(), key=lambda kv: -kv[1])
@@ -117,6 +117,9 @@ def why_oom(plain, rows, budget: int, *, top: int = 3, shape=None, cost=None,
         bf16 = dataclasses.replace(plain.candidate, precision="autocast")
         base = predict_seconds(shape, bf16, cost, world_size=world_size)["total"]
         against = f"a bf16 step of the whole batch ({base:.2f} s, predicted: it does not fit)"
+    elif base_seconds is not None:
+        base = base_seconds
+        against = f"a bf16 step of the whole batch ({base:.2f} s, predicted)"
     for r in fitting[:top]:
         text.append(f"  fix: {r.candidate.describe()}: {format_bytes(r.fit.total)}, step "
                     f"{r.seconds['total']:.2f} s, {r.seconds['total'] / base:.2f}x {against}")
