@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 
@@ -244,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     args, args.options = parser.parse_known_args(argv)    # train's options: its own parser
     if args.options and args.command != "train":
         parser.error(f"unrecognized arguments: {' '.join(args.options)}")
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:              # `... | head`: the reader left; no traceback for that
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

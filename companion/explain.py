@@ -305,5 +305,18 @@ def _check(snapshot, device: int) -> list[dict]:
 
 def explain_file(path: str | pathlib.Path, *, device: int = 0) -> dict:
     """`explain` of a pickle written by `torch.cuda.memory._dump_snapshot(path)`, read as plain
-    data (`load_snapshot`): a file that holds code is refused, not run."""
-    return explain(load_snapshot(pathlib.Path(path).read_bytes()), device=device)
+    data (`load_snapshot`): a file that holds code is refused, not run. A file over 1 MiB that
+    does not open as a pickle of protocol 2 or later (`_dump_snapshot` writes pickle's default,
+    4 or 5) is refused before the rest of it is read."""
+    path = pathlib.Path(path)
+    with path.open("rb") as f:
+        head = f.read(_PEEK)
+        if len(head) == _PEEK and head[:1] != b"\x80":
+            raise ValueError(f"not a CUDA memory snapshot (a file of "
+                             f"{path.stat().st_size:,} bytes that does not open as a pickle: "
+                             f"first bytes {head[:8]!r})")
+        data = head + f.read()
+    return explain(load_snapshot(data), device=device)
+
+
+_PEEK = 2**20                 # bytes read before deciding a large file is worth reading whole

@@ -133,6 +133,9 @@ def test_errors_name_their_cause():
         plan_model(M.cnn, 8, budget="64 KiB", step=M.cnn_step)
     with pytest.raises(TypeError, match="not an nn.Module"):
         plan_model(lambda: 3, 8, budget="1 GiB", step=M.cnn_step)
+    for bad in ({"seq_len": 0}, {"vocab": -1}, {"seq_len": True}):   # 0 was the model's own
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be a positive int"):
+            plan_model(M.mha_lm, 8, budget="1 GiB", **bad)
 
 
 def _cli(*args):

@@ -121,3 +121,24 @@ def test_the_factory_a_refused_model_type_suggests_plans_that_model(capsys, tmp_
         n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.from_pretrained(str(tmp_path / "config.json"))).parameters())
     assert rc == 0 and f"model factory.py:build: {n:,} parameters" in out
+
+
+@pytest.mark.parametrize("source, says", [
+    ("import notapackage_xyz\n", "needs a package that is not installed: No module named "
+                                 "'notapackage_xyz'"),
+    ("def f(:\n    pass\n", "has a syntax error at line 1"),
+    ("raise SystemExit('bye')\n", "raised SystemExit: bye"),
+    ("raise RuntimeError('no weights server')\n", "raised RuntimeError: no weights server"),
+])
+def test_a_factory_file_that_cannot_be_imported_is_one_line(tmp_path, capsys, source, says):
+    """Its import ran unguarded: a missing package printed Python's traceback (the review of
+    issue 53)."""
+    factory = tmp_path / "factory.py"
+    factory.write_text(source + "\ndef build():\n    return None\n")
+    for flag in ("--model", "--step"):
+        args = ["--model", f"{factory}:build", "--batch", "2", "--budget", "1GiB"]
+        if flag == "--step":
+            args = ["--model", "examples.models:mha_lm", "--step", f"{factory}:build",
+                    "--batch", "2", "--budget", "1GiB"]
+        rc, err = _plan(capsys, *args)
+        assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err

@@ -69,8 +69,10 @@ def plan_model(model_fn: Callable[[], nn.Module], batch: int, *, budget: int | s
     if set(allow) - set(GENERIC):
         raise ValueError(f"unknown lever(s) {sorted(set(allow) - set(GENERIC))}: for any model "
                          f"choose from {', '.join(GENERIC)}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    for name, value in (("batch", batch), ("seq_len", seq_len), ("vocab", vocab)):
+        if (value is not None or name == "batch") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     model = Traced(model_fn, step=step, seq_len=seq_len, vocab=vocab, optimizer=optimizer,
                    fallback=fallback)
     return _plan(model, batch, budget=budget, device=torch.device(device), world_size=1,

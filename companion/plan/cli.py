@@ -40,22 +40,39 @@ def load_object(spec: str):
     if module_name.endswith(".py"):
         path = pathlib.Path(module_name)
         if not path.is_file():
-            raise ValueError(f"{spec!r}: no file {path}")
+            raise ValueError(f"{spec!r}: {path} is a folder, not a .py file" if path.is_dir()
+                             else f"{spec!r}: no file {path}")
         loader = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(loader)
-        loader.loader.exec_module(module)
+        _importing(spec, module_name, lambda: loader.loader.exec_module(module))
     else:
         if "" not in sys.path and str(pathlib.Path.cwd()) not in sys.path:
             sys.path.insert(0, str(pathlib.Path.cwd()))   # the user's own modules, from here
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"{spec!r}: cannot import {module_name} ({e}); run from the folder "
-                             "that holds it, or give path/to/file.py:function") from e
+        module = _importing(spec, module_name, lambda: importlib.import_module(module_name))
     try:
         return getattr(module, name)
     except AttributeError:
         raise ValueError(f"{spec!r}: {module_name} has no {name!r}") from None
+
+
+def _importing(spec: str, module_name: str, run):
+    """run() (an import of the user's file), its failure one line that names the file: a missing
+    package, a syntax error, an exception or sys.exit() at import time."""
+    try:
+        return run()
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ValueError(f"{spec!r}: cannot import {module_name} ({e}); run from the folder "
+                             "that holds it, or give path/to/file.py:function") from None
+        raise ValueError(f"{spec!r}: importing {module_name} needs a package that is not "
+                         f"installed: {e}" + (" (pip install -e .[hf])" if e.name in
+                                              ("transformers", "peft") else "")) from None
+    except SyntaxError as e:
+        raise ValueError(f"{spec!r}: {module_name} has a syntax error at line {e.lineno}: "
+                         f"{e.msg}") from None
+    except (Exception, SystemExit) as e:
+        raise ValueError(f"{spec!r}: importing {module_name} raised {type(e).__name__}: {e}"
+                         ) from None
 
 
 def _size(text: str) -> int:
