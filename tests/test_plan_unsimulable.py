@@ -303,3 +303,33 @@ def test_the_command_line_reports_the_op_in_one_line(tmp_path):
     good = subprocess.run(args, capture_output=True, text=True)
     assert good.returncode == 0, good.stderr
     assert "Not simulated: aten.nonzero.default" in good.stdout
+
+
+@pytest.mark.parametrize("batch", [8, 32])
+def test_on_one_device_the_worst_routing_needs_the_bytes_random_routing_does(batch):
+    """What the fallback's note says of routing: experts that take their tokens by index see each
+    token once (top-1) whatever the router decides, so every token sent to one expert peaks at
+    the same byte as random routing. A step that split experts over devices would differ."""
+    import hf_zoo                                      # tests/ is on sys.path
+
+    def peak(skewed: bool) -> tuple[int, list[int]]:
+        torch.manual_seed(0)
+        model = hf_zoo.Top1MoE()
+        if skewed:
+            with torch.no_grad():
+                model.router.weight.zero_()
+                model.router.bias.copy_(torch.tensor([10.0, 0.0, 0.0, 0.0]))
+        routed = []
+        model.router.register_forward_hook(
+            lambda m, a, out: routed.append(torch.bincount(out.argmax(-1), minlength=4).tolist()))
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(2):                                 # the second step, state made
+            with track("cpu", external=(model, opt), modules=model) as t:
+                hf_zoo.token_step(model, batch).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return t.peak, routed[-1]
+
+    (random_peak, random_counts), (skewed_peak, skewed_counts) = peak(False), peak(True)
+    assert skewed_counts == [batch * hf_zoo.T, 0, 0, 0] and max(random_counts) < batch * hf_zoo.T
+    assert skewed_peak == random_peak

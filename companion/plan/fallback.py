@@ -16,7 +16,8 @@ Example:
     >>> print(p)           # its notes say what was measured for real, and on what assumption
 
 Simplified: linear in the micro-batch, from two points; a routing decided by values is the one
-random inputs give a random router, not the worst case (every token to one expert); the real
+random inputs give a random router, not the worst case (every token to one expert: on one device
+the same bytes when experts take their tokens by index, tests/test_plan_unsimulable.py); the real
 step must fit this machine (16 bytes per parameter within half its available memory).
 """
 from __future__ import annotations
@@ -228,6 +229,10 @@ def note(why: Unsimulable, bases: set[str]) -> list[str]:
              "Assumed: every allocation of the step grows linearly with the micro-batch."]
     if why.kind == _DATA:
         lines.append("The routing measured is the one random token ids give a randomly "
-                     "initialised model, not the worst case: a trained router that sends most "
-                     "tokens to one expert can need more memory than this.")
+                     "initialised model, not the worst case. On one device that changes "
+                     "nothing when the experts take their tokens by index (each token goes to k "
+                     "experts whatever the router decides: a top-1 MoE peaked at the same byte "
+                     "with random routing and with every token sent to one expert); an MoE that "
+                     "pads each expert to a capacity, or splits experts over GPUs, is not "
+                     "planned here.")
     return lines
