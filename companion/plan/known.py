@@ -38,7 +38,8 @@ from companion.memory import MemoryTracker
 from companion.plan import budget as budgets
 from companion.plan import fallback as fallbacks
 from companion.plan.anysim import (blocks_of, build_model, checkpointed_already, count_flops,
-                                   measure_step, next_token_step, simulate_memory)
+                                   hf_layers, hf_switch, measure_step, next_token_step,
+                                   simulate_memory)
 from companion.plan.costmodel import CostModel
 from companion.plan.predict import (ADAM8BIT_BYTES, Prediction, predict_memory,
                                     predict_seconds)
@@ -117,7 +118,12 @@ class Traced:
     When an op of the step cannot run on fake tensors (`fallback.diagnose`), `fallback=True`
     measures every row's real step on this CPU at small micro-batches and scales it
     (`fallback.scaled`; `how` becomes "measured and scaled", `notes` say so); `fallback=False`
-    raises a RuntimeError that names the op, the module and why."""
+    raises a RuntimeError that names the op, the module and why.
+
+    The checkpointing lever on a Hugging Face model is its own switch, every layer recomputed
+    (`anysim.hf_switch`; `note` says so beside the table); a model that recomputes its blocks
+    already, in its factory or its own forward (`anysim.checkpointed_already`), is planned as it
+    is, and `note` says that instead."""
 
     how = "traced"
     note: str | None = None          # what the model does itself that the plan must say
@@ -125,7 +131,8 @@ class Traced:
     def __init__(self, model_fn: Callable[[], nn.Module], *, step: Callable | None = None,
                  seq_len: int | None = None, vocab: int | None = None,
                  optimizer: Callable = torch.optim.AdamW, fallback: bool = True):
-        with FakeTensorMode():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
             model = build_model(model_fn)
         self.model_fn, self.optimizer, self.shape = model_fn, optimizer, None
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -139,12 +146,25 @@ class Traced:
                                  "pass step(model, batch) -> loss")
             step = next_token_step(seq_len, vocab)
         self.step = step
-        already = checkpointed_already(model)
-        self.note = (None if already is None else
-                     f"the model recomputes its blocks already ({already} in model_fn): every "
-                     f"row, the plain run's too, is checkpointed that way, and the checkpointing "
-                     f"lever is not pulled again")
-        self.segments = 1 if already else _segments(model)
+        with mode, fallbacks.quiet():        # a step fake tensors cannot run: said later
+            already = checkpointed_already(model, step)
+        self._already = (None if already is None else
+                         f"the model recomputes its blocks already ({already}): every row, the "
+                         f"plain run's too, is checkpointed that way, and the checkpointing lever "
+                         f"is not pulled again")
+        self.note = self._already
+        hf = hf_switch(model, blocks_of(model))
+        if already:
+            self.segments = 1
+        elif hf is not None:                 # what its switch checkpoints: every layer
+            self.segments = hf_layers(hf) or len(blocks_of(model))
+        else:
+            self.segments = _segments(model)
+        self._hf = (None if already or hf is None or self.segments < 2 else
+                    f"checkpointing is Hugging Face's own switch, as its user turns it on: "
+                    f"{type(hf).__name__}.gradient_checkpointing_enable() (newer transformers "
+                    f"name it activation_checkpointing_enable()), each of its {self.segments} "
+                    f"layers recomputed in backward, the last one too")
         self._traces: dict[Candidate, tuple[MemoryTracker, float, int]] = {}
         self._flops: dict[Candidate, int] = {}
         self._micro: list[int] = []
@@ -164,6 +184,7 @@ class Traced:
         if allow - set(GENERIC):
             raise ValueError(f"unknown lever(s) {sorted(allow - set(GENERIC))}: for any model "
                              f"choose from {', '.join(GENERIC)}")
+        self.note = self._hf if "checkpointing" in allow and self._hf else self._already
         self._micro = ([m for m in range(1, batch + 1) if batch % m == 0]
                        if "accumulation" in allow else [batch])
         return [Candidate(m, batch // m, **combo)
