@@ -177,3 +177,21 @@ def test_a_plan_whose_simulation_failed_is_not_listed():
     assert p.failed and all(r.fit.fits for r in p.shown) and not set(map(id, p.failed)) & set(
         map(id, p.shown))
     assert all(r.fit.total <= parse_bytes("29.2 MiB") for r in p.shown if r.simulated)
+
+
+def test_flops_are_counted_once_for_both_precisions_and_equal_a_count_of_each():
+    """Autocast runs the same matmuls: the plan counts one precision and reuses it for the other
+    (`Traced._counted`), which must equal counting each."""
+    import companion.plan.known as known
+
+    traced, calls = known.Traced(M.mha_lm, seq_len=16), []
+    real = known.count_flops
+    known.count_flops = lambda *a, **k: calls.append(a[1]) or real(*a, **k)
+    try:
+        fp32 = traced._trace(Candidate(4))[1]
+        mixed = traced._trace(Candidate(4, precision="autocast"))[1]
+    finally:
+        known.count_flops = real
+    assert len(calls) == 1 and fp32 == mixed
+    assert mixed == count_flops(M.mha_lm, Candidate(4, precision="autocast"),
+                                traced.step) == count_flops(M.mha_lm, Candidate(4), traced.step)

@@ -192,11 +192,22 @@ class Traced:
 
     def _trace(self, cand: Candidate) -> tuple[MemoryTracker, float, int]:
         """The candidate's simulated step (`anysim.simulate_memory`) and its FLOPs, counted in a
-        run of their own (`anysim.count_flops`) once per micro-batch, checkpointing, precision
-        and LoRA rank (accumulation and the optimizer's states do not change them)."""
+        run of their own (`anysim.count_flops`) once per micro-batch, checkpointing and LoRA
+        rank (`_counted`)."""
         if cand not in self._traces:
             self._traces[cand] = self._simulated(cand)
         return self._traces[cand]
+
+    def _counted(self, cand: Candidate) -> int:
+        """The FLOPs of `cand`'s micro-batch, counted once for every accumulation, optimizer
+        state and precision: autocast runs the same matmuls in another dtype (counted equal on
+        transformers' Llama, T5, ViT and BERT), so a count made under either is the other's."""
+        key = dataclasses.replace(cand, accumulation=1, state_bits=32)
+        twin = dataclasses.replace(key, precision={"fp32": "autocast", "autocast": "fp32"}.get(
+            key.precision, key.precision))
+        if key not in self._flops and twin not in self._flops:
+            self._flops[key] = count_flops(self.model_fn, key, self.step)
+        return self._flops.get(key, self._flops.get(twin))
 
     def _simulated(self, cand: Candidate) -> tuple[MemoryTracker, float, int]:
         """The fake step; once an op of it could not run, the real one measured and scaled."""
@@ -205,10 +216,7 @@ class Traced:
                 with fallbacks.quiet():
                     tracker, blocks = simulate_memory(self.model_fn, cand, self.step,
                                                       optimizer=self.optimizer)
-                    key = dataclasses.replace(cand, accumulation=1, state_bits=32)
-                    if key not in self._flops:
-                        self._flops[key] = count_flops(self.model_fn, key, self.step)
-                    return tracker, self._flops[key], blocks
+                    return tracker, self._counted(cand), blocks
             except Exception as e:
                 found = fallbacks.diagnose(e)
                 if found is None:
