@@ -195,3 +195,18 @@ def test_flops_are_counted_once_for_both_precisions_and_equal_a_count_of_each():
     assert len(calls) == 1 and fp32 == mixed
     assert mixed == count_flops(M.mha_lm, Candidate(4, precision="autocast"),
                                 traced.step) == count_flops(M.mha_lm, Candidate(4), traced.step)
+
+
+def test_a_lever_that_would_recompute_nothing_is_not_offered():
+    """A ResNet whose ModuleList holds ModuleDicts that its forward never calls: wrapping their
+    forward checkpointed nothing, and the plan listed 'checkpointing (8 segments)' at the plain
+    row's peak (the review of issue 53). A model whose blocks are called keeps the lever."""
+    import hf_zoo                                          # tests/ is on sys.path
+
+    p = plan_model(hf_zoo.resnet18_channels_last, 4, budget="1 GiB", step=hf_zoo.image_step,
+                   verify=0)
+    assert not any(r.candidate.segments > 1 for r in p.rows)
+    assert "checkpointing is not offered" in p.model.note and "ModuleDict" in p.model.note
+    kept = plan_model(hf_zoo.CustomFunctionLM, 4, budget="1 GiB", step=hf_zoo.token_step,
+                      verify=0)
+    assert any(r.candidate.segments > 1 for r in kept.rows) and kept.model.note is None

@@ -232,15 +232,15 @@ def checkpointed_already(model: nn.Module, step: Callable | None = None) -> str 
     return None
 
 
-def _runs_checkpoint(model: nn.Module, step: Callable) -> bool:
+def _runs_checkpoint(model: nn.Module, step: Callable) -> bool | None:
     """Whether one forward of `step(model, 1)` runs `torch.utils.checkpoint`, however the model
     calls it (`from torch.utils.checkpoint import checkpoint` binds the function at import, so
     the module's attribute is not what it calls): the non-reentrant one enters a
     `_checkpoint_hook` (its saved-tensor hooks, torch's `_checkpoint_without_reentrant_generator`;
     `checkpoint_sequential`, `checkpoint_wrapper` and the composable `checkpoint` go through it),
     the reentrant one runs `CheckpointFunction.forward`; both are looked up on their classes at
-    each call, and are watched there for this one forward. A step that raises says no: the
-    simulation runs it again and reports why."""
+    each call, and are watched there for this one forward. A step that raises before any
+    checkpoint ran gives None (not known): the simulation runs it again and reports why."""
     ran = []
     hook = torch.utils.checkpoint._checkpoint_hook
     function = torch.utils.checkpoint.CheckpointFunction
@@ -260,7 +260,8 @@ def _runs_checkpoint(model: nn.Module, step: Callable) -> bool:
             warnings.simplefilter("ignore")
             step(model, 1)
     except Exception:
-        pass
+        if not ran:
+            return None                  # not known: the step stopped before any checkpoint
     finally:
         hook.__init__, function.forward = init, forward
     return bool(ran)

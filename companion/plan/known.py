@@ -37,9 +37,9 @@ from companion import allocator, lora
 from companion.memory import MemoryTracker
 from companion.plan import budget as budgets
 from companion.plan import fallback as fallbacks
-from companion.plan.anysim import (blocks_of, build_model, checkpointed_already, count_flops,
-                                   hf_layers, hf_switch, measure_step, next_token_step,
-                                   simulate_memory)
+from companion.plan.anysim import (_checkpoint, _runs_checkpoint, blocks_of, build_model,
+                                   checkpointed_already, count_flops, hf_layers, hf_switch,
+                                   measure_step, next_token_step, simulate_memory)
 from companion.plan.costmodel import CostModel
 from companion.plan.predict import (ADAM8BIT_BYTES, Prediction, predict_memory,
                                     predict_seconds)
@@ -160,6 +160,19 @@ class Traced:
             self.segments = hf_layers(hf) or len(blocks_of(model))
         else:
             self.segments = _segments(model)
+        self._inert = None
+        if self.segments > 1 and hf is None and not already:
+            container = blocks_of(model)
+            _checkpoint(model, container)    # the lever on this probe's copy of the model
+            with mode, fallbacks.quiet():
+                if _runs_checkpoint(model, step) is False:
+                    self.segments = 1
+                    self._inert = (f"checkpointing is not offered: the lever wraps the forward "
+                                   f"of each block of the model's largest block list "
+                                   f"({type(container).__name__} of {len(container)} "
+                                   f"{type(container[0]).__name__}), and the model never calls "
+                                   f"them (it calls what they hold); checkpoint in your own "
+                                   f"forward to plan with it")
         self._hf = (None if already or hf is None or self.segments < 2 else
                     f"checkpointing is Hugging Face's own switch, as its user turns it on: "
                     f"{type(hf).__name__}.gradient_checkpointing_enable() (newer transformers "
@@ -184,7 +197,8 @@ class Traced:
         if allow - set(GENERIC):
             raise ValueError(f"unknown lever(s) {sorted(allow - set(GENERIC))}: for any model "
                              f"choose from {', '.join(GENERIC)}")
-        self.note = self._hf if "checkpointing" in allow and self._hf else self._already
+        self.note = (self._hf if "checkpointing" in allow and self._hf else
+                     self._inert if "checkpointing" in allow and self._inert else self._already)
         self._micro = ([m for m in range(1, batch + 1) if batch % m == 0]
                        if "accumulation" in allow else [batch])
         return [Candidate(m, batch // m, **combo)
