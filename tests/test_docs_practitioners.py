@@ -55,6 +55,7 @@ def test_the_page_has_its_five_questions_answered_by_commands():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)          # a Qwen3-0.6B plan: 45-130 s alone, more beside 3 workers
 @pytest.mark.parametrize("command, shown", COMMANDS, ids=[f"block{i}" for i in range(len(COMMANDS))])
 def test_each_command_prints_what_the_page_shows(command, shown):
     args = shlex.split(command)[1:]                      # after "python"
