@@ -565,11 +565,17 @@ def test_known_wrong_searches_fail_with_their_hint(wrong, match, hint):
         "the same, settings reversed"])
 def test_searches_that_skip_a_setting_fail_every_run(wrong, kind):
     """Fixed case kinds, fresh seeds: each run has a case that these skipping searches miss
-    (`kind`; an earlier case may already catch them)."""
+    (`kind`; an earlier case may already catch them). A search that takes each setting's largest
+    micro-batch makes two mistakes: where its answers are those of the largest-micro-batch rule
+    on every case of the draw, the hint names that one (a CI run of issue 53 drew such a case),
+    which is as true of it."""
+    hints = ["no setting of them may be skipped"] + (
+        ["the largest micro-batch that fits is not always the fastest"]
+        if kind == "largest not fastest" else [])
     for _ in range(5):
         with pytest.raises(CheckFailed, match=r"a faster plan fits") as failed:
             evaluate("check_fastest_fitting", wrong)
-        assert "no setting of them may be skipped" in failed.value.hint
+        assert any(h in failed.value.hint for h in hints), failed.value.hint
 
 
 def test_the_search_check_runs_the_answer_where_it_lives():
