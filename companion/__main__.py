@@ -80,7 +80,8 @@ def _grade(args) -> int:
                      exercise_timeout=args.exercise_timeout,
                      notebook_timeout=args.notebook_timeout, memory=args.memory,
                      output=args.output_cap, jobs=args.jobs, source=args.source,
-                     run_as=args.run_as, out=args.out, progress=progress, resume=args.resume)
+                     run_as=args.run_as, out=args.out, progress=progress, resume=args.resume,
+                     trusted=args.trusted, disk=args.disk)
     except SetupError as e:
         print(f"cannot grade: {e}", file=sys.stderr)
         return 2
@@ -202,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true",
                    help="keep the rows of notebooks a stopped run in --out finished (files "
                         "unchanged) and grade the rest")
+    p.add_argument("--disk", default="2GiB", type=_size,
+                   help="each sandbox's private temporary space, in memory (default 2GiB)")
+    p.add_argument("--trusted", action="store_true",
+                   help="grade without the bubblewrap sandbox (the notebooks are then not "
+                        "isolated by the kernel: only for code you trust, or in a container)")
     p.set_defaults(run=_grade)
 
     p = sub.add_parser("execute", help="run source notebooks and save them with outputs")

@@ -33,6 +33,7 @@ import pathlib
 import signal
 
 from companion.grader.batch import Batch, child_env, sandbox_user
+from companion.grader.confine import available, bwrap_path
 from companion.grader.expected import read_chapter
 from companion.grader.integrity import Snapshot
 from companion.grader.reports import Row, escape_csv, format_table, write_reports
@@ -56,7 +57,8 @@ def _notebooks(paths) -> list[pathlib.Path]:
 def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
           notebook_timeout: float = 1800.0, memory: int | None = None, output: int = 2**20,
           jobs: int = 1, source: str | pathlib.Path | None = None, run_as: str = "auto",
-          out: str | pathlib.Path | None = None, progress=None, resume: bool = False) -> list[Row]:
+          out: str | pathlib.Path | None = None, progress=None, resume: bool = False,
+          trusted: bool = False, disk: int = 2 * 2**30) -> list[Row]:
     """Grade notebooks (files, or folders of them) against the source notebooks in `source`.
 
     Returns one Row per expected exercise of each notebook (or one row saying why a file could
@@ -66,13 +68,28 @@ def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
     available (CUDA reserves far more address space than it uses). `resume`: keep the rows of
     notebooks an earlier run in `out` finished (when their files are unchanged) and grade the
     rest; a notebook that was running when that run was killed is "not graded" with the reason.
-    Raises SetupError (before grading anything) when the sandbox's user cannot run this Python."""
+    Every notebook and clean room runs under bubblewrap (`grader.confine`: namespaces of its own,
+    a read-only system, a private `disk`-byte tmpfs); `trusted=True` grades without it (the
+    notebooks' code is then contained only by the limits, the uid and the integrity checks).
+    Raises SetupError (before grading anything) when the sandbox's user cannot run this Python,
+    or bubblewrap cannot run here and `trusted` is not set."""
     sources = sorted(pathlib.Path(source or REPO / "course").glob("[0-9][0-9]_*.ipynb"))
     import companion
     package = pathlib.Path(companion.__file__).resolve().parent
     user = sandbox_user(run_as)
     if user is not None:
         _check_reachable(user)
+    if disk < 16 * 2**20:
+        raise SetupError(f"--disk must be at least 16MiB, got {disk} bytes")
+    confine = None
+    if not trusted:
+        why = available(user, child_env())
+        if why:
+            raise SetupError(
+                f"the grader runs every notebook in a kernel sandbox, and it cannot here: {why}. "
+                "Install bubblewrap, or, for code you trust or inside a throw-away container, "
+                "grade with --trusted (no kernel sandbox; see docs/GRADING.md, \"The sandbox\").")
+        confine = _confinement(paths, sources, package, out, disk)
     snapshot = Snapshot(package, sources)
     private = snapshot.private_copy()
     import torch
@@ -85,7 +102,8 @@ def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
     spec = {"chapters": [str(private / "sources" / p.name) for p in sources],
             "limits": dataclasses.asdict(limits), "user": user, "child_env": child_env(),
             "spread": run_as == "auto", "private": str(private), "digests": snapshot.digests(),
-            "results": str(RESULTS_DIR)}
+            "results": str(RESULTS_DIR), "confine": confine,
+            "package_dirs": _package_dirs(package)}
     chapters = [read_chapter(private / "sources" / p.name) for p in sources]
     subreaper = _subreaper(True)
     watch = not user or snapshot.open_to_all()      # can the notebooks write the grader's files?
@@ -101,6 +119,60 @@ def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
         end_descendants(keep=batch.before)
         _subreaper(subreaper)
         Snapshot.remove(private)
+
+
+def _confinement(paths, sources: list[pathlib.Path], package: pathlib.Path, out,
+                 disk: int) -> dict:
+    """The sandbox's filesystem (`grader.confine.Confinement`'s fields): absent from it are the
+    source notebooks (their solutions), the report folder and the submissions, except a folder
+    that holds what the sandbox must run (this Python, the package): there only the files are
+    blanked. Shown again (read-only, also where they are under /tmp): the package, the folders on
+    PYTHONPATH, and the recorded results folder the package reads."""
+    import sys
+    from companion.results import RESULTS_DIR
+    needed = [pathlib.Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.executable,
+                                                   package, RESULTS_DIR)]
+    hide, blank = [], []
+
+    def away(folder: pathlib.Path, files) -> None:
+        folder = folder.resolve()
+        if any(n == folder or folder in n.parents for n in needed):
+            blank.extend(str(f.resolve()) for f in files)
+        else:
+            hide.append(str(folder))
+
+    for folder in {p.parent for p in sources}:
+        away(folder, sources)
+    if out is not None:
+        away(pathlib.Path(out), [])
+    for p in map(pathlib.Path, paths):
+        if p.is_dir():
+            away(p, _notebooks([p]))
+        elif p.exists():
+            blank.append(str(p.resolve()))
+    path = [p for p in child_env().get("PYTHONPATH", "").split(os.pathsep) if p]
+    show = [str(RESULTS_DIR), str(package), *path]     # what it imports, under /tmp too
+    return {"bwrap": bwrap_path(), "hide": hide, "show": show, "blank": blank, "disk": int(disk)}
+
+
+def _package_dirs(package: pathlib.Path) -> list[str]:
+    """Every folder that holds the course's code with its references, for the clean room to leave
+    out: the package the grader uses, the one this Python imports without PYTHONPATH (an
+    installed or editable copy, which `importlib.metadata` would lead to), and in each checkout
+    beside them its tests, notebooks and git history."""
+    import subprocess
+    import sys
+    found = {package.resolve()}
+    probe = subprocess.run([sys.executable, "-I", "-c", "import importlib.util as u; "
+                            "s = u.find_spec('companion'); print(s.origin if s else '')"],
+                           capture_output=True, text=True, cwd="/", timeout=120)
+    if probe.returncode == 0 and probe.stdout.strip().endswith("__init__.py"):
+        found.add(pathlib.Path(probe.stdout.strip()).resolve().parent)
+    out = set(found)
+    for pkg in found:
+        if (pkg.parent / "pyproject.toml").is_file():                    # a checkout
+            out |= {pkg.parent / name for name in ("tests", "course", ".git", "benchmarks")}
+    return sorted(str(p) for p in out if p.exists())
 
 
 class SetupError(RuntimeError):

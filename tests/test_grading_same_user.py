@@ -1,5 +1,5 @@
-"""Grading with the grader's own permissions (`--run-as self`), where a notebook's code can write
-the grader's files and signal its processes: the grader notices, restores and carries on, one
+"""Grading with the grader's own permissions (`--run-as self`) and without the kernel sandbox
+(`--trusted`), where a notebook's code can write the grader's files and signal its processes: the grader notices, restores and carries on, one
 notebook cannot change how the next is graded, and a run whose grader was killed resumes.
 
 The grader runs here on a copy of the companion package (PYTHONPATH), so that the notebooks below
@@ -52,7 +52,8 @@ def _grade(root, package, folder, out, *extra):
     env = dict(os.environ, PYTHONPATH=str(package.parent))
     return subprocess.run([sys.executable, "-m", "companion", "grade", str(folder), "--out",
                            str(out), "--run-as", "self", "--jobs", "1", "--source",
-                           str(REPO / "course"), "--exercise-timeout", "20", *extra],
+                           str(REPO / "course"), "--exercise-timeout", "20", "--trusted",
+                           *extra],
                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
 
 

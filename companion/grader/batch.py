@@ -258,15 +258,19 @@ class Batch:
 
     def _ran_as(self, job: _Job) -> str:
         cap = "" if self.spec["limits"]["memory"] else "; no memory cap"
+        box = "" if self.spec.get("confine") else "; no kernel sandbox (--trusted)"
         if job.user:
             uid = job.user[0]
             try:
                 name = pwd.getpwuid(uid).pw_name
             except KeyError:
                 name = "a user of its own"
-            return f"ran as {name} (uid {uid}){cap}"
+            return f"ran as {name} (uid {uid}){cap}{box}"
+        if self.spec.get("confine"):
+            return (f"ran with your permissions (uid {os.geteuid()}) in a bubblewrap sandbox: "
+                    f"it could read, not change, your files{cap}")
         return (f"ran with your permissions (uid {os.geteuid()}): the notebook's code could read "
-                f"and change your files; see docs/GRADING.md{cap}")
+                f"and change your files; see docs/GRADING.md{cap}{box}")
 
     def _integrity(self, job: _Job, rows: list[Row]) -> None:
         """Put the grader's files back if a notebook changed them: its private copy (which a

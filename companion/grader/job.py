@@ -25,7 +25,7 @@ from companion.grader import cleanroom
 from companion.grader.answer import SandboxAnswer
 from companion.grader.expected import Chapter, Exercise, match_chapter, make_plan, read_chapter
 from companion.grader.sandbox import ChildLost, Limits, harden_self, paused, subtree
-from companion.grader.session import Session
+from companion.grader.session import Session, confinement
 from companion.grader.scan import learner_cells, reference_uses, review_flags
 from companion.grader.withhold import verified_files
 
@@ -94,7 +94,8 @@ def _alone(session: Session, spec: dict, ex: Exercise, passed: str) -> tuple[str
     room = Session(spec, session.limits, session.modules,
                    env=dict(session.env, PYTHONPATH=os.pathsep.join(path)),
                    user=tuple(spec["clean_user"]) if spec.get("clean_user") else None,
-                   withheld={"preload": modules, "outside": outside})
+                   withheld={"preload": modules, "outside": outside},
+                   confine=_clean_confinement(spec, root))
     room.deadline = session.deadline
     try:
         with paused(subtree(os.getpid())):           # nothing left from the first run can act
@@ -117,6 +118,16 @@ def _alone(session: Session, spec: dict, ex: Exercise, passed: str) -> tuple[str
         return status, f"graded on its own, in a fresh interpreter: {message}"
     return "failed", f"passes in the notebook but not on its own (a fresh interpreter that runs " \
                      f"the notebook's imports and the definitions `{ex.answer}` uses): {message}"
+
+
+def _clean_confinement(spec: dict, root: pathlib.Path):
+    """The clean room's filesystem: the first run's, with the package's own folders empty (its
+    withheld copy, `root`, bound in their place), so the references are absent, not hidden."""
+    base = confinement(spec)
+    if base is None:
+        return None
+    shown = [str(root)] + ([spec["results"]] if spec.get("results") else [])
+    return base.with_(hide=spec.get("package_dirs", ()), show=shown)
 
 
 _FILES: dict[str, bytes] = {}

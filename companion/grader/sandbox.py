@@ -28,6 +28,7 @@ import threading
 import time
 
 from companion.grader import wire
+from companion.grader.confine import INSIDE, Confinement
 
 __all__ = ["Limits", "Child", "ChildLost", "harden_self", "children_of", "subtree", "paused",
            "unreachable", "end_descendants"]
@@ -157,9 +158,11 @@ class Child:
     """One sandboxed interpreter (companion.grader.child) and the pipes to it."""
 
     def __init__(self, *, limits: Limits, user: tuple[int, int] | None, env: dict[str, str],
-                 modules: tuple[str, ...] = (), withheld: dict | None = None):
+                 modules: tuple[str, ...] = (), withheld: dict | None = None,
+                 confine: Confinement | None = None):
         self.limits, self.user, self.base_env, self.modules = limits, user, env, modules
         self.withheld = withheld or {}       # a clean room's preload and outside references
+        self.confine = confine               # None: no kernel sandbox (`--trusted`)
         self.proc: subprocess.Popen | None = None
         self.output, self.output_total = bytearray(), 0
 
@@ -167,24 +170,32 @@ class Child:
 
     def start(self, *, timeout: float) -> dict:
         self.before = frozenset(children_of(os.getpid()))      # not ours to end in kill()
-        self.workdir = tempfile.mkdtemp(prefix="companion-sandbox-")
+        # Confined, its home is on its own tmpfs (INSIDE); else a folder made here for it.
+        self.workdir = None if self.confine else tempfile.mkdtemp(prefix="companion-sandbox-")
+        home = INSIDE if self.confine else self.workdir
         req_r, self.req_w = os.pipe()
         self.rep_r, rep_w = os.pipe()
+        as_root = self.user is None and os.geteuid() == 0
+        # RLIMIT_NPROC counts a uid's processes: per sandbox where it has a uid (or a user
+        # namespace) of its own; root is exempt from it.
+        processes = 4096 if self.user or (self.confine and not as_root) else 0
         limits = {"memory": self.limits.memory, "file_size": self.limits.file_size,
-                  "processes": 4096 if self.user else 0, "modules": list(self.modules),
-                  **self.withheld}
-        env = dict(self.base_env, HOME=self.workdir, TMPDIR=self.workdir, USER="sandbox",
-                   LOGNAME="sandbox",
-                   MPLCONFIGDIR=os.path.join(self.workdir, ".matplotlib"), MPLBACKEND="Agg",
-                   IPYTHONDIR=os.path.join(self.workdir, ".ipython"))
+                  "processes": processes, "modules": list(self.modules), **self.withheld}
+        env = dict(self.base_env, HOME=home, TMPDIR=home, USER="sandbox", LOGNAME="sandbox",
+                   MPLCONFIGDIR=os.path.join(home, ".matplotlib"), MPLBACKEND="Agg",
+                   IPYTHONDIR=os.path.join(home, ".ipython"))
         user = {}
         if self.user:
-            os.chown(self.workdir, *self.user)
+            if self.workdir:
+                os.chown(self.workdir, *self.user)
             user = {"user": self.user[0], "group": self.user[1], "extra_groups": []}
+        argv = [sys.executable, "-P", "-m", "companion.grader.child", str(req_r), str(rep_w),
+                json.dumps(limits)]
+        if self.confine:
+            argv = self.confine.command(argv, as_root=as_root)
         self.proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "companion.grader.child", str(req_r), str(rep_w),
-             json.dumps(limits)], pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.workdir, env=env,
+            argv, pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.workdir or "/", env=env,
             start_new_session=True, **user)
         os.close(req_r)
         os.close(rep_w)
@@ -218,7 +229,8 @@ class Child:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.proc = None
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     # ------------------------------------------------------------ requests
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from companion.grader.confine import Confinement
 from companion.grader.sandbox import Child, ChildLost, Limits
 
 __all__ = ["Session"]
@@ -17,8 +18,9 @@ class Session:
 
     def __init__(self, spec: dict, limits: Limits, modules: tuple[str, ...] = (), *,
                  env: dict | None = None, user: tuple[int, int] | None = None,
-                 withheld: dict | None = None):
+                 withheld: dict | None = None, confine: Confinement | None = None):
         self.spec, self.limits, self.modules = spec, limits, modules
+        self.confine = confine if confine is not None else confinement(spec)
         self.env = spec["child_env"] if env is None else env
         self.user = _user(spec) if user is None else user
         self.withheld = withheld
@@ -46,7 +48,7 @@ class Session:
                 return False
             self.starts += 1
             child = Child(limits=self.limits, user=self.user, env=self.env,
-                          modules=self.modules, withheld=self.withheld)
+                          modules=self.modules, withheld=self.withheld, confine=self.confine)
             try:
                 self.ran_as = child.start(timeout=min(120.0, self.left())).get("uid")
                 self.child = child
@@ -93,6 +95,14 @@ class Session:
         if self.child is not None:
             self.child.kill()
             self.child = None
+
+
+def confinement(spec: dict) -> Confinement | None:
+    """The spec's kernel sandbox for a notebook's first run, or None (`--trusted`)."""
+    c = spec.get("confine")
+    return None if not c else Confinement(
+        c["bwrap"], hide=tuple(c.get("hide", ())), show=tuple(c.get("show", ())),
+        blank=tuple(c.get("blank", ())), disk=int(c.get("disk", 2 * 2**30)))
 
 
 def _user(spec: dict) -> tuple[int, int] | None:
