@@ -8,6 +8,12 @@ not grade a second time, and the same answers with a comment of the learner's ow
 ("learner"), which go through the clean room. Every exercise must pass in both, with no review
 flag; the table gives each notebook's grading time, so the difference is the clean rooms' cost.
 Not a test: the times are this machine's, and the run takes several minutes.
+
+    python benchmarks/bench_grading.py --compare --chapters 01 04
+
+`--compare` prices the kernel sandbox (bubblewrap, `companion.grader.confine`): the same batch is
+graded four times, with it, without it (`--trusted`), without, with (ABBA order, so that a drift
+of the machine's speed falls on both), and each notebook's two times per mode are averaged.
 """
 from __future__ import annotations
 
@@ -34,27 +40,64 @@ def learner_written(nb):
     return nb
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--chapters", nargs="*", default=[f"{n:02d}" for n in range(12)])
-    args = parser.parse_args()
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="bench-grading-"))
-    os.chmod(folder, 0o755)
-    for chapter in args.chapters:
-        gn.save(gn.trimmed(chapter), folder / f"{chapter}_course.ipynb")
-        gn.save(learner_written(gn.trimmed(chapter)), folder / f"{chapter}_learner.ipynb")
+def grade(folder: pathlib.Path, out: pathlib.Path, jobs: int,
+          *extra: str) -> tuple[dict[str, float], list[dict]]:
+    """Grade the folder; each notebook's seconds (from the grader's progress lines) and rows."""
     seconds: dict[str, float] = {}
-    start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "companion", "grade", str(folder), "--out",
-                             str(folder / "grades"), "--jobs", str(args.jobs), "--source",
-                             str(REPO / "course")], stdout=subprocess.PIPE, text=True, cwd=folder)
+                             str(out), "--jobs", str(jobs), "--source", str(REPO / "course"),
+                             *extra], stdout=subprocess.PIPE, text=True, cwd=folder)
     for line in proc.stdout:
         if line.startswith("graded "):                 # graded PATH: got/top (N s)
             name = pathlib.Path(line.split(":")[0].removeprefix("graded ")).stem
             seconds[name] = float(line.rsplit("(", 1)[1].split()[0])
     proc.wait()
-    rows = json.loads((folder / "grades" / "grades.json").read_text())
+    return seconds, json.loads((out / "grades.json").read_text())
+
+
+def compare(args) -> int:
+    """Each learner notebook's grading time with the sandbox and without (`--trusted`), ABBA."""
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="bench-grading-"))
+    os.chmod(folder, 0o755)
+    for chapter in args.chapters:
+        gn.save(learner_written(gn.trimmed(chapter)), folder / f"{chapter}_learner.ipynb")
+    times: dict[str, dict[str, list[float]]] = {}
+    for i, mode in enumerate(("sandbox", "trusted", "trusted", "sandbox")):
+        extra = ["--trusted"] if mode == "trusted" else []
+        seconds, rows = grade(folder, folder / f"grades{i}", args.jobs, *extra)
+        for name, s in seconds.items():
+            times.setdefault(name, {}).setdefault(mode, []).append(s)
+        failed = [r for r in rows if not r["passed"]]
+        for r in failed:
+            print(f"    {mode}: {r['notebook']} {r['exercise']}: {r['status']}: {r['message'][:200]}")
+    print(f"| notebook | with the sandbox, s | without (--trusted), s | ratio |")
+    print("|---|---|---|---|")
+    ratios = []
+    for name in sorted(times):
+        a, b = (sum(times[name][m]) / len(times[name][m]) for m in ("sandbox", "trusted"))
+        ratios.append(a / b)
+        print(f"| {name} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
+    print(f"\nsandbox cost: {sorted(ratios)[len(ratios) // 2]:.2f}x the time without it "
+          f"(median over {len(ratios)} notebooks, each the mean of 2 runs per mode, ABBA)")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--chapters", nargs="*", default=[f"{n:02d}" for n in range(12)])
+    parser.add_argument("--compare", action="store_true",
+                        help="grade with and without the kernel sandbox and compare the times")
+    args = parser.parse_args()
+    if args.compare:
+        return compare(args)
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="bench-grading-"))
+    os.chmod(folder, 0o755)
+    for chapter in args.chapters:
+        gn.save(gn.trimmed(chapter), folder / f"{chapter}_course.ipynb")
+        gn.save(learner_written(gn.trimmed(chapter)), folder / f"{chapter}_learner.ipynb")
+    start = time.monotonic()
+    seconds, rows = grade(folder, folder / "grades", args.jobs)
     print(f"graded {len(seconds)} notebooks in {time.monotonic() - start:.0f} s "
           f"(--jobs {args.jobs})\n")
     print("| chapter | exercises | passed (course / learner) | flags | course s | learner s |")

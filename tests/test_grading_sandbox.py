@@ -5,6 +5,7 @@ Each case is a chapter-01 workbook with one cell added, graded in one batch besi
 notebooks (`--jobs 3`), as root and in self mode, and the process chain again with `--jobs 1`. Skipped, with the
 reason, where bwrap cannot run (the grader then refuses without --trusted, tested below).
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -18,9 +19,8 @@ import pytest
 import grading_notebooks as gn
 from grading_notebooks import MSE, REPO, SETUP, body, insert, save, trimmed
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(bool(gn.kernel_sandbox_blocked()),
-                                 reason=f"no kernel sandbox here: {gn.kernel_sandbox_blocked()}")]
+needs_bwrap = pytest.mark.skipif(bool(gn.kernel_sandbox_blocked()),
+                                 reason=f"no kernel sandbox here: {gn.kernel_sandbox_blocked()}")
 
 MARK = "oom-sandbox-chain-marker"
 
@@ -165,6 +165,8 @@ def _rows(graded, name: str) -> dict[str, dict]:
     return {r["exercise"]: r for r in graded["rows"] if pathlib.Path(r["notebook"]).stem == name}
 
 
+@pytest.mark.slow
+@needs_bwrap
 def test_honest_notebooks_keep_full_marks_unflagged_beside_the_attacks(graded):
     for name in ("h_honest", "i_honest"):
         rows = _rows(graded, name)
@@ -174,11 +176,15 @@ def test_honest_notebooks_keep_full_marks_unflagged_beside_the_attacks(graded):
         assert "review" not in flags and "tampered" not in {r["status"] for r in rows.values()}
 
 
+@pytest.mark.slow
+@needs_bwrap
 def test_no_process_of_a_notebook_outlives_the_grader(graded):
     assert _alive(MARK) == []
     assert all(r["points"] == r["max_points"] for r in _rows(graded, "a_chain").values())
 
 
+@pytest.mark.slow
+@needs_bwrap
 def test_reports_cannot_be_rewritten_after_the_grader_exits(graded):
     out = graded["out"]
     assert json.loads((out / "grades.json").read_text()) == graded["rows"] != []
@@ -189,6 +195,8 @@ def test_reports_cannot_be_rewritten_after_the_grader_exits(graded):
     assert rows and all(r["status"] == "passed" for r in rows.values()), rows
 
 
+@pytest.mark.slow
+@needs_bwrap
 def test_the_grader_s_files_are_read_only_and_tmp_is_private(graded):
     assert _package_digest() == graded["digest"]
     assert not pathlib.Path(f"/tmp/{MARK}-left-behind").exists()
@@ -196,16 +204,22 @@ def test_the_grader_s_files_are_read_only_and_tmp_is_private(graded):
     assert all(r["status"] == "passed" for r in rows.values()), rows
 
 
+@pytest.mark.slow
+@needs_bwrap
 def test_a_notebook_that_fills_its_disk_costs_only_itself(graded):
     rows = _rows(graded, "d_fills_tmp")
     assert rows and all(r["status"] == "passed" for r in rows.values()), rows
 
 
+@pytest.mark.slow
+@needs_bwrap
 def test_the_source_notebooks_are_absent_from_the_sandbox(graded):
     row = _rows(graded, "e_solutions")["mse_gradient"]
     assert row["points"] == 0 and row["status"] != "passed", row
 
 
+@pytest.mark.slow
+@needs_bwrap
 @pytest.mark.parametrize("name", ["f_from_disk", "g_helper"])
 def test_the_reference_cannot_reach_the_clean_room(graded, name):
     """Read from the package's file, or asked of a process the first run left: the answer
@@ -215,6 +229,8 @@ def test_the_reference_cannot_reach_the_clean_room(graded, name):
     assert "on its own" in row["message"] or "withholds" in row["message"], row
 
 
+@pytest.mark.slow
+@needs_bwrap
 def test_the_chain_is_ended_with_one_job_too(tmp_path):
     folder, out = tmp_path / "class", tmp_path / "grades"
     folder.mkdir()
@@ -227,6 +243,7 @@ def test_the_chain_is_ended_with_one_job_too(tmp_path):
     assert {r["status"] for r in rows if "b_fresh" in r["notebook"]} == {"not done"}
 
 
+@pytest.mark.slow
 def test_without_bwrap_the_grader_refuses_unless_trusted(tmp_path):
     nb = save(trimmed("01"), tmp_path / "nb.ipynb")
     env = dict(os.environ, PATH="/nonexistent")         # no bwrap on the PATH, nor python
@@ -237,3 +254,25 @@ def test_without_bwrap_the_grader_refuses_unless_trusted(tmp_path):
     refused = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert refused.returncode == 2 and "bubblewrap" in refused.stderr, refused.stderr[-2000:]
     assert "--trusted" in refused.stderr and not (tmp_path / "g").exists()
+
+
+def test_subtree_finds_every_descendant_in_one_read_of_proc():
+    """The clean room's pause stops the first run's whole tree: grandchildren too, and nothing
+    outside it."""
+    from companion.grader.sandbox import subtree
+    outer = subprocess.Popen(["/bin/sh", "-c", "sleep 30 & sleep 30 & sh -c 'sleep 30 & wait' "
+                              "& wait"])
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        deadline = time.monotonic() + 20
+        while len(subtree(outer.pid)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        found = subtree(outer.pid)
+        assert len(found) == 4 and outer.pid not in found and bystander.pid not in found
+        assert set(found) <= set(subtree(os.getpid())) and bystander.pid in subtree(os.getpid())
+    finally:
+        for pid in [*subtree(outer.pid), outer.pid, bystander.pid]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        outer.wait()
+        bystander.wait()
