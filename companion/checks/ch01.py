@@ -89,7 +89,9 @@ _TRY_IT = ("run full-batch descent on this X yourself (gd.mse_gradient and gd.sg
            "it the loss grows. Which property of the loss sets where that happens?")
 
 
-@exercise(points=2, timeout=15.0, reference="companion.gd.max_stable_lr")
+@exercise(points=2, timeout=15.0, reference=("companion.gd.max_stable_lr",
+                                              "companion.gd.mse_hessian",
+                                              "companion.checks.ch01._hessian"))
 def check_largest_stable_lr(answer) -> str:
     """answer(X) -> float: the learning rate above which full-batch descent on the MSE diverges."""
     cases = [(48, 3, "shifted"), (7, 10, "scaled"), (300, 1, "scaled"), (64, 6, "correlated")]
