@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,14 +71,14 @@ def compare(args) -> int:
         failed = [r for r in rows if not r["passed"]]
         for r in failed:
             print(f"    {mode}: {r['notebook']} {r['exercise']}: {r['status']}: {r['message'][:200]}")
-    print(f"| notebook | with the sandbox, s | without (--trusted), s | ratio |")
+    print("| notebook | with the sandbox, s | without (--trusted), s | ratio |")
     print("|---|---|---|---|")
     ratios = []
     for name in sorted(times):
         a, b = (sum(times[name][m]) / len(times[name][m]) for m in ("sandbox", "trusted"))
         ratios.append(a / b)
         print(f"| {name} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
-    print(f"\nsandbox cost: {sorted(ratios)[len(ratios) // 2]:.2f}x the time without it "
+    print(f"\nsandbox cost: {statistics.median(ratios):.2f}x the time without it "
           f"(median over {len(ratios)} notebooks, each the mean of 2 runs per mode, ABBA)")
     return 0
 
