@@ -11,6 +11,7 @@ pass, beside an answer that only vandalises them, which must not.
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -284,10 +285,11 @@ def test_under_the_grader_vandalised_inputs_earn_nothing_and_honest_answers_pass
             if kind == "vandal":
                 gn.body(nb, exercise.solution_cell_id, vandal)
             gn.save(nb, folder / f"{kind}_{chapter}.ipynb")
+    env = dict(os.environ, PYTHONPATH=str(gn.REPO))     # this checkout's checks and grader
     result = subprocess.run([sys.executable, "-m", "companion", "grade", ".", "--out", str(out),
                              "--jobs", "2", "--exercise-timeout", "30", "--source",
-                             str(gn.COURSE)], cwd=folder, capture_output=True, text=True,
-                            timeout=850)
+                             str(gn.COURSE)], cwd=folder, env=env, capture_output=True,
+                            text=True, timeout=850)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {(r["notebook"], r["exercise"]): r
             for r in json.loads((out / "grades.json").read_text())}
