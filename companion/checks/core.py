@@ -6,10 +6,14 @@ A check is one function per exercise, written with the `exercise` decorator:
     def check_mse_gradient(answer):
         for seed in fresh_seeds(3):
             X, y, w, b = make_inputs(seed)
-            got = call(answer, X, y, w, b)
-            compare(got, reference(X, y, w, b), name="(dw, db)",
-                    known_wrong={"Divide by m: the loss is a mean.": wrong(X, y, w, b)})
+            want, wrong = reference(X, y, w, b), {"Divide by m: the loss is a mean.": ...}
+            got = call(answer, X, y, w, b)          # the answer gets copies of X, y, w, b
+            compare(got, want, name="(dw, db)", known_wrong=wrong)
         return "matches the reference on 3 random batches"
+
+The expectation is computed first, and the answer runs on copies (`call`): an answer that changes
+its inputs (`X.zero_()`, `w.data = ...`) changes nothing the check compares. An answer that must
+change its arguments in place gets objects made for it alone (`call_inplace`).
 
 The decorator gives every check the same contract: whatever the learner passes (None, a string, a
 function that raises or never returns, a wrong shape, dtype or NaN), the check either passes or
