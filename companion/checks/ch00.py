@@ -11,8 +11,8 @@ import random
 import torch
 
 from companion import estimate, optim
-from companion.checks.core import (MEASURES_ACTIVATIONS, CheckFailed, call, compare, exercise,
-                                   fresh_seeds, harness, require)
+from companion.checks.core import (MEASURES_ACTIVATIONS, CheckFailed, call, call_inplace, compare,
+                                   exercise, fresh_seeds, harness, require)
 from companion.memory import format_bytes, track
 from companion.models import MLP, make_classification
 
@@ -70,8 +70,8 @@ def _adam_run(answer, seed: int, shape: tuple, dtype: torch.dtype, lr: float,
     """Five steps of the answer on one parameter; (the parameter, {state key: value})."""
     param, grads = _adam_inputs(seed, shape, dtype)
     state: dict = {}
-    for grad in grads:
-        call(answer, param, grad, state, lr, betas, eps)
+    for grad in grads:                  # param and state are the answer's own: it steps them
+        call_inplace(answer, param, grad, state, lr, betas, eps)
     keys = state.keys() if isinstance(state, dict) else ()
     return param, {str(k): _plain(state[k]) for k in keys}
 
@@ -133,6 +133,9 @@ def check_adam_step(answer) -> str:
     for shape, dtype, lr, betas, eps in cases:
         seed = rng.randrange(2**31)
         before, _ = _adam_inputs(seed, shape, dtype)
+        expected = _adam_variant(seed, shape, dtype, lr, betas, eps)
+        wrong = {hint: _adam_variant(seed, shape, dtype, lr, betas, eps, mistake=m)
+                 for hint, m in _ADAM_MISTAKES.items()}
         got, state = _adam_run(answer, seed, shape, dtype, lr, betas, eps)
         require(isinstance(got, torch.Tensor) and got.shape == before.shape
                 and not torch.equal(got, before),
@@ -155,9 +158,6 @@ def check_adam_step(answer) -> str:
         require(step == _ADAM_STEPS, f'state["step"] should be {_ADAM_STEPS} after '
                 f"{_ADAM_STEPS} steps; got {_short(step)}",
                 hint='count the steps in state["step"]: 0 before the first, + 1 at each step.')
-        expected = _adam_variant(seed, shape, dtype, lr, betas, eps)
-        wrong = {hint: _adam_variant(seed, shape, dtype, lr, betas, eps, mistake=m)
-                 for hint, m in _ADAM_MISTAKES.items()}
         compare(got, expected, name=f"the parameter after {_ADAM_STEPS} steps "
                 f"(lr={lr}, betas={betas}, eps={eps}, {dtype})", known_wrong=wrong)
     return ("Adam matches the reference; its state is m and v, each the parameter's size: "
@@ -221,14 +221,14 @@ def check_model_state_bytes(answer) -> str:
     for n in (random.Random(s).randint(10**3, 10**9) for s in fresh_seeds(2)):
         for optimizer, k in (("sgd", 0), ("sgd_momentum", 1), ("adam", 2)):
             for layout in LAYOUTS:
+                expected = _state_reference(n, optimizer, layout)
+                wrong = {hint: value for hint, value in _state_mistakes(n, k, layout).items()
+                         if value is not None and value != expected}
                 got = call(answer, n, optimizer, layout)
                 require(isinstance(got, (tuple, list)) and len(got) == 3,
                         f"expected a tuple (params, grads, optimizer_state), got {got!r}"[:200],
                         hint="return three byte counts, e.g. `return p, g, o`.")
                 got = tuple(_number(x, "a byte count") for x in got)
-                expected = _state_reference(n, optimizer, layout)
-                wrong = {hint: value for hint, value in _state_mistakes(n, k, layout).items()
-                         if value is not None and value != expected}
                 compare(got, expected, name=f"(params, grads, optimizer_state) for {optimizer}, "
                         f"{layout}", known_wrong=wrong)
     per = {layout: estimate.model_states(1, precision=p, **o).total
@@ -253,12 +253,12 @@ def check_activation_bytes(answer) -> str:
         # third drawn
         dtype = (torch.bfloat16, torch.float32, rng.choice((torch.float32, torch.bfloat16)))[case]
         e = torch.empty((), dtype=dtype).element_size()
-        got = _number(call(answer, B, W, L, K, e), "activation bytes")
         model = MLP(rng.randint(3, 20), W, L, K, seed=seed, dtype=dtype)
         X, y = make_classification(B, model.net[0].in_features, K, seed=seed, dtype=dtype)
         with track("cpu") as t:
             loss = model.loss(X, y)
         measured = t.current - loss.untyped_storage().nbytes()
+        got = _number(call(answer, B, W, L, K, e), "activation bytes")
         relu = L * B * W * e
         compare(got, measured, name=f"bytes saved by MLP(width={W}, depth={L}) on a batch "
                 f"of {B}, {dtype}", rtol=0.0, atol=0.0, known_wrong={
@@ -342,11 +342,11 @@ def check_transformer_activations(answer) -> str:
     cases += [(8, 1024, h, L, a, 50257) for h, L, a in _GPT2.values()]
     for b, s, h, L, a, V in cases:
         for dropout in (True, False):
-            got = _number(call(answer, b, s, h, L, a, V, dropout), "activation bytes")
             expected = estimate.transformer_activations(b, s, h, L, a, V, dropout=dropout)
             wrong = {hint: v for hint, v in _transformer_mistakes(b, s, h, L, a, V,
                                                                          dropout).items()
                      if v != expected}
+            got = _number(call(answer, b, s, h, L, a, V, dropout), "activation bytes")
             compare(got, expected, name=f"batch {b}, seq_len {s}, width {h}, depth {L}, "
                     f"heads {a}, vocab {V}, dropout={dropout}", rtol=0.0, atol=0.5,
                     known_wrong=wrong)

@@ -40,15 +40,16 @@ def check_mse_gradient(answer) -> str:
     """answer(X, y, w, b) -> (dw, db), the gradient of the mean squared error by hand."""
     for seed, (m, d) in zip(fresh_seeds(3), [(37, 5), (1, 3), (128, 1)]):
         X, y, w, b = _problem(seed, m, d)
-        got = call(answer, X.clone(), y.clone(), w.clone(), b.clone())
         dw, db = gd.mse_gradient(X, y, w, b)
-        compare(got, (dw, db), name="(dw, db)", known_wrong={
+        wrong = {
             "the loss is a mean over the m examples: divide the sums by m.": (dw * m, db * m),
             "d/dr of r² is 2r: keep the factor 2.": (dw / 2, db / 2),
             "r = Xw + b − y, so the gradient points along +Xᵀr; check the sign.": (-dw, -db),
             "b shifts every prediction by the same amount (∂rᵢ/∂b = 1): its gradient is the "
             "mean of 2rᵢ, not zero.": (dw, torch.zeros_like(db)),
-        })
+        }
+        got = call(answer, X, y, w, b)
+        compare(got, (dw, db), name="(dw, db)", known_wrong=wrong)
     return "matches the hand-derived gradient (2/m)·Xᵀr, (2/m)·Σr on 3 random batches"
 
 
@@ -97,7 +98,6 @@ def check_largest_stable_lr(answer) -> str:
     cases = [(48, 3, "shifted"), (7, 10, "scaled"), (300, 1, "scaled"), (64, 6, "correlated")]
     for seed, (m, d, kind) in zip(fresh_seeds(len(cases)), cases):
         X = _features(seed, m, d, kind)
-        got = _number(call(answer, X.clone()), f"largest_stable_lr(X of shape ({m}, {d}))")
         eig = torch.linalg.eigvalsh(_hessian(X))
         wrong = {
             "b is a parameter too: the Hessian is over (w, b), so X gets a column of ones, and "
@@ -119,7 +119,9 @@ def check_largest_stable_lr(answer) -> str:
             "uncorrelated (and the bias column is not): take the eigenvalues of the whole matrix.":
                 2 / float(_hessian(X).diagonal().max()),
         }
-        compare(got, float(gd.max_stable_lr(X)), name=f"the edge for X of shape ({m}, {d}), {kind}",
+        want = float(gd.max_stable_lr(X))
+        got = _number(call(answer, X), f"largest_stable_lr(X of shape ({m}, {d}))")
+        compare(got, want, name=f"the edge for X of shape ({m}, {d}), {kind}",
                 rtol=1e-4, atol=0.0, known_wrong=wrong, hint=_TRY_IT)
         require(_descends(X, 0.98 * got) and not _descends(X, 1.02 * got),
                 f"descent at 0.98 and 1.02 times your rate does not change behaviour on X of shape "
@@ -143,17 +145,18 @@ def check_train_epoch(answer) -> str:
     for seed, (m, d, bs) in zip(fresh_seeds(3), [(50, 3, 8), (29, 4, 29), (33, 2, 10)]):
         X, y, w, b = _problem(seed, m, d)
         lr = 0.1
-        got = call(answer, X.clone(), y.clone(), w.clone(), b.clone(), lr, bs)
-        if isinstance(got, tuple) and len(got) == 3:
-            got = got[:2]
         w_ref, b_ref, _ = gd.train_epoch(X, y, w, b, lr=lr, batch_size=bs)
         keep = m - m % bs
         dropped = gd.train_epoch(X[:keep], y[:keep], w, b, lr=lr, batch_size=bs)[:2]
         whole = gd.sgd_step(w, b, *gd.mse_gradient(X, y, w, b), lr=lr)
-        compare(got, (w_ref, b_ref), name="(w, b) after one epoch", known_wrong={
+        wrong = {
             "each batch must start from the parameters the previous batch left: compute the "
             "gradient inside the loop, after the last update.": _one_batch_for_all(X, y, w, b, lr, bs),
             "the last batch may be smaller than batch_size: keep it, do not drop it.": dropped,
             "one update per batch of batch_size examples, not one for the whole data set.": whole,
-        })
+        }
+        got = call(answer, X, y, w, b, lr, bs)
+        if isinstance(got, tuple) and len(got) == 3:
+            got = got[:2]
+        compare(got, (w_ref, b_ref), name="(w, b) after one epoch", known_wrong=wrong)
     return "one update per batch, each from the previous batch's parameters, short last batch kept"

@@ -84,8 +84,8 @@ def check_decode_bf16(answer) -> str:
     drawn = [rng.randrange(2**16) for _ in range(24)]
     drawn += [rng.randrange(1, 0x80) | sign for sign in (0, 0x8000)]    # two subnormals
     for bits in fixed + drawn:
-        got = _number(call(answer, bits), f"decode_bf16({bits:#06x})")
         want = floats.decode(bits, "bf16")
+        got = _number(call(answer, bits), f"decode_bf16({bits:#06x})")
         require(math.isnan(got) == math.isnan(want), f"decode_bf16({bits:#06x}) should be "
                 f"{want!r}, got {got!r}", hint=_bf16_hint(bits))
         if want == 0:
@@ -127,7 +127,6 @@ def check_max_finite(answer) -> str:
     for e, m, fn in sorted(cases, key=lambda c: c[2]):           # IEEE ones first
         f = floats.FloatFormat("layout", e, m, finite_only=fn)
         top = 2**e - 1 - f.bias                                    # the all-ones exponent field
-        got = _number(call(answer, e, m, fn), f"max_finite({e}, {m}, {fn})")
         name = f"max_finite({e}, {m}, finite_only={fn}) ({_layout_name(e, m)}, {_convention(fn)})"
         wrong = {"the largest mantissa 1.11…1 is 2 − 2^−m, just below 2: include it.":
                  _pow2(top - 1) if not fn else 2.0**top}
@@ -141,6 +140,7 @@ def check_max_finite(answer) -> str:
             wrong["an exponent field of all ones is reserved for inf and NaN: the largest finite "
                   "number uses all ones but the last bit."] = (2 - 2.0**-m) * _pow2(top)
             wrong["the bias is 2^(e−1) − 1."] = (2 - 2.0**-m) * _pow2(top - 2)
+        got = _number(call(answer, e, m, fn), f"max_finite({e}, {m}, {fn})")
         compare(got, f.max, name=name, atol=0.0, rtol=0.0, known_wrong=wrong)
     ieee, fn = (floats.FloatFormat("e4m3", 4, 3, finite_only=c).max for c in (False, True))
     return (f"e4m3 tops out at {fn:g} when its top exponent holds numbers (torch.finfo of "
@@ -209,20 +209,21 @@ def check_low_precision_sum(answer) -> str:
              (torch.rand(611, generator=torch.Generator().manual_seed(seeds[1])) * 0.1,
               torch.float16)]
     for values, dtype in cases:
-        got = call(answer, values.clone(), dtype)
         want = floats.running_sum(values, dtype)
+        wrong = {
+            ".sum() adds in a wider accumulator (fp32) and rounds once at the end; add one value "
+            "at a time in the low-precision dtype.": values.to(dtype).sum(),
+            "round each value to the dtype before adding it, as a tensor of that dtype would "
+            "hold it: added as given, a value can round the sum twice differently.":
+                _added_unrounded(values, dtype),
+            "cast each value to the dtype first: the sum must round after every addition.":
+                values.sum().to(dtype),
+            "keep the accumulator in the low-precision dtype, not fp32.":
+                floats.running_sum(values, dtype, accumulate=torch.float32),
+        }
+        got = call(answer, values, dtype)
         compare(got, want, name=f"sum of {len(values)} values in {dtype}", rtol=0.0, atol=0.0,
-                known_wrong={
-                    ".sum() adds in a wider accumulator (fp32) and rounds once at the end; add "
-                    "one value at a time in the low-precision dtype.": values.to(dtype).sum(),
-                    "round each value to the dtype before adding it, as a tensor of that dtype "
-                    "would hold it: added as given, a value can round the sum twice differently.":
-                        _added_unrounded(values, dtype),
-                    "cast each value to the dtype first: the sum must round after every "
-                    "addition.": values.sum().to(dtype),
-                    "keep the accumulator in the low-precision dtype, not fp32.":
-                        floats.running_sum(values, dtype, accumulate=torch.float32),
-                })
+                known_wrong=wrong)
     stalled = floats.running_sum(cases[0][0], torch.float16)
     return f"0.01 added 1000 times in fp16 gives {stalled.item():g}, not 10"
 
@@ -279,10 +280,11 @@ def check_rounding_threshold(answer) -> str:
     layouts = [(e, m) for e, m in _LAYOUTS if e < 11]   # fp64's half gaps underflow float64
     for seed, (e, m) in zip(fresh_seeds(len(layouts)), layouts):
         for w in _threshold_cases(seed, e, m):
+            want, wrong = _threshold(w, e, m), _threshold_wrong(w, e, m)
             got = _number(call(answer, w, e, m), f"rounding_threshold({w!r}, {e}, {m})")
-            compare(got, _threshold(w, e, m), atol=0.0, rtol=0.0,
+            compare(got, want, atol=0.0, rtol=0.0,
                     name=f"threshold above w = {w!r} in {_layout_name(e, m)} (e={e}, m={m})",
-                    known_wrong=_threshold_wrong(w, e, m))
+                    known_wrong=wrong)
     bf16, fp16 = _threshold(1.0, 8, 7), _threshold(1.0, 5, 10)
     return (f"an update to a weight of 1.0 vanishes below {bf16:g} in bf16 and {fp16:g} in "
             "fp16: a learning rate of 1e-4 times a gradient of 1 is lost in both")

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from companion import accumulation
-from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
-                                   require)
+from companion.checks.core import (CheckFailed, call, call_inplace, compare, exercise,
+                                   fresh_seeds, harness, require)
 
 __all__ = ["check_accumulation_step", "check_token_normalized_step", "check_batch_size_search"]
 
@@ -117,7 +117,7 @@ def _accumulation_run(answer, seed: int, k: int, b: int) -> tuple:
     (its parameters after, how many optimizer steps ran, the batch sizes the model saw)."""
     model, x, y = _setup(seed, k * b)
     opt, seen, steps, order = _watched(model, seed, lr=0.1)
-    call(answer, model, F.cross_entropy, opt, x.clone(), y.clone(), k)
+    call_inplace(answer, model, F.cross_entropy, opt, x.clone(), y.clone(), k)
     return tuple(p.detach() for p in model.parameters()), len(steps), seen, order
 
 
@@ -131,6 +131,7 @@ def check_accumulation_step(answer) -> str:
     for seed, (k, b) in zip(fresh_seeds(3), [(4, 6), (3, 7), (5, 1)]):
         model, x, y = _setup(seed, k * b)
         stale = _stale(model, seed)
+        expected = _step_params(model, x, y, k)
         got, steps, seen, order = _accumulation_run(answer, seed, k, b)
         require(steps == 1, f"optimizer.step() ran {steps} times; expected once",
                 hint="accumulate the gradients of all micro-batches, then step once, after the loop.")
@@ -139,7 +140,6 @@ def check_accumulation_step(answer) -> str:
                 hint="split x and y into accum_steps pieces (x.chunk(k)) and run the model on each: "
                      "that is what keeps the activations small.")
         _interleaved(order, k)
-        expected = _step_params(model, x, y, k)
         if not all(torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(got, expected)):
             _reject_known_wrong(got, {
                 "the step is k times too large: divide each micro-batch's loss by accum_steps "
@@ -206,7 +206,7 @@ def _token_run(answer, seed: int, rows: tuple) -> tuple:
     """Run the answer (stale gradients in .grad); (its parameters, optimizer steps, rows seen)."""
     model, micro = _token_setup(seed, rows)
     opt, seen, steps, order = _watched(model, seed, lr=0.5)
-    call(answer, model, opt, [(x.clone(), y.clone()) for x, y in micro])
+    call_inplace(answer, model, opt, [(x.clone(), y.clone()) for x, y in micro])
     return tuple(p.detach() for p in model.parameters()), len(steps), seen, order
 
 
@@ -215,6 +215,7 @@ def check_token_normalized_step(answer) -> str:
     """answer(model, optimizer, micro_batches): one optimizer step on token micro-batches
     [(x, y), ...] (y is -100 on padding) equal to the step on all of them at once."""
     for seed, rows in zip(fresh_seeds(3), [(3, 1, 4), (2, 5), (1, 1, 1, 6)]):
+        expected = _token_variant(seed, rows)
         got, steps, seen, order = _token_run(answer, seed, rows)
         require(steps == 1, f"optimizer.step() ran {steps} times; expected once",
                 hint="accumulate the gradients of every micro-batch, then step once, after the "
@@ -224,7 +225,6 @@ def check_token_normalized_step(answer) -> str:
                 hint="run the model on each micro-batch in turn: concatenating them first would "
                      "hold the activations of the whole batch.")
         _interleaved(order, len(rows))
-        expected = _token_variant(seed, rows)
         if not all(torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(got, expected)):
             _reject_known_wrong(got, {
                 "each micro-batch's mean over its own tokens, divided by k, weights a token of a "

@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from companion import checkpointing, models
-from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
-                                   require)
+from companion.checks.core import (CheckFailed, call, call_inplace, compare, exercise,
+                                   fresh_seeds, harness, require)
 from companion.memory import format_bytes, track
 
 __all__ = ["check_saved_bytes", "check_checkpoint_function", "check_selective_policy",
@@ -78,27 +78,27 @@ def check_saved_bytes(answer) -> str:
                  (_sigmoid_exp_matmul, "sigmoid, exp, matmul"),
                  (_slices_product, "two slices of one tensor, multiplied")]
         for fn, label in cases:
-            got = call(answer, fn, x)
+            want = checkpointing.activation_bytes(fn, x)
             saved = checkpointing.saved_for_backward(fn, x)
             with_params = sum({s.storage: s.storage_nbytes for s in saved}.values())
             every_save = sum(s.nbytes for s in saved if not s.is_parameter)
-            compare(got, checkpointing.activation_bytes(fn, x), name=f"bytes saved by {label}",
+            wrong = {
+                "a tensor saved twice (x * x saves x twice, and a ReLU's output is saved again by "
+                "the next Linear) exists once: count each storage once "
+                "(t.untyped_storage().data_ptr()).": every_save,
+                "leave out the parameters: the weights are in memory anyway, with or without "
+                "backward (compare storages with fn.parameters()).": with_params,
+                "a saved view keeps its whole storage alive: count t.untyped_storage().nbytes(), "
+                "not the first view's numel() * element_size() (two slices of one tensor hold "
+                "all of it).": _first_view_bytes(fn, x),
+                "views of one tensor share its storage: tell storages apart by "
+                "t.untyped_storage().data_ptr(), not t.data_ptr() (a slice starts elsewhere in "
+                "the same storage).": _view_bytes(fn, x),
+            }
+            got = call(answer, fn, x)
+            compare(got, want, name=f"bytes saved by {label}",
                     hint="pack every tensor with torch.autograd.graph.saved_tensors_hooks and add "
-                         "t.untyped_storage().nbytes() for each new storage.",
-                    known_wrong={
-                        "a tensor saved twice (x * x saves x twice, and a ReLU's output is saved "
-                        "again by the next Linear) exists once: count each storage once "
-                        "(t.untyped_storage().data_ptr()).": every_save,
-                        "leave out the parameters: the weights are in memory anyway, with or "
-                        "without backward (compare storages with fn.parameters()).": with_params,
-                        "a saved view keeps its whole storage alive: count "
-                        "t.untyped_storage().nbytes(), not the first view's numel() * "
-                        "element_size() (two slices of one tensor hold all of it).":
-                            _first_view_bytes(fn, x),
-                        "views of one tensor share its storage: tell storages apart by "
-                        "t.untyped_storage().data_ptr(), not t.data_ptr() (a slice starts "
-                        "elsewhere in the same storage).": _view_bytes(fn, x),
-                    })
+                         "t.untyped_storage().nbytes() for each new storage.", known_wrong=wrong)
     return "you can see what autograd keeps: the inputs of each layer, not the weights"
 
 
@@ -131,7 +131,8 @@ def _checkpoint_forward(answer, seed: int, width: int, p: float) -> tuple[int, i
     block, calls = _block(seed, width, p), []
     counted = lambda t: (calls.append(1), block(t))[1]
     torch.manual_seed(seed)
-    kept = checkpointing.activation_bytes(lambda t: call(answer, counted, t), _input(seed, width))
+    kept = checkpointing.activation_bytes(lambda t: call_inplace(answer, counted, t),
+                                          _input(seed, width))
     return kept, len(calls)
 
 
@@ -140,7 +141,8 @@ def _checkpoint_backward(answer, seed: int, width: int, p: float) -> tuple[tuple
     """((output, gradients) through the answer, how many times fn ran in forward and backward)."""
     block, calls = _block(seed, width, p), []
     counted = lambda t: (calls.append(1), block(t))[1]
-    got = _gradients(lambda m, t: call(answer, counted, t), block, _input(seed, width), seed)
+    got = _gradients(lambda m, t: call_inplace(answer, counted, t), block, _input(seed, width),
+                     seed)
     return got, len(calls)
 
 
@@ -148,7 +150,7 @@ def _checkpoint_backward(answer, seed: int, width: int, p: float) -> tuple[tuple
 def _autocast_gradients(answer, seed: int, width: int) -> tuple:
     """(output, gradients) of a block through the answer (plain autograd when answer is None),
     forward under CPU bf16 autocast, backward outside it."""
-    run = (lambda m, t: m(t)) if answer is None else (lambda m, t: call(answer, m, t))
+    run = (lambda m, t: m(t)) if answer is None else (lambda m, t: call_inplace(answer, m, t))
     return _gradients(run, _block(seed, width, 0.0), _input(seed, width), seed, autocast=True)
 
 
@@ -158,7 +160,8 @@ def _random_after_backward(answer, seed: int, width: int) -> torch.Tensor:
     answer's, or plain autograd's when answer is None): a checkpoint must leave the caller's
     random stream where plain autograd leaves it."""
     first, second = _block(seed, width, 0.5), _block(seed + 1, width, 0.5)
-    run = (lambda fn, t: fn(t)) if answer is None else (lambda fn, t: call(answer, fn, t))
+    run = (lambda fn, t: fn(t)) if answer is None else \
+        (lambda fn, t: call_inplace(answer, fn, t))
     torch.manual_seed(seed)
     y = run(second, run(first, _input(seed, width)))
     if isinstance(y, torch.Tensor) and y.requires_grad:
@@ -178,10 +181,11 @@ def check_checkpoint_function(answer) -> str:
     seeds = fresh_seeds(3)
     for seed, width, p in zip(seeds, [6, 11, 16], [0.0, 0.5, 0.3]):
         block, x = _block(seed, width, p), _input(seed, width)
+        plain_saved = checkpointing.activation_bytes(block, x)
+        want = _gradients(lambda m, t: m(t), block, x, seed)
         mine_saved, calls = _checkpoint_forward(answer, seed, width, p)
         require(calls == 1, f"fn ran {calls} times in forward; expected once",
                 hint="forward runs fn once, under torch.no_grad().")
-        plain_saved = checkpointing.activation_bytes(block, x)
         require(mine_saved <= x.numel() * x.element_size(),
                 f"forward kept {mine_saved} bytes for backward; a checkpoint keeps only its input "
                 f"({x.numel() * x.element_size()} bytes; plain autograd keeps {plain_saved})",
@@ -193,7 +197,6 @@ def check_checkpoint_function(answer) -> str:
                             "twice (once more to recompute)",
                 hint="in backward, run fn again on a detached copy of x with grad enabled, then "
                      "backpropagate through that.")
-        want = _gradients(lambda m, t: m(t), block, x, seed)
         try:
             compare(got, want, name="(output, parameter and input gradients)")
         except CheckFailed as failure:
@@ -205,11 +208,13 @@ def check_checkpoint_function(answer) -> str:
                 failure.hint = ("return x.grad of the recomputed input from backward, one "
                                 "value per forward argument (None for fn).")
             raise
-    compare(_random_after_backward(answer, seeds[0], 7), _random_after_backward(None, seeds[0], 7),
+    plain_random = _random_after_backward(None, seeds[0], 7)
+    plain_autocast = _autocast_gradients(None, seeds[1], 10)
+    compare(_random_after_backward(answer, seeds[0], 7), plain_random,
             name="torch.rand(8) after backward through two stacked checkpoints",
             hint="restore the saved random state inside `with torch.random.fork_rng():`, so the "
                  "recomputation does not rewind the random stream of the code around backward.")
-    compare(_autocast_gradients(answer, seeds[1], 10), _autocast_gradients(None, seeds[1], 10),
+    compare(_autocast_gradients(answer, seeds[1], 10), plain_autocast,
             name="(output, parameter and input gradients) under bf16 autocast",
             hint="forward ran inside an autocast block and backward after it closed, so your "
                  "recomputation ran at another precision than forward did: remember forward's "

@@ -14,8 +14,8 @@ import torch
 from companion import amp, estimate
 from companion.estimate import OPTIMIZERS
 from companion.amp.scaler import _float32
-from companion.checks.core import (MEASURES_ACTIVATIONS, CheckFailed, call, compare, exercise,
-                                   fresh_seeds, harness, require)
+from companion.checks.core import (MEASURES_ACTIVATIONS, CheckFailed, call, call_inplace, compare,
+                                   exercise, fresh_seeds, harness, require)
 from companion.memory import format_bytes, track
 from companion.models import MLP, make_classification
 
@@ -161,12 +161,12 @@ def check_bf16_layout(answer) -> str:
     seen = Counter()
     for seed in fresh_seeds(2):
         for n, optimizer, k, gpu, activations in _pick_cases(seed):
+            want = _pick(n, optimizer, k, gpu - activations)
             got = call(answer, n, optimizer, k, gpu, activations)
             require(isinstance(got, (tuple, list)) and len(got) == 2,
                     f"expected (layout, model-state bytes), got {got!r}"[:200],
                     hint="return two things, e.g. `return \"master\", nbytes` or `return None, 0`.")
             layout, nbytes = got
-            want = _pick(n, optimizer, k, gpu - activations)
             what = (f"{n:,} parameters, {optimizer}, {k} micro-batch{'es' * (k > 1)}, a "
                     f"{format_bytes(gpu)} GPU with {format_bytes(activations)} of activations")
             require(layout is None or layout in LAYOUTS,
@@ -243,10 +243,11 @@ def check_autocast_activation_bytes(answer) -> str:
     rng = random.Random(fresh_seeds(1)[0])
     cases = [_distinct_case(rng) for _ in range(6)]
     for B, d_in, W, L, K in cases:
+        want, wrong = _reference_bytes(B, d_in, W, L, K), _mlp_variants(B, d_in, W, L, K)
         got = call(answer, B, d_in, W, L, K)
-        compare(got, _reference_bytes(B, d_in, W, L, K),
+        compare(got, want,
                 name=f"bytes for batch={B}, d_in={d_in}, width={W}, depth={L}, d_out={K}",
-                rtol=0.0, atol=0.0, known_wrong=_mlp_variants(B, d_in, W, L, K),
+                rtol=0.0, atol=0.0, known_wrong=wrong,
                 hint="count per Linear what it saves, in 16 bits, then the loss's fp32 "
                      "log-softmax and its one-value total weight (4 bytes).")
         require(isinstance(got, numbers.Integral) and not isinstance(got, bool),
@@ -370,9 +371,9 @@ def check_replay_loss_scale(answer) -> str:
     skipped = grown = steps = 0
     for what, trace, start, interval in _replay_traces(fresh_seeds(1)[0]):
         want = amp.replay_scale(trace, start, interval)
-        scales, stepped = _replay_steps(call(answer, list(trace), start, interval), len(trace))
         wrong = {hint: _wrong_replay(kind)(trace, start, interval)
                  for hint, kind in _WRONG_REPLAY.items()}
+        scales, stepped = _replay_steps(call(answer, list(trace), start, interval), len(trace))
         label = f"over {what} (init_scale {start:g}, growth_interval {interval})"
         compare(scales, [s for s, _ in want], name=f"the scale of each step {label}", rtol=1e-6,
                 known_wrong={h: [s for s, _ in w] for h, w in wrong.items()})
@@ -419,7 +420,7 @@ def _unscale_run(answer, seed: int, inv_scale: float, where, value) -> tuple:
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
     for p, g in zip(params, grads):
         p.grad = g
-    found = call(answer, [p.grad for p in params], torch.tensor(inv_scale))
+    found = call_inplace(answer, [p.grad for p in params], torch.tensor(inv_scale))
     return found, [p.grad for p in params]
 
 
@@ -533,12 +534,12 @@ def check_to_e4m3(answer) -> str:
     from companion import scaling
     for seed in fresh_seeds(2):
         for what, x, amax in _fp8_cases(seed):
-            out = call(answer, x.clone(), amax.clone())
+            want_scale = float(scaling.amax_scale(amax, "e4m3"))
+            out = call(answer, x, amax)
             require(isinstance(out, tuple) and len(out) == 3,
                     f"expected (codes, scale, overflows), got {type(out).__name__}",
                     hint="return three things: the float8 tensor, the scale, the count.")
             codes, scale, overflows = out
-            want_scale = float(scaling.amax_scale(amax, "e4m3"))
             got_scale = _as_scale(scale)
             if not math.isclose(got_scale, want_scale, rel_tol=1e-6):
                 _wrong_scale(got_scale, want_scale, amax, x, what)
@@ -708,7 +709,9 @@ def check_choose_scaling(answer) -> str:
     trace): delayed only when it overflows nothing and its error stays within twice current's."""
     seen = Counter()
     for what, trace, history in _scaling_traces(fresh_seeds(1)[0]):
-        got = call(answer, [x.clone() for x in trace], history)
+        rows = _trace_errors(trace, history)
+        want = _choose(rows)
+        got = call(answer, trace, history)
         require(isinstance(got, (tuple, list)) and len(got) == 2,
                 f"expected (choice, overflows), got {got!r}"[:200],
                 hint='return two things, e.g. `return "delayed", 0`.')
@@ -720,8 +723,6 @@ def check_choose_scaling(answer) -> str:
         require(isinstance(overflows, numbers.Integral) and not isinstance(overflows, bool),
                 f"with {what}: the overflow count should be an int, got "
                 f"{type(overflows).__name__}")
-        rows = _trace_errors(trace, history)
-        want = _choose(rows)
         if (choice, int(overflows)) != want:
             worst = max(d / c for c, d, _ in rows if c > 0)
             raise CheckFailed(f"with {what} (history {history}): got ({choice!r}, {overflows}), "

@@ -17,8 +17,8 @@ from torch import nn
 from companion import collectives, estimate
 from companion.checks import _ranks
 from companion.checks._collective_guard import point_to_point_only, ring_direction
-from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
-                                   require)
+from companion.checks.core import (CheckFailed, call, call_inplace, compare, exercise,
+                                   fresh_seeds, harness, require)
 from companion.memory import format_bytes
 from companion.zero import flat_partition, per_rank_state_bytes
 from companion.zero.planning import plan_bytes, plan_seconds, plans
@@ -123,11 +123,12 @@ def check_flat_partition(answer) -> str:
     flattened parameters that `rank` owns, start/stop inside each parameter."""
     for seed in fresh_seeds(2):
         for numels, world in _partition_cases(seed):
+            want = [flat_partition(numels, world, rank) for rank in range(world)]
             got = [call(answer, list(numels), world, rank) for rank in range(world)]
             mistake = [text for text, wrong in _partition_mistakes(numels, world).items()
                        if not _differs(got, wrong)]
             for rank in range(world):
-                _compare_whole(got[rank], flat_partition(numels, world, rank),
+                _compare_whole(got[rank], want[rank],
                                name=f"rank {rank}'s pieces of {numels} on {world} ranks",
                                hint=mistake[0] if mistake else
                                "rank r owns flat elements [r·s, (r+1)·s) with s = ceil(Ψ/N); "
@@ -361,9 +362,10 @@ def check_prefetch(answer) -> str:
     peaks = {}
     for seed, (n, depth) in zip(fresh_seeds(7), [(1, 0), (4, 0), (5, 1), (7, 2), (6, 3),
                                                  (3, 5), (2, 1)]):
+        want = _prefetch_reference(seed, n)
         seen = _observe_prefetch(answer, seed, n, depth)
         try:
-            _judge_prefetch(seen, n, depth, _prefetch_reference(seed, n))
+            _judge_prefetch(seen, n, depth, want)
         except CheckFailed as failure:
             failure.summary = f"{n} unit{'s' * (n != 1)}, depth {depth}: {failure.summary}"
             raise
@@ -424,7 +426,7 @@ def _alive(buffers: list) -> int:
 def _forward_backward(module, x: torch.Tensor, grad_out, shards: dict, buffers: list,
                       key: str) -> dict:
     """One forward (with grad) and backward of `module` on x; what it gave and left behind."""
-    out = call(module, x)
+    out = call_inplace(module, x)       # the module with the answer's hooks, on the harness's x
     seen = {key + "output": out.detach() if isinstance(out, torch.Tensor) else out,
             key + "alive after forward": _alive(buffers), key + "backward error": None}
     try:
@@ -467,7 +469,7 @@ def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int) -> dict:
         _, name, offset, shape, stride = packed
         return gather(name).detach().as_strided(shape, stride, offset)    # gathered again
 
-    handles = call(answer, module, ["weight", "bias"], gather)
+    handles = call_inplace(answer, module, ["weight", "bias"], gather)   # hooks on this module
     seen = {"early": list(calls)}
     seen.update(_forward_backward(module, x.clone().requires_grad_(), grad_out, shards, buffers,
                                   "plain "))
@@ -576,6 +578,8 @@ def check_gather_hooks(answer) -> str:
     under FSDP-like saved-tensor hooks, freed right after forward and gathered again for
     backward."""
     for seed, (d_in, d_out) in zip(fresh_seeds(2), [(7, 5), (33, 17)]):
+        full, x, grad_out = _gather_case(seed, d_in, d_out)   # the verdict's own reference
+        expected, grads = _reference_step(full, x, grad_out)
         try:
             seen = _observe_gather_hooks(answer, seed, d_in, d_out)
         except CheckFailed as failure:
@@ -591,8 +595,6 @@ def check_gather_hooks(answer) -> str:
                                 "FSDP resizes storage it allocated itself, and refills it "
                                 "before backward (companion.zero.gather).")
             raise
-        full, x, grad_out = _gather_case(seed, d_in, d_out)   # the verdict's own reference
-        expected, grads = _reference_step(full, x, grad_out)
         _judge_gather_hooks(seen, expected, grads, full["weight"].numel() * 4)
     return (f"forward and backward match the unsharded 33 x 17 layer. After forward, "
             f"{format_bytes(seen['plain alive after forward'])} of gathered weight stay alive "
@@ -643,10 +645,10 @@ def check_per_rank_model_states(answer) -> str:
         for stage in range(4):
             world = rng.choice([2, 3, 8, 64, 100])
             n = world * rng.randint(10**4, 10**7) + 1          # not a multiple: ceil != floor
-            got = call(answer, n, stage, world, w, g, k)
             states = estimate.model_states(n, optimizer=optimizer, precision=precision,
                                            zero_stage=stage, world_size=world)
             expected = (states.params, states.grads, states.optimizer)
+            got = call(answer, n, stage, world, w, g, k)
             require(not _close(got, _wrong(n, stage, world, w, g, k, shard=n / world)) or
                     not _differs(got, expected),
                     f"stage {stage}, {world} ranks, {n:,} parameters: got {got}, which counts "
@@ -720,6 +722,7 @@ def check_choose_zero(answer) -> str:
         if _best_plan(case)[0][0] < 3:
             cases.append(case)
     for case in cases:
+        best, best_s = _best_plan(case)
         got = call(answer, dict(case["shape"]), case["batch"], case["gpu"], case["world"],
                    case["limit"])
         require(isinstance(got, (tuple, list)) and len(got) == 3 and
@@ -732,7 +735,6 @@ def check_choose_zero(answer) -> str:
                 f"k = {k} does not split {case['batch']} sequences into equal micro-batches")
         require(prefetch in _LEVELS["prefetch"] and (stage == 3 or prefetch == 0),
                 f"prefetch must be 0, 1 or 2, and 0 below ZeRO-3; got {prefetch} at stage {stage}")
-        (best, best_s) = _best_plan(case)
         where = (f"{case['shape']['depth']} blocks of width {case['shape']['width']}, T = "
                  f"{case['shape']['seq_len']}, {case['batch']} sequences per rank, "
                  f"{case['world']} x {case['gpu']}, limit {case['limit'] / 2**30:.1f} GiB")

@@ -12,8 +12,8 @@ import torch
 
 from companion import cost, estimate
 from companion.checkpointing import saved_for_backward
-from companion.checks.core import (CheckFailed, call, compare, exercise, fresh_seeds, harness,
-                                   require)
+from companion.checks.core import (CheckFailed, call, call_inplace, compare, exercise,
+                                   fresh_seeds, harness, require)
 from companion.memory import format_bytes, track
 from companion.models import GPT, MLP, make_tokens
 from companion.offload import Link, offload_activations, schedule_groups, to_host
@@ -83,7 +83,7 @@ def _observe_step(answer, seed: int) -> list[dict]:
         storages = [p.untyped_storage().data_ptr() for p in params]
         at_step.clear()
         link.copies.clear()
-        call(answer, params, masters, host_grads, optimizer, link)
+        call_inplace(answer, params, masters, host_grads, optimizer, link)     # steps them
         link.synchronize()                 # the next forward runs after every queued copy
         seen.append({"weights": [p.detach().clone() for p in params],
                      "masters": [m.detach().clone() for m in masters],
@@ -119,7 +119,8 @@ def check_offloaded_step(answer) -> str:
     the weights on the device, step `optimizer` over the host masters with those gradients, and
     put the updated weights back into the parameters in place."""
     for seed in fresh_seeds(2):
-        seen, plain = _observe_step(answer, seed), _plain_steps(seed)
+        plain = _plain_steps(seed)
+        seen = _observe_step(answer, seed)
         for step, (got, before, want) in enumerate(zip(seen, plain, plain[1:]), 1):
             require(got["steps"] == 1, f"step {step} called optimizer.step() {got['steps']} "
                     "times", hint="step the optimizer you are given once per call: it updates "
@@ -254,7 +255,7 @@ def check_offload_plan(answer) -> str:
     cases, chosen = _plan_cases(fresh_seeds(1)[0]), {}
     for case in cases:
         kw = {k: v for k, v in case.items() if k != "gpu"}
-        want = _best_rung(**kw)
+        want, wrong_plans = _best_rung(**kw), _wrong_plans(case)
         got = call(answer, **kw)
         P = sum(l.params for l in case["layers"])
         where = (f"{P / 1e9:.2f}B parameters ({case['weight_bytes']}-byte weights) on a "
@@ -263,7 +264,7 @@ def check_offload_plan(answer) -> str:
                  f"{format_bytes(case['host_bytes'])}, host AdamW "
                  f"{case['speeds'].host_adam_rate / 1e9:.2f}B parameters/s")
         if want is None:
-            wrong = [text for text, value in _wrong_plans(case).items() if value == got]
+            wrong = [text for text, value in wrong_plans.items() if value == got]
             require(got is None, f"{where}: nothing fits, but you chose {got!r:.80}",
                     hint=wrong[0] if wrong else "return None when no rung fits.")
             chosen["None"] = chosen.get("None", 0) + 1
@@ -272,7 +273,7 @@ def check_offload_plan(answer) -> str:
             raise CheckFailed(f"{where}: expected (rung, seconds), got {got!r:.80}",
                               hint=f"return a pair: a name from cost.OFFLOAD_RUNGS "
                                    f"{cost.OFFLOAD_RUNGS} and the predicted seconds.")
-        wrong = {text: value for text, value in _wrong_plans(case).items() if value != want}
+        wrong = {text: value for text, value in wrong_plans.items() if value != want}
         if got[0] != want[0]:
             same = [text for text, value in wrong.items() if value and value[0] == got[0]
                     and _close(got[1], value[1])]
@@ -414,9 +415,9 @@ def check_offload_schedule(answer) -> str:
     saved = 0.0
     for ready, down, step, up in cases:
         where = (f"{len(ready)} group(s), ready {ready}, down {down}, step {step}, up {up}")
+        best = _end(schedule_groups(ready, down, step, up), down, step, up)
         got = call(answer, list(ready), list(down), list(step), list(up))
         starts = _validate_schedule(got, ready, down, step, up, where)
-        best = _end(schedule_groups(ready, down, step, up), down, step, up)
         mine = _end(starts, down, step, up)
         wrong = {"the stages can overlap: while the host steps group g, the link can bring group "
                  "g+1 down and take group g-1 up.": _stage_by_stage(ready, down, step, up),
@@ -499,7 +500,7 @@ def _plain_and_reference(seed: int):
         "move only tensors of at least min_bytes: small ones cost a transfer and save little.":
             sum(n for n, is_weight in saved if not is_weight),
     }
-    return grads, moved.bytes_to_host, tr.peak, offloaded.peak, wrong
+    return grads, moved.bytes_to_host, tr.peak, offloaded.peak, wrong, min_bytes
 
 
 def _check_trip(trip: dict, expected: torch.Tensor, index: int) -> None:
@@ -522,11 +523,11 @@ def check_offload_hooks(answer) -> str:
     """answer(min_bytes) -> (pack, unpack): saved-tensor hooks that move every saved tensor of at
     least min_bytes that is not a parameter to the host, and bring it back to its device."""
     for seed in fresh_seeds(2):
+        grads, moved, plain_peak, reference_peak, wrong, min_bytes = _plain_and_reference(seed)
+        expected = _trip_tensors(seed, min_bytes)
         seen = _observe_hooks(answer, seed)
-        expected = _trip_tensors(seed, seen["min_bytes"])
         for i, (trip, want) in enumerate(zip(seen["trips"], expected)):
             _check_trip(trip, want.detach(), i)
-        grads, moved, plain_peak, reference_peak, wrong = _plain_and_reference(seed)
         compare(seen["grads"], grads, name="gradients with your hooks", **_EXACT,
                 hint="every unpacked tensor must equal the one packed, so gradients do not change.")
         compare(seen["host_peak"], moved, name="bytes your hooks kept on the host",

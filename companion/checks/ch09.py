@@ -18,7 +18,8 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from companion.checkpointing.segments import predicted_activation_bytes
-from companion.checks.core import CheckFailed, call, exercise, fresh_seeds, harness, require
+from companion.checks.core import (CheckFailed, call, call_inplace, exercise, fresh_seeds, harness,
+                                   require)
 from companion.device import Sizes, pick_device, sizes
 from companion.memory import format_bytes, memory_budget, track
 from companion.models import GPT
@@ -276,7 +277,9 @@ def _train_under_budget(answer, seed: int, steps: int, device_name: str, case: t
     handles = watch.hooks()
     try:
         with memory_budget(S.cap_budget, device), track(device) as tracker:
-            losses = call(answer, capstone_model(S, seed=seed), batches[:steps], LR, S.cap_budget)
+            # the answer's own objects, not copied: a copy made here would count in the budget
+            losses = call_inplace(answer, capstone_model(S, seed=seed), batches[:steps], LR,
+                                  S.cap_budget)
     finally:
         for handle in handles:
             handle.remove()

@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from companion.attention import causal_mask, naive_attention
 from companion.attention.tiles import SHIPPED, SRAM_PER_SM, tile_sram_bytes
-from companion.checks.core import (_LIBRARIES, CheckFailed, NotDone, call, compare, exercise,
-                                   fresh_seeds, harness, learner_frames, require,
+from companion.checks.core import (_LIBRARIES, CheckFailed, NotDone, call, call_inplace, compare,
+                                   exercise, fresh_seeds, harness, learner_frames, require,
                                    require_function)
 
 __all__ = ["check_merge", "check_forward_tiles", "check_tile_backward", "check_triton_forward",
@@ -74,18 +74,19 @@ def check_merge(answer) -> str:
         for cut in (random.Random(seed).randrange(1, n), 0, n):      # 0 or n: one part is empty
             first, second = _partial(s[:, :cut], v[:cut]), _partial(s[:, cut:], v[cut:])
             want = _partial(s, v)
+            wrong = _merge_wrong(*first, *second) if 0 < cut < n else {}
             got = call(answer, *first, *second)
             label = (f"merge of keys [0, {cut}) and [{cut}, {n}) (scores up to ±{spread:g})")
             if cut in (0, n):
                 _no_nan(got, label)
-            compare(got, want, name=label, rtol=1e-4, atol=1e-5,
-                    known_wrong=_merge_wrong(*first, *second) if 0 < cut < n else {},
+            compare(got, want, name=label, rtol=1e-4, atol=1e-5, known_wrong=wrong,
                     hint="m is the larger maximum; each part's l and o are rescaled by exp(m_i − "
                          "m) into the new maximum's terms before they are combined.")
     empty = _partial(torch.zeros(2, 0), torch.zeros(0, 3))
+    want = _partial(torch.zeros(2, 0), torch.zeros(0, 3))
     got = call(answer, *empty, *empty)
     _no_nan(got, "merge of two parts over no keys")
-    compare(got, empty, name="merge of two parts over no keys",
+    compare(got, want, name="merge of two parts over no keys",
             hint="two empty parts merge into an empty part (−inf, 0, 0), without NaN.")
     return "two partial softmaxes merge exactly: keys can arrive in any number of tiles"
 
@@ -117,9 +118,9 @@ def _qkv(seed: int, b: int, nq: int, nk: int, d: int):
 def _forward_run(answer, seed: int, b: int, nq: int, nk: int, d: int, causal: bool, bq: int,
                  bk: int):
     """(the answer's result, the largest tensor its operators made: (elements, dtype, shape))."""
-    q, k, v = _qkv(seed, b, nq, nk, d)
+    q, k, v = _qkv(seed, b, nq, nk, d)      # the answer's own: a copy would count as its tensor
     with _Largest() as seen:
-        got = call(answer, q, k, v, causal, bq, bk)
+        got = call_inplace(answer, q, k, v, causal, bq, bk)
     return got, seen.largest
 
 
@@ -161,12 +162,13 @@ def check_forward_tiles(answer) -> str:
     biggest = 0
     for seed, (b, nq, nk, d, causal, bq, bk) in zip(seeds, cases):
         q, k, v = _qkv(seed, b, nq, nk, d)
-        got, (largest, dtype, shape) = _forward_run(answer, seed, b, nq, nk, d, causal, bq, bk)
         o, lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
+        wrong = _forward_wrong(q, k, v, causal)
+        got, (largest, dtype, shape) = _forward_run(answer, seed, b, nq, nk, d, causal, bq, bk)
         label = (f"(o, lse) for B={b}, Nq={nq}, Nk={nk}, d={d}, causal={causal}, "
                  f"tiles {bq}x{bk}")
         compare(got, (o.float(), lse.float()), name=label, rtol=1e-4, atol=1e-5,
-                known_wrong=_forward_wrong(q, k, v, causal),
+                known_wrong=wrong,
                 hint="after each key tile: m_new = max(m, rowmax(S)), rescale l and the output "
                      "accumulator by exp(m − m_new), add the tile's exp(S − m_new); at the end "
                      "o = acc / l and lse = m + log(l). Queries that see no key: o = 0, lse = "
@@ -256,10 +258,12 @@ def check_tile_backward(answer) -> str:
         o, lse = naive_attention(q, keys, values, return_lse=True)
         j = rng.randrange(tiles)                              # one key tile of several
         k, v = keys[:, j * bk:(j + 1) * bk], values[:, j * bk:(j + 1) * bk]
-        got = call(answer, q, k, v, o, do, lse, scale)
-        compare(got, tile_backward(q, k, v, o, do, lse, scale),
+        want, wrong = tile_backward(q, k, v, o, do, lse, scale), _tile_wrong(q, k, v, o, do, lse,
+                                                                            scale)
+        got = call(answer, q, k, v, o, do, lse, scale)      # on copies: do.zero_() changes none
+        compare(got, want,
                 name=f"(dq, dk, dv) of query tile {bq} x key tile {j + 1} of {tiles} ({bk} keys)",
-                rtol=1e-4, atol=1e-5, known_wrong=_tile_wrong(q, k, v, o, do, lse, scale),
+                rtol=1e-4, atol=1e-5, known_wrong=wrong,
                 hint="recompute P = exp(S − lse); dV = Pᵀ dO; dP = dO Vᵀ; then dS from dP, P and "
                      "D = rowsum(dO ∘ O); dq and dk from dS.")
     return "one tile's backward: summed over every tile, it is autograd's gradient"
@@ -461,6 +465,7 @@ def check_triton_forward(answer) -> str:
     dots = {}
     for seed, (heads, nq, nk, d, causal, bq, bk) in zip(seeds, _KERNEL_CASES):
         q, k, v = _qkv(seed, heads, nq, nk, d)
+        want = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
         o, lse, dots[(heads, nq, nk, d, causal, bq, bk)] = _kernel_run(
             answer, seed, heads, nq, nk, d, causal, bq, bk)
         label = (f"(O, L) of {heads} head(s), Nq={nq}, Nk={nk}, d={d}, causal={causal}, "
@@ -472,7 +477,6 @@ def check_triton_forward(answer) -> str:
                      "with a mask (keys < n_k, dims < d) and set the scores of keys >= n_k to "
                      "−inf; and a row that has seen no key yet has m = −inf, where exp(s − m) "
                      "is NaN: subtract 0 instead. O is written where its own strides say.")
-        want = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
         compare((o, lse), tuple(t.float() for t in want), name=label, rtol=1e-4, atol=1e-5,
                 known_wrong=_kernel_wrong(q, k, v, causal, bq, bk),
                 hint="for each key tile: S = q kᵀ · scale, masked; m_new = max(m, rowmax(S)); "

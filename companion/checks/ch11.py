@@ -78,18 +78,7 @@ def check_blockwise(answer) -> str:
             x = x.abs()
         x.view(-1)[:blocksize] = 0.0                                # a block of zeros
         label = f"x of shape {tuple(shape)}, blocks of {blocksize}, {name}"
-        got = call(answer, x.clone(), code.clone(), blocksize)
-        require(isinstance(got, (tuple, list)) and len(got) == 2,
-                f"{label}: expected (codes, absmax), got {type(got).__name__}")
-        codes, absmax = got
-        require(getattr(codes, "shape", None) == x.shape, f"{label}: codes have x's shape "
-                f"{tuple(x.shape)}, got {tuple(getattr(codes, 'shape', ()))}",
-                hint="one code per value of x, reshaped back to x's shape.")
-        codes = _as_codes(codes, x.numel(), label)
         want = _blocks_absmax(x, blocksize)
-        compare(absmax, want, name=f"{label}: absmax", rtol=1e-6, atol=0.0,
-                hint="one absmax per block of `blocksize` consecutive values (the last block "
-                     "may be short), the largest |value| in it, in float32.")
         scale = torch.where(want > 0, want, torch.ones_like(want)).repeat_interleave(blocksize)
         scaled = x.reshape(-1) / scale[:x.numel()]
         wrong = {"divide each value by its own block's absmax, not by the whole tensor's: "
@@ -98,6 +87,17 @@ def check_blockwise(answer) -> str:
                  "pick the nearest level, not the first level above the value (rounding "
                  "down or up biases every code).":
                  torch.bucketize(scaled, code).clamp(max=len(code) - 1)}
+        got = call(answer, x, code, blocksize)
+        require(isinstance(got, (tuple, list)) and len(got) == 2,
+                f"{label}: expected (codes, absmax), got {type(got).__name__}")
+        codes, absmax = got
+        require(getattr(codes, "shape", None) == x.shape, f"{label}: codes have x's shape "
+                f"{tuple(x.shape)}, got {tuple(getattr(codes, 'shape', ()))}",
+                hint="one code per value of x, reshaped back to x's shape.")
+        codes = _as_codes(codes, x.numel(), label)
+        compare(absmax, want, name=f"{label}: absmax", rtol=1e-6, atol=0.0,
+                hint="one absmax per block of `blocksize` consecutive values (the last block "
+                     "may be short), the largest |value| in it, in float32.")
         _codes_nearest(codes, scaled, code, label,
                        "each code is the index of the level nearest to value / absmax; a "
                        "block whose absmax is 0 is all zeros (do not divide by 0).", wrong)
@@ -159,14 +159,15 @@ def check_adam8bit_block(answer) -> str:
             m0, v0 = torch.zeros(n), torch.zeros(n)
         (mc, ma), (vc, va) = _encode(m0, signed), _encode(v0, unsigned)
         args = (p, grad, mc, ma, vc, va, t, lr, betas, 1e-8)
-        want = adam8bit_block(*args)
+        want, wrong = adam8bit_block(*args), _adam_wrong(*args)
+        exact = {what: _exact_moment(args, what) for what in ("m", "v")}
         label = f"a block of {n} values at step {t}, lr {lr:g}, betas {betas}"
-        got = call(answer, *(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+        got = call(answer, *args)
         require(isinstance(got, (tuple, list)) and len(got) == 5,
                 f"{label}: expected (p, m_codes, m_absmax, v_codes, v_absmax), got "
                 f"{type(got).__name__}{'' if not isinstance(got, (tuple, list)) else f' of {len(got)}'}")
         compare(got[0], want[0], name=f"{label}: the new weights", rtol=1e-5, atol=1e-7,
-                known_wrong=_adam_wrong(*args),
+                known_wrong=wrong,
                 hint="decode m and v (level × absmax), fold the gradient in, step by "
                      "−lr·m̂/(√v̂ + ε), then encode both again.")
         for i, (what, levels) in enumerate((("m", signed), ("v", unsigned))):
@@ -174,10 +175,9 @@ def check_adam8bit_block(answer) -> str:
                     rtol=1e-5, atol=1e-30,
                     hint="quantize the updated moment against its own new absmax: the old one "
                          "clips values that grew.")
-            exact = _exact_moment(args, what)
             scale = want[2 + 2 * i].clamp_min(1e-30)
             _codes_nearest(_as_codes(got[1 + 2 * i], n, f"{label}: {what}'s codes"),
-                           exact / scale, levels, f"{label}: {what}'s codes",
+                           exact[what] / scale, levels, f"{label}: {what}'s codes",
                            f"encode {what} with the {'signed' if what == 'm' else 'unsigned'} "
                            "dynamic map: the nearest level of value / new absmax.")
     return ("one 8-bit Adam step: decoded, updated in fp32, encoded again with fresh absmax "
@@ -359,11 +359,11 @@ def check_nf4_block(answer) -> str:
         if n == 64:                                   # the largest magnitude is negative
             w[rng.randrange(n)] = -1.5 * w.abs().max()
         label = f"a block of {n} weights"
-        got = call(answer, w.clone())
+        want_absmax = w.abs().max()
+        got = call(answer, w)
         require(isinstance(got, (tuple, list)) and len(got) == 2,
                 f"{label}: expected (packed, absmax), got {type(got).__name__}")
         packed, absmax = got
-        want_absmax = w.abs().max()
         compare(torch.as_tensor(absmax).float().reshape(()), want_absmax, name=f"{label}: absmax",
                 rtol=1e-6, atol=0, hint="the block's scale is its largest |weight|.")
         packed = _as_codes(packed, (n + 1) // 2, f"{label}: packed codes")
@@ -586,7 +586,7 @@ def check_state_codes(answer) -> str:
         label = f"moments of 16,384 values ({kind}), {budget:g} bytes per value"
         errors = _state_errors(m, v)
         want = choose_state_codes(m, v, budget)
-        got = call(answer, m.clone(), v.clone(), budget)
+        got = call(answer, m, v, budget)
         if want is None:
             require(got is None, f"{label}: nothing fits this budget; expected None, got {got!r}",
                     hint="every choice keeps some bytes per value: return None when none is "

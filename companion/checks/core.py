@@ -6,10 +6,14 @@ A check is one function per exercise, written with the `exercise` decorator:
     def check_mse_gradient(answer):
         for seed in fresh_seeds(3):
             X, y, w, b = make_inputs(seed)
-            got = call(answer, X, y, w, b)
-            compare(got, reference(X, y, w, b), name="(dw, db)",
-                    known_wrong={"Divide by m: the loss is a mean.": wrong(X, y, w, b)})
+            want, wrong = reference(X, y, w, b), {"Divide by m: the loss is a mean.": ...}
+            got = call(answer, X, y, w, b)          # the answer gets copies of X, y, w, b
+            compare(got, want, name="(dw, db)", known_wrong=wrong)
         return "matches the reference on 3 random batches"
+
+The expectation is computed first, and the answer runs on copies (`call`): an answer that changes
+its inputs (`X.zero_()`, `w.data = ...`) changes nothing the check compares. An answer that must
+change its arguments in place gets objects made for it alone (`call_inplace`).
 
 The decorator gives every check the same contract: whatever the learner passes (None, a string, a
 function that raises or never returns, a wrong shape, dtype or NaN), the check either passes or
@@ -23,6 +27,7 @@ the notebook. When the learner's own code raises, the failure names the cell and
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import dataclasses
 import functools
@@ -47,6 +52,7 @@ __all__ = [
     "evaluate",
     "harness",
     "call",
+    "call_inplace",
     "compare",
     "require",
     "require_function",
@@ -174,9 +180,33 @@ def require_function(answer: Any) -> None:
 
 
 def call(answer: Any, *args, **kwargs) -> Any:
-    """Call the learner's function; turn anything it does wrong into a CheckFailed that says so.
-    Under the grader the answer is a `Remote`: it runs in its sandbox and its result comes back."""
+    """Call the learner's function on copies of the arguments; turn anything it does wrong into a
+    CheckFailed that says so. Under the grader the answer is a `Remote`: it runs in its sandbox
+    and its result comes back.
+
+    The answer gets copies (`_copied`): whatever it does to them (`x.zero_()`, `x.data = ...`, a
+    module's weights changed), the check's own objects, and the expectation computed from them,
+    stay as they were. An exercise whose answer must change its arguments in place uses
+    `call_inplace`."""
     require_function(answer)
+    args, kwargs = _copied(args, kwargs)
+    return _invoke(answer, *args, **kwargs)
+
+
+def call_inplace(answer: Any, *args, **kwargs) -> Any:
+    """`call` without the copies, for an answer that changes its arguments in place by design (an
+    optimizer step, gradients unscaled in place, hooks registered on a module): the check reads
+    the changes back from the objects it passed. Those must be the answer's own, made for this
+    call: never what the check computes its expectation from (a @harness builds them from the
+    seed; the check computes its expectation from objects of its own, before the call). Under the
+    grader, the changes made in the sandbox are copied back into them."""
+    require_function(answer)
+    return _invoke(answer, *args, **kwargs)
+
+
+def _invoke(answer: Any, *args, **kwargs) -> Any:
+    """Run the answer on exactly these arguments. In the grader's sandbox this is what a `Remote`
+    call runs (the grading process made the copies)."""
     if isinstance(answer, Remote):
         return answer.call(args, kwargs)
     try:
@@ -186,6 +216,40 @@ def call(answer: Any, *args, **kwargs) -> Any:
     except Exception as e:
         raise CheckFailed(f"your function raised {type(e).__name__}: {e}",
                           hint=_hint_for_exception(e), where=learner_frames(e)) from None
+
+
+def _copied(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Deep copies of a call's arguments, made with one memo, so that arguments sharing a tensor
+    (a model and its optimizer, two views of one storage) share its copy. A view keeps its offset
+    into a copy of its whole storage; a parameter keeps its .grad (which `Parameter.__deepcopy__`
+    drops); a tensor inside a graph becomes `clone()`, a copy that gradients still flow through.
+    Functions, numbers and strings are their own copies."""
+    memo: dict = {}
+    for t in _graph_tensors((args, kwargs)):
+        memo[id(t)] = t.clone()
+    try:
+        copies = copy.deepcopy((args, kwargs), memo)
+    except Exception as e:
+        raise GraderError(f"the check cannot copy an argument for the answer ({type(e).__name__}: "
+                          f"{e}): pass what copy.deepcopy copies, or make the objects for the "
+                          "answer and use call_inplace") from None
+    for original in list(memo.get(id(memo), [])):
+        if isinstance(original, torch.nn.Parameter) and original.grad is not None:
+            memo[id(original)].grad = copy.deepcopy(original.grad, memo)
+    return copies
+
+
+def _graph_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors in a graph (not leaves: deepcopy refuses them), inside tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        if value.grad_fn is not None:
+            yield value
+    elif depth < 4 and isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _graph_tensors(v, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for v in value.values():
+            yield from _graph_tensors(v, depth + 1)
 
 
 _LIBRARIES = tuple(str(pathlib.Path(p).resolve()) for p in {

@@ -4,10 +4,11 @@ In a notebook, a check calls the learner's function directly. Under `python -m c
 the check runs in the grader and the learner's function lives in another process (a sandbox with
 hard limits); the check then receives a `Remote` in place of the function. Two doors lead to it:
 
-- `call(answer, *args)` (in core): the arguments are sent to the sandbox, the answer runs there,
-  and only its return value comes back, as plain data (tensors, numbers, strings, None, and
-  tuples, lists and dicts of them). Tensors and modules the answer changed in place are copied
-  back into the check's arguments.
+- `call(answer, *args)` (in core): copies of the arguments are sent to the sandbox, the answer
+  runs there, and only its return value comes back, as plain data (tensors, numbers, strings,
+  None, and tuples, lists and dicts of them). Tensors and modules the answer changed in place
+  are copied back into those copies (with `call_inplace`, into the arguments themselves, made
+  for the answer alone), never into what the check computed its expectation from.
 - A module-level function marked `@harness`: it takes the answer (or `_packed(answer)`-style
   `answer.through(fn)` tokens) among its arguments, runs the learner's code the way the check
   needs (hooks, callbacks, autograd through the learner's Function, gloo workers) and returns raw
@@ -20,7 +21,7 @@ hard limits); the check then receives a `Remote` in place of the function. Two d
         steps = []
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         opt.register_step_post_hook(lambda *a: steps.append(1))
-        call(answer, model, opt, x, y, k)
+        call_inplace(answer, model, opt, x, y, k)     # the step changes model in place
         return [p.detach() for p in model.parameters()], len(steps)
 
 Anything else a check does with a Remote (pickling it, reading its attributes) raises
@@ -73,7 +74,8 @@ class Remote:
         return RemoteArg(self, fn)
 
     def __call__(self, *args, **kwargs):
-        return self.call(args, kwargs)
+        from companion.checks.core import call        # on copies, as every check's call
+        return call(self, *args, **kwargs)
 
     def __reduce__(self):
         raise GraderError(f"the check pickles the answer {self.name!r}; under the grader the "

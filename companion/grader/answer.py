@@ -2,8 +2,10 @@
 
 `SandboxAnswer.call` sends the check's arguments to the sandbox, where the learner's function runs
 under the check's time limit, and returns its result after `wire` has made sure it is plain data.
-Tensors and modules the answer changed in place are copied back into the check's own arguments,
-so behaviour checks such as "the step left the gradients alone" work as in a notebook. Failures
+Tensors and modules the answer changed in place are copied back into the arguments it was sent:
+copies the check made for it (`core.call`), or objects made for the answer alone
+(`core.call_inplace`, whose check reads the changes), never what the check computed its
+expectation from. Failures
 come back as text and are raised again here as the check's own exceptions; a reply can only ever
 make the learner fail, never pass: passing is decided by the check, in this process.
 """
@@ -57,8 +59,8 @@ class SandboxAnswer(Remote):
             self.deadline = None
 
     def call(self, args: tuple, kwargs: dict) -> Any:
-        from companion.checks.core import call
-        return self._run(call, (self, *args), kwargs)
+        from companion.checks.core import _invoke      # `call` made the copies, here
+        return self._run(_invoke, (self, *args), kwargs)
 
     def run_harness(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         return self._run(fn, args, kwargs)
@@ -138,7 +140,8 @@ class SandboxAnswer(Remote):
 
 
 def _apply(changed: Any, root: tuple) -> None:
-    """Copy tensors and module states the answer changed in place into the check's arguments."""
+    """Copy tensors and module states the answer changed in place into the arguments it was sent
+    (the check's copies, or objects made for the answer: see `core.call_inplace`)."""
     for item in changed if type(changed) is list else []:
         if type(item) is not tuple or len(item) != 3 or type(item[0]) is not list:
             continue
