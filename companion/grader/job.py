@@ -26,6 +26,7 @@ from companion.grader.answer import SandboxAnswer
 from companion.grader.expected import Chapter, Exercise, match_chapter, make_plan, read_chapter
 from companion.grader.sandbox import ChildLost, Limits, harden_self, paused, subtree
 from companion.grader.session import Session
+from companion.grader.submission import MAX_NOTEBOOK, read_submission
 from companion.grader.scan import learner_cells, reference_uses, review_flags
 from companion.grader.withhold import verified_files
 
@@ -134,15 +135,13 @@ def _package_files(spec: dict) -> dict[str, bytes]:
 # ---------------------------------------------------------------- one notebook
 
 def _read(path: str, max_bytes: int):
-    """The submission as a notebook, or ValueError saying why it is not one."""
-    size = os.path.getsize(path)
-    if size == 0:
+    """The submission as a notebook, or ValueError saying why it is not one (`read_submission`:
+    a regular file only, no symlink followed, at most max_bytes read)."""
+    data = read_submission(path, max_bytes)
+    if not data:
         raise ValueError("the file is empty")
-    if size > max_bytes:
-        raise ValueError(f"the file is {size / 2**20:.0f} MiB, over the "
-                         f"{max_bytes / 2**20:.0f} MiB a notebook may have")
     try:
-        nb = nbformat.reads(pathlib.Path(path).read_text(encoding="utf-8"), as_version=4)
+        nb = nbformat.reads(data.decode("utf-8"), as_version=4)
     except Exception as e:
         raise ValueError(f"not a readable notebook ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(nb.get("cells"), list):
@@ -153,7 +152,7 @@ def _read(path: str, max_bytes: int):
 def grade_notebook(spec: dict, emit) -> None:
     """Grade spec["notebook"]; report with emit(event, **data)."""
     try:
-        nb = _read(spec["notebook"], spec.get("max_bytes", 50 * 2**20))
+        nb = _read(spec["notebook"], spec.get("max_bytes", MAX_NOTEBOOK))
     except (ValueError, OSError) as e:
         named = [Chapter(pathlib.Path(p), [], set()) for p in spec["chapters"]]
         emit("unreadable", reason=str(e), chapter=_chapter_name(
