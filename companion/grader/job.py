@@ -26,6 +26,7 @@ from companion.grader.answer import SandboxAnswer
 from companion.grader.expected import Chapter, Exercise, match_chapter, make_plan, read_chapter
 from companion.grader.sandbox import ChildLost, Limits, harden_self, paused, subtree
 from companion.grader.session import Session
+from companion.grader.stopping import Stopped, on_signals, stop_by_default
 from companion.grader.submission import MAX_NOTEBOOK, read_submission
 from companion.grader.scan import learner_cells, reference_uses, review_flags
 from companion.grader.withhold import verified_files
@@ -241,7 +242,11 @@ def main(spec: dict | None = None) -> int:
     def emit(event: str, **data) -> None:
         out.write(json.dumps({"event": event, **data}) + "\n")
 
-    grade_notebook(spec, emit)
+    try:
+        with on_signals():             # SIGTERM from the batch: clean rooms and sandboxes removed
+            grade_notebook(spec, emit)
+    except Stopped as stopped:
+        stop_by_default(stopped)
     return 0
 
 
