@@ -23,6 +23,7 @@ import nbformat
 from companion.checks.core import REGISTRY, CheckFailed, GraderError, NotDone, evaluate
 from companion.grader import cleanroom
 from companion.grader.answer import SandboxAnswer
+from companion.grader.copies import copied_solutions
 from companion.grader.expected import Chapter, Exercise, match_chapter, make_plan, read_chapter
 from companion.grader.sandbox import ChildLost, Limits, harden_self, paused, subtree
 from companion.grader.session import Session
@@ -184,6 +185,7 @@ def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
     source = nbformat.read(chapter.path, as_version=4)
     written = learner_cells(nb, source)     # none: every cell is the course's own code, whose
     alone = bool(written) and bool(spec.get("digests"))   # answers need no second run
+    copies = copied_solutions(nb, source, chapter)        # the course's solutions: `reference`
     for ex in chapter.exercises:
         if ex.check in plan.tampered:
             emit("row", row=_row(spec, ex, "tampered", plan.tampered[ex.check]))
@@ -199,7 +201,9 @@ def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
             if ex.check in done:
                 continue
             done.add(ex.check)
-            if cell_errors.get(step.cell):
+            if ex.check in copies:
+                row = _row(spec, ex, "reference", copies[ex.check])
+            elif cell_errors.get(step.cell):
                 row = _row(spec, ex, "failed", "not run: its cell stopped before the check line: "
                                                f"{cell_errors[step.cell]}")
             else:
