@@ -250,10 +250,10 @@ def _grading_tmp() -> pathlib.Path:
     return folder
 
 
-def _grade(folder, out, tmp, *extra, **popen):
+def _grade(folder, out, tmp, *extra, self_mode: bool = not ROOT, **popen):
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(gn.REPO))    # this checkout's grader
-    run_as = [] if ROOT else ["--run-as", "self"]
-    if not ROOT:                 # as yourself the grader restores its files: let it restore a copy
+    run_as = ["--run-as", "self"] if self_mode else []
+    if self_mode:                # as yourself the grader restores its files: let it restore a copy
         package = tmp / "pkg" / "companion"
         if not package.exists():
             shutil.copytree(gn.REPO / "companion", package,
@@ -275,8 +275,9 @@ def _huge(reply):                   # mse_gradient's (dw, db): dw a 2 GiB view o
 _wire.dumps = _huge'''
 
 
-@pytest.fixture(scope="module")
-def graded(tmp_path_factory):
+@pytest.fixture(scope="module", params=["as nobody, --jobs 3", "--run-as self, --jobs 1"]
+                if ROOT else ["--run-as self, --jobs 1"])
+def graded(tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("class")
     os.mkfifo(folder / "01_fifo.ipynb")
     (folder / "zero.ipynb").symlink_to("/dev/zero")
@@ -298,7 +299,8 @@ def graded(tmp_path_factory):
     dead = tmp / "companion-grader-999999999.1-left"              # a copy a SIGKILL left
     (dead / "sources").mkdir(parents=True)
     live = pathlib.Path(tempfile.mkdtemp(prefix=tag("companion-grader"), dir=tmp))
-    proc = _grade(folder, out, tmp, "--jobs", "3")
+    self_mode = "self" in request.param
+    proc = _grade(folder, out, tmp, "--jobs", "1" if self_mode else "3", self_mode=self_mode)
     stdout, stderr = proc.communicate(timeout=1500)
     assert proc.returncode == 0, stderr[-3000:]
     rows = {}

@@ -15,9 +15,10 @@ import textwrap
 
 __all__ = ["Row", "escape_csv", "printable", "write_reports", "digest", "format_table"]
 
-# C0 controls and DEL, C1 controls (ECMA-48 section 5; ESC starts the sequences that move the cursor,
-# clear the screen or recolour text, and U+009B is a one-character CSI), and the bidirectional
-# overrides and isolates that reorder what a line shows (Unicode TR9; CVE-2021-42574)
+# C0 controls and DEL, C1 controls (ECMA-48 section 5; ESC starts the sequences that move the
+# cursor, clear the screen or recolour text, and U+009B is a one-character CSI), the bidirectional
+# overrides and isolates that reorder what a line shows (Unicode TR9; CVE-2021-42574), and the
+# Unicode line and paragraph separators
 _CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
 
 

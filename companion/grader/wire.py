@@ -6,13 +6,14 @@ plain containers only and never runs code; the grader then accepts nothing but p
 Each message is a 4-byte length and a body of at most `MAX_BYTES`.
 
 The sandbox's side can be anything (its code is the learner's to patch), so `decode` bounds what
-a reply costs the grading process before torch builds it (`_bounded`): the body must be a zip
-of stored entries (torch.save writes no other; a deflated entry expands up to about 1,000 times,
-and the legacy format allocates a storage of whatever size the stream claims before reading it),
-whose sizes add up to no more than the body; its pickle's opcodes are costed one by one (the
-objects each builds, their slots in containers and in the memo); the tensors it builds, views
-included, may span no more bytes than the rest of the limit. A reply over `decoded_limit` is
-refused as too large without being built.
+a reply costs the grading process before torch builds it (`_bounded`): the body must be a zip of
+stored entries, as torch.save writes it (a deflated entry expands up to 1,032 times: zlib's
+technical details, zlib.net/zlib_tech.html; torch.load reads them, and the legacy format, too),
+whose sizes add up to no more than the body (entries that share bytes would not); its pickle's
+opcodes are costed one by one (the objects each builds, their slots in containers and in the
+memo). The tensors it builds, views included, may span no more bytes than the limit (a stride-0
+view of one float may claim gigabytes, which a check builds as soon as it computes with it). A
+reply over `decoded_limit` is refused without being built.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_BYTES", "decoded_limit", "Opaque", "WireError", "frame", "send", "receive", "encode", "dumps",
-           "decode", "plain", "AnswerPickler", "answer_unpickler"]
+__all__ = ["MAX_BYTES", "decoded_limit", "Opaque", "WireError", "frame", "send", "receive",
+           "encode", "dumps", "decode", "plain", "AnswerPickler", "answer_unpickler"]
 
 MAX_BYTES = 512 * 2**20
 _OPAQUE = "\x00opaque"
