@@ -411,3 +411,53 @@ def test_a_grader_stopped_by_sigterm_leaves_no_copy_of_the_course(tmp_path):
         assert [v["state"] for v in state.values()] == ["running"]    # --resume says so
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _processes_in(tmp: pathlib.Path) -> list[str]:
+    """Processes whose TMPDIR is in `tmp` (the grader's, its grading processes', its sandboxes',
+    whose TMPDIR is their folder there)."""
+    found, mark = [], f"TMPDIR={tmp}".encode()
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            if any(v == mark or v.startswith(mark + b"/")
+                   for v in (entry / "environ").read_bytes().split(b"\0")):
+                found.append(entry.name)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_grader_killed_by_sigkill_takes_its_processes_along_and_the_next_run_its_copy(
+        tmp_path):
+    folder, later = tmp_path / "class", tmp_path / "later"
+    folder.mkdir()
+    later.mkdir()
+    gn.save(gn.insert(gn.trimmed("01", solved=False), gn.SETUP, SLEEPS), folder / "sleeps.ipynb")
+    (later / "empty.ipynb").write_text("")
+    tmp, out = _grading_tmp(), tmp_path / "grades"
+    try:
+        proc = _grade(folder, out, tmp, "--jobs", "1", "--cell-timeout", "300")
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None and \
+                len(_processes_in(tmp)) < 3:             # the batch, its grading process, a sandbox
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(2)
+        proc.kill()
+        proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        deadline = time.monotonic() + 30         # the grading process gets SIGTERM (without it,
+        # it would run on until its sandbox's cell ended: 300 s)
+        while _processes_in(tmp) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _processes_in(tmp) == []
+        left = [p.name for p in tmp.iterdir() if p.name.startswith("companion-")]
+        assert len(left) == 1 and left[0].startswith("companion-grader-"), left   # the copy only
+        again = _grade(later, tmp_path / "grades2", tmp, "--jobs", "1")
+        _, stderr = again.communicate(timeout=600)
+        assert again.returncode == 0, stderr[-3000:]
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("companion-")] == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

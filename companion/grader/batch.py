@@ -165,6 +165,7 @@ class Batch:
         slot = min(set(range(self.jobs)) - {j.slot for j in self.running.values()})
         user = slot_user(self.spec["user"], slot, spread=self.spec.get("spread", False))
         spec = dict(self.spec, notebook=os.path.abspath(path), label=str(path), user=user,
+                    batch=os.getpid(),
                     clean_user=clean_user(self.spec["user"], slot))
         stderr = tempfile.TemporaryFile()
         proc = subprocess.Popen([sys.executable, "-I", "-c", BOOT],

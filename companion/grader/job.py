@@ -27,7 +27,7 @@ from companion.grader.copies import copied_solutions
 from companion.grader.expected import Chapter, Exercise, match_chapter, make_plan, read_chapter
 from companion.grader.sandbox import ChildLost, Limits, harden_self, paused, subtree
 from companion.grader.session import Session
-from companion.grader.stopping import Stopped, on_signals, stop_by_default
+from companion.grader.stopping import Stopped, die_with_parent, on_signals, stop_by_default
 from companion.grader.submission import MAX_NOTEBOOK, read_submission
 from companion.grader.scan import learner_cells, reference_uses, review_flags
 from companion.grader.withhold import verified_files
@@ -248,6 +248,7 @@ def main(spec: dict | None = None) -> int:
 
     try:
         with on_signals():             # SIGTERM from the batch: clean rooms and sandboxes removed
+            die_with_parent(spec.get("batch"))           # SIGTERM too when the batch is killed
             grade_notebook(spec, emit)
     except Stopped as stopped:
         stop_by_default(stopped)

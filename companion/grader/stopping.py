@@ -22,7 +22,7 @@ import stat
 import tempfile
 import threading
 
-__all__ = ["Stopped", "Guard", "on_signals", "stop_by_default", "tag", "remove_stale"]
+__all__ = ["Stopped", "Guard", "on_signals", "stop_by_default", "die_with_parent", "tag", "remove_stale"]
 
 _ENDING = ("SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGALRM",
            "SIGVTALRM", "SIGPROF", "SIGXCPU", "SIGPOLL", "SIGSYS", "SIGTRAP")
@@ -99,6 +99,20 @@ def stop_by_default(stopped: Stopped) -> None:
     signal.signal(stopped.signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [stopped.signum])
     os.kill(os.getpid(), stopped.signum)
+
+
+def die_with_parent(parent: int | None) -> None:
+    """Have the kernel send this process SIGTERM when its parent, `parent`, ends, even by SIGKILL
+    (prctl(2), PR_SET_PDEATHSIG), so that a grading process whose batch was killed still removes
+    its clean rooms and sandboxes; if `parent` has ended already, now. Linux only."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)             # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 # ---------------------------------------------------------------- copies left by SIGKILL
