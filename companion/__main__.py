@@ -59,16 +59,19 @@ def _grade(args) -> int:
     sys.modules.setdefault("rfc3987_syntax", None)   # nbformat's jsonschema builds an IRI grammar
     # from it on import (3 s a process); the grader validates no IRIs
     from companion.grader.sandbox import harden_self
+    from companion.grader.reports import printable
+    from companion.grader.stopping import Stopped, stop_by_default
     from companion.grading import SetupError, format_table, grade, write_reports
 
     harden_self()         # a subreaper for what notebooks leave; not ptrace-able by them
 
     missing = [p for p in args.paths if not pathlib.Path(p).exists()]
     if missing:
-        print(f"no such notebook: {', '.join(map(str, missing))}", file=sys.stderr)
+        print(f"no such notebook: {', '.join(printable(p) for p in missing)}", file=sys.stderr)
         return 2
 
     def progress(path, rows, seconds):
+        path = printable(path)                  # a file name cannot drive the terminal
         got, top = sum(r.points for r in rows), sum(r.max_points for r in rows)
         if seconds is None:
             print(f"kept {path} from the earlier run: {got}/{top}", flush=True)
@@ -85,6 +88,10 @@ def _grade(args) -> int:
     except SetupError as e:
         print(f"cannot grade: {e}", file=sys.stderr)
         return 2
+    except Stopped as stopped:      # the grader's copies are removed; the reports hold what ended
+        print(f"grading {stopped}: {args.out} holds the notebooks finished (--resume carries on)",
+              file=sys.stderr, flush=True)
+        stop_by_default(stopped)
     json_path, csv_path = write_reports(rows, args.out)
     print(format_table(rows))
     print(f"wrote {json_path} and {csv_path}; their SHA-256 (also in {args.out / 'grades.sha256'}, "

@@ -38,6 +38,7 @@ from companion.grader.expected import read_chapter
 from companion.grader.integrity import Snapshot
 from companion.grader.reports import Row, escape_csv, format_table, write_reports
 from companion.grader.sandbox import Limits, end_descendants, unreachable
+from companion.grader.stopping import Guard
 
 __all__ = ["Row", "SetupError", "grade", "grade_notebook", "write_reports", "format_table", "escape_csv"]
 
@@ -91,6 +92,7 @@ def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
                 "grade with --trusted (no kernel sandbox; see docs/GRADING.md, \"The sandbox\").")
         confine = _confinement(paths, sources, package, out, disk)
     snapshot = Snapshot(package, sources)
+    guard = Guard()          # a signal raises Stopped once the cleanup below is sure to run
     private = snapshot.private_copy()
     import torch
     cuda = torch.cuda.is_available()
@@ -111,14 +113,31 @@ def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
                   snapshot=snapshot, watch=bool(watch), out=out, progress=progress,
                   resume=resume)
     try:
+        guard.open()
         return batch.run()
     finally:
-        for job in batch.running.values():
-            with contextlib.suppress(OSError):
-                os.killpg(job.proc.pid, signal.SIGKILL)
+        guard.shut()
+        _end_jobs(batch)
         end_descendants(keep=batch.before)
         _subreaper(subreaper)
         Snapshot.remove(private)
+        guard.restore()
+
+
+def _end_jobs(batch: Batch, grace: float = 5.0) -> None:
+    """End the grading processes still running (a grader stopped by a signal): SIGTERM first, so
+    that each removes its clean rooms and sandboxes (`stopping.on_signals` in job.main), then,
+    after `grace` seconds, SIGKILL."""
+    import time
+    for job in batch.running.values():
+        with contextlib.suppress(OSError):
+            os.killpg(job.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for job in batch.running.values():
+        with contextlib.suppress(Exception):
+            job.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        with contextlib.suppress(OSError):
+            os.killpg(job.proc.pid, signal.SIGKILL)
 
 
 def _confinement(paths, sources: list[pathlib.Path], package: pathlib.Path, out,

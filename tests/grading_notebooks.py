@@ -1,7 +1,9 @@
 """Notebooks for the grading tests, built from the course's source notebooks.
 
 `trimmed(chapter)` keeps the setup cell and the exercise cells (the demos are left out: the
-grader needs neither, and the tests run in seconds instead of minutes). `edit` changes one cell,
+grader needs neither, and the tests run in seconds instead of minutes), each solution with one line
+of the learner's own (`own`): the course's solutions as they are, copied, score `reference`
+(`trimmed(chapter, verbatim=True)`). `edit` changes one cell,
 found by its id, the way a learner would in JupyterLab.
 """
 import functools
@@ -25,15 +27,32 @@ def source(chapter: str) -> pathlib.Path:
     return next(COURSE.glob(f"{chapter}_*.ipynb"))
 
 
-def trimmed(chapter: str, *, solved: bool = True) -> nbformat.NotebookNode:
-    """The chapter's setup cell and exercise cells, with solutions (or as a fresh workbook)."""
+OWN = "_ = None  # my own answer, worked out on paper"
+
+
+def own(nb) -> nbformat.NotebookNode:
+    """The solutions as a learner might type them: the course's code with a line of their own in
+    each (a statement, not a comment: a copy is told apart as parsed code, comments aside)."""
+    for cell in nb.cells:
+        lines = cell.source.split("\n")
+        for i in reversed(range(len(lines))):
+            if "### BEGIN SOLUTION" in lines[i]:
+                indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+                lines.insert(i + 1, indent + OWN)
+        cell.source = "\n".join(lines)
+    return nb
+
+
+def trimmed(chapter: str, *, solved: bool = True, verbatim: bool = False) -> nbformat.NotebookNode:
+    """The chapter's setup cell and exercise cells, with solutions written as a learner's own
+    (the course's own with `verbatim`), or as a fresh workbook."""
     path = source(chapter)
     exercises = read_chapter(path).exercises
     keep = {e.cell_id for e in exercises} | {e.solution_cell_id for e in exercises}
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     nb.cells = [code[0]] + [c for c in code[1:] if c.get("id") in keep]
-    nb = strip_solutions(nb) if not solved else nb
+    nb = strip_solutions(nb) if not solved else nb if verbatim else own(nb)
     for cell in nb.cells:
         cell.outputs, cell.execution_count = [], None
     return nb

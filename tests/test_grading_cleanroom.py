@@ -149,7 +149,7 @@ def test_no_source_notebook_is_flagged_and_the_course_s_own_cells_are_not_scanne
         solutions = [c for c in nb.cells if c.get("id") in ids]
         assert review_flags(solutions) == [], path.name         # what an honest learner writes
         assert learner_cells(nb, nb) == [], path.name
-    nb = gn.trimmed("01")
+    nb = gn.trimmed("01", verbatim=True)
     gn.insert(nb, gn.SETUP, "import threading")
     source = nbformat.read(gn.source("01"), as_version=4)
     assert [c.source for c in learner_cells(nb, source)] == ["import threading"]

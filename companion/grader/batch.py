@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
@@ -29,8 +28,9 @@ import nbformat
 from companion.grader.boot import BOOT
 from companion.grader.expected import Chapter, match_chapter
 from companion.grader.integrity import Snapshot
-from companion.grader.reports import Row, _atomic_write, write_reports
+from companion.grader.reports import Row, _atomic_write, printable, write_reports
 from companion.grader.sandbox import children_of, end_descendants
+from companion.grader.submission import digest as _digest, read_submission
 
 __all__ = ["Batch", "sandbox_user", "slot_user", "clean_user", "child_env"]
 
@@ -134,11 +134,12 @@ class Batch:
         False when it is to be graded now."""
         rows, state = self.earlier
         then, label = state.get(str(path)), str(path)
-        now = _digest(path)
-        if not isinstance(then, dict) or now is None or then.get("sha256") != now:
+        now = _digest(path) if isinstance(then, dict) else None    # read only with --resume
+        if now is None or then.get("sha256") != now:
             return False
-        if then.get("state") == "done" and label in rows:
-            self.rows[index] = rows[label]
+        shown = printable(label)                  # as the reports name it
+        if then.get("state") == "done" and shown in rows:
+            self.rows[index] = rows[shown]
         elif then.get("state") == "running":
             together = then.get("together", 1)
             why = "not graded: the grader was killed while it ran" + (
@@ -163,7 +164,8 @@ class Batch:
                                    if p]))
         slot = min(set(range(self.jobs)) - {j.slot for j in self.running.values()})
         user = slot_user(self.spec["user"], slot, spread=self.spec.get("spread", False))
-        spec = dict(self.spec, notebook=str(path.resolve()), label=str(path), user=user,
+        spec = dict(self.spec, notebook=os.path.abspath(path), label=str(path), user=user,
+                    batch=os.getpid(),
                     clean_user=clean_user(self.spec["user"], slot))
         stderr = tempfile.TemporaryFile()
         proc = subprocess.Popen([sys.executable, "-I", "-c", BOOT],
@@ -305,16 +307,9 @@ class Batch:
 STATE = "grades.state.json"     # which notebooks a run finished, and which it was grading
 
 
-def _digest(path: pathlib.Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
 def _chapter_of(path: pathlib.Path, chapters: list[Chapter]) -> Chapter | None:
     try:
-        nb = nbformat.reads(path.read_text(encoding="utf-8"), as_version=4)
+        nb = nbformat.reads(read_submission(path).decode("utf-8"), as_version=4)
     except Exception:
         nb = nbformat.v4.new_notebook()
     return match_chapter(nb, str(path), chapters)

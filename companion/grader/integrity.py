@@ -19,6 +19,8 @@ import shutil
 import site
 import tempfile
 
+from companion.grader.stopping import remove_stale, tag
+
 __all__ = ["Snapshot"]
 
 
@@ -103,8 +105,10 @@ class Snapshot:
         return out
 
     def private_copy(self) -> pathlib.Path:
-        """A folder (mode 700) holding companion/ and sources/ as snapshotted."""
-        root = pathlib.Path(tempfile.mkdtemp(prefix="companion-grader-"))
+        """A folder (mode 700) holding companion/ and sources/ as snapshotted, named after this
+        process; copies that graders killed by SIGKILL left are deleted first (`stopping`)."""
+        remove_stale("companion-grader")
+        root = pathlib.Path(tempfile.mkdtemp(prefix=tag("companion-grader")))
         self.restore_private(root)
         return root
 

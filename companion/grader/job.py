@@ -23,9 +23,12 @@ import nbformat
 from companion.checks.core import REGISTRY, CheckFailed, GraderError, NotDone, evaluate
 from companion.grader import cleanroom
 from companion.grader.answer import SandboxAnswer
+from companion.grader.copies import copied_solutions
 from companion.grader.expected import Chapter, Exercise, match_chapter, make_plan, read_chapter
 from companion.grader.sandbox import ChildLost, Limits, harden_self, paused, subtree
 from companion.grader.session import Session, confinement
+from companion.grader.stopping import Stopped, die_with_parent, on_signals, stop_by_default
+from companion.grader.submission import MAX_NOTEBOOK, read_submission
 from companion.grader.scan import learner_cells, reference_uses, review_flags
 from companion.grader.withhold import verified_files
 
@@ -145,15 +148,13 @@ def _package_files(spec: dict) -> dict[str, bytes]:
 # ---------------------------------------------------------------- one notebook
 
 def _read(path: str, max_bytes: int):
-    """The submission as a notebook, or ValueError saying why it is not one."""
-    size = os.path.getsize(path)
-    if size == 0:
+    """The submission as a notebook, or ValueError saying why it is not one (`read_submission`:
+    a regular file only, no symlink followed, at most max_bytes read)."""
+    data = read_submission(path, max_bytes)
+    if not data:
         raise ValueError("the file is empty")
-    if size > max_bytes:
-        raise ValueError(f"the file is {size / 2**20:.0f} MiB, over the "
-                         f"{max_bytes / 2**20:.0f} MiB a notebook may have")
     try:
-        nb = nbformat.reads(pathlib.Path(path).read_text(encoding="utf-8"), as_version=4)
+        nb = nbformat.reads(data.decode("utf-8"), as_version=4)
     except Exception as e:
         raise ValueError(f"not a readable notebook ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(nb.get("cells"), list):
@@ -164,7 +165,7 @@ def _read(path: str, max_bytes: int):
 def grade_notebook(spec: dict, emit) -> None:
     """Grade spec["notebook"]; report with emit(event, **data)."""
     try:
-        nb = _read(spec["notebook"], spec.get("max_bytes", 50 * 2**20))
+        nb = _read(spec["notebook"], spec.get("max_bytes", MAX_NOTEBOOK))
     except (ValueError, OSError) as e:
         named = [Chapter(pathlib.Path(p), [], set()) for p in spec["chapters"]]
         emit("unreadable", reason=str(e), chapter=_chapter_name(
@@ -195,6 +196,7 @@ def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
     source = nbformat.read(chapter.path, as_version=4)
     written = learner_cells(nb, source)     # none: every cell is the course's own code, whose
     alone = bool(written) and bool(spec.get("digests"))   # answers need no second run
+    copies = copied_solutions(nb, source, chapter)        # the course's solutions: `reference`
     for ex in chapter.exercises:
         if ex.check in plan.tampered:
             emit("row", row=_row(spec, ex, "tampered", plan.tampered[ex.check]))
@@ -210,7 +212,9 @@ def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
             if ex.check in done:
                 continue
             done.add(ex.check)
-            if cell_errors.get(step.cell):
+            if ex.check in copies:
+                row = _row(spec, ex, "reference", copies[ex.check])
+            elif cell_errors.get(step.cell):
                 row = _row(spec, ex, "failed", "not run: its cell stopped before the check line: "
                                                f"{cell_errors[step.cell]}")
             else:
@@ -253,7 +257,12 @@ def main(spec: dict | None = None) -> int:
     def emit(event: str, **data) -> None:
         out.write(json.dumps({"event": event, **data}) + "\n")
 
-    grade_notebook(spec, emit)
+    try:
+        with on_signals():             # SIGTERM from the batch: clean rooms and sandboxes removed
+            die_with_parent(spec.get("batch"))           # SIGTERM too when the batch is killed
+            grade_notebook(spec, emit)
+    except Stopped as stopped:
+        stop_by_default(stopped)
     return 0
 
 

@@ -9,10 +9,17 @@ import io
 import json
 import os
 import pathlib
+import re
 import tempfile
 import textwrap
 
-__all__ = ["Row", "escape_csv", "write_reports", "digest", "format_table"]
+__all__ = ["Row", "escape_csv", "printable", "write_reports", "digest", "format_table"]
+
+# C0 controls and DEL, C1 controls (ECMA-48 section 5; ESC starts the sequences that move the
+# cursor, clear the screen or recolour text, and U+009B is a one-character CSI), the bidirectional
+# overrides and isolates that reorder what a line shows (Unicode TR9; CVE-2021-42574), and the
+# Unicode line and paragraph separators
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
 
 
 @dataclasses.dataclass
@@ -36,6 +43,26 @@ def escape_csv(value):
     return value
 
 
+def printable(text, *, newlines: bool = False) -> str:
+    """`text` with every control character shown as an escape (ESC as `\\x1b`), so that text from a
+    submission (a file name, an exception's message) cannot move the cursor, clear the screen or
+    rewrite lines on a terminal; newlines are kept when `newlines` is true."""
+    def shown(match: re.Match) -> str:
+        c = match.group()
+        if newlines and c == "\n":
+            return c
+        return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+    return _CONTROLS.sub(shown, str(text))
+
+
+def _shown(row: Row) -> Row:
+    """The row as reports show it: its texts `printable` (a message keeps its newlines)."""
+    return dataclasses.replace(
+        row, notebook=printable(row.notebook), exercise=printable(row.exercise),
+        message=printable(row.message, newlines=True), status=printable(row.status),
+        flags=printable(row.flags), chapter=printable(row.chapter))
+
+
 def _atomic_write(path: pathlib.Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "wb") as f:
@@ -51,7 +78,7 @@ def write_reports(rows: list[Row],
     replaced atomically; return the JSON and CSV paths."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    records = [dataclasses.asdict(r) for r in rows]
+    records = [dataclasses.asdict(_shown(r)) for r in rows]
     as_json = (json.dumps(records, indent=2, ensure_ascii=False) + "\n").encode()
     text = io.StringIO(newline="")
     writer = csv.DictWriter(text, fieldnames=[f.name for f in dataclasses.fields(Row)])
@@ -74,6 +101,7 @@ def digest(as_json: bytes, as_csv: bytes) -> str:
 def format_table(rows: list[Row], *, columns: int = 100) -> str:
     """A plain-text table: one entry per exercise with its whole message, wrapped to `columns`
     under the message's column (as in the CSV, nothing is cut), and a total per notebook."""
+    rows = [_shown(r) for r in rows]
     lines, width = [], max([len(r.exercise) for r in rows] + [8])
     for notebook in dict.fromkeys(r.notebook for r in rows):
         mine = [r for r in rows if r.notebook == notebook]

@@ -4,19 +4,31 @@ Grader -> sandbox: requests, pickled (the sandbox trusts the grader). Sandbox ->
 written with `torch.save` and read with `torch.load(weights_only=True)`, which builds tensors and
 plain containers only and never runs code; the grader then accepts nothing but plain data (`plain`).
 Each message is a 4-byte length and a body of at most `MAX_BYTES`.
+
+The sandbox's side can be anything (its code is the learner's to patch), so `decode` bounds what
+a reply costs the grading process before torch builds it (`_bounded`): the body must be a zip of
+stored entries, as torch.save writes it (a deflated entry expands up to 1,032 times: zlib's
+technical details, zlib.net/zlib_tech.html; torch.load reads them, and the legacy format, too),
+whose sizes add up to no more than the body (entries that share bytes would not); its pickle's
+opcodes are costed one by one (the objects each builds, their slots in containers and in the
+memo). The tensors it builds, views included, may span no more bytes than the limit (a stride-0
+view of one float may claim gigabytes, which a check builds as soon as it computes with it). A
+reply over `decoded_limit` is refused without being built.
 """
 from __future__ import annotations
 
 import io
 import os
 import pickle
+import pickletools
 import struct
+import zipfile
 from typing import Any
 
 import torch
 
-__all__ = ["MAX_BYTES", "Opaque", "WireError", "frame", "send", "receive", "encode", "dumps",
-           "decode", "plain", "AnswerPickler", "answer_unpickler"]
+__all__ = ["MAX_BYTES", "decoded_limit", "Opaque", "WireError", "frame", "send", "receive",
+           "encode", "dumps", "decode", "plain", "AnswerPickler", "answer_unpickler"]
 
 MAX_BYTES = 512 * 2**20
 _OPAQUE = "\x00opaque"
@@ -122,21 +134,90 @@ def dumps(reply: dict) -> bytes:
 
 # ---------------------------------------------------------------- the grader's side
 
-def decode(body: bytes) -> dict:
-    """A reply from the sandbox, loaded without running code, checked to be plain data."""
+def decoded_limit(size: int) -> int:
+    """The most bytes `decode` may build from a reply of `size` bytes: its tensors' data as sent
+    (once), the Python objects around them (a float takes 9 bytes in a pickle and 24 in memory
+    plus a slot where it is kept), and room for small replies."""
+    return 4 * size + 16 * 2**20
+
+
+# What each pickle opcode may cost the grading process, in bytes (sys.getsizeof on CPython 3.11:
+# {} 64, [] 56, set() 216, () 40, float 24, int 28; a slot where an object is kept, in a list
+# (8), a dict (~37 an item at 1,000 items) or the memo, is counted as 40). A tensor (or an
+# OrderedDict) built by REDUCE costs 1 KiB: 315 bytes measured a tensor view (RSS over 200,000).
+_SLOT, _TENSOR = 40, 1024
+_COSTS = {"NONE": _SLOT, "NEWTRUE": _SLOT, "NEWFALSE": _SLOT, "BININT": _SLOT + 32,
+          "BININT1": _SLOT + 32, "BININT2": _SLOT + 32, "BINFLOAT": _SLOT + 24,
+          "EMPTY_DICT": _SLOT + 64, "EMPTY_LIST": _SLOT + 56, "EMPTY_SET": _SLOT + 216,
+          "EMPTY_TUPLE": _SLOT + 40, "TUPLE": _SLOT + 40, "TUPLE1": _SLOT + 48,
+          "TUPLE2": _SLOT + 56, "TUPLE3": _SLOT + 64, "BINGET": _SLOT, "LONG_BINGET": _SLOT,
+          "BINPUT": _SLOT, "LONG_BINPUT": _SLOT, "MEMOIZE": _SLOT, "GLOBAL": _SLOT,
+          "REDUCE": _TENSOR, "NEWOBJ": _TENSOR, "BUILD": _TENSOR, "BINPERSID": _TENSOR,
+          "MARK": _SLOT, "APPEND": 0, "APPENDS": 0, "SETITEM": 0, "SETITEMS": 0, "PROTO": 0,
+          "FRAME": 0, "STOP": 0}
+
+
+def _bounded(body: bytes, limit: int) -> bytes:
+    """The reply as a zip torch.load can read, rebuilt from entries checked here; WireError if it
+    is not torch.save's format or would cost more than `limit` bytes to load."""
     try:
-        reply = torch.load(io.BytesIO(body), weights_only=True)
+        archive = zipfile.ZipFile(io.BytesIO(body))
+        entries = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+        raise WireError("a reply that is not in torch.save's format") from None
+    if any(e.compress_type != zipfile.ZIP_STORED or e.file_size != e.compress_size
+           or e.flag_bits & 0x1 for e in entries):
+        raise WireError("a reply with compressed or encrypted parts (torch.save writes none)")
+    stored = sum(e.file_size for e in entries)
+    if stored > len(body):
+        raise WireError(f"a reply whose parts add up to {stored} bytes in {len(body)} "
+                        "(parts that overlap)")
+    pickles = [e for e in entries if e.filename.endswith("/data.pkl")]
+    if len(pickles) != 1:
+        raise WireError("a reply that is not in torch.save's format (no single data.pkl)")
+    cost = stored
+    try:
+        for op, arg, _ in pickletools.genops(archive.read(pickles[0])):
+            if op.name not in _COSTS and op.name not in ("BINUNICODE", "SHORT_BINSTRING",
+                                                         "LONG1"):
+                raise WireError(f"a reply with the pickle opcode {op.name}, which torch.save "
+                                "does not write")
+            cost += _COSTS.get(op.name, _SLOT + 80 + 4 * len(str(arg)))
+            if cost > limit:
+                break
+    except (ValueError, EOFError, zipfile.BadZipFile, OSError):
+        raise WireError("a reply whose pickle is malformed") from None
+    if cost > limit:
+        raise WireError(f"a reply of {len(body)} bytes that would take more than "
+                        f"{limit / 2**20:.1f} MiB to load (the grader's limit for it)")
+    rebuilt = io.BytesIO()
+    with zipfile.ZipFile(rebuilt, "w", zipfile.ZIP_STORED) as out:
+        for e in entries:
+            out.writestr(e.filename, archive.read(e))
+    return rebuilt.getvalue()
+
+
+def decode(body: bytes, limit: int | None = None) -> dict:
+    """A reply from the sandbox, loaded without running code, checked to be plain data; it may
+    build at most `limit` bytes (`decoded_limit(len(body))` when None), counted before it is
+    loaded (`_bounded`) and, for the bytes its tensors span, before any check touches them."""
+    limit = decoded_limit(len(body)) if limit is None else limit
+    loadable = _bounded(body, limit)
+    try:
+        reply = torch.load(io.BytesIO(loadable), weights_only=True)
     except Exception as e:
         raise WireError(f"a reply that is not plain data ({type(e).__name__})") from None
     if type(reply) is not dict:
         raise WireError("a reply that is not a dict")
-    return plain(reply)
+    return plain(reply, budget=[1_000_000, limit])
 
 
 def plain(value: Any, depth: int = 0, budget: list | None = None) -> Any:
     """Validate loaded data: exact built-in types and plain CPU tensors only; opaque stand-ins
-    become `Opaque`. Raises WireError on anything else."""
-    budget = [1_000_000] if budget is None else budget
+    become `Opaque`. Raises WireError on anything else. `budget`: [items, bytes] left: the
+    items walked, and the bytes the tensors span (a view of a one-element storage may claim
+    gigabytes, which a check would build as soon as it computed with it)."""
+    budget = [1_000_000, MAX_BYTES] if budget is None else budget
     budget[0] -= 1
     if depth > 24 or budget[0] < 0:
         raise WireError("a reply nested too deep or too large")
@@ -146,6 +227,10 @@ def plain(value: Any, depth: int = 0, budget: list | None = None) -> Any:
     if kind is torch.Tensor:
         if value.layout != torch.strided or value.device.type != "cpu" or value.is_quantized:
             raise WireError("a tensor that is not a plain strided CPU tensor")
+        budget[1] -= value.numel() * value.element_size()
+        if budget[1] < 0:
+            raise WireError(f"a reply whose tensors span more than the grader's limit "
+                            f"(a tensor of shape {tuple(value.shape)})")
         return value
     if kind in _SCALARS:
         return value
