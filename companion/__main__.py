@@ -84,7 +84,7 @@ def _grade(args) -> int:
                      notebook_timeout=args.notebook_timeout, memory=args.memory,
                      output=args.output_cap, jobs=args.jobs, source=args.source,
                      run_as=args.run_as, out=args.out, progress=progress, resume=args.resume,
-                     trusted=args.trusted, disk=args.disk)
+                     trusted=args.trusted, disk=args.disk, hide=args.hide)
     except SetupError as e:
         print(f"cannot grade: {e}", file=sys.stderr)
         return 2
@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                         "unchanged) and grade the rest")
     p.add_argument("--disk", default="2GiB", type=_size,
                    help="each sandbox's private temporary space, in memory (default 2GiB)")
+    p.add_argument("--hide", action="append", default=[], type=pathlib.Path, metavar="DIR",
+                   help="a folder the notebooks must not see, e.g. another copy of the course "
+                        "(repeatable)")
     p.add_argument("--trusted", action="store_true",
                    help="grade without the bubblewrap sandbox (the notebooks are then not "
                         "isolated by the kernel: only for code you trust, or in a container)")

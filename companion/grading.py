@@ -31,9 +31,11 @@ import dataclasses
 import os
 import pathlib
 import signal
+import sys
 
 from companion.grader.batch import Batch, child_env, sandbox_user
-from companion.grader.confine import available, bwrap_path
+from companion.grader.confine import available, bwrap_path, runs
+from companion.grader.session import confinement as session_confinement
 from companion.grader.expected import read_chapter
 from companion.grader.integrity import Snapshot
 from companion.grader.reports import Row, escape_csv, format_table, write_reports
@@ -59,7 +61,7 @@ def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
           notebook_timeout: float = 1800.0, memory: int | None = None, output: int = 2**20,
           jobs: int = 1, source: str | pathlib.Path | None = None, run_as: str = "auto",
           out: str | pathlib.Path | None = None, progress=None, resume: bool = False,
-          trusted: bool = False, disk: int = 2 * 2**30) -> list[Row]:
+          trusted: bool = False, disk: int = 2 * 2**30, hide=()) -> list[Row]:
     """Grade notebooks (files, or folders of them) against the source notebooks in `source`.
 
     Returns one Row per expected exercise of each notebook (or one row saying why a file could
@@ -70,7 +72,8 @@ def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
     notebooks an earlier run in `out` finished (when their files are unchanged) and grade the
     rest; a notebook that was running when that run was killed is "not graded" with the reason.
     Every notebook and clean room runs under bubblewrap (`grader.confine`: namespaces of its own,
-    a read-only system, a private `disk`-byte tmpfs); `trusted=True` grades without it (the
+    a read-only system, a private `disk`-byte tmpfs; `hide`: more folders absent from it, such
+    as other copies of the course on this machine); `trusted=True` grades without it (the
     notebooks' code is then contained only by the limits, the uid and the integrity checks).
     Raises SetupError (before grading anything) when the sandbox's user cannot run this Python,
     or bubblewrap cannot run here and `trusted` is not set."""
@@ -80,6 +83,13 @@ def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
     user = sandbox_user(run_as)
     if user is not None:
         _check_reachable(user)
+    if not trusted and os.geteuid() == 0 and (user is None or user[0] == 0):
+        raise SetupError(
+            "as root, --run-as self (or root) would run the notebooks' code as root, which no "
+            "sandbox confines (the kernel's settings under /proc/sys, root's keyring and files "
+            "only root may read stay within its reach). Grade with --run-as auto (the notebooks "
+            "run as nobody and uids of their own), or run the grader as an unprivileged user, or, "
+            "for code you trust, add --trusted.")
     if disk < 16 * 2**20:
         raise SetupError(f"--disk must be at least 16MiB, got {disk} bytes")
     confine = None
@@ -91,6 +101,14 @@ def grade(paths, *, cell_timeout: float = 120.0, exercise_timeout: float = 60.0,
                 "Install bubblewrap, or, for code you trust or inside a throw-away container, "
                 "grade with --trusted (no kernel sandbox; see docs/GRADING.md, \"The sandbox\").")
         confine = _confinement(paths, sources, package, out, disk)
+        confine["hide"] += [str(pathlib.Path(h).resolve()) for h in hide]   # other copies
+        conf = session_confinement({"confine": confine})
+        why = runs(conf, [sys.executable, "-P", "-c", "import torch, IPython, "
+                          "companion.grader.child"], user, child_env())
+        if why:
+            raise SetupError(f"this Python ({sys.executable}) cannot start in the grader's "
+                             f"sandbox: {why}. A virtual environment must be readable by the "
+                             "sandbox's user; see docs/GRADING.md, \"The sandbox\".")
     snapshot = Snapshot(package, sources)
     guard = Guard()          # a signal raises Stopped once the cleanup below is sure to run
     private = snapshot.private_copy()
@@ -147,7 +165,6 @@ def _confinement(paths, sources: list[pathlib.Path], package: pathlib.Path, out,
     that holds what the sandbox must run (this Python, the package): there only the files are
     blanked. Shown again (read-only, also where they are under /tmp): the package, the folders on
     PYTHONPATH, and the recorded results folder the package reads."""
-    import sys
     from companion.results import RESULTS_DIR
     needed = [pathlib.Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.executable,
                                                    package, RESULTS_DIR)]
@@ -156,7 +173,7 @@ def _confinement(paths, sources: list[pathlib.Path], package: pathlib.Path, out,
     def away(folder: pathlib.Path, files) -> None:
         folder = folder.resolve()
         if any(n == folder or folder in n.parents for n in needed):
-            blank.extend(str(f.resolve()) for f in files)
+            blank.extend(os.path.abspath(f) for f in files if _regular(f))
         else:
             hide.append(str(folder))
 
@@ -167,11 +184,23 @@ def _confinement(paths, sources: list[pathlib.Path], package: pathlib.Path, out,
     for p in map(pathlib.Path, paths):
         if p.is_dir():
             away(p, _notebooks([p]))
-        elif p.exists():
-            blank.append(str(p.resolve()))
+        elif _regular(p):
+            blank.append(os.path.abspath(p))
     path = [p for p in child_env().get("PYTHONPATH", "").split(os.pathsep) if p]
-    show = [str(RESULTS_DIR), str(package), *path]     # what it imports, under /tmp too
+    runs = {sys.prefix, sys.base_prefix, os.path.dirname(sys.executable),
+            os.path.dirname(os.path.realpath(sys.executable))}
+    show = [str(RESULTS_DIR), str(package), *path, *sorted(runs)]   # what it runs and imports,
+    # shown again where it is under /tmp (a virtual environment there)
     return {"bwrap": bwrap_path(), "hide": hide, "show": show, "blank": blank, "disk": int(disk)}
+
+
+def _regular(path) -> bool:
+    """A regular file, not followed through a symbolic link (nothing else is blanked)."""
+    import stat
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _package_dirs(package: pathlib.Path) -> list[str]:
@@ -180,7 +209,6 @@ def _package_dirs(package: pathlib.Path) -> list[str]:
     installed or editable copy, which `importlib.metadata` would lead to), and in each checkout
     beside them its tests, notebooks and git history."""
     import subprocess
-    import sys
     found = {package.resolve()}
     probe = subprocess.run([sys.executable, "-I", "-c", "import importlib.util as u; "
                             "s = u.find_spec('companion'); print(s.origin if s else '')"],
@@ -203,7 +231,6 @@ def _check_reachable(user: tuple[int, int]) -> None:
     if not why:
         return
     import pwd
-    import sys
     try:
         name = pwd.getpwuid(user[0]).pw_name
     except KeyError:

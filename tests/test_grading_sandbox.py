@@ -10,8 +10,10 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -61,7 +63,7 @@ print(results)'''
 
 # Fill every place it can write: its own tmpfs and /dev/shm.
 FILL = r'''import os
-for folder in (os.environ.get("TMPDIR", "/tmp"), "/dev/shm"):
+for folder in (os.environ.get("TMPDIR", "/tmp"), "/dev/shm", "/dev"):
     try:
         with open(os.path.join(folder, "fill"), "wb") as f:
             while True:
@@ -103,6 +105,33 @@ with Client("\\0oom-sandbox-reference", family="AF_UNIX") as conn:
     return conn.recv()'''
 
 
+# The red team's channel through the kernel: a process of the first run holds byte-range locks
+# on a file every sandbox sees, one lock per byte of the reference's marshalled code; the answer
+# reads them back with F_GETLK (it passed 5 of 5 while clean rooms ran beside a paused first run).
+LOCKS = r'''import fcntl, marshal, struct, time, operator, multiprocessing as mp
+from companion import gd
+def _hold(data):
+    chan = open("/usr/lib/os-release", "rb")
+    for i, v in enumerate(data):
+        fcntl.fcntl(chan, fcntl.F_SETLK, struct.pack("hhxxxxqqixxxx", fcntl.F_RDLCK, 0,
+                                                     10**9 + i * 512 + v * 2, 1, 0))
+    time.sleep(100000)
+_p = mp.get_context("fork").Process(target=_hold, args=(marshal.dumps(
+    operator.attrgetter("mse_grad" "ient.__co" "de__")(gd)),))
+_p.start(); time.sleep(2)'''
+ASK_LOCKS = '''import fcntl, marshal, struct, types
+chan = open("/usr/lib/os-release", "rb"); data = bytearray()
+while True:
+    start = 10**9 + len(data) * 512
+    t, _, s, _, _ = struct.unpack("hhxxxxqqixxxx", fcntl.fcntl(chan, fcntl.F_GETLK, struct.pack(
+        "hhxxxxqqixxxx", fcntl.F_WRLCK, 0, start, 512, 0)))
+    if t == fcntl.F_UNLCK:
+        break
+    data.append((s - start) // 2)
+code = marshal.loads(bytes(data)).replace(co_firstlineno=7)
+return types.FunctionType(code, {"torch": torch})(X, y, w, b)'''
+
+
 def _alive(mark: str) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -117,10 +146,24 @@ def _alive(mark: str) -> list[int]:
 
 def _grade(folder: pathlib.Path, out: pathlib.Path, run_as: str,
            *extra: str) -> subprocess.CompletedProcess:
+    """Grade the folder. Self mode as root is refused (root is beyond any sandbox), so there the
+    grader itself runs as nobody, as an unprivileged instructor's would."""
+    user, env = {}, dict(os.environ)
+    if run_as == "self" and os.geteuid() == 0:
+        user = {"user": 65534, "group": 65534, "extra_groups": []}
+        env.update(HOME=str(out), TMPDIR="/tmp")
     return subprocess.run([sys.executable, "-m", "companion", "grade", str(folder), "--out",
                            str(out), "--source", str(gn.COURSE), "--exercise-timeout", "20",
                            "--cell-timeout", "60", "--disk", "64MiB", "--run-as", run_as, *extra],
-                          cwd=folder, capture_output=True, text=True, timeout=1500)
+                          cwd=folder, capture_output=True, text=True, timeout=1500, env=env,
+                          **user)
+
+
+def _folder(prefix: str) -> pathlib.Path:
+    """A folder every user may use (pytest's own are root's alone)."""
+    folder = pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    folder.chmod(0o777)
+    return folder
 
 
 def _package_digest() -> str:
@@ -136,7 +179,8 @@ def graded(request, tmp_path_factory):
     grader's own permissions (`--run-as self`)."""
     if request.param == "auto" and gn.sandbox_blocked():
         pytest.skip(gn.sandbox_blocked())
-    folder, out = tmp_path_factory.mktemp("class"), tmp_path_factory.mktemp("grades")
+    folder, out = _folder("sandbox-class-"), _folder("sandbox-grades-")
+    request.addfinalizer(lambda: [shutil.rmtree(f, ignore_errors=True) for f in (folder, out)])
     nb = {
         "a_chain": insert(trimmed("01"), SETUP, CHAIN),
         "b_rewrites_reports": insert(trimmed("01"), SETUP, REWRITE.format(report=out / "grades.json")),
@@ -147,11 +191,12 @@ def graded(request, tmp_path_factory):
             source=gn.source("01"))),
         "f_from_disk": body(trimmed("01"), MSE, FROM_DISK),
         "g_helper": body(insert(trimmed("01"), SETUP, HELPER), MSE, ASK_HELPER),
+        "j_locks": body(insert(trimmed("01"), SETUP, LOCKS), MSE, ASK_LOCKS),
         "h_honest": trimmed("01"),
         "i_honest": trimmed("01"),
     }
     for name, notebook in nb.items():
-        save(notebook, folder / f"{name}.ipynb")
+        save(notebook, folder / f"{name}.ipynb").chmod(0o644)
     digest = _package_digest()
     result = _grade(folder, out, request.param, "--jobs", "3")
     ended = time.monotonic()
@@ -220,10 +265,11 @@ def test_the_source_notebooks_are_absent_from_the_sandbox(graded):
 
 @pytest.mark.slow
 @needs_bwrap
-@pytest.mark.parametrize("name", ["f_from_disk", "g_helper"])
+@pytest.mark.parametrize("name", ["f_from_disk", "g_helper", "j_locks"])
 def test_the_reference_cannot_reach_the_clean_room(graded, name):
-    """Read from the package's file, or asked of a process the first run left: the answer
-    passes in the notebook and scores 0 on its own, where neither exists."""
+    """Read from the package's file, asked of a process the first run left, or read from the
+    locks such a process holds: the answer passes in the notebook and scores 0 on its own, where
+    none of them exists (the first run has ended, every process of it with it)."""
     row = _rows(graded, name)["mse_gradient"]
     assert row["points"] == 0 and row["status"] in ("failed", "reference"), row
     assert "on its own" in row["message"] or "withholds" in row["message"], row
@@ -231,16 +277,32 @@ def test_the_reference_cannot_reach_the_clean_room(graded, name):
 
 @pytest.mark.slow
 @needs_bwrap
-def test_the_chain_is_ended_with_one_job_too(tmp_path):
-    folder, out = tmp_path / "class", tmp_path / "grades"
-    folder.mkdir()
-    save(insert(trimmed("01"), SETUP, CHAIN), folder / "a_chain.ipynb")
-    save(trimmed("01", solved=False), folder / "b_fresh.ipynb")
-    result = _grade(folder, out, "self", "--jobs", "1")
+def test_the_chain_is_ended_with_one_job_too():
+    folder, out = _folder("sandbox-class-"), _folder("sandbox-grades-")
+    save(insert(trimmed("01"), SETUP, CHAIN), folder / "a_chain.ipynb").chmod(0o644)
+    save(trimmed("01", solved=False), folder / "b_fresh.ipynb").chmod(0o644)
+    try:
+        result = _grade(folder, out, "self", "--jobs", "1")
+        rows = json.loads((out / "grades.json").read_text())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert _alive(MARK) == []
-    rows = json.loads((out / "grades.json").read_text())
     assert {r["status"] for r in rows if "b_fresh" in r["notebook"]} == {"not done"}
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_as_root_self_mode_is_refused_unless_trusted(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("only root is refused self mode")
+    nb = save(trimmed("01"), tmp_path / "nb.ipynb")
+    refused = subprocess.run([sys.executable, "-m", "companion", "grade", str(nb), "--out",
+                              str(tmp_path / "g"), "--run-as", "self"], capture_output=True,
+                             text=True, timeout=600)
+    assert refused.returncode == 2 and "as root" in refused.stderr, refused.stderr[-2000:]
+    assert "--trusted" in refused.stderr and not (tmp_path / "g").exists()
 
 
 @pytest.mark.slow
@@ -250,7 +312,7 @@ def test_without_bwrap_the_grader_refuses_unless_trusted(tmp_path):
     code = ("import sys, companion.grader.confine as c; c.bwrap_path = lambda: None; "
             "import companion.__main__ as m; sys.exit(m.main(sys.argv[1:]))")
     args = [sys.executable, "-c", code, "grade", str(nb), "--out", str(tmp_path / "g"),
-            "--run-as", "self", "--exercise-timeout", "20"]
+            "--exercise-timeout", "20"]
     refused = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert refused.returncode == 2 and "bubblewrap" in refused.stderr, refused.stderr[-2000:]
     assert "--trusted" in refused.stderr and not (tmp_path / "g").exists()

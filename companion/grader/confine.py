@@ -6,7 +6,8 @@ new PID, mount, IPC, UTS and network namespaces:
 - a read-only view of the whole system (`--ro-bind / /`): the course, the virtual environment and
   the grader's folders can be read where the user may read them, and nothing can be written;
 - a private, size-capped tmpfs at /tmp (its home, its temporary files, its cwd) and at /dev/shm,
-  which vanish with it, so that nothing one sandbox writes reaches another or outlives it;
+  which vanish with it, so that nothing one sandbox writes reaches another or outlives it; its
+  minimal /dev (null, zero, random, tty...) is read-only (its device files still work);
 - folders that must be absent replaced by empty tmpfs mounts (`hide`): the source notebooks with
   their solutions, the grader's report folder and the submissions; in a clean room also the
   package itself, whose withheld copy is bound in its place (`show`): the references are not
@@ -16,8 +17,9 @@ new PID, mount, IPC, UTS and network namespaces:
   none can see or signal a process outside;
 - its own network namespace (only a loopback device: gloo's rendezvous on 127.0.0.1 works inside,
   and no abstract unix socket or port of another sandbox is reachable);
-- as the sandbox's uid (bwrap runs as that user, in a user namespace of its own), or, when the
-  grader runs as root with `--run-as self`, as root without a single capability (`--cap-drop ALL`).
+- as the sandbox's uid: bwrap runs as that user, in a user namespace of its own. Never as root:
+  the grader refuses `--run-as self` as root (`--cap-drop ALL` is kept for safety should it run
+  as root anyway).
 
 Where bwrap is missing or the kernel refuses its namespaces (macOS, containers without user
 namespaces), `available` says why; the grader then refuses to grade unless told `--trusted`.
@@ -30,7 +32,7 @@ import os
 import shutil
 import subprocess
 
-__all__ = ["Confinement", "bwrap_path", "available", "INSIDE"]
+__all__ = ["Confinement", "bwrap_path", "available", "runs", "INSIDE"]
 
 INSIDE = "/tmp/sandbox"          # the sandbox's home, cwd and TMPDIR, on its private tmpfs
 
@@ -60,7 +62,8 @@ class Confinement:
 
     def command(self, argv: list[str], *, as_root: bool) -> list[str]:
         """bwrap's command line that runs `argv` confined (cwd and home: `INSIDE`)."""
-        cmd = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+        cmd = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--remount-ro", "/dev",
+               "--proc", "/proc",
                "--size", str(self.disk), "--tmpfs", "/tmp",
                "--size", str(self.disk), "--tmpfs", "/dev/shm"]
         for device in sorted(glob.glob("/dev/nvidia*")) + (["/dev/dri"] if os.path.exists(
@@ -72,8 +75,9 @@ class Confinement:
         for path in self.blank:
             if os.path.isfile(path) and not _under(path, "/tmp"):
                 cmd += ["--ro-bind", "/dev/null", path]
+        covered = ["/tmp", *self.hide]         # a path elsewhere is seen through / already
         for folder in self.show:
-            if os.path.exists(folder):
+            if any(_under(folder, c) for c in covered) and os.path.exists(folder):
                 cmd += ["--ro-bind", folder, folder]
         cmd += ["--dir", INSIDE, "--chdir", INSIDE,
                 "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts",
@@ -106,11 +110,19 @@ def available(user: tuple[int, int] | None, env: dict[str, str], *,
     path = bwrap_path()
     if path is None:
         return "bubblewrap (bwrap) is not installed (Debian and Ubuntu: apt install bubblewrap)"
-    conf = Confinement(path, disk=2**20)
+    why = runs(Confinement(path, disk=2**20), ["/bin/sh", "-c", "exit 0"], user, env,
+               timeout=timeout)
+    return why and f"bwrap cannot create its namespaces here ({why})"
+
+
+def runs(conf: Confinement, argv: list[str], user: tuple[int, int] | None,
+         env: dict[str, str], *, timeout: float = 120.0) -> str:
+    """'' when `argv` runs and exits 0 under `conf` as `user`; else why not, in a sentence (the
+    grader asks this of its own Python and the course before grading anything)."""
     as_root = user is None and os.geteuid() == 0
     extra = {"user": user[0], "group": user[1], "extra_groups": []} if user else {}
     try:
-        result = subprocess.run(conf.command(["/bin/sh", "-c", "exit 0"], as_root=as_root),
+        result = subprocess.run(conf.command(argv, as_root=as_root),
                                 env=dict(env, HOME="/"), cwd="/", stdin=subprocess.DEVNULL,
                                 capture_output=True, timeout=timeout, **extra)
     except subprocess.TimeoutExpired:
@@ -119,6 +131,5 @@ def available(user: tuple[int, int] | None, env: dict[str, str], *,
         return f"bwrap could not start: {type(e).__name__}: {e}"
     if result.returncode:
         lines = [ln for ln in result.stderr.decode(errors="replace").splitlines() if ln.strip()]
-        return "bwrap cannot create its namespaces here (" + (
-            lines[-1][:200] if lines else f"exit code {result.returncode}") + ")"
+        return (lines[-1][:300] if lines else f"exit code {result.returncode}")
     return ""

@@ -25,7 +25,7 @@ from companion.grader import cleanroom
 from companion.grader.answer import SandboxAnswer
 from companion.grader.copies import copied_solutions
 from companion.grader.expected import Chapter, Exercise, match_chapter, make_plan, read_chapter
-from companion.grader.sandbox import ChildLost, Limits, harden_self, paused, subtree
+from companion.grader.sandbox import ChildLost, Limits, harden_self
 from companion.grader.session import Session, confinement
 from companion.grader.stopping import Stopped, die_with_parent, on_signals, stop_by_default
 from companion.grader.submission import MAX_NOTEBOOK, read_submission
@@ -42,19 +42,21 @@ def _row(spec: dict, ex: Exercise, status: str, message: str, *, points: int = 0
 
 # ---------------------------------------------------------------- one exercise
 
-def _grade_exercise(session: Session, spec: dict, nb, ex: Exercise, *, alone: bool) -> dict:
+def _grade_exercise(session: Session, spec: dict, nb, ex: Exercise, *,
+                    alone: bool) -> tuple[dict, bool]:
+    """The exercise's row, and whether it still has to pass in a clean room (run by `_run_plan`
+    once the notebook's own sandbox has ended)."""
     uses = reference_uses(nb, ex)
     if uses:
         return _row(spec, ex, "reference", f"uses the reference for this exercise: {uses[0]}; "
-                                           "write it yourself")
+                                           "write it yourself"), False
     status, message, hits = _evaluate(session, ex)
     if hits:
         name, n = next(iter(hits.items()))
         return _row(spec, ex, "reference", f"calls {name} ({n} time{'s' if n > 1 else ''}), the "
-                                           "reference for this exercise: write it yourself")
-    if status == "passed" and ex.references and alone:
-        status, message = _alone(session, spec, ex, message)
-    return _row(spec, ex, status, message, points=ex.points if status == "passed" else 0)
+                                           "reference for this exercise: write it yourself"), False
+    pending = status == "passed" and bool(ex.references) and alone
+    return _row(spec, ex, status, message, points=ex.points if status == "passed" else 0), pending
 
 
 def _evaluate(session: Session, ex: Exercise) -> tuple[str, str, dict]:
@@ -100,10 +102,9 @@ def _alone(session: Session, spec: dict, ex: Exercise, passed: str) -> tuple[str
                    withheld={"preload": modules, "outside": outside},
                    confine=_clean_confinement(spec, root))
     room.deadline = session.deadline
-    try:
-        with paused(subtree(os.getpid())):           # nothing left from the first run can act
-            errors = [room.run_cell(source) for source in needed]
-            status, message, _ = _evaluate(room, ex)
+    try:          # the notebook's own sandbox has ended, and every process it started with it
+        errors = [room.run_cell(source) for source in needed]
+        status, message, _ = _evaluate(room, ex)
     finally:
         room.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -202,6 +203,7 @@ def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
             emit("row", row=_row(spec, ex, "tampered", plan.tampered[ex.check]))
             done.add(ex.check)
     cell_errors: dict[int, str] = {}
+    later: list[tuple[Exercise, dict]] = []       # passed, to be graded on their own
     try:
         for step in plan.steps:
             if step.kind == "exec":
@@ -217,12 +219,22 @@ def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
             elif cell_errors.get(step.cell):
                 row = _row(spec, ex, "failed", "not run: its cell stopped before the check line: "
                                                f"{cell_errors[step.cell]}")
+                pending = False
             else:
-                row = _grade_exercise(session, spec, nb, ex, alone=alone)
+                row, pending = _grade_exercise(session, spec, nb, ex, alone=alone)
             row["message"] += "".join(f" ({note})" for note in plan.notes.get(ex.check, []))
-            emit("row", row=row)
+            if pending:
+                later.append((ex, row))
+            else:
+                emit("row", row=row)
     finally:
         session.close()
+    # Clean rooms only now: a process of the first run, paused or not, could otherwise hold
+    # the reference out to them through anything the kernel shares (a file lock, a keyring).
+    for ex, row in later:
+        status, message = _alone(session, spec, ex, row["message"])
+        emit("row", row=_row(spec, ex, status, message,
+                             points=ex.points if status == "passed" else 0))
     for ex in chapter.exercises:
         if ex.check not in done:
             emit("row", row=_row(spec, ex, "not graded", session.why_stopped()))
