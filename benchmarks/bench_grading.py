@@ -1,12 +1,12 @@
-"""The grader's clean room on every chapter: false positives and what it costs.
+"""The grader on every chapter: false positives, copies caught, and what it costs.
 
     python benchmarks/bench_grading.py [--jobs 2] [--chapters 00 01 ...]
 
-For each chapter, two honest notebooks (the setup cell and the exercise cells, as the grading
-tests build them) are graded in one batch: the source's own cells ("course"), which the grader does
-not grade a second time, and the same answers with a comment of the learner's own in each solution
-("learner"), which go through the clean room. Every exercise must pass in both, with no review
-flag; the table gives each notebook's grading time, so the difference is the clean rooms' cost.
+For each chapter, two notebooks (the setup cell and the exercise cells, as the grading tests build
+them) are graded in one batch: the course's own solution cells copied ("course"), which must score
+`reference` on every exercise, and the same answers each with a line of the learner's own
+("learner", `grading_notebooks.trimmed`), which go through the clean room and must pass every
+exercise with no review flag. The table gives each notebook's grading time.
 Not a test: the times are this machine's, and the run takes several minutes.
 
     python benchmarks/bench_grading.py --compare --chapters 01 04
@@ -33,14 +33,6 @@ sys.path.insert(0, str(REPO / "tests"))
 import grading_notebooks as gn  # noqa: E402
 
 
-def learner_written(nb):
-    for cell in nb.cells:
-        if "### BEGIN SOLUTION" in cell.source:
-            cell.source = cell.source.replace("### BEGIN SOLUTION",
-                                              "### BEGIN SOLUTION\n    # my own answer")
-    return nb
-
-
 def grade(folder: pathlib.Path, out: pathlib.Path, jobs: int,
           *extra: str) -> tuple[dict[str, float], list[dict]]:
     """Grade the folder; each notebook's seconds (from the grader's progress lines) and rows."""
@@ -61,7 +53,7 @@ def compare(args) -> int:
     folder = pathlib.Path(tempfile.mkdtemp(prefix="bench-grading-"))
     os.chmod(folder, 0o755)
     for chapter in args.chapters:
-        gn.save(learner_written(gn.trimmed(chapter)), folder / f"{chapter}_learner.ipynb")
+        gn.save(gn.trimmed(chapter), folder / f"{chapter}_learner.ipynb")
     times: dict[str, dict[str, list[float]]] = {}
     for i, mode in enumerate(("sandbox", "trusted", "trusted", "sandbox")):
         extra = ["--trusted"] if mode == "trusted" else []
@@ -95,30 +87,32 @@ def main() -> int:
     folder = pathlib.Path(tempfile.mkdtemp(prefix="bench-grading-"))
     os.chmod(folder, 0o755)
     for chapter in args.chapters:
-        gn.save(gn.trimmed(chapter), folder / f"{chapter}_course.ipynb")
-        gn.save(learner_written(gn.trimmed(chapter)), folder / f"{chapter}_learner.ipynb")
+        gn.save(gn.trimmed(chapter, verbatim=True), folder / f"{chapter}_course.ipynb")
+        gn.save(gn.trimmed(chapter), folder / f"{chapter}_learner.ipynb")
     start = time.monotonic()
     seconds, rows = grade(folder, folder / "grades", args.jobs)
     print(f"graded {len(seconds)} notebooks in {time.monotonic() - start:.0f} s "
           f"(--jobs {args.jobs})\n")
-    print("| chapter | exercises | passed (course / learner) | flags | course s | learner s |")
-    print("|---|---|---|---|---|---|")
+    print("| chapter | exercises | copies caught (course) | passed (learner) | flags | course s "
+          "| learner s |")
+    print("|---|---|---|---|---|---|---|")
     bad = 0
     for chapter in args.chapters:
         mine = {kind: [r for r in rows if pathlib.Path(r["notebook"]).stem == f"{chapter}_{kind}"]
                 for kind in ("course", "learner")}
-        passed = {k: sum(r["passed"] for r in v) for k, v in mine.items()}
-        flags = {f for v in mine.values() for r in v for f in r["flags"].split("; ")
+        caught = sum(r["status"] == "reference" for r in mine["course"])
+        passed = sum(r["passed"] for r in mine["learner"])
+        flags = {f for r in mine["learner"] for f in r["flags"].split("; ")
                  if f.startswith("review")}
-        n = len(mine["course"])
-        bad += (passed["course"] != n) + (passed["learner"] != n) + bool(flags)
-        print(f"| {chapter} | {n} | {passed['course']} / {passed['learner']} | "
+        n = len(mine["learner"])
+        bad += (caught != len(mine["course"])) + (passed != n) + bool(flags)
+        print(f"| {chapter} | {n} | {caught} | {passed} | "
               f"{', '.join(sorted(flags)) or 'none'} | {seconds.get(f'{chapter}_course', 0):.0f} | "
               f"{seconds.get(f'{chapter}_learner', 0):.0f} |")
-        for r in mine["learner"] + mine["course"]:
-            if not r["passed"]:
+        for r in mine["learner"] + [r for r in mine["course"] if r["status"] != "reference"]:
+            if not r["passed"] or r in mine["course"]:
                 print(f"    {r['notebook']} {r['exercise']}: {r['status']}: {r['message'][:300]}")
-    print(f"\nfalse positives: {bad}")
+    print(f"\nfalse positives and copies missed: {bad}")
     return 1 if bad else 0
 
 
