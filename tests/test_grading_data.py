@@ -415,6 +415,28 @@ def test_a_grader_stopped_by_sigterm_leaves_no_copy_of_the_course(tmp_path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _with_descendants(pids: list[str]) -> list[int]:
+    """The processes and every process below them (a sandbox's TMPDIR is its own, inside)."""
+    from companion.grader.sandbox import subtree
+    out = {int(p) for p in pids}
+    for p in list(out):
+        out.update(subtree(p))
+    return sorted(out)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (not gone, not a zombie)."""
+    alive = []
+    for pid in pids:
+        try:
+            stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2:].split()[0] != "Z":
+            alive.append(pid)
+    return alive
+
+
 def _processes_in(tmp: pathlib.Path) -> list[str]:
     """Processes whose TMPDIR is in `tmp` (the grader's, its grading processes', its sandboxes',
     whose TMPDIR is their folder there)."""
@@ -443,18 +465,19 @@ def test_a_grader_killed_by_sigkill_takes_its_processes_along_and_the_next_run_i
         proc = _grade(folder, out, tmp, "--jobs", "1", "--cell-timeout", "300")
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and proc.poll() is None and \
-                len(_processes_in(tmp)) < 3:             # the batch, its grading process, a sandbox
-            time.sleep(0.5)
+                len(_with_descendants(_processes_in(tmp))) < 4:   # the batch, its grading
+            time.sleep(0.5)                        # process, a sandbox (bwrap and what it runs)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(2)
+        watched = _with_descendants(_processes_in(tmp))
         proc.kill()
         proc.communicate(timeout=60)
         assert proc.returncode == -signal.SIGKILL
         deadline = time.monotonic() + 30         # the grading process gets SIGTERM (without it,
         # it would run on until its sandbox's cell ended: 300 s)
-        while _processes_in(tmp) and time.monotonic() < deadline:
+        while _alive(watched) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _processes_in(tmp) == []
+        assert _processes_in(tmp) == [] and _alive(watched) == []
         left = [p.name for p in tmp.iterdir() if p.name.startswith("companion-")]
         assert len(left) == 1 and left[0].startswith("companion-grader-"), left   # the copy only
         again = _grade(later, tmp_path / "grades2", tmp, "--jobs", "1")

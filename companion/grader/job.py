@@ -214,12 +214,12 @@ def _run_plan(spec: dict, nb, chapter: Chapter, emit) -> None:
             if ex.check in done:
                 continue
             done.add(ex.check)
+            pending = False
             if ex.check in copies:
                 row = _row(spec, ex, "reference", copies[ex.check])
             elif cell_errors.get(step.cell):
                 row = _row(spec, ex, "failed", "not run: its cell stopped before the check line: "
                                                f"{cell_errors[step.cell]}")
-                pending = False
             else:
                 row, pending = _grade_exercise(session, spec, nb, ex, alone=alone)
             row["message"] += "".join(f" ({note})" for note in plan.notes.get(ex.check, []))
