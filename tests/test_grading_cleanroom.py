@@ -129,6 +129,9 @@ CHEATS = {
     "runs code it builds": "exec(compile(inspect.getsource(gd), 'x', 'exec'), ns)",
     "starts threads": "t = threading.Thread(target=run)",
     "calls C directly": "import ctypes",
+    "reaches into the hooks or dispatch modes": "from torch.utils._python_dispatch import "
+                                                "_disable_current_modes",
+    "reaches into the hooks or dispatch modes a check": "saved = dict(model._forward_pre_hooks)",
     "reads the package's or the course's files": "open(gd.__file__).read()",
     "reaches names it computes": "getattr(sys, 'setpro' + 'file')(None)",
     "changes the companion's check or grading code": "floats.__withheld_live__ = False",

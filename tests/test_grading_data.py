@@ -107,6 +107,7 @@ def test_control_characters_are_escaped_in_the_table_and_the_reports(tmp_path):
         assert "\\x1b[2J" in data or "\\\\x1b[2J" in data
     assert printable(printable(CLEAR)) == printable(CLEAR) == "\\x1b[2J\\x1b[H"
     assert printable("a\nb") == "a\\x0ab" and printable("a\nb", newlines=True) == "a\nb"
+    assert printable("p\u200bas\u200fs\ufeff") == "p\\u200bas\\u200fs\\ufeff"   # invisible ones
 
 
 # ---------------------------------------------------------------- crafted replies
@@ -230,15 +231,35 @@ def test_copied_solutions_are_found_in_every_chapter_and_own_answers_are_not():
             assert set(copied_solutions(nb, source, chapter)) == names, path.name
         for nb in (gn.trimmed(number), strip_solutions(source), gn.trimmed(number, solved=False)):
             assert copied_solutions(nb, source, chapter) == {}, path.name
-    chapter = read_chapter(gn.source("00"))        # a short solution alone is not a copy
-    source = nbformat.read(gn.source("00"), as_version=4)
+    chapter = read_chapter(gn.source("00"))        # a short solution alone is a copy only
+    source = nbformat.read(gn.source("00"), as_version=4)     # inside the source's markers
     short = [c for c, s in solutions(source, chapter).items() if s.nodes < MIN_NODES]
     assert short == ["check_activation_bytes"]
-    nb = gn.trimmed("00")
     solution = next(c for c in gn.trimmed("00", verbatim=True).cells
                     if "activation_bytes" in c.source and "BEGIN SOLUTION" in c.source)
-    gn.cell(nb, solution.get("id")).source = solution.source
-    assert copied_solutions(nb, source, chapter) == {}
+    pasted, typed = gn.trimmed("00"), gn.trimmed("00")
+    gn.cell(pasted, solution.get("id")).source = solution.source
+    gn.cell(typed, solution.get("id")).source = "\n".join(
+        line for line in solution.source.splitlines() if "SOLUTION" not in line)
+    assert set(copied_solutions(pasted, source, chapter)) == {"check_activation_bytes"}
+    assert copied_solutions(typed, source, chapter) == {}
+
+
+def test_a_reply_flooded_with_free_opcodes_is_refused_before_it_costs_time():
+    """The review's reply: 48 MiB of protocol headers cost the grading process 9.5 minutes of
+    reading; one header is all torch.save writes, and the opcodes are counted."""
+    body = wire.dumps({"status": "ok", "value": 1.0})
+    archive = zipfile.ZipFile(io.BytesIO(body))
+    rebuilt = io.BytesIO()
+    with zipfile.ZipFile(rebuilt, "w", zipfile.ZIP_STORED) as out:
+        for e in archive.infolist():
+            data = archive.read(e)
+            if e.filename.endswith("/data.pkl"):
+                data = b"\x80\x02" * 2**20 + data
+            out.writestr(e.filename, data)
+    with pytest.raises(wire.WireError, match="protocol header"):
+        wire.decode(rebuilt.getvalue())
+    assert wire.decode(body) == {"status": "ok", "value": 1.0}
 
 
 # ---------------------------------------------------------------- the grader, run

@@ -8,9 +8,10 @@ docstrings left out, so comments, blank lines, line breaks, quotes and spacing d
 (renamed variables do: an answer written anew is not a copy). A whole source notebook submitted is
 the same case for every exercise.
 
-A short solution (under `MIN_NODES` nodes of code between its markers: one expression) is one an
+A short solution (under `MIN_NODES` nodes of code between its markers: a few lines) is one an
 honest learner may write exactly as the course does; it counts as copied only beside a longer
-solution of the same submission that is copied too.
+solution of the same submission that is copied too, or where it comes inside the source's
+`### BEGIN SOLUTION` markers (the solution cell pasted: no workbook has them).
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from companion.grader.expected import Chapter, Exercise, python_of
 __all__ = ["MIN_NODES", "Solution", "solutions", "copied_solutions"]
 
 # Solutions shorter than this, in AST nodes between the markers, are not taken as copies on their
-# own: over the 49 exercises of chapters 00-11, 3 are (27, 30 and 36 nodes: one return, one
-# return, a three-line loop); the rest have 51 to 736.
+# own (without the source's markers): over the exercises of chapters 00-11, 10 are (14 to 39
+# nodes: a return, a loop, a pair of hooks), as a review counted.
 MIN_NODES = 40
 
 
@@ -93,14 +94,19 @@ def solutions(source_nb, chapter: Chapter) -> dict[str, Solution]:
 
 def copied_solutions(nb, source_nb, chapter: Chapter) -> dict[str, str]:
     """{check: why it is `reference`} for each exercise whose solution the submission copies."""
-    theirs = set()
+    theirs, marked = set(), set()       # marked: statements inside the course's own markers
     for cell in nb.cells:
         if cell.cell_type == "code":
             tree = _code(cell.source)
-            theirs |= {_key(s) for s in tree.body} if tree is not None else set()
+            keys = {_key(s) for s in tree.body} if tree is not None else set()
+            theirs |= keys
+            if tree is not None and _regions(_lines(cell.source)):
+                marked |= keys
     found = {check: s for check, s in solutions(source_nb, chapter).items() if s.keys <= theirs}
     if not any(s.nodes >= MIN_NODES for s in found.values()):
-        return {}
+        # A short solution alone counts only where it comes with the source's solution markers,
+        # which no workbook has: the solution cell itself pasted.
+        found = {check: s for check, s in found.items() if s.keys <= marked}
     by_check = {ex.check: ex for ex in chapter.exercises}
     return {check: _message(by_check[check]) for check in found}
 

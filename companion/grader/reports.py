@@ -19,7 +19,10 @@ __all__ = ["Row", "escape_csv", "printable", "write_reports", "digest", "format_
 # cursor, clear the screen or recolour text, and U+009B is a one-character CSI), the bidirectional
 # overrides and isolates that reorder what a line shows (Unicode TR9; CVE-2021-42574), and the
 # Unicode line and paragraph separators
-_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
+# C0, DEL, C1, bidirectional overrides and isolates, line and paragraph separators, and the
+# invisible ones (zero-width spaces and joiners, marks, word joiner, byte-order mark).
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2064"
+                       "\u2066-\u2069\u2028\u2029\ufeff]")
 
 
 @dataclasses.dataclass

@@ -37,6 +37,10 @@ _REVIEW = {
         r"\b(exec|eval|compile)\s*\(|getsource|importlib\.reload|\brunpy\b|__import__",
     "starts threads": r"\bthreading\b|\b_thread\b|Thread\(|ThreadPool|concurrent\.futures",
     "calls C directly (ctypes, cffi)": r"\bctypes\b|\bcffi\b",
+    "reaches into the hooks or dispatch modes a check watches with":
+        r"_python_dispatch|_disable_current_modes|_pop_mode|_forward_pre_hooks|_forward_hooks|"
+        r"_backward_hooks|_backward_pre_hooks|_saved_tensors_hooks|_DisableTorchDispatch|"
+        r"TorchDispatchMode|TorchFunctionMode",
     "reads the package's or the course's files":
         r"__file__|__spec__|__loader__|getsourcefile|getfile\(|find_spec|linecache|"
         r"\.py['\"]|__path__|__code__|__globals__|__closure__",

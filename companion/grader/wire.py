@@ -157,6 +157,11 @@ _COSTS = {"NONE": _SLOT, "NEWTRUE": _SLOT, "NEWFALSE": _SLOT, "BININT": _SLOT + 
           "FRAME": 0, "STOP": 0}
 
 
+# Opcodes a reply's pickle may have: an honest reply of 100,000 floats has about 200,000; read at
+# about 0.4 µs each, the bound keeps the reading of a crafted reply under 2 s.
+_MAX_OPCODES = 2**22
+
+
 def _bounded(body: bytes, limit: int) -> bytes:
     """The reply as a zip torch.load can read, rebuilt from entries checked here; WireError if it
     is not torch.save's format or would cost more than `limit` bytes to load."""
@@ -175,14 +180,19 @@ def _bounded(body: bytes, limit: int) -> bytes:
     pickles = [e for e in entries if e.filename.endswith("/data.pkl")]
     if len(pickles) != 1:
         raise WireError("a reply that is not in torch.save's format (no single data.pkl)")
-    cost = stored
+    cost, count, protos = stored, 0, 0
     try:
         for op, arg, _ in pickletools.genops(archive.read(pickles[0])):
             if op.name not in _COSTS and op.name not in ("BINUNICODE", "SHORT_BINSTRING",
                                                          "LONG1"):
                 raise WireError(f"a reply with the pickle opcode {op.name}, which torch.save "
                                 "does not write")
-            cost += _COSTS.get(op.name, _SLOT + 80 + 4 * len(str(arg)))
+            protos += op.name == "PROTO"
+            count += 1
+            if protos > 1 or count > _MAX_OPCODES:      # a flood of free opcodes costs time
+                raise WireError("a reply whose pickle has more than one protocol header or "
+                                f"more than {_MAX_OPCODES:,} opcodes")
+            cost += max(1, _COSTS.get(op.name, _SLOT + 80 + 4 * len(str(arg))))
             if cost > limit:
                 break
     except (ValueError, EOFError, zipfile.BadZipFile, OSError):
