@@ -528,7 +528,11 @@ def check_offload_hooks(answer) -> str:
         seen = _observe_hooks(answer, seed)
         for i, (trip, want) in enumerate(zip(seen["trips"], expected)):
             _check_trip(trip, want.detach(), i)
-        compare(seen["grads"], grads, name="gradients with your hooks", **_EXACT,
+        # Each tensor's round trip is checked exactly above; the gradients are computed in two
+        # processes under the grader (its own and the sandbox's), whose thread counts may sum in
+        # another order: the last bits may differ, a wrong round trip (fp16, a stale tensor) is
+        # off by far more.
+        compare(seen["grads"], grads, name="gradients with your hooks", rtol=1e-5, atol=1e-8,
                 hint="every unpacked tensor must equal the one packed, so gradients do not change.")
         compare(seen["host_peak"], moved, name="bytes your hooks kept on the host",
                 hint="move each saved tensor that holds at least min_bytes and is not a "

@@ -113,9 +113,18 @@ def encode(value: Any, depth: int = 0) -> Any:
         return type(value)(encode(v, depth + 1) for v in value)
     if type(value) is torch.Size:
         return tuple(value)
-    if type(value) is dict and all(type(k) in (str, int) for k in value):
+    if type(value) is dict and all(_plain_key(k) for k in value):
         return {k: encode(v, depth + 1) for k, v in value.items()}
     return _opaque(value)
+
+
+def _plain_key(key: Any, depth: int = 0) -> bool:
+    """A dict key that is plain data: a str or an int, or a short tuple of them (chapter 08's
+    schedule is keyed by (stage, group))."""
+    if type(key) in (str, int):
+        return True
+    return type(key) is tuple and depth < 3 and len(key) <= 16 and \
+        all(_plain_key(k, depth + 1) for k in key)
 
 
 def _opaque(value: Any, text: str | None = None) -> dict:
@@ -249,8 +258,9 @@ def plain(value: Any, depth: int = 0, budget: list | None = None) -> Any:
     if kind is dict:
         if _OPAQUE in value:
             return _opaque_class(str(value[_OPAQUE]))(str(value.get("repr", ""))[:300])
-        if not all(type(k) in (str, int) for k in value):
-            raise WireError("a dict with keys that are not str or int")
+        if not all(_plain_key(k) for k in value):
+            raise WireError("a dict with keys that are not plain (str, int, or short tuples "
+                            "of them)")
         return {k: plain(v, depth + 1, budget) for k, v in value.items()}
     raise WireError(f"a value of type {kind.__name__}")
 
