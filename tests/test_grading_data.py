@@ -438,10 +438,13 @@ def test_a_grader_stopped_by_sigterm_leaves_no_copy_of_the_course(tmp_path):
 
 def _with_descendants(pids: list[str]) -> list[int]:
     """The processes and every process below them (a sandbox's TMPDIR is its own, inside)."""
-    from companion.grader.sandbox import subtree
-    out = {int(p) for p in pids}
-    for p in list(out):
-        out.update(subtree(p))
+    from companion.grader.sandbox import children_of
+    out, frontier = set(), [int(p) for p in pids]
+    while frontier:
+        pid = frontier.pop()
+        if pid not in out:
+            out.add(pid)
+            frontier += children_of(pid)
     return sorted(out)
 
 

@@ -32,7 +32,7 @@ import os
 import shutil
 import subprocess
 
-__all__ = ["Confinement", "bwrap_path", "available", "runs", "INSIDE"]
+__all__ = ["Confinement", "bwrap_path", "available", "runs", "attempt", "INSIDE"]
 
 INSIDE = "/tmp/sandbox"          # the sandbox's home, cwd and TMPDIR, on its private tmpfs
 
@@ -120,16 +120,24 @@ def runs(conf: Confinement, argv: list[str], user: tuple[int, int] | None,
     """'' when `argv` runs and exits 0 under `conf` as `user`; else why not, in a sentence (the
     grader asks this of its own Python and the course before grading anything)."""
     as_root = user is None and os.geteuid() == 0
+    return attempt(conf.command(argv, as_root=as_root), user, env, timeout=timeout,
+                   what="bwrap")
+
+
+def attempt(argv: list[str], user: tuple[int, int] | None, env: dict[str, str], *,
+            timeout: float, what: str) -> str:
+    """'' when `argv` runs as `user` (None: this process's) and exits 0; else why not: the last
+    line it printed, or what stopped it (`what` names it in the sentence)."""
     extra = {"user": user[0], "group": user[1], "extra_groups": []} if user else {}
     try:
-        result = subprocess.run(conf.command(argv, as_root=as_root),
-                                env=dict(env, HOME="/"), cwd="/", stdin=subprocess.DEVNULL,
-                                capture_output=True, timeout=timeout, **extra)
+        result = subprocess.run(argv, env=dict(env, HOME="/"), cwd="/",
+                                stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
+                                **extra)
     except subprocess.TimeoutExpired:
-        return f"bwrap did not start within {timeout:g} s"
+        return f"{what} took more than {timeout:g} s"
     except OSError as e:
-        return f"bwrap could not start: {type(e).__name__}: {e}"
+        return f"{what} could not start: {type(e).__name__}: {e}"
     if result.returncode:
         lines = [ln for ln in result.stderr.decode(errors="replace").splitlines() if ln.strip()]
-        return (lines[-1][:300] if lines else f"exit code {result.returncode}")
+        return lines[-1][:300] if lines else f"exit code {result.returncode}"
     return ""

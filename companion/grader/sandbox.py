@@ -28,9 +28,9 @@ import threading
 import time
 
 from companion.grader import wire
-from companion.grader.confine import INSIDE, Confinement
+from companion.grader.confine import INSIDE, Confinement, attempt
 
-__all__ = ["Limits", "Child", "ChildLost", "harden_self", "children_of", "subtree", "paused",
+__all__ = ["Limits", "Child", "ChildLost", "harden_self", "children_of",
            "unreachable", "end_descendants"]
 
 _PR_SET_DUMPABLE, _PR_SET_CHILD_SUBREAPER = 4, 36
@@ -68,26 +68,8 @@ def harden_self() -> None:
         pass                     # not Linux: the report says processes may outlive grading
 
 
-def children_of(pid: int) -> list[int]:
-    """Direct children of pid, read from /proc (Linux)."""
-    found = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
-def subtree(pid: int) -> list[int]:
-    """Every process below pid (by parent id, from one read of /proc: linear in the number of
-    processes, however many a notebook started), pid itself not included."""
+def _children() -> dict[int, list[int]]:
+    """{parent pid: [child pids]} from one read of /proc (Linux; empty elsewhere)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not entry.isdigit():
@@ -100,26 +82,12 @@ def subtree(pid: int) -> list[int]:
         fields = stat[stat.rfind(")") + 2:].split()
         if len(fields) > 1:
             children.setdefault(int(fields[1]), []).append(int(entry))
-    found, frontier = [], list(children.get(pid, []))
-    while frontier:
-        child = frontier.pop()
-        found.append(child)
-        frontier += children.get(child, [])
-    return found
+    return children
 
 
-@contextlib.contextmanager
-def paused(pids: list[int]):
-    """SIGSTOP the processes for the block (a stopped process runs no thread), then SIGCONT."""
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGCONT)
+def children_of(pid: int) -> list[int]:
+    """Direct children of pid, read from /proc (Linux)."""
+    return _children().get(pid, [])
 
 
 def end_descendants(*, keep: frozenset[int] = frozenset(), rounds: int = 50) -> int:
@@ -152,19 +120,8 @@ def _reap(keep: frozenset[int]) -> None:
 def unreachable(user: tuple[int, int], env: dict[str, str], *, timeout: float = 300.0) -> str:
     """'' when `user` can start this interpreter and import what a sandbox needs; else why not
     (a virtual environment made from a Python under /root, a checkout in a folder of mode 700)."""
-    try:
-        result = subprocess.run(
-            [sys.executable, "-P", "-c", "import torch, IPython, companion.grader.child"],
-            user=user[0], group=user[1], extra_groups=[], env=dict(env, HOME="/"), cwd="/",
-            stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return f"starting it took more than {timeout:g} s"
-    except OSError as e:
-        return f"{type(e).__name__}: {e}"
-    if result.returncode:
-        lines = [ln for ln in result.stderr.decode(errors="replace").splitlines() if ln.strip()]
-        return lines[-1][:300] if lines else f"exit code {result.returncode}"
-    return ""
+    return attempt([sys.executable, "-P", "-c", "import torch, IPython, companion.grader.child"],
+                   user, env, timeout=timeout, what="starting it")
 
 
 class Child:
