@@ -224,3 +224,28 @@ def test_8_bit_states_are_chosen_where_only_they_fit_and_train_under_the_budget(
 def test_nothing_fits_names_the_host_memory_that_would_do():
     with pytest.raises(NothingFits, match=r"give the host .* \(host_budget\)"):
         plan(SMALL, 12, budget="1200 KiB", device="cpu", host_budget="1 KiB")
+
+
+def test_a_simulated_qlora_step_runs_one_row_block_and_peaks_as_the_whole_loop(monkeypatch):
+    # under fake tensors nf4_row_blocks runs only its widest block (each block fills the same
+    # buffers): the simulated peak must be the byte-exact peak of running every block
+    from companion.lowbit import nf4
+    from companion.models import Llama
+    model_fn = functools.partial(Llama, 128, 32, 96, 2, 4, kv_heads=2, intermediate=160)
+    cand = Candidate(2, precision="mixed", lora_rank=4, nf4_base=True)
+    monkeypatch.setattr(nf4, "BLOCK_VALUES", 2048)     # several row blocks per Linear
+    calls = []
+    ranges = nf4._dequantize_range
+    monkeypatch.setattr(nf4, "_dequantize_range",
+                        lambda *a, **k: calls.append(a[3:5]) or ranges(*a, **k))
+    shortcut = simulate(model_fn, cand).peak
+    one_each = len(calls)
+
+    class NotFake:                                     # isinstance(..., FakeTensor) never holds
+        pass
+
+    monkeypatch.setattr(nf4, "FakeTensor", NotFake)
+    calls.clear()
+    every_block = simulate(model_fn, cand).peak
+    assert shortcut == every_block
+    assert len(calls) >= 3 * one_each                  # the whole loop ran several blocks each

@@ -34,6 +34,7 @@ import dataclasses
 from typing import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from companion.lowbit.blockwise import (_levels, check_blocksize, dequantize_blockwise,
                                         dynamic_map, quantize_blockwise)
@@ -199,10 +200,17 @@ def nf4_row_blocks(q: NF4Tensor, dtype: torch.dtype | None = None, *,
     buf = torch.empty(step * cols + 2 * bs + 1, dtype=torch.float32, device=device)
     cast = (None if dtype == q.dtype == torch.float32
             else torch.empty(step * cols, dtype=dtype, device=device))
-    for r0 in range(0, rows, step):
+    def span(r0: int) -> tuple[int, int, int]:
         r1 = min(r0 + step, rows)
         start = r0 * cols // bs * bs                                  # whole blocks of scales
-        stop = min(-(-r1 * cols // bs) * bs, q.numel)
+        return r1, start, min(-(-r1 * cols // bs) * bs, q.numel)
+
+    firsts = range(0, rows, step)
+    if isinstance(q.packed, FakeTensor):      # a simulated step (`plan.simulate`): every block
+        widest = max(firsts, key=lambda r0: span(r0)[2] - span(r0)[1])   # fills the same
+        firsts = [widest]                     # buffers, so the widest stands for all (the same
+    for r0 in firsts:                         # peak, one block's operators: a 7B QLoRA step in
+        r1, start, stop = span(r0)            # seconds, not tens of minutes)
         vals = _dequantize_range(q, absmax, table, start, stop, buf)
         vals = vals[r0 * cols - start:r1 * cols - start]              # ((r1 - r0) · in,)
         if cast is not None:
