@@ -9,11 +9,12 @@ import sys
 import pytest
 import torch
 
-from companion.checkpointing.selective import SAVED_OPS, selective_checkpoint
+from companion.checkpointing.selective import (MATMULS, SAVED_OPS, alternate_matmuls,
+                                               save_matmuls, selective_checkpoint)
 from companion.models import GPT, Llama
 from companion.plan import Candidate, GPTShape, candidates, predict_memory, run_plan, simulate
 from companion.plan.costmodel import CostModel
-from companion.plan.parts import selective_block_bytes
+from companion.plan.parts import selective_block_bytes, selective_recompute_flops
 from companion.plan.predict import predict_seconds
 from companion.plan.space import technique_name
 
@@ -45,12 +46,36 @@ def test_each_new_lever_predicts_the_simulated_peak(fn, cand, tolerance):
     assert abs(predicted / simulated - 1) <= tolerance, (predicted, simulated)
 
 
-def test_selective_checkpointing_keeps_the_matmuls_and_recomputes_the_rest():
+def _kept_products(block, x, policy):
+    """(forward, recompute) lists of the matmul outputs' last dimension the policy kept."""
+    kept = {False: [], True: []}
+
+    def recording(ctx, op, *args, **kwargs):
+        choice = policy(ctx, op, *args, **kwargs)
+        if op in MATMULS and choice == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE:
+            kept[ctx.is_recompute].append(args[-1].shape[-1])   # mm(a, b) or addmm(bias, a, b)
+        return choice
+
+    y = selective_checkpoint(block, x, policy=recording)
+    y.sum().backward()
+    return kept[False], kept[True]
+
+
+def test_selective_checkpointing_keeps_every_second_matmul_and_recomputes_the_rest():
+    # torchtitan's op-level policy: a Llama block's q, v, gate and down kept, k, o, up redone
+    llama = LLAMA().blocks[0]                          # C 128, kv 2·32 = 64, I 256
+    x = torch.randn(2, 32, 128, requires_grad=True)
+    forward, recompute = _kept_products(llama, x, alternate_matmuls())
+    assert forward == [128, 64, 256, 128]              # q, v, gate, down
+    assert recompute == []                             # those kept are not run again
+    everything, _ = _kept_products(llama, x.detach().requires_grad_(), save_matmuls)
+    assert everything == [128, 64, 64, 128, 256, 256, 128]
+    gpt = WRITTEN().blocks[0]
+    assert _kept_products(gpt, torch.randn(2, 32, 128, requires_grad=True),
+                          alternate_matmuls())[0] == [384, 512]     # qkv, fc (proj, out redone)
     block = WRITTEN().blocks[0]
     x = torch.randn(2, 32, 128, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = selective_checkpoint(block, x)
+    y = selective_checkpoint(block, x)
     y.sum().backward()
     grads = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
     block.zero_grad(), x.grad.zero_()
@@ -60,8 +85,15 @@ def test_selective_checkpointing_keeps_the_matmuls_and_recomputes_the_rest():
     assert torch.ops.aten.addmm.default in SAVED_OPS and torch.ops.aten.bmm.default not in SAVED_OPS
     shape = GPTShape.of(WRITTEN)
     plain = predict_memory(shape, Candidate(4)).activations
-    assert selective_block_bytes(shape, SELECTIVE) == 4 * 10 * 4 * 32 * 128   # input + 9·N·C
+    assert selective_block_bytes(shape, SELECTIVE) == 4 * 8 * 4 * 32 * 128   # input + 7·N·C
     assert predict_memory(shape, SELECTIVE).activations < plain
+    # the dropped products are priced: a Llama's k, o and up, 2·N·(C·kv + C² + C·I) FLOPs
+    llama_shape = GPTShape.of(LLAMA)
+    assert selective_recompute_flops(llama_shape, SELECTIVE) == 2 * 128 * (
+        128 * 64 + 128 * 128 + 128 * 256)
+    cost = CostModel.for_device("cpu")
+    assert predict_seconds(llama_shape, SELECTIVE, cost)["recompute"] == pytest.approx(
+        llama_shape.depth * selective_recompute_flops(llama_shape, SELECTIVE) / cost.flops)
 
 
 def test_pure_bf16_holds_8_bytes_per_parameter_and_the_step_in_backward_one_gradient():
@@ -115,7 +147,9 @@ def test_new_levers_cost_time_where_they_should():
     base = predict_seconds(written, Candidate(4), cost)
     sel = predict_seconds(written, SELECTIVE, cost)
     assert sel["recompute"] > base["recompute"] and sel["selective recompute"] > 0
-    assert predict_seconds(fused, SELECTIVE, cost)["recompute"] == 0   # fused: no core FLOPs
+    depth = fused.depth                                # fused: no core FLOPs, the products
+    assert predict_seconds(fused, SELECTIVE, cost)["recompute"] == pytest.approx(
+        depth * selective_recompute_flops(fused, SELECTIVE) / cost.flops)
     assert predict_seconds(written, PAGED, cost)["paging"] > 0
     assert predict_seconds(written, PURE, cost)["optimizer"] > base["optimizer"]   # unfused
 

@@ -14,8 +14,9 @@ Two ways to do it here, for `companion.models.Block` (written-out attention):
   operators, keeping the outputs of those that compute outside the core.
 
 - `selective_checkpoint(block, x)`: torch's own selective checkpointing
-  (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) with `save_matmuls`, the policy
-  the planner's "selective-checkpointing" lever runs on every block of a GPT or a Llama.
+  (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) with `alternate_matmuls()`,
+  torchtitan's op-level policy, which the planner's "selective-checkpointing" lever runs on every
+  block of a GPT or a Llama (`policy=save_matmuls` keeps every matmul instead).
 
 `block_activation_bytes` is their formula adapted to this block: no dropout (Megatron has two
 dropout masks per layer, 2·s·b·h bytes, and a third, a·s²·b bytes, on the attention weights), a
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,8 @@ import torch.nn.functional as F
 from companion.checkpointing.hooks import checkpoint_hooks
 
 __all__ = ["attention_core", "selective_block", "attention_core_policy", "block_activation_bytes",
-           "megatron_activation_bytes", "SAVED_OPS", "save_matmuls", "selective_checkpoint"]
+           "megatron_activation_bytes", "SAVED_OPS", "MATMULS", "save_matmuls",
+           "alternate_matmuls", "selective_checkpoint"]
 
 aten = torch.ops.aten
 
@@ -49,6 +52,7 @@ SAVED_OPS = frozenset(op for op in (
     aten._scaled_dot_product_efficient_attention.default,
     getattr(aten, "_scaled_dot_product_cudnn_attention", None) and
     aten._scaled_dot_product_cudnn_attention.default) if op is not None)
+MATMULS = frozenset((aten.mm.default, aten.addmm.default))   # a Linear's product, with its bias
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -129,15 +133,45 @@ def save_matmuls(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointP
     return policy.MUST_SAVE if op in SAVED_OPS else policy.PREFER_RECOMPUTE
 
 
-def selective_checkpoint(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`block(x)` under `save_matmuls`: what backward needs is the block's input, the matmuls'
-    outputs and fused attention's (out, log-sum-exp); the rest is recomputed from them.
+def alternate_matmuls() -> Callable[..., torch.utils.checkpoint.CheckpointPolicy]:
+    """A fresh policy for one checkpointed region: keep what `SAVED_OPS` makes but every second
+    matmul, counted in the order the region runs them, forward and recompute apart (each must
+    make the same choices); recompute the rest.
 
-    Memory per block (N = B·T tokens, e bytes per activation): a GPT's input N·C, qkv 3·N·C,
-    proj N·C, fc 4·N·C, out N·C, times e, with fused attention its output e·N·C and the
-    log-sum-exp 4·B·heads·T (a Llama's: q, k, v, o, gate, up, down and SDPA's). Cost: one more
-    forward of the recomputed ops in backward: the written core's 4·N·T·C FLOPs, the rest
-    element-wise."""
+    This is torchtitan's op-level selective policy ("Saves output of all compute ops, except
+    every second mm": `_apply_ac_to_transformer_block` in
+    torchtitan/parallelisms/parallelize_llama.py, pytorch/torchtitan at 004b314, the policy of
+    its Llama 3 benchmarks). On a Llama block the matmuls run q, k, v, o, gate, up, down: q, v,
+    gate and down are kept, k, o and up redone in backward (their FLOPs, 2·N·(C·kv + C² + C·I),
+    about a third of the block's forward products). On a GPT block: qkv and fc kept, proj and
+    out redone. Simplified vs torchtitan: its count is of aten.mm alone (its Llama has no bias),
+    here of addmm too (the GPT's Linears have biases), and no collective runs inside a block."""
+    counts = {"forward": 0, "recompute": 0}
+    policy = torch.utils.checkpoint.CheckpointPolicy
+
+    def choose(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if op in MATMULS:
+            counts[mode] += 1
+        keep = op in SAVED_OPS and not (op in MATMULS and counts[mode] % 2 == 0)
+        return policy.MUST_SAVE if keep else policy.PREFER_RECOMPUTE
+
+    return choose
+
+
+def selective_checkpoint(block: torch.nn.Module, x: torch.Tensor, *,
+                         policy: Callable | None = None) -> torch.Tensor:
+    """`block(x)` under a selective policy: `alternate_matmuls()` (the default, torchtitan's),
+    or `save_matmuls` (every matmul kept). What backward needs is the block's input, the kept
+    matmuls' outputs and fused attention's (out, log-sum-exp); the rest is recomputed from them.
+
+    Memory per block (N = B·T tokens, e bytes per activation, kv = kv_heads·d, I the MLP's
+    width), the input's bytes besides: a Llama's q e·N·C, v e·N·kv, gate e·N·I, down e·N·C,
+    SDPA's output e·N·C and log-sum-exp 4·B·heads·T (`save_matmuls`: k, o and up too); a GPT's
+    qkv 3·e·N·C and fc 4·e·N·C (with proj and out: 9·e·N·C), with fused attention its output
+    and log-sum-exp. Cost: one more forward of the recomputed ops in backward (the dropped
+    matmuls' FLOPs, the written core's 4·N·T·C, the element-wise ops' bytes)."""
+    choose = alternate_matmuls() if policy is None else policy
     context = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
-                                save_matmuls)
+                                choose)
     return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=context)

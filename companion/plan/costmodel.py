@@ -17,9 +17,10 @@ class CostModel:
     `torch.backends.cuda.matmul.allow_tf32 = False`, pytorch/pytorch#67384) at their peak times
     `gpus.efficiency` (one large SGEMM's share, cited there), and bf16 on the tensor cores at
     their peak times `gpus.step_efficiency` for the setup (eager by default, as the course runs;
-    `compiled=True` for torch.compile): the MFU a published whole step of that setup reached
-    (eager FSDP on H100s: torchtitan's 0.337; a GeForce card, an A100: their own runs, cited
-    there), so the step's non-matmul work and launches are inside that factor; HBM bandwidth
+    `compiled=True` for torch.compile): the share of its peak a published whole step of that
+    setup reached (eager FSDP on H100s: torchtitan's 0.367 of the FLOPs it ran, its selective
+    recompute counted; a GeForce card, an A100: their own runs, cited there), so the step's
+    non-matmul work and launches are inside that factor; HBM bandwidth
     for the optimizer; PCIe (one direction) to the host; NVLink (one direction, half the total
     NVIDIA quotes) between GPUs, or PCIe where there is none; 10 µs per layer and micro-batch
     of kernel launches (assumed: a CUDA launch costs a few µs and a block launches a few);

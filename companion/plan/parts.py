@@ -14,8 +14,9 @@ from companion.lowbit.nf4 import BLOCK_VALUES, ROW_BLOCKS_AT_LEAST
 from companion.plan.space import Candidate, GPTShape
 
 __all__ = ["BUCKET_BYTES", "activation_bytes", "bf16_weights", "segment_sizes", "state_bytes",
-           "selective_block_bytes", "paged_state_bytes", "STEP_TEMPORARIES", "PAGE",
-           "qlora_build_bytes", "qlora_dequantize_bytes", "offloaded_twice"]
+           "selective_block_bytes", "selective_recompute_flops", "paged_state_bytes",
+           "STEP_TEMPORARIES", "PAGE", "qlora_build_bytes", "qlora_dequantize_bytes",
+           "offloaded_twice"]
 
 BUCKET_BYTES = 25 * 2**20      # ShardedOptimizer's and DDP's default bucket (bucket_cap_mb=25)
 # fp32 temporaries of one tensor's step, bytes per value of the largest trainable tensor, counted
@@ -83,22 +84,33 @@ def bf16_weights(c: Candidate) -> bool:
 
 
 def selective_block_bytes(s: GPTShape, c: Candidate) -> int:
-    """Bytes one block keeps under `checkpointing.selective.save_matmuls` (N = B·T tokens, e the
-    compute dtype's bytes, r the residual stream's: fp32 under autocast): its input r·N·C, its
-    matmuls' outputs (GPT: qkv 3·N·C, proj N·C, fc 4·N·C, out N·C; Llama: q N·C, k and v
-    N·kv·d each, o N·C, gate and up N·I each, down N·C) and fused attention's output e·N·C and
-    fp32 log-sum-exp 4·B·heads·T (written-out attention: nothing of its core, recomputed).
-    Korthikanti et al.'s 34·s·b·h for Megatron's block keeps its LayerNorms' and GELU's too."""
+    """Bytes one block keeps under `checkpointing.selective.alternate_matmuls`, torchtitan's
+    op-level policy (N = B·T tokens, e the compute dtype's bytes, r the residual stream's: fp32
+    under autocast, bf16 when FSDP computes in bf16): its input r·N·C, every second matmul's
+    output (a Llama's q N·C, v N·kv·d, gate N·I, down N·C; a GPT's qkv 3·N·C and fc 4·N·C) and
+    fused attention's output e·N·C and fp32 log-sum-exp 4·B·heads·T (written-out attention:
+    nothing of its core, recomputed). Korthikanti et al.'s 34·s·b·h for Megatron's block keeps
+    every Linear's input and output, its LayerNorms' and GELU's too."""
     N, C, B, T = c.micro_batch * s.seq_len, s.width, c.micro_batch, s.seq_len
     e = 4 if c.precision == "fp32" else 2
-    r = 4 if c.precision in ("fp32", "autocast") else 2
+    r = 4 if c.precision == "fp32" or (c.precision == "autocast" and c.zero_stage != 3) else 2
     if s.llama:
         kv = s.kv_heads * (C // s.heads)
-        matmuls = 3 * N * C + 2 * N * kv + 2 * N * s.intermediate
+        matmuls = 2 * N * C + N * kv + N * s.intermediate
     else:
-        matmuls = 9 * N * C
+        matmuls = 7 * N * C
     fused = s.llama or s.fused_attention or c.fused_attention
     return r * N * C + e * matmuls + (e * N * C + 4 * B * s.heads * T if fused else 0)
+
+
+def selective_recompute_flops(s: GPTShape, c: Candidate) -> int:
+    """Forward FLOPs one block's backward redoes under `alternate_matmuls`: the dropped
+    matmuls (a Llama's k, o and up: 2·N·(C·kv + C² + C·I); a GPT's proj and out: 2·N·5·C²)."""
+    N, C = c.micro_batch * s.seq_len, s.width
+    if s.llama:
+        kv = s.kv_heads * (C // s.heads)
+        return 2 * N * (C * kv + C * C + C * s.intermediate)
+    return 2 * N * 5 * C * C
 
 
 def paged_state_bytes(s: GPTShape, c: Candidate, optimizer: int,

@@ -24,12 +24,14 @@ log-softmax with the loss's gradients); fused attention as a lever (the model re
 the NVMe tier (host: the gradients' 4 B and one tensor's master and moments; disk: 12 B).
 On the course's test grid these land within 6% of the simulated step (tests/test_plan_levers.py).
 
-Practitioners' levers (issue 52). Selective checkpointing (`checkpointing.selective.save_matmuls`
-under torch's `create_selective_checkpoint_contexts`, every block): each block keeps its input,
-its matmuls' outputs and fused attention's output and log-sum-exp (`parts.selective_block_bytes`);
-the rest is recomputed in the block's backward, where the block's whole activations and the
-last gradients made live together ("selective recompute"); time: the written core's products
-again (4·N·T·C per block) and the recomputed bytes written and read at the memory's speed.
+Practitioners' levers (issue 52). Selective checkpointing (torchtitan's op-level policy,
+`checkpointing.selective.alternate_matmuls`, under torch's `create_selective_checkpoint_contexts`,
+every block): each block keeps its input, every second matmul's output and fused attention's
+output and log-sum-exp (`parts.selective_block_bytes`); the rest is recomputed in the block's
+backward, where the block's whole activations and the last gradients made live together
+("selective recompute"); time: the dropped matmuls' FLOPs (`parts.selective_recompute_flops`),
+the written core's products again (4·N·T·C per block) and the recomputed bytes written and read
+at the memory's speed.
 Pure bf16: 2 + 2 + 4 B per parameter (8-bit states: 2 + 2 + 2.03), the unfused step's fp32
 temporaries for the largest tensor (`parts.STEP_TEMPORARIES`: 36 B per value, 40 with 8-bit
 states) and its bytes (`BF16ADAMW_BYTES`). The step in backward: one gradient alive (the
@@ -101,7 +103,8 @@ from companion.plan.costmodel import CostModel
 from companion.plan.parts import (BUCKET_BYTES, PAGE, STEP_TEMPORARIES, activation_bytes,
                                   bf16_weights, offloaded_twice, paged_state_bytes,
                                   qlora_build_bytes, qlora_dequantize_bytes, segment_sizes,
-                                  selective_block_bytes, state_bytes)
+                                  selective_block_bytes, selective_recompute_flops,
+                                  state_bytes)
 from companion.plan.space import Candidate, GPTShape
 
 __all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES",
@@ -327,9 +330,12 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
     optimizer_bytes = ADAM8BIT_BYTES if c.state_bits == 8 else 32
     if c.precision == "bf16":                          # pure bf16's unfused steps
         optimizer_bytes = ADAM8BIT_BF16_BYTES if c.state_bits == 8 else BF16ADAMW_BYTES
-    if c.selective:                                    # the written core's products again, and
-        recompute += tokens * 4 * T * C * L * (not (s.llama or s.fused_attention   # every
-                                                    or c.fused_attention))   # element-wise
+    redone = 0.0                                       # share of a block's forward redone
+    if c.selective:                                    # the dropped matmuls again, the written
+        redone = selective_recompute_flops(s, c) / (c.micro_batch * T * block)   # core's
+        recompute += tokens * 4 * T * C * L * (not (s.llama or s.fused_attention   # products,
+                                                    or c.fused_attention))   # every element-
+        recompute += c.accumulation * L * selective_recompute_flops(s, c)   # wise op's output
     recomputed = (c.accumulation * L * (activation_bytes(s, c, "cuda")[1]   # op's output
                                         - selective_block_bytes(s, c)) if c.selective else 0)
     dequantized = 0                                    # QLoRA: base values dequantized
@@ -379,7 +385,7 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
     }
     if world_size > 1:
         exposed = _exposed_communication(s, c, cost, world_size, c.micro_batch * T * block / speed,
-                                         (L // c.segments) * (c.segments - 1) / L)
+                                         (L // c.segments) * (c.segments - 1) / L + redone)
         parts["communication"] = min(exposed, sent / cost.network_bandwidth)
     parts["total"] = sum(parts.values())
     if world_size > 1:

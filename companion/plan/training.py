@@ -68,8 +68,8 @@ class CheckpointedBlocks(nn.Module):
 
 class SelectiveBlocks(nn.Module):
     """Every block under `selective_checkpoint` (torch's `create_selective_checkpoint_contexts`
-    with the matmul-saving policy): each keeps its input, its matmuls' and fused attention's
-    outputs, and recomputes the rest in its backward."""
+    with torchtitan's op-level policy, `alternate_matmuls`): each keeps its input, every second
+    matmul's output and fused attention's, and recomputes the rest in its backward."""
 
     def __init__(self, blocks: nn.Sequential):
         super().__init__()
