@@ -5,6 +5,7 @@ import pathlib
 import re
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,14 @@ from companion.checks.ch04 import (check_checkpoint_function, check_checkpoint_p
 from companion.checks.core import REGISTRY, CheckFailed
 from companion.grader.child import _Monitor
 from companion.grader.withhold import MARK, Withheld, withheld_sources
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)           # small blocks: two threads on a loaded machine only wait
+    yield
+    torch.set_num_threads(threads)
 
 
 def _saved_bytes(fn, x):
@@ -144,8 +153,28 @@ class _NoAutocast(_NoForkRng):
             return _NoRng.backward(ctx, grad)
 
 
+class _CudaAutocastOnly(_NoForkRng):
+    """Known wrong: replays autocast, but the state of CUDA's autocast (torch.is_autocast_enabled()
+    with no device), not the state of the tensors' device."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.autocast = torch.is_autocast_enabled(), torch.get_autocast_dtype("cuda")
+        return _NoForkRng.forward(ctx, fn, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        enabled, dtype = ctx.autocast
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")          # "CUDA is not available": no GPU here
+            torch.set_rng_state(ctx.rng)
+            with torch.autocast("cuda", enabled=enabled, dtype=dtype):
+                return _NoRng.backward(ctx, grad)
+
+
 def test_checkpoint_function_reference_passes():
-    check_checkpoint_function(ck.checkpoint)
+    for _ in range(20):
+        check_checkpoint_function(ck.checkpoint)
     check_checkpoint_function(lambda fn, x: ck.Checkpoint.apply(fn, torch.empty(0), x))
     check_checkpoint_function(lambda fn, x: torch.utils.checkpoint.checkpoint(
         fn, x, use_reentrant=True))
@@ -162,13 +191,15 @@ def test_the_autocast_case_sets_apart_a_recomputation_in_another_precision():
                        for a, b in zip(drifted[1], plain[1]))
 
 
-@pytest.mark.parametrize("run", range(3))
-def test_a_checkpoint_without_the_autocast_replay_fails_with_the_precision_hint(run):
-    with pytest.raises(CheckFailed, match="under bf16 autocast") as failure:
-        check_checkpoint_function(lambda fn, x: _NoAutocast.apply(fn, x))
-    assert "autocast settings" in failure.value.hint
-    assert "is_autocast_enabled" not in failure.value.hint and "torch.autocast(" not in \
-        failure.value.hint
+@pytest.mark.parametrize("wrong", [_NoAutocast, _CudaAutocastOnly])
+def test_a_checkpoint_without_the_autocast_replay_fails_with_the_precision_hint(wrong):
+    # without the replay it passed 40 of 40 runs at the review's commit (no autocast case)
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="under bf16 autocast") as failure:
+            check_checkpoint_function(lambda fn, x: wrong.apply(fn, x))
+        assert "autocast settings" in failure.value.hint
+        assert "is_autocast_enabled" not in failure.value.hint and "torch.autocast(" not in \
+            failure.value.hint
 
 
 @pytest.mark.parametrize("wrong, hint", [
@@ -211,9 +242,12 @@ def test_an_exhaustive_search_with_the_exact_peak_passes_every_draw():
             assert ch04._accepted(_exhaustive(*case), ck.checkpoint_plan(*case), *case), case
 
 
-@pytest.mark.parametrize("run", range(3))
-def test_an_exhaustive_search_passes_the_check(run):
-    check_checkpoint_plan(_exhaustive)
+def test_an_exhaustive_search_passes_the_check():
+    # with the exact rule it failed 5 of 40 runs at the review's commit (the check held plans to
+    # the bound)
+    for _ in range(20):
+        check_checkpoint_plan(_exhaustive)
+        check_checkpoint_plan(ck.checkpoint_plan)
 
 
 def test_the_fixed_cases_hold_plans_the_bound_gets_wrong():
@@ -233,18 +267,21 @@ def test_checkpoint_plan_wrong_rules_fail_with_their_own_hint(wrong, hint, run):
     assert failure.value.hint == hint
 
 
-@pytest.mark.parametrize("run", range(3))
-def test_a_strict_fits_gets_the_boundary_hint_whatever_its_tie_break(run):
-    with pytest.raises(CheckFailed) as failure:
-        check_checkpoint_plan(lambda *case: _exhaustive(*case, fits=int.__lt__))
-    assert failure.value.hint == dict((w, h) for w, h in ch04._PLAN_HINTS)[ch04._strict]
-    assert "not checkpointed" not in failure.value.hint
+def test_a_strict_fits_gets_the_boundary_hint_whatever_its_tie_break():
+    # 40 of 40 runs got "the last segment is not checkpointed" at the review's commit
+    for _ in range(20):
+        with pytest.raises(CheckFailed) as failure:
+            check_checkpoint_plan(lambda *case: _exhaustive(*case, fits=int.__lt__))
+        assert failure.value.hint == dict((w, h) for w, h in ch04._PLAN_HINTS)[ch04._strict]
+        assert "not checkpointed" not in failure.value.hint
 
 
 def test_the_bound_search_fails_on_a_fixed_case():
-    with pytest.raises(CheckFailed, match="Chen et al.'s upper bound") as failure:
-        check_checkpoint_plan(lambda *case: ck.checkpoint_plan(*case, bound=True))
-    assert "[0, 2, 3]" not in failure.value.hint and "[0, 1, 2]" not in failure.value.hint
+    # the check's own rule at the review's commit: it passed 40 of 40 there
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="Chen et al.'s upper bound") as failure:
+            check_checkpoint_plan(lambda *case: ck.checkpoint_plan(*case, bound=True))
+        assert "[0, 2, 3]" not in failure.value.hint and "[0, 1, 2]" not in failure.value.hint
 
 
 @pytest.mark.parametrize("wrong, hint", [
