@@ -8,6 +8,7 @@ import random
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from companion import accumulation
 from companion.checks.core import (CheckFailed, call, call_inplace, compare, exercise,
@@ -65,21 +66,32 @@ def _stale(model, seed: int) -> list[torch.Tensor]:
 
 def _watched(model, seed: int, lr: float) -> tuple:
     """Stale gradients in the model's .grad, SGD with momentum, and what the answer will be seen
-    doing: (optimizer, batch sizes the model's forwards get, one entry per optimizer step)."""
+    doing: (optimizer, batch sizes the model's forwards get, one entry per optimizer step, the
+    order of forward and backward passes, how many earlier micro-batches' hidden activations are
+    still held as each forward starts)."""
     for p, g in zip(model.parameters(), _stale(model, seed)):
         p.grad = g
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    seen, steps, order = [], [], []
+    seen, steps, order, held, hidden = [], [], [], [], []
 
     def forward(module, inputs):
         seen.append(len(inputs[0]))
         order.append("forward")
+        held.append(sum(not ref.expired() for ref in hidden))
+
+    def hidden_output(module, inputs, output):
+        # the hidden layer's output: saved for backward, and seen by no answer
+        try:
+            hidden.append(StorageWeakRef(output.untyped_storage()))
+        except (NotImplementedError, RuntimeError):
+            pass        # a torch.func transform's wrapper: no storage to watch
 
     model.register_forward_pre_hook(forward)
+    model[1].register_forward_hook(hidden_output)
     # a gradient reaching the first weight: one per backward pass, however many forwards it spans
     next(model.parameters()).register_hook(lambda grad: order.append("backward"))
     opt.register_step_post_hook(lambda *args: steps.append(1))
-    return opt, seen, steps, order
+    return opt, seen, steps, order, held
 
 
 def _interleaved(order: list[str], k: int) -> None:
@@ -100,6 +112,19 @@ def _interleaved(order: list[str], k: int) -> None:
             "each micro-batch's backward belongs before the next micro-batch's forward.")
 
 
+def _released(held: list[int]) -> None:
+    """Each micro-batch's activations must be freed by its backward, before the next forward."""
+    late = next((i for i, n in enumerate(held) if n), None)
+    if late is not None:
+        raise CheckFailed(f"when micro-batch {late + 1}'s forward began, the activations of "
+                          f"{held[late]} earlier micro-batch{'es' * (held[late] > 1)} were still "
+                          "held: forward and backward ran in turn, but a graph outlived its "
+                          "backward", hint="backward frees a graph's saved activations unless told "
+                          "to keep them (retain_graph=True) while something still refers to the "
+                          "graph (a loss kept to print later): keep the loss's value with .item(), "
+                          "and no graph past its backward.")
+
+
 def _runs(order: list[str]) -> str:
     """["forward", "forward", "backward"] -> "forward x2, backward"."""
     out: list[str] = []
@@ -116,9 +141,9 @@ def _accumulation_run(answer, seed: int, k: int, b: int) -> tuple:
     """Run the answer on the seed's model (stale gradients in .grad, SGD with momentum); return
     (its parameters after, how many optimizer steps ran, the batch sizes the model saw)."""
     model, x, y = _setup(seed, k * b)
-    opt, seen, steps, order = _watched(model, seed, lr=0.1)
+    opt, seen, steps, order, held = _watched(model, seed, lr=0.1)
     call_inplace(answer, model, F.cross_entropy, opt, x.clone(), y.clone(), k)
-    return tuple(p.detach() for p in model.parameters()), len(steps), seen, order
+    return tuple(p.detach() for p in model.parameters()), len(steps), seen, order, held
 
 
 @exercise(points=2, timeout=30.0, reference=("companion.accumulation.accumulation_step",
@@ -132,7 +157,7 @@ def check_accumulation_step(answer) -> str:
         model, x, y = _setup(seed, k * b)
         stale = _stale(model, seed)
         expected = _step_params(model, x, y, k)
-        got, steps, seen, order = _accumulation_run(answer, seed, k, b)
+        got, steps, seen, order, held = _accumulation_run(answer, seed, k, b)
         require(steps == 1, f"optimizer.step() ran {steps} times; expected once",
                 hint="accumulate the gradients of all micro-batches, then step once, after the loop.")
         require(max(seen, default=len(x)) <= b and len(seen) == k,
@@ -140,6 +165,7 @@ def check_accumulation_step(answer) -> str:
                 hint="split x and y into accum_steps pieces (x.chunk(k)) and run the model on each: "
                      "that is what keeps the activations small.")
         _interleaved(order, k)
+        _released(held)
         if not all(torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(got, expected)):
             _reject_known_wrong(got, {
                 "the step is k times too large: divide each micro-batch's loss by accum_steps "
@@ -205,9 +231,9 @@ def _token_variant(seed: int, rows: tuple, variant: str = "reference") -> tuple:
 def _token_run(answer, seed: int, rows: tuple) -> tuple:
     """Run the answer (stale gradients in .grad); (its parameters, optimizer steps, rows seen)."""
     model, micro = _token_setup(seed, rows)
-    opt, seen, steps, order = _watched(model, seed, lr=0.5)
+    opt, seen, steps, order, held = _watched(model, seed, lr=0.5)
     call_inplace(answer, model, opt, [(x.clone(), y.clone()) for x, y in micro])
-    return tuple(p.detach() for p in model.parameters()), len(steps), seen, order
+    return tuple(p.detach() for p in model.parameters()), len(steps), seen, order, held
 
 
 @exercise(points=2, timeout=30.0, reference="companion.accumulation.token_normalized_step")
@@ -216,7 +242,7 @@ def check_token_normalized_step(answer) -> str:
     [(x, y), ...] (y is -100 on padding) equal to the step on all of them at once."""
     for seed, rows in zip(fresh_seeds(3), [(3, 1, 4), (2, 5), (1, 1, 1, 6)]):
         expected = _token_variant(seed, rows)
-        got, steps, seen, order = _token_run(answer, seed, rows)
+        got, steps, seen, order, held = _token_run(answer, seed, rows)
         require(steps == 1, f"optimizer.step() ran {steps} times; expected once",
                 hint="accumulate the gradients of every micro-batch, then step once, after the "
                      "loop.")
@@ -225,6 +251,7 @@ def check_token_normalized_step(answer) -> str:
                 hint="run the model on each micro-batch in turn: concatenating them first would "
                      "hold the activations of the whole batch.")
         _interleaved(order, len(rows))
+        _released(held)
         if not all(torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(got, expected)):
             _reject_known_wrong(got, {
                 "each micro-batch's mean over its own tokens, divided by k, weights a token of a "
