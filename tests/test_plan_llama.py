@@ -210,3 +210,20 @@ def test_the_command_line_plans_llama_3_8b():
     data = json.loads(subprocess.run(run + ["--json"], capture_output=True, text=True,
                                      timeout=300).stdout)
     assert data["plans"] and all(r["gpu_bytes"] <= data["budget"] for r in data["plans"])
+
+
+def test_a_zero3_step_on_several_gpus_is_measured_without_the_whole_models_making(monkeypatch):
+    # FSDP2's users make the model on the meta device and each rank only its shards: the
+    # simulated step leaves the whole model's making out (70B: 260 GiB of fp32 weights)
+    from companion.plan import simulation
+    wide = functools.partial(Llama, 512, 16, 256, 4, 4, kv_heads=2, intermediate=512)
+    whole = 4 * GPTShape.of(wide).n_params
+    cand = Candidate(1, precision="autocast", zero_stage=3)
+    step = simulate(wide, cand, world_size=8, device_type="cuda")
+    assert step.peak < whole and step.peak_phase == "backward"
+    assert step.peak == pytest.approx(
+        predict_memory(GPTShape.of(wide), cand, world_size=8, device_type="cuda").peak, rel=0.1)
+    # on the CPU the plan runs the course's FSDP, which takes the model made whole
+    assert simulate(wide, cand, world_size=8, device_type="cpu").peak > whole
+    monkeypatch.setattr(simulation, "sharded_init", lambda *args: False)
+    assert simulate(wide, cand, world_size=8, device_type="cuda").peak > whole

@@ -22,9 +22,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from companion.memory import MemoryTracker, track
 from companion.plan.space import Candidate, GPTShape
-from companion.plan.training import Setup, _quantized_on_host, build, micro_step, optimizer_step
+from companion.plan.training import (Setup, _dtype, _quantized_on_host, build, micro_step,
+                                     optimizer_step)
 
-__all__ = ["simulate"]
+__all__ = ["simulate", "sharded_init"]
 
 
 @contextlib.contextmanager
@@ -119,6 +120,31 @@ def _trainable(setup: Setup) -> list[torch.Tensor]:
     return [p for p in setup.model.parameters() if p.requires_grad]
 
 
+@contextlib.contextmanager
+def _broadcast_skipped() -> Iterator[None]:
+    """`dist.broadcast` does nothing while the block runs. In a fake group it does nothing
+    anyway, but its fake operator returns the tensor it was given, which the tracker, not having
+    seen that tensor made (`sharded_init`: made before the measurement), counts as new: a 70B
+    model's FSDP start counted 260 GiB of weights that were never allocated in it."""
+    broadcast = dist.broadcast
+    dist.broadcast = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        dist.broadcast = broadcast
+
+
+def sharded_init(cand: Candidate, world_size: int, device_type: str) -> bool:
+    """Whether a simulated GPU step leaves the whole model's making out of its measurement:
+    ZeRO-3 over several ranks, where FSDP2 users make the model on the meta device and each rank
+    materializes only its shards (`fully_shard`, then `to_empty` and the weights' init:
+    torchtitan's train.py builds `with torch.device("meta")`). The course's `zero.FSDP` takes a
+    model made whole and shards it; made whole inside the measurement, a 70B model's 260 GiB of
+    fp32 weights would be every such plan's peak, a load no later step repeats. Its shards, and
+    each module's flat copy while it is split, are measured."""
+    return cand.zero_stage == 3 and world_size > 1 and device_type != "cpu"
+
+
 def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: int = 1,
              device_type: str = "cpu", shape: GPTShape | None = None) -> MemoryTracker:
     """Simulate the plan's training step on fake tensors, measured with `track`.
@@ -131,7 +157,8 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size:
     0's memory): two real steps, of one micro-batch, then of min(k, 2) (the second micro-batch
     holds what every later one does). QLoRA for a GPU (`device_type="cuda"`): the dense base is
     made and quantized on the host before the measurement, which counts its copy to the device;
-    RMSNorm saves what CUDA's fused kernel does (the module doc). `shape`: `GPTShape.of(model_fn)`,
+    RMSNorm saves what CUDA's fused kernel does (the module doc). ZeRO-3 on several GPUs: the
+    model is made before the measurement, its shards after (`sharded_init`). `shape`: `GPTShape.of(model_fn)`,
     when the caller has it (it builds the model once more, seconds for a 7B)."""
     shape, k = shape or GPTShape.of(model_fn), cand.accumulation
     batch = (cand.micro_batch, shape.seq_len)
@@ -141,10 +168,13 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size:
         # step's data, like a loader's, and QLoRA's host-side model for a GPU: not counted
         host = (_quantized_on_host(model_fn, cand)
                 if cand.nf4_base and device_type != "cpu" else None)
+        made = (model_fn(dtype=_dtype(cand), device="cpu")   # FSDP2 makes it on the meta
+                if sharded_init(cand, world_size, device_type) else None)   # device: unseen
         with track("cpu") as tracker:
-            setup = build(model_fn, cand, world_size=world_size, host_model=host,
-                          paged_to_host=device_type != "cpu")
-            del host
+            with _broadcast_skipped() if made is not None else contextlib.nullcontext():
+                setup = build(model_fn, cand, world_size=world_size, host_model=host,
+                              paged_to_host=device_type != "cpu", made=made)
+            del host, made
             if world_size == 1:
                 # 1. The optimizer's state, as after the first step (offload: on the host).
                 if not cand.offload:

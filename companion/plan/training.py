@@ -235,7 +235,8 @@ def _copy_in(model: nn.Module) -> None:
 
 def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: int = 1,
           device: torch.device | str = "cpu", lr: float = 1e-3,
-          host_model: nn.Module | None = None, paged_to_host: bool = False) -> Setup:
+          host_model: nn.Module | None = None, paged_to_host: bool = False,
+          made: nn.Module | None = None) -> Setup:
     """The model `model_fn(dtype=..., device=...)` and its optimizer, as `cand` says.
 
     Memory is the plan's: bf16 weights are made in bf16 (never an fp32 copy first), adapters are
@@ -243,9 +244,12 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
     dense base never reaches a GPU: it is made and quantized on the host, then moved (on the
     CPU, host and device are one memory: the dense model is its build's peak). `host_model`:
     that host-side model, already made (`simulate` copies it in, as the move to a GPU would).
-    `paged_to_host`: paged 8-bit states live on the host (`simulate` for a GPU)."""
+    `paged_to_host`: paged 8-bit states live on the host (`simulate` for a GPU). `made`: the
+    model already made, taken as it is (`simulate` makes a ZeRO-3 model before it measures)."""
     device = torch.device(device)
-    if host_model is not None:                         # the copy a move to the GPU makes
+    if made is not None:
+        model = made
+    elif host_model is not None:                       # the copy a move to the GPU makes
         model = host_model
         _copy_in(model)
     elif cand.nf4_base:                                # base frozen, in NF4: only codes move
