@@ -1,7 +1,7 @@
 """Mutation testing of every exercise check: does each check fail the mistakes a learner makes?
 
     python benchmarks/bench_mutants.py [--chapter 01 ...] [--check NAME ...] [--sample K]
-                                       [--cap N] [--probe P]
+                                       [--cap N] [--budget S] [--probe P]
 
 For each exercise, mutants of its reference solution (`tests/mutants/mutate.py`: an operator
 swapped, a bound off by one, a term, argument, call or dtype changed, an early return, ...) run in
@@ -12,8 +12,12 @@ Per check it prints the mutants found and run, killed, equivalent (the reviewed 
 mistake the check lets through, a hole to fix (or, after review, an equivalent to list).
 
 `--cap N` runs at most N mutants per exercise (one of each kind in turn, the same every run;
-default 40, 0 for all); `--sample K` at most K (for a quick look); `--probe P` runs each survivor
-under P more seeds, to tell a pass by a lucky draw from one on every draw (default 5).
+default 40, 0 for all); `--sample K` at most K (for a quick look); `--budget S` starts no mutant of
+an exercise after S seconds (default 240; the report says how many were left out: only the
+exercises whose checks start gloo workers come near it); `--probe P` runs each survivor under P
+more seeds, to tell a pass by a lucky draw from one on every draw (default 5). A mutant's check
+runs under the check's own time limit, or 4 times the reference's slowest run when that is
+shorter (at least 10 s): a mutant that loops forever costs that much.
 It ends with the line `N survivors of M non-equivalent mutants (E equivalent)`.
 Not a test: it runs for many minutes; tests/test_mutants.py runs a fixed sample.
 """
@@ -38,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap", type=int, default=40, help="mutants per exercise at most (0: all)")
     parser.add_argument("--sample", type=int, default=None, help="mutants per exercise, for CI")
     parser.add_argument("--probe", type=int, default=5, help="more seeds for each survivor")
+    parser.add_argument("--budget", type=float, default=240.0,
+                        help="seconds per exercise after which no mutant starts (0: none)")
     args = parser.parse_args(argv)
     known = chapters()
     wanted = args.chapter or known
@@ -59,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
               + "".join(f"\n  note: {n}" for n in chapter.notes), flush=True)
         for target in targets:
             start = time.perf_counter()
-            report = run_target(chapter, target, cap=cap, probe=args.probe, table=table)
+            report = run_target(chapter, target, cap=cap, probe=args.probe, table=table,
+                                budget=args.budget or None)
             seconds = time.perf_counter() - start
             if report.skip:
                 print(f"  {target.check}: not run: {report.skip}", flush=True)
@@ -70,10 +77,12 @@ def main(argv: list[str] | None = None) -> int:
             totals["equivalent"] += equal
             totals["survived"] += alive
             ran = len(report.outcomes)
+            unrun = (f"; {report.unrun} more not run: the budget of {args.budget:g} s was spent"
+                     if report.unrun else "")
             print(f"  {target.check}: {report.found} mutants, {ran} run, {killed} killed, "
                   f"{equal} equivalent, {alive} survivors ({seconds:.1f} s; reference "
-                  f"{report.reference_seconds:.1f} s for 3 seeds, limit {report.limit:g} s)",
-                  flush=True)
+                  f"{report.reference_seconds:.1f} s for 3 seeds, limit {report.limit:g} s"
+                  f"{unrun})", flush=True)
             for outcome in report.outcomes:
                 if outcome.verdict != "killed":
                     print(f"    {outcome.verdict}: {outcome.mutant.description} -- {outcome.how}",

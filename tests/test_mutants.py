@@ -185,3 +185,8 @@ def test_the_benchmark_ends_with_its_summary_line(capsys):
     assert re.fullmatch(r"0 survivors of 6 non-equivalent mutants \(0 equivalent\)", last), last
     with pytest.raises(SystemExit):
         bench_mutants.main(["--chapter", "99"])
+
+
+def test_a_spent_budget_leaves_the_rest_counted_not_run():
+    report = run_target(Toy(), _target("check_square_sum_strong"), table={}, budget=0.0, cap=5)
+    assert report.selected == 5 and report.unrun == 5 and report.outcomes == []

@@ -43,6 +43,8 @@ class Report:
     reference_seconds: float = 0.0
     limit: float = 0.0        # the time limit each mutant's check ran under
     skip: str = ""            # why no mutant ran
+    selected: int = 0         # mutants chosen to run (at most the cap)
+    unrun: int = 0            # of those, left out when the exercise's time budget was spent
 
     def count(self, verdict: str) -> int:
         return sum(o.verdict == verdict for o in self.outcomes)
@@ -100,8 +102,9 @@ def _verdict(chapter: Chapter, target: Target, source: str, seeds, limit: float)
 
 
 def run_target(chapter: Chapter, target: Target, *, cap: int | None = None, probe: int = 0,
-               table: dict | None = None, seeds=SEEDS) -> Report:
-    """Run `target`'s check on the reference, then on each of its mutants (at most `cap`)."""
+               table: dict | None = None, seeds=SEEDS, budget: float | None = None) -> Report:
+    """Run `target`'s check on the reference, then on each of its mutants (at most `cap`, and
+    none started after `budget` seconds: the rest are counted in `unrun`)."""
     table = equivalent_table() if table is None else table
     report = Report(target)
     if target.skip:
@@ -110,17 +113,25 @@ def run_target(chapter: Chapter, target: Target, *, cap: int | None = None, prob
     found = mutants(target.code, target.lines)
     report.found = len(found)
     info = REGISTRY[target.check]
-    start = time.perf_counter()
-    verdict, how = _verdict(chapter, target, target.code, seeds, info.timeout)
-    report.reference_seconds = time.perf_counter() - start
-    if verdict != "passed":
-        report.skip = f"the reference fails its check: {how}"
-        return report
-    # a mutant that loops forever costs the limit: the check's own, or 10 times the reference's
+    slowest = 0.0
+    for seed in seeds:
+        start = time.perf_counter()
+        verdict, how = _verdict(chapter, target, target.code, [seed], info.timeout)
+        slowest = max(slowest, time.perf_counter() - start)
+        report.reference_seconds += time.perf_counter() - start
+        if verdict != "passed":
+            report.skip = f"the reference fails its check: {how}"
+            return report
+    # a mutant that loops forever costs the limit: the check's own, or 4 times the reference's
     # slowest seed when that is shorter (and at least 10 s)
-    report.limit = min(info.timeout, max(10.0, 10 * report.reference_seconds / len(seeds)))
+    report.limit = round(min(info.timeout, max(10.0, 4 * slowest)), 1)
+    chosen = select(found, cap)
+    report.selected, began = len(chosen), time.perf_counter()
     try:
-        for mutant in select(found, cap):
+        for done, mutant in enumerate(chosen):
+            if budget is not None and time.perf_counter() - began > budget:
+                report.unrun = len(chosen) - done
+                break
             start = time.perf_counter()
             verdict, how = _verdict(chapter, target, mutant.source, seeds, report.limit)
             if verdict == "passed":
