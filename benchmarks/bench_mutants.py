@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{unrun})", flush=True)
             for outcome in report.outcomes:
                 if outcome.verdict != "killed":
-                    print(f"    {outcome.verdict}: {outcome.mutant.description} -- {outcome.how}",
-                          flush=True)
+                    m = outcome.mutant
+                    print(f"    {outcome.verdict}: line {m.line} `{m.code}`: {m.kind}: "
+                          f"{m.change} -- {outcome.how}", flush=True)
             rows.append((number, target.check, report.found, ran, killed, equal, alive, "",
                          seconds))
     missing = [c for c in args.check or [] if c not in seen_checks]

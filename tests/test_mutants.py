@@ -130,7 +130,8 @@ def test_a_weak_check_lets_a_mutant_survive_and_the_report_says_which():
     assert report.count("killed") > 0 and report.count("killed") + len(survived) == len(
         report.outcomes)
     # the reviewed table turns a survivor into an equivalent, with its reason
-    table = {("check_square_sum_weak", "arith: `x[i] ** 2`: Pow -> Mult"): "x ** 2 == x * 2 at 2"}
+    table = {("check_square_sum_weak", "total = total - x[i] ** 2",
+              "arith: `x[i] ** 2`: Pow -> Mult"): "x ** 2 == x * 2 at 2"}
     again = run_target(Toy(), _target("check_square_sum_weak"), table=table)
     (equal,) = [o for o in again.outcomes if o.verdict == "equivalent"]
     assert equal.how == "x ** 2 == x * 2 at 2"
@@ -160,7 +161,8 @@ def test_select_keeps_every_kind_and_is_the_same_every_time():
 
 def test_an_equivalent_without_a_reason_is_refused(tmp_path):
     table = tmp_path / "equivalent.toml"
-    table.write_text('[[mutant]]\ncheck = "check_x"\nchange = "off1: `1`: 1 -> 2"\nwhy = ""\n')
+    table.write_text('[[mutant]]\ncheck = "check_x"\ncode = "n = 1"\nchange = "off1: `1`: 1 -> 2"\n'
+                     'why = ""\n')
     with pytest.raises(ValueError, match="gives no reason"):
         equivalent_table(table)
     assert isinstance(equivalent_table(), dict)               # the repository's own table reads
@@ -190,3 +192,33 @@ def test_the_benchmark_ends_with_its_summary_line(capsys):
 def test_a_spent_budget_leaves_the_rest_counted_not_run():
     report = run_target(Toy(), _target("check_square_sum_strong"), table={}, budget=0.0, cap=5)
     assert report.selected == 5 and report.unrun == 5 and report.outcomes == []
+
+
+def test_every_reviewed_equivalent_names_a_mutant_that_exists():
+    """A stale entry (its line or change edited away) would silently judge nothing: fail instead."""
+    table = equivalent_table()
+    wanted = {check for check, _, _ in table}
+    found = set()
+    from companion.checks.core import REGISTRY
+    _import_all()
+    numbers = set()
+    for check in wanted:
+        assert check in REGISTRY, f"{check} in equivalent.toml is no registered check"
+        numbers.add(REGISTRY[check].module.rsplit(".ch", 1)[1])
+    for number in sorted(numbers):
+        chapter = Chapter(number)
+        for target in chapter.targets:
+            if target.check in wanted:
+                found |= {(target.check, m.code, f"{m.kind}: {m.change}")
+                          for m in mutants(target.code, target.lines)}
+    assert sorted(set(table) - found) == []
+
+
+def _import_all() -> None:
+    """Import every chapter's checks: the registry fills as they import."""
+    import importlib
+    import pkgutil
+    import companion.checks as package
+    for m in pkgutil.iter_modules(package.__path__):
+        if re.fullmatch(r"ch\d\d", m.name):
+            importlib.import_module(f"companion.checks.{m.name}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import re
 from typing import Callable, Iterator
 
 __all__ = ["Mutant", "mutants", "KINDS"]
@@ -49,8 +50,10 @@ _DTYPES = {"float32": "bfloat16", "float": "bfloat16", "bfloat16": "float32", "f
 class Mutant:
     kind: str          # one of KINDS
     line: int          # in the cell (1-based)
-    change: str        # "`a < b` -> `a <= b`"
+    change: str        # "`a < b`: Lt -> LtE"
     source: str        # the whole code, rewritten
+    code: str = ""     # the line it changes, as written, without its comment: names the mutant
+                       # in equivalent.toml (a line's number moves when a line above is edited)
 
     @property
     def description(self) -> str:
@@ -227,7 +230,7 @@ def mutants(code: str, lines: set[int]) -> list[Mutant]:
     """Every mutant of `code` (Python source) that rewrites a node starting on one of `lines`,
     each once (two rewrites that give the same code are one mutant), in the order of the source."""
     tree = ast.parse(code)
-    original = ast.unparse(tree)
+    original, written = ast.unparse(tree), code.splitlines()
     count = sum(1 for _ in ast.walk(tree))
     seen, out = {original}, []
     for index in range(count):
@@ -258,7 +261,8 @@ def mutants(code: str, lines: set[int]) -> list[Mutant]:
             seen.add(source)
             if kind not in ("early", "context"):
                 change = f"`{before}`: {change}"
-            out.append(Mutant(kind, target.lineno, change, source))
+            line = re.sub(r"\s{2,}#.*$", "", written[target.lineno - 1]).strip()  # no comment
+            out.append(Mutant(kind, target.lineno, change, source, line))
     out.sort(key=lambda m: (m.line, KINDS.index(m.kind)))
     return _numbered(out)
 

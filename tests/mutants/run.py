@@ -50,22 +50,22 @@ class Report:
         return sum(o.verdict == verdict for o in self.outcomes)
 
 
-def equivalent_table(path: pathlib.Path = TABLE) -> dict[tuple[str, str], str]:
-    """(check, description without its line number) -> why that mutant is equivalent."""
+def equivalent_table(path: pathlib.Path = TABLE) -> dict[tuple[str, str, str], str]:
+    """(check, the line's code, the change) -> why that mutant is equivalent."""
     entries = tomllib.loads(path.read_text()).get("mutant", []) if path.exists() else []
     table = {}
     for entry in entries:
         if not entry.get("why", "").strip():
             raise ValueError(f"{path}: the entry for {entry.get('check')} {entry.get('change')} "
                              "gives no reason (why = ...)")
-        table[entry["check"], entry["change"]] = entry["why"]
+        table[entry["check"], entry["code"], entry["change"]] = entry["why"]
     return table
 
 
-def key(mutant: Mutant) -> str:
-    """A mutant's description as the table names it: kind and change, without the line number
-    (a line moves when the cell above it is edited)."""
-    return f"{mutant.kind}: {mutant.change}"
+def key(mutant: Mutant) -> tuple[str, str]:
+    """A mutant as the table names it: the line's code and the change, not the line's number
+    (which moves when a line above it is edited)."""
+    return mutant.code, f"{mutant.kind}: {mutant.change}"
 
 
 def select(found: list[Mutant], cap: int | None) -> list[Mutant]:
@@ -135,7 +135,7 @@ def run_target(chapter: Chapter, target: Target, *, cap: int | None = None, prob
             start = time.perf_counter()
             verdict, how = _verdict(chapter, target, mutant.source, seeds, report.limit)
             if verdict == "passed":
-                why = table.get((target.check, key(mutant)))
+                why = table.get((target.check, *key(mutant)))
                 if why:
                     verdict, how = "equivalent", why
                 else:
