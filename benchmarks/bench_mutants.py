@@ -55,41 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     totals = {"survived": 0, "killed": 0, "equivalent": 0}
     seen_checks, rows, start_all = set(), [], time.perf_counter()
     for number in wanted:
-        start = time.perf_counter()
-        chapter = Chapter(number)
-        targets = [t for t in chapter.targets if not args.check or t.check in args.check]
-        seen_checks |= {t.check for t in chapter.targets}
-        if not targets:
-            continue
-        print(f"chapter {number}: namespace built in {time.perf_counter() - start:.1f} s"
-              + "".join(f"\n  note: {n}" for n in chapter.notes), flush=True)
-        for target in targets:
-            start = time.perf_counter()
-            report = run_target(chapter, target, cap=cap, probe=args.probe, table=table,
-                                budget=args.budget or None)
-            seconds = time.perf_counter() - start
-            if report.skip:
-                print(f"  {target.check}: not run: {report.skip}", flush=True)
-                rows.append((number, target.check, report.found, 0, 0, 0, 0, "not run", seconds))
-                continue
-            killed, equal, alive = (report.count(v) for v in ("killed", "equivalent", "survived"))
-            totals["killed"] += killed
-            totals["equivalent"] += equal
-            totals["survived"] += alive
-            ran = len(report.outcomes)
-            unrun = (f"; {report.unrun} more not run: the budget of {args.budget:g} s was spent"
-                     if report.unrun else "")
-            print(f"  {target.check}: {report.found} mutants, {ran} run, {killed} killed, "
-                  f"{equal} equivalent, {alive} survivors ({seconds:.1f} s; reference "
-                  f"{report.reference_seconds:.1f} s for 3 seeds, limit {report.limit:g} s"
-                  f"{unrun})", flush=True)
-            for outcome in report.outcomes:
-                if outcome.verdict != "killed":
-                    m = outcome.mutant
-                    print(f"    {outcome.verdict}: line {m.line} `{m.code}`: {m.kind}: "
-                          f"{m.change} -- {outcome.how}", flush=True)
-            rows.append((number, target.check, report.found, ran, killed, equal, alive, "",
-                         seconds))
+        with Chapter(number) as chapter:
+            seen_checks |= {t.check for t in chapter.targets}
+            rows += _run_chapter(chapter, args, cap, table, totals)
     missing = [c for c in args.check or [] if c not in seen_checks]
     if missing:
         parser.error(f"no exercise is checked by {', '.join(missing)} in chapters "
@@ -104,6 +72,44 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{totals['survived']} survivors of {non_equivalent} non-equivalent mutants "
           f"({totals['equivalent']} equivalent)")
     return 0
+
+
+def _run_chapter(chapter: Chapter, args, cap: int | None, table: dict, totals: dict) -> list:
+    """Run the chapter's selected exercises; print each report; return the table's rows."""
+    number, rows = chapter.number, []
+    targets = [t for t in chapter.targets if not args.check or t.check in args.check]
+    if not targets:
+        return rows
+    print(f"chapter {number}: namespace built in {chapter.built_in:.1f} s"
+          + "".join(f"\n  note: {n}" for n in chapter.notes), flush=True)
+    for target in targets:
+        start = time.perf_counter()
+        report = run_target(chapter, target, cap=cap, probe=args.probe, table=table,
+                            budget=args.budget or None)
+        seconds = time.perf_counter() - start
+        if report.skip:
+            print(f"  {target.check}: not run: {report.skip}", flush=True)
+            rows.append((number, target.check, report.found, 0, 0, 0, 0, "not run", seconds))
+            continue
+        killed, equal, alive = (report.count(v) for v in ("killed", "equivalent", "survived"))
+        totals["killed"] += killed
+        totals["equivalent"] += equal
+        totals["survived"] += alive
+        ran = len(report.outcomes)
+        unrun = (f"; {report.unrun} more not run: the budget of {args.budget:g} s was spent"
+                 if report.unrun else "")
+        print(f"  {target.check}: {report.found} mutants, {ran} run, {killed} killed, "
+              f"{equal} equivalent, {alive} survivors ({seconds:.1f} s; reference "
+              f"{report.reference_seconds:.1f} s for 3 seeds, limit {report.limit:g} s"
+              f"{unrun})", flush=True)
+        for outcome in report.outcomes:
+            if outcome.verdict != "killed":
+                m = outcome.mutant
+                print(f"    {outcome.verdict}: line {m.line} `{m.code}`: {m.kind}: "
+                      f"{m.change} -- {outcome.how}", flush=True)
+        rows.append((number, target.check, report.found, ran, killed, equal, alive, "",
+                     seconds))
+    return rows
 
 
 if __name__ == "__main__":

@@ -170,10 +170,12 @@ def test_an_equivalent_without_a_reason_is_refused(tmp_path):
 
 def test_a_chapter_exercise_end_to_end():
     """Chapter 01's MSE gradient: the namespace is the notebook's, every mutant is killed."""
-    chapter = Chapter("01")
-    (target,) = [t for t in chapter.targets if t.check == "check_mse_gradient"]
-    assert target.answer == "mse_gradient" and not target.skip
-    report = run_target(chapter, target, table={})
+    import IPython
+    with Chapter("01") as chapter:
+        (target,) = [t for t in chapter.targets if t.check == "check_mse_gradient"]
+        assert target.answer == "mse_gradient" and not target.skip
+        report = run_target(chapter, target, table={})
+    assert IPython.get_ipython() is None                     # the shell is gone again
     assert report.skip == "" and len(report.outcomes) == report.found > 5
     assert [o.mutant.description for o in report.outcomes if o.verdict != "killed"] == []
 
@@ -206,11 +208,11 @@ def test_every_reviewed_equivalent_names_a_mutant_that_exists():
         assert check in REGISTRY, f"{check} in equivalent.toml is no registered check"
         numbers.add(REGISTRY[check].module.rsplit(".ch", 1)[1])
     for number in sorted(numbers):
-        chapter = Chapter(number)
-        for target in chapter.targets:
-            if target.check in wanted:
-                found |= {(target.check, m.code, f"{m.kind}: {m.change}")
-                          for m in mutants(target.code, target.lines)}
+        with Chapter(number) as chapter:
+            for target in chapter.targets:
+                if target.check in wanted:
+                    found |= {(target.check, m.code, f"{m.kind}: {m.change}")
+                              for m in mutants(target.code, target.lines)}
     assert sorted(set(table) - found) == []
 
 

@@ -11,7 +11,8 @@ name the check is called with, and the code to mutate with the lines of its solu
 returns the answer to check: a plain cell's definitions (and any statement holding the solution)
 run in a copy of the shell's namespace (one mutant's functions never reach the next); a `%%worker_module NAME` cell is written to its module again by
 the magic itself (the gloo workers import it by name), and `restore(target)` puts the reference
-back afterwards.
+back afterwards. `close()` (or `with Chapter(...) as chapter:`) removes the shell again, so the
+rest of the process (other tests) sees no IPython.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import dataclasses
 import io
 import os
 import pathlib
+import sys
+import time
 
 import nbformat
 
@@ -88,8 +91,12 @@ class Chapter:
         info = read_chapter(path)
         if info.error:
             raise RuntimeError(f"chapter {number}: {info.error}")
+        if InteractiveShell.initialized():
+            raise RuntimeError("Chapter builds its own IPython shell: run it from plain Python "
+                               "(pytest, a script), not inside IPython or Jupyter")
+        began = time.perf_counter()
+        self._main = sys.modules["__main__"]
         self.shell = InteractiveShell.instance()
-        self.shell.reset(new_session=False)
         if not hasattr(self.shell.user_module, "__spec__"):
             # what a kernel's __main__ has: multiprocessing's spawn (the gloo workers) reads it
             self.shell.user_module.__spec__ = None
@@ -118,6 +125,19 @@ class Chapter:
                 if importlib.util.find_spec("triton") is None or not _cuda():
                     target.skip = "a Triton kernel: needs a CUDA GPU and triton"
             self.targets.append(target)
+        self.built_in = time.perf_counter() - began      # seconds to build the namespace
+
+    def close(self) -> None:
+        """Give the process back as it was: no IPython shell, its own __main__."""
+        from IPython.core.interactiveshell import InteractiveShell
+        InteractiveShell.clear_instance()
+        sys.modules["__main__"] = self._main
+
+    def __enter__(self) -> "Chapter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _run(self, source: str, cell_id: str) -> None:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -150,7 +170,6 @@ class Chapter:
             self.answer(target, target.code)
 
     def _worker_folder(self) -> str:
-        import sys
         import tempfile
         return next((p for p in sys.path if os.path.basename(p).startswith("companion-workers-")),
                     None) or tempfile.mkdtemp(prefix="companion-workers-")
