@@ -12,10 +12,11 @@ Per check it prints the mutants found and run, killed, equivalent (the reviewed 
 mistake the check lets through, a hole to fix (or, after review, an equivalent to list).
 
 `--cap N` runs at most N mutants per exercise (one of each kind in turn, the same every run;
-default 40, 0 for all); `--sample K` at most K (for a quick look); `--budget S` starts no mutant of
-an exercise after S seconds (default 240; the report says how many were left out: only the
-exercises whose checks start gloo workers come near it); `--probe P` runs each survivor under P
-more seeds, to tell a pass by a lucky draw from one on every draw (default 5). A mutant's check
+default 0: all); `--sample K` at most K (for a quick look); `--budget S` starts no mutant of an
+exercise after S seconds (default 300, so that every chapter runs within 40 minutes of a 2-core
+machine; the report says how many were left out: four exercises whose checks take seconds per
+run reach it); `--probe P` runs each survivor under P more seeds, to tell a pass by a lucky draw
+from one on every draw (default 3). A mutant's check
 runs under the check's own time limit, or 4 times the reference's slowest run when that is
 shorter (at least 10 s): a mutant that loops forever costs that much.
 It ends with the line `N survivors of M non-equivalent mutants (E equivalent)`.
@@ -39,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chapter", nargs="*", default=None, help="chapters, e.g. 01 04")
     parser.add_argument("--check", nargs="*", default=None, help="check names, e.g. check_merge")
-    parser.add_argument("--cap", type=int, default=40, help="mutants per exercise at most (0: all)")
+    parser.add_argument("--cap", type=int, default=0, help="mutants per exercise at most (0: all)")
     parser.add_argument("--sample", type=int, default=None, help="mutants per exercise, for CI")
-    parser.add_argument("--probe", type=int, default=5, help="more seeds for each survivor")
-    parser.add_argument("--budget", type=float, default=240.0,
+    parser.add_argument("--probe", type=int, default=3, help="more seeds for each survivor")
+    parser.add_argument("--budget", type=float, default=300.0,
                         help="seconds per exercise after which no mutant starts (0: none)")
     args = parser.parse_args(argv)
     known = chapters()
