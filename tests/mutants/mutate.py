@@ -12,8 +12,8 @@ course's own: a dtype changed and a call statement removed):
   term      a term of a sum or difference dropped (`a + b` -> `a`, `a + b` -> `b`)
   off1      an integer constant, `range`'s bounds, an index or a slice bound one more or one less
   const     a float constant doubled (0.0 -> 1.0)
-  args      two neighbouring positional arguments of a call swapped (not of max, min, ...: their
-            order is no mistake); a keyword argument dropped
+  args      two neighbouring positional arguments of a call swapped (not of max, min, transpose,
+            ...: their order is no mistake); a keyword argument dropped
   elem      one element of a literal tuple, list or set of names or constants left out
   dtype     torch.float32 <-> bfloat16, float16 -> bfloat16, int32 <-> int64, ...
   early     the function's last `return` copied to the end of a loop's body (one pass only)
@@ -74,7 +74,8 @@ def _offset(node: ast.expr) -> bool:
 
 
 # calls whose two arguments may come in either order: swapping them is no mistake
-_COMMUTATIVE = {"max", "min", "maximum", "minimum", "fmax", "fmin", "gcd", "hypot"}
+_COMMUTATIVE = {"max", "min", "maximum", "minimum", "fmax", "fmin", "gcd", "hypot",
+                "transpose", "swapaxes", "swapdims"}
 
 
 def _commutative(node: ast.Call) -> bool:
