@@ -2,10 +2,10 @@
 
 `mutants(code, lines)` returns one `Mutant` per rewrite of a node that starts on one of `lines`
 (the lines between `### BEGIN SOLUTION` and `### END SOLUTION`): the whole code again, unparsed
-from the rewritten tree, with a description of the change ("line 7: `a < b` -> `a <= b`"). The
-rewrites are the mistakes a learner makes (the operators of mutation testing, Offutt et al.,
-"An experimental determination of sufficient mutant operators", TOSEM 1996, plus two of this
-course's own: a dtype changed and a call statement removed):
+from the rewritten tree, with a description of the change ("line 7: compare: `a < b`: Lt -> LtE").
+The rewrites are the mistakes a learner makes (the operators of mutation testing, Offutt et al.,
+"An experimental determination of sufficient mutant operators", TOSEM 1996, plus this course's
+own: a dtype changed, a call or a context dropped, an element of a literal tuple left out):
 
   compare   `<` -> `<=`, `<` -> `>=` (each comparison operator to its neighbour and its negation)
   arith     `+` <-> `-`, `*` <-> `/`, `//` -> `/`, `**` -> `*`, `%` -> `//`, `and` <-> `or`
