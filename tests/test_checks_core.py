@@ -196,3 +196,61 @@ def test_in_a_notebook_the_learners_line_is_named_by_its_cell():
     assert error.ename == "CheckFailed" and "Traceback" not in shown
     assert "in your code: Cell In[2], line 3, in mse_gradient" in shown, shown
     assert "return X @ r, r.sum()" in shown and "hint:" in shown
+
+
+def test_seeded_fixes_the_draws_and_fresh_draws_return_after():
+    from companion.checks.core import seeded
+    with seeded(7):
+        first = fresh_seeds(3) + fresh_seeds(2)
+    with seeded(7):
+        again = fresh_seeds(3) + fresh_seeds(2)
+    with seeded(8):
+        other = fresh_seeds(5)
+    assert first == again and first != other
+    assert len(set(first)) == 5                    # the two calls inside one block differ
+    assert fresh_seeds(5) != first                  # outside the block: SystemRandom again
+
+
+def test_seeded_blocks_nest_and_unwind_on_error():
+    from companion.checks.core import seeded
+    with seeded(1):
+        outer = fresh_seeds(1)
+        with seeded(2):
+            inner = fresh_seeds(1)
+        after = fresh_seeds(1)
+    with seeded(2):
+        assert fresh_seeds(1) == inner
+    with seeded(1):
+        assert fresh_seeds(2) == outer + after     # the inner block did not consume outer draws
+    with pytest.raises(ValueError):
+        with seeded(3):
+            raise ValueError("inside")
+    assert fresh_seeds(4) != fresh_seeds(4)        # nothing left seeded after the error
+
+
+def test_seeded_makes_a_check_repeatable():
+    """A wrong answer that passes on some draws passes or fails the same way under one seed."""
+    from companion.checks.core import evaluate, seeded
+
+    def half_wrong(x):                            # right when the first value is positive
+        return 2 * x if x[0] > 0 else x + x.abs()
+
+    outcomes = []
+    for _ in range(2):
+        row = []
+        for seed in range(8):
+            with seeded(seed):
+                try:
+                    evaluate("check_double_for_tests", half_wrong)
+                    row.append(True)
+                except CheckFailed:
+                    row.append(False)
+        outcomes.append(row)
+    assert outcomes[0] == outcomes[1] and False in outcomes[0]
+
+
+def test_seeded_refuses_a_seed_that_is_not_an_int():
+    from companion.checks.core import seeded
+    with pytest.raises(TypeError, match="must be an int"):
+        with seeded("7"):
+            pass

@@ -57,6 +57,7 @@ __all__ = [
     "require",
     "require_function",
     "fresh_seeds",
+    "seeded",
     "time_limit",
     "REGISTRY",
     "RESULT_MIME",
@@ -295,10 +296,28 @@ def _hint_for_exception(e: Exception) -> str:
     return "run your function by hand on a small input to see where it fails."
 
 
+_SEED_SOURCE: list[random.Random] = []     # innermost `seeded` block last; empty: fresh draws
+
+
 def fresh_seeds(n: int) -> list[int]:
-    """n new random seeds: each call of a check draws different inputs."""
-    rng = random.SystemRandom()
+    """n new random seeds: each call of a check draws different inputs (inside `seeded`, the
+    same inputs on every run)."""
+    rng = _SEED_SOURCE[-1] if _SEED_SOURCE else random.SystemRandom()
     return [rng.randrange(2**31) for _ in range(n)]
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Within the block, `fresh_seeds` draws from `random.Random(seed)`: a check run twice under
+    one seed draws the same inputs (the mutation benchmark runs every mutant under the same three
+    seeds). Outside it, draws are fresh again."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seeded(seed): seed must be an int, got {type(seed).__name__}")
+    _SEED_SOURCE.append(random.Random(seed))
+    try:
+        yield
+    finally:
+        _SEED_SOURCE.pop()
 
 
 # ---------------------------------------------------------------- comparing results
