@@ -32,12 +32,14 @@ import dataclasses
 import json
 import pathlib
 import statistics
+import sys
+import time
 from typing import Callable
 
 from companion.cost import gpus
 from companion.memory import format_bytes
 from companion.plan import (TECHNIQUES, Candidate, CostModel, GPTShape, candidates, load_config,
-                            predict_memory, predict_seconds)
+                            predict_memory, predict_seconds, simulate)
 from companion.plan import budget as budgets
 
 CORPUS = pathlib.Path(__file__).resolve().parents[1] / "companion" / "plan" / "published_runs.json"
@@ -92,6 +94,7 @@ class Case:
     fits: bool | None = None
     measured_tps: float | None = None  # tokens per second per GPU
     predicted_tps: float | None = None
+    how: str = ""                      # "predicted" (formulas) or "replayed" (simulated step)
 
     @property
     def peak_error(self) -> float | None:
@@ -188,25 +191,35 @@ def budget_bytes(run: dict, card) -> int:
     return card.usable_bytes
 
 
-def predict_run(run: dict) -> Case:
-    """One run through the planner (see the module docstring)."""
+def predict_run(run: dict, *, replay: bool = False) -> Case:
+    """One run through the planner (see the module docstring): its formulas, or with
+    `replay=True` its step simulated and replayed through the caching allocator, as the
+    planner's listed rows are (`plan.simulate`, `budget.fit_simulated`)."""
     if run.get("usable") is False:
         return Case(run, f"unusable: {run['unusable_why']}")
-    shape = GPTShape.of(load_config(run["model"]).model_fn(run["seq_len"]))
+    model_fn = load_config(run["model"]).model_fn(run["seq_len"])
+    shape = GPTShape.of(model_fn)
     cand, status = build_candidate(run, shape)
     if cand is None:
         return Case(run, status)
     card, world = gpus.gpu(run["planner_gpu"]), run["gpus"]
     pred = predict_memory(shape, cand, world_size=world, device_type="cuda")
     found = budgets.lines(shape, cand, device_type="cuda", gpu=card, world_size=world)
-    # the largest request sets the headroom, as the planner's rows do (planner._rows)
-    tokens = cand.micro_batch * shape.seq_len
-    largest = 4 * max(shape.largest, tokens * shape.vocab // max(cand.chunked_loss, 1))
     budget = budget_bytes(run, card)
-    fit = budgets.fit_predicted(pred.peak, pred.parameters, largest, budget, found, "cuda")
+    peak = pred.peak
+    if replay and cand.paged:       # each 2^20-value page's 8-bit step simulated: tens of
+        replay = False              # minutes for an 8B model; its formulas (marked "f")
+    if replay:
+        tracker = simulate(model_fn, cand, world_size=world, device_type="cuda", shape=shape)
+        fit, peak = budgets.fit_simulated(tracker, pred.parameters, budget, found, "cuda"), \
+            tracker.peak
+    else:       # the largest request sets the headroom, as the planner's rows do (planner._rows)
+        tokens = cand.micro_batch * shape.seq_len
+        largest = 4 * max(shape.largest, tokens * shape.vocab // max(cand.chunked_loss, 1))
+        fit = budgets.fit_predicted(pred.peak, pred.parameters, largest, budget, found, "cuda")
     kind = run["measured"].get("peak_kind")
     in_step = sum(o.bytes for o in fit.lines if o.in_allocator and o.alive == "step")
-    same_counter = {"allocated": pred.peak + in_step, "reserved": fit.reserved,
+    same_counter = {"allocated": peak + in_step, "reserved": fit.reserved,
                     "nvidia-smi": fit.total}.get(kind)
     cost = CostModel.for_gpu(card.name, compiled="compile" in run["levers"])   # its factor
     seconds = predict_seconds(shape, cand, cost, world_size=world)
@@ -214,7 +227,8 @@ def predict_run(run: dict) -> Case:
     measured = measured_peak_bytes(run) if run.get("compare_peak", True) else None
     return Case(run, status, cand, measured, same_counter, fit.total, budget,
                 fit.fits, run["measured"].get("tokens_per_s_per_gpu") if compare_tps else None,
-                cand.micro_batch * cand.accumulation * shape.seq_len / seconds["total"])
+                cand.micro_batch * cand.accumulation * shape.seq_len / seconds["total"],
+                fit.how)
 
 
 def _pct(x: float | None) -> str:
@@ -244,7 +258,7 @@ def print_cases(cases: list[Case]) -> None:
               f"{_gib(c.predicted_peak):>10}{_pct(c.peak_error):>9}{_gib(c.gpu_total):>10}"
               f"{_gib(c.budget):>8}{'yes' if c.fits else 'no':>6}"
               f"{tps if tps is not None else '-':>8}{c.predicted_tps:>8.0f}{_pct(c.tps_error):>9}")
-        print(f"{'':4}{c.candidate.describe()} on {r['gpus']} x {r['planner_gpu']}")
+        print(f"{'':4}{c.candidate.describe()} on {r['gpus']} x {r['planner_gpu']} ({c.how})")
 
 
 def errors(cases: list[Case], split: str) -> dict[str, list[float]]:
@@ -288,9 +302,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", default=str(CORPUS), help="the runs' JSON file")
     parser.add_argument("--split", choices=SPLITS, help="only the runs of this split")
+    parser.add_argument("--formulas", action="store_true",
+                        help="the formulas only (seconds), not each step simulated and replayed "
+                             "through the allocator as the planner's listed rows are (minutes)")
     args = parser.parse_args()
     runs = [r for r in load_runs(args.corpus) if args.split in (None, r["split"])]
-    cases = [predict_run(r) for r in runs]
+    cases = []
+    for r in runs:                                   # what is done, as it is done (minutes)
+        began = time.perf_counter()
+        cases.append(predict_run(r, replay=not args.formulas))
+        print(f"{r['id']}: {cases[-1].how or cases[-1].status} in "
+              f"{time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
     print_cases(cases)
     print("\n~: predicted with a lever approximated (pure bf16 under adapters "
           "as bf16 + fp32 master)")
