@@ -142,3 +142,13 @@ def test_a_qlora_run_takes_every_lever_it_names():
     assert case.measured_tps == 2413 and case.measured_peak == round(7.4 * 2**30)
     a6000 = bench.predict_run(BY_ID["torchtune-8b-lora-1xa6000"])
     assert a6000.measured_tps is None and a6000.predicted_tps > 0   # a stand-in card's speeds
+
+
+def test_a_replayed_run_is_what_the_planner_prints_and_an_oom_run_does_not_fit():
+    # the bench's default: the step simulated and replayed through the allocator, as the
+    # planner's listed rows are; GPT-2 XL's plain DDP step on one 4090 ran out of memory
+    run = BY_ID["hf-fsdp-gpt2xl-ddp-1gpu-oom"]
+    replayed, formulas = bench.predict_run(run, replay=True), bench.predict_run(run)
+    assert (replayed.how, formulas.how) == ("replayed", "predicted")
+    assert replayed.fits is False and formulas.fits is False
+    assert replayed.gpu_total > replayed.budget
