@@ -321,6 +321,25 @@ def test_a_plan_that_ignores_the_budget_fails_every_run(wrong):
             or "choose the plan from the model and the budget" in failed.value.hint)
 
 
+def _pure_bf16(model_fn, batches, lr, budget):
+    """The review's pure bf16: a plan predicted for bf16 weights, AdamW on those weights, no fp32
+    master copy (passed 4/4 before the check looked for the masters)."""
+    return _train(model_fn, batches, lr, budget, dtype=torch.bfloat16, master=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("repeat", range(20))
+def test_review_answers_of_exercise_1_20_runs(repeat):
+    """Issue 54, fresh cases each run: the reference passes; the review's fixed plan with every
+    lever (no prediction: passed 4/4, every budget was drawn >= 1.15x its peak) and pure bf16
+    weights without a master (passed 4/4) fail."""
+    assert "under" in evaluate("check_train_within_budget", train_within_budget)
+    with pytest.raises(CheckFailed, match="pulls a lever further than this budget needs"):
+        evaluate("check_train_within_budget", _every_lever)
+    with pytest.raises(CheckFailed, match="no fp32 master copy"):
+        evaluate("check_train_within_budget", _pure_bf16)
+
+
 @pytest.mark.parametrize("wrong", [_plain, _never_offload], ids=["plain", "never offload"])
 def test_a_plan_that_does_not_read_the_budget_goes_over_it(wrong):
     with pytest.raises(CheckFailed, match="went over the budget") as failed:
