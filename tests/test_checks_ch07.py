@@ -159,6 +159,26 @@ def hooks_keep_a_detached_view(module, names, gather):
     return module.register_forward_pre_hook(before), module.register_forward_hook(after)
 
 
+def hooks_hard_coded_names(module, names, gather):
+    """Ignores `names` and gathers torch's weight and bias (passed 3/3 in the review, when every
+    case's names were those)."""
+    def before(mod, inputs):
+        mod.weight, mod.bias = gather("weight"), gather("bias")
+
+    def after(mod, inputs, output):
+        mod.weight = mod.bias = None
+    return module.register_forward_pre_hook(before), module.register_forward_hook(after)
+
+
+def test_gather_hooks_review_answers_20_runs():
+    """Issue 54: the reference passes and hard-coded names fail, 20 of 20 runs."""
+    for _ in range(20):
+        ch07.check_gather_hooks(register_gather_hooks)
+        with pytest.raises(CheckFailed, match="the names your function was given") as failed:
+            ch07.check_gather_hooks(hooks_hard_coded_names)
+        assert "each of the names you are given" in failed.value.hint
+
+
 def hooks_register_nothing(module, names, gather):
     return None, None
 
