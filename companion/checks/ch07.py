@@ -692,6 +692,14 @@ def check_per_rank_model_states(answer) -> str:
 _LEVELS = {"stage": (0, 1, 2, 3), "prefetch": (0, 1, 2)}
 
 
+# `cost.Speeds.for_gpu` prices one ring at one direction of NVLink: true inside one NVLink domain
+# (an HGX board's 8 GPUs), not for 16 or 64 GPUs, whose collectives cross the network card, nor
+# for cards whose NVLink is a bridge to one other card (`cost.gpus`: the H100 PCIe), so those
+# are not drawn. Without NVLink the ring runs at PCIe's speed, no faster than a network card.
+_NVLINK_DOMAIN = 8
+_BRIDGED = ("H100 PCIe",)
+
+
 def _zero_case(seed: int) -> dict:
     """A GPT, sequences per rank per step, a GPU of the table, N and a memory limit per GPU: drawn
     so that DDP does not always fit and the fastest plan that fits is not always the leanest."""
@@ -702,11 +710,11 @@ def _zero_case(seed: int) -> dict:
     shape = {"width": width, "depth": rng.choice([16, 24, 32, 40]), "heads": width // 128,
              "seq_len": rng.choice([1024, 2048, 4096]), "vocab": 50304}
     batch = rng.choice([4, 8, 16])
-    world = rng.choice([8, 16, 64])
     pcie = rng.random() < 0.5                       # half the cases without NVLink
     gpu = rng.choice([n for n, g in gpus.GPUS.items()
                       if (g.nvlink_bandwidth is None) == pcie and g.bf16_flops
-                      and g.memory_bytes >= 24 * 2**30])
+                      and g.memory_bytes >= 24 * 2**30 and n not in _BRIDGED])
+    world = rng.choice([8, 16, 64] if pcie else [_NVLINK_DOMAIN])
     most = gpus.gpu(gpu).memory_bytes
     sizes = sorted(b for b in (plan_bytes(shape, batch, world, *p) for p in plans(batch))
                    if b <= most)
@@ -716,6 +724,60 @@ def _zero_case(seed: int) -> dict:
     roomy = [b for b in sizes if b >= ddp]          # half the cases: DDP fits at some k
     limit = rng.choice(roomy if roomy and rng.random() < 0.5 else sizes[len(sizes) // 4:])
     return {"shape": shape, "batch": batch, "gpu": gpu, "world": world, "limit": int(limit)}
+
+
+def _gpt(width: int, depth: int, seq_len: int) -> dict:
+    return {"width": width, "depth": depth, "heads": width // 128, "seq_len": seq_len,
+            "vocab": 50304}
+
+
+def _mistaken_plan(case: dict, *, gather_bytes: int = 2, blocks: bool = True) -> tuple:
+    """The fastest plan that fits by a count with one part changed: `gather_bytes` per parameter
+    gathered, or ZeRO-3's gathered blocks left out (`blocks=False`)."""
+    from companion import cost
+
+    shape, batch, world = case["shape"], case["batch"], case["world"]
+    C, L, T, V = (shape[x] for x in ("width", "depth", "seq_len", "vocab"))
+    speeds, timed = cost.Speeds.for_gpu(case["gpu"]), []
+    for stage, k, prefetch in plans(batch):
+        need = plan_bytes(shape, batch, world, stage, k, prefetch)
+        if not blocks and stage == 3:
+            need -= 4 * (12 * C * C + 13 * C) * (1 + prefetch)
+        if need > case["limit"]:
+            continue
+        layers = cost.gpt_layers(C, L, T, V, batch // k * T, dtype_bytes=2)
+        step = (cost.ddp_step(layers, speeds, world, k=k, optimizer="adamw") if stage == 0 else
+                cost.zero_step(layers, speeds, world, stage, k=k, prefetch=prefetch,
+                               optimizer="adamw", gather_bytes_per_param=gather_bytes))
+        timed.append((step.total, (stage, k, prefetch)))
+    return min(timed)[1] if timed else None
+
+
+# Fixed cases, each where a count that leaves out one part of the exercise's gives another plan
+# (found among _zero_case's draws; tests/test_checks_ch07.py checks that they still do), with the
+# hint for that mistake: 4-byte gathers price ZeRO-3 1.41x over its time and choose ZeRO-2 with 4
+# micro-batches; leaving out ZeRO-3's gathered blocks picks a plan 4% (L40S) and 9% (L4) over the
+# limit.
+_GATHER_HINT = ("price each plan's gathers as the exercise says: what does ZeRO-3 gather, in "
+                "which dtype?")
+_BLOCKS_HINT = "under ZeRO-3 the blocks gathered at once count too: the current one and each " \
+               "prefetched one."
+_FIXED_ZERO = [
+    ({"shape": _gpt(4096, 40, 1024), "batch": 4, "gpu": "L40S", "world": 16,
+      "limit": 32_570_814_706}, {"gather_bytes": 4}, _GATHER_HINT),
+    ({"shape": _gpt(4096, 40, 2048), "batch": 8, "gpu": "L40S", "world": 8,
+      "limit": 39_639_869_698}, {"blocks": False}, _BLOCKS_HINT),
+    ({"shape": _gpt(4096, 16, 1024), "batch": 4, "gpu": "L4", "world": 64,
+      "limit": 9_219_750_178}, {"blocks": False}, _BLOCKS_HINT),
+]
+
+
+def _mistake_hint(case: dict, got: tuple, default: str) -> str:
+    """A fixed case's hint when `got` is the plan of the mistake it was placed for."""
+    for fixed, mistake, hint in _FIXED_ZERO:
+        if fixed == {k: case[k] for k in fixed} and _mistaken_plan(case, **mistake) == got:
+            return hint
+    return default
 
 
 def _best_plan(case: dict) -> tuple[tuple[int, int, int], float]:
@@ -736,7 +798,7 @@ def check_choose_zero(answer) -> str:
     limit. Judged on GPTs, GPUs, world sizes and limits the notebook does
     not show: the plan must fit, and its step time by `companion.cost` (`plan_seconds`, not to be
     called either) must be within 2% of the fastest plan that fits."""
-    cases = [_zero_case(seed) for seed in fresh_seeds(8)]
+    cases = [dict(c) for c, _, _ in _FIXED_ZERO] + [_zero_case(seed) for seed in fresh_seeds(8)]
     extra = iter(fresh_seeds(60))
     while sum(_best_plan(c)[0][0] < 3 for c in cases) < 2:    # where ZeRO-3 is not the answer
         case = _zero_case(next(extra))
@@ -762,13 +824,14 @@ def check_choose_zero(answer) -> str:
         need = plan_bytes(case["shape"], case["batch"], case["world"], *got)
         require(need <= case["limit"], f"{where}: your plan {tuple(got)} needs "
                 f"{need / 2**30:.2f} GiB per GPU; the best plan that fits is {best}",
-                hint="count the sharded model states, one micro-batch's activations and, under "
-                "ZeRO-3, the blocks gathered at once.")
+                hint=_mistake_hint(case, tuple(got), "count the sharded model states, one "
+                "micro-batch's activations and, under ZeRO-3, the blocks gathered at once."))
         mine = plan_seconds(case["shape"], case["batch"], case["gpu"], case["world"], *got)
         require(mine <= 1.02 * best_s, f"{where}: your plan {tuple(got)} fits but takes "
                 f"{mine * 1e3:.0f} ms per step; {best} fits and takes {best_s * 1e3:.0f} ms",
-                hint="among the plans that fit, compare their step times: more micro-batches "
-                "and higher stages save memory but cost time (ZeRO-2 and -3 communicate every "
-                "micro-batch), and prefetching hides gathers at the price of memory.")
+                hint=_mistake_hint(case, tuple(got), "among the plans that fit, compare their step "
+                "times: more micro-batches and higher stages save memory but cost time (ZeRO-2 "
+                "and -3 communicate every micro-batch), and prefetching hides gathers at the "
+                "price of memory."))
     return (f"the fastest plan that fits on {len(cases)} GPTs, GPUs (with and without NVLink), "
             "world sizes and memory limits the notebook does not show")
