@@ -248,6 +248,26 @@ class AveragerFromImport(Averager):
             self.next += 1
 
 
+class AveragerWaitsOnTheLastOnly(Averager):
+    """Wrong: waits on the last work only, as if all-reduces finished in the order they started
+    (gloo runs several at once: a large early bucket can still be in flight; passed 4/4 in the
+    review, whose buckets were too small to show it)."""
+
+    def finish(self):
+        self.works[-1].wait()
+        self.works = []
+        super().finish()
+
+
+class AveragerWaitsOnFutures(Averager):
+    """Right: waits on every work's future at once."""
+
+    def finish(self):
+        torch.futures.wait_all([work.get_future() for work in self.works])
+        self.works = []
+        super().finish()
+
+
 class AveragerWaitsInHook(Averager):
     """Wrong: asynchronous in name only, it waits for each all-reduce inside the hook."""
 
@@ -363,6 +383,18 @@ def test_checks_fail_on_known_wrong_answers_with_their_hint(check, answer, words
     with pytest.raises(CheckFailed) as info:
         check(answer)
     assert words in str(info.value)
+
+
+@pytest.mark.slow
+def test_bucketed_hooks_review_answers_20_runs():
+    """Issue 54: waiting on the last work only fails 20 of 20 runs, the reference and a wait on
+    every future pass 20 of 20 (each run starts 2 gloo ranks twice)."""
+    for _ in range(20):
+        ch06.check_bucketed_hooks(Averager)
+        ch06.check_bucketed_hooks(AveragerWaitsOnFutures)
+        with pytest.raises(CheckFailed, match="without waiting for bucket") as info:
+            ch06.check_bucketed_hooks(AveragerWaitsOnTheLastOnly)
+        assert "one finished says nothing of the others" in info.value.hint
 
 
 @pytest.mark.parametrize("check", [ch06.check_ring_all_reduce, ch06.check_bucketed_hooks])
