@@ -428,6 +428,13 @@ def _judge_cap(case: dict, cap: float,
     return mine <= 1.5 * best_exposed + 0.05 * one, mine, best, best_exposed
 
 
+# Fixed cases (seeds of _cap_case), where a schedule that takes a bucket as ready at its first
+# gradient and equal buckets of network.best_bucket_count's count both leave at least 1.56x the
+# exposure the judgement allows, and a search over powers of two passes: a uniform stack of 24,
+# an early large head (31) and another uniform stack of 28 (tests/test_checks_ch06.py checks it).
+_FIXED_CAP_SEEDS = (55, 60, 89)
+
+
 @exercise(points=2, timeout=60.0, reference=("companion.cost.network.bucketed_exposed",))
 def check_bucket_cap(answer) -> str:
     """answer(grad_bytes, backward_seconds, world_size, alpha, beta) -> a bucket cap in bytes.
@@ -439,7 +446,7 @@ def check_bucket_cap(answer) -> str:
     show."""
     from companion.checks.core import call
 
-    for seed in fresh_seeds(12):
+    for seed in _FIXED_CAP_SEEDS + tuple(fresh_seeds(12)):
         case = _cap_case(seed)
         best = _best_cap(case)
         got = call(answer, list(case["grads"]), list(case["times"]), case["world"],
@@ -461,6 +468,6 @@ def check_bucket_cap(answer) -> str:
                 seed=seed, hint="the answer depends on when each gradient is ready and what "
                 "each bucket costs on the link: try the caps that change the bucketing and "
                 "keep the one whose last all-reduce ends soonest after backward.")
-    return ("within 1.5x of the best cap's exposed communication on 12 models (uniform, a late "
+    return ("within 1.5x of the best cap's exposed communication on 15 models (uniform, a late "
             "embedding gradient, an early large head, mixed sizes) at N from 2 to 64 and links "
             "from gloo-like to NCCL-like")
