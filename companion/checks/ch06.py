@@ -191,7 +191,7 @@ class _WatchedWork:
 
 @contextlib.contextmanager
 def _watched_all_reduce(buckets: list[list[nn.Parameter]], events: list, waits: list[bool],
-                        waited: set):
+                        waited: set | None = None):
     """Inside, dist.all_reduce (also as distributed_c10d.all_reduce, and as imported by `from
     torch.distributed import all_reduce` inside the block) appends ("launch", bucket, async, in
     backward) to `events` and returns its Work wrapped in a `_WatchedWork` (which adds the bucket
@@ -200,6 +200,7 @@ def _watched_all_reduce(buckets: list[list[nn.Parameter]], events: list, waits: 
     worker may have imported it already, e.g. with the parent's __main__), or inside an earlier
     one (whose watcher it would otherwise still call), and restores it afterwards."""
     real, sizes = c10d.all_reduce, [sum(p.numel() for p in b) for b in buckets]
+    waited = set() if waited is None else waited
 
     def watched(tensor, *args, **kwargs):
         which = sizes.index(tensor.numel()) if tensor.numel() in sizes else -1
