@@ -159,6 +159,26 @@ def hooks_keep_a_detached_view(module, names, gather):
     return module.register_forward_pre_hook(before), module.register_forward_hook(after)
 
 
+def hooks_hard_coded_names(module, names, gather):
+    """Ignores `names` and gathers torch's weight and bias (passed 3/3 in the review, when every
+    case's names were those)."""
+    def before(mod, inputs):
+        mod.weight, mod.bias = gather("weight"), gather("bias")
+
+    def after(mod, inputs, output):
+        mod.weight = mod.bias = None
+    return module.register_forward_pre_hook(before), module.register_forward_hook(after)
+
+
+def test_gather_hooks_review_answers_20_runs():
+    """Issue 54: the reference passes and hard-coded names fail, 20 of 20 runs."""
+    for _ in range(20):
+        ch07.check_gather_hooks(register_gather_hooks)
+        with pytest.raises(CheckFailed, match="the names your function was given") as failed:
+            ch07.check_gather_hooks(hooks_hard_coded_names)
+        assert "each of the names you are given" in failed.value.hint
+
+
 def hooks_register_nothing(module, names, gather):
     return None, None
 
@@ -494,6 +514,53 @@ def _states_only(shape, batch, gpu, world, limit):
 
 def test_choose_zero_passes_a_search_over_every_plan():
     ch07.check_choose_zero(_search)
+
+
+def _mistaken(**mistake):
+    """The search with one part of the count changed (ch07._mistaken_plan's rules)."""
+    def answer(shape, batch, gpu, world, limit):
+        case = {"shape": shape, "batch": batch, "gpu": gpu, "world": world, "limit": limit}
+        return ch07._mistaken_plan(case, **mistake) or (3, batch, 0)
+    return answer
+
+
+def test_choose_zero_fixed_cases_tell_each_mistake():
+    """Each fixed case's mistake picks a plan that is over the limit or over 2% slower."""
+    for case, mistake, _ in ch07._FIXED_ZERO:
+        best, best_s = ch07._best_plan(case)
+        assert ch07._mistaken_plan(case) == best
+        wrong = ch07._mistaken_plan(case, **mistake)
+        over = planning.plan_bytes(case["shape"], case["batch"], case["world"], *wrong)
+        slow = planning.plan_seconds(case["shape"], case["batch"], case["gpu"], case["world"],
+                                     *wrong)
+        assert over > case["limit"] or slow > 1.02 * best_s
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (_mistaken(gather_bytes=4), "what does ZeRO-3 gather"),         # passed 8/15 in the review
+    (_mistaken(blocks=False), "the blocks gathered at once count"),  # passed 2/20 before
+], ids=["4-byte gathers", "gathered blocks left out"])
+def test_choose_zero_review_answers_fail_20_of_20(answer, hint):
+    for _ in range(20):
+        with pytest.raises(CheckFailed) as failed:
+            ch07.check_choose_zero(answer)
+        assert hint in failed.value.hint
+
+
+@pytest.mark.slow
+def test_choose_zero_passes_the_reference_20_of_20():
+    for _ in range(20):
+        ch07.check_choose_zero(_search)
+
+
+def test_choose_zero_prices_nvlink_within_one_domain_only():
+    """Speeds.for_gpu prices one NVLink ring: the cases with NVLink have 8 GPUs, and the H100
+    PCIe (NVLink to one other card) is not drawn."""
+    from companion.cost import gpus
+
+    cases = [ch07._zero_case(seed) for seed in range(60)]
+    assert all(c["world"] == 8 for c in cases if gpus.gpu(c["gpu"]).nvlink_bandwidth)
+    assert all(c["gpu"] != "H100 PCIe" for c in cases)
 
 
 @pytest.mark.parametrize("answer", [_always_zero3, _leanest, _lowest_stage_first, _states_only],

@@ -321,6 +321,25 @@ def test_a_plan_that_ignores_the_budget_fails_every_run(wrong):
             or "choose the plan from the model and the budget" in failed.value.hint)
 
 
+def _pure_bf16(model_fn, batches, lr, budget):
+    """The review's pure bf16: a plan predicted for bf16 weights, AdamW on those weights, no fp32
+    master copy (passed 4/4 before the check looked for the masters)."""
+    return _train(model_fn, batches, lr, budget, dtype=torch.bfloat16, master=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("repeat", range(20))
+def test_review_answers_of_exercise_1_20_runs(repeat):
+    """Issue 54, fresh cases each run: the reference passes; the review's fixed plan with every
+    lever (no prediction: passed 4/4, every budget was drawn >= 1.15x its peak) and pure bf16
+    weights without a master (passed 4/4) fail."""
+    assert "under" in evaluate("check_train_within_budget", train_within_budget)
+    with pytest.raises(CheckFailed, match="pulls a lever further than this budget needs"):
+        evaluate("check_train_within_budget", _every_lever)
+    with pytest.raises(CheckFailed, match="no fp32 master copy"):
+        evaluate("check_train_within_budget", _pure_bf16)
+
+
 @pytest.mark.parametrize("wrong", [_plain, _never_offload], ids=["plain", "never offload"])
 def test_a_plan_that_does_not_read_the_budget_goes_over_it(wrong):
     with pytest.raises(CheckFailed, match="went over the budget") as failed:
@@ -578,6 +597,61 @@ def test_searches_that_skip_a_setting_fail_every_run(wrong, kind):
         assert any(h in failed.value.hint for h in hints), failed.value.hint
 
 
+def _scan_up(levers, predict_peak, predict_time, budget):
+    """Each setting's sizes asked from the smallest up, to the first that does not fit: it asks
+    nothing decided, but every size that fits (passed 9 of 9 runs in the review)."""
+    sizes = levers["micro_batch"]
+    others = {k: v for k, v in levers.items() if k != "micro_batch"}
+    timed = []
+    for rest in _all(others):
+        for m in sizes:
+            if predict_peak({**rest, "micro_batch": m}) > budget:
+                break
+            timed.append({**rest, "micro_batch": m})
+    return min(timed, key=predict_time, default=None)
+
+
+def _fastest_asked_first(levers, predict_peak, predict_time, budget):
+    """A correct alternative the review names: every plan in order of predicted time, its peak
+    asked unless the promise has decided it, the first that fits returned."""
+    known = {}                                     # setting -> (largest fitting, smallest not)
+    for plan in sorted(_all(levers), key=predict_time):
+        setting = tuple(v for k, v in plan.items() if k != "micro_batch")
+        fits_up_to, fails_from = known.get(setting, (0, float("inf")))
+        if plan["micro_batch"] <= fits_up_to:
+            return plan
+        if plan["micro_batch"] >= fails_from:
+            continue
+        if predict_peak(plan) <= budget:
+            return plan
+        known[setting] = (fits_up_to, plan["micro_batch"])
+    return None
+
+
+@pytest.mark.parametrize("honest", [
+    fastest_fitting, _fastest_asked_first,
+    lambda l, p, t, b: _per_setting(l, p, t, b, keep=lambda fits: fits),
+], ids=["reference", "fastest asked first", "own binary search"])
+def test_searches_that_ask_few_peaks_pass_20_of_20(honest):
+    """Issue 54: the bound on peaks asked (`FEW_ASKS` cases) lets through the searches that keep
+    it, the review's fastest-first one too (it asks more than a binary search only where few
+    plans fit, cases the bound leaves out)."""
+    for _ in range(20):
+        assert "peaks predicted" in evaluate("check_fastest_fitting", honest)
+
+
+@pytest.mark.parametrize("wrong, match", [
+    (_scan_up, r"you predicted \d+ peaks; a binary search"),
+    (_never_the_last, r"\(largest fits\): a faster plan fits"),
+], ids=["scan from the smallest up", "never the last size"])
+def test_review_searches_fail_20_of_20(wrong, match):
+    """Issue 54: a scan from the smallest size up (passed 9/9) and a binary search that never
+    asks the largest size (passed 19/20) fail every run."""
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match=match):
+            evaluate("check_fastest_fitting", wrong)
+
+
 def test_the_search_check_runs_the_answer_where_it_lives():
     assert "peaks predicted" in evaluate("check_fastest_fitting", Elsewhere(fastest_fitting))
 
@@ -591,7 +665,9 @@ def test_the_search_cases_tell_the_wrong_searches_apart():
         assert boundary["peaks"][best] == boundary["budget"]
         assert ch09._promise_holds(ch09._case(seed, "planner"))
         assert ch09._fitting(ch09._case(seed, "nothing fits")) == []
-        assert ch09._largest_is_best(ch09._case(seed, "largest fits"))
+        largest = ch09._case(seed, "largest fits")
+        assert ch09._largest_is_best(largest)
+        assert ch09._scan_asks(largest) > ch09._asks_at_most(largest)
         for kind, wrong in (("uneven segments", ch09._segments_pruned),
                             ("largest not fastest", lambda c: ch09._largest_pruned(
                                 c, list(ch09._settings(c["levers"]).values())))):

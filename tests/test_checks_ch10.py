@@ -155,6 +155,20 @@ def test_forward_tiles_fails_a_softmax_over_all_keys_of_a_query_tile_every_run(r
         check_forward_tiles(_query_chunks_full_softmax)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(20))
+def test_forward_tiles_review_answers_20_runs(run):
+    """Issue 54: the reference and a correct loop pass every run; the review's softmax over all
+    keys of a query tile (passed 4/4 before the Nk >> block_k case) fails every run, and a loop
+    with one whole causal mask (a mask counts, the exercise says) fails naming the mask."""
+    check_forward_tiles(_forward)
+    check_forward_tiles(_loop)
+    with pytest.raises(CheckFailed, match="a block of rows over every key"):
+        check_forward_tiles(_query_chunks_full_softmax)
+    with pytest.raises(CheckFailed, match="a mask over more than one tile"):
+        check_forward_tiles(_loop_with_one_mask)
+
+
 def test_forward_tiles_names_a_whole_causal_mask_made_once():
     with pytest.raises(CheckFailed, match="a mask over more than one tile") as failed:
         check_forward_tiles(_loop_with_one_mask)
@@ -230,7 +244,8 @@ def _tiles(sram, d, e, p=2, mk=16, *, count="smem", order="q", share=True, bound
               "whole": lambda bq, bk: tile_sram_bytes(bq, bk, d, e),
               "scores": lambda bq, bk: (bq + 2 * bk) * d * e + e * bq * bk,
               "no V": lambda bq, bk: (bq + bk) * d * e,
-              "bf16": lambda bq, bk: (bq + 2 * bk) * d * 2}
+              "bf16": lambda bq, bk: (bq + 2 * bk) * d * 2,
+              "stats": lambda bq, bk: (bq + 2 * bk) * d * e + 8 * bq}   # m and l in it too
     budget = (sram // p if share else sram) - reserve
     fits = [(bq, bk) for bq in SIZES for bk in SIZES
             if (counts[count](bq, bk) < budget if strict else counts[count](bq, bk) <= budget)
@@ -279,6 +294,20 @@ def test_choose_tiles_reference_passes():
 def test_choose_tiles_wrong_answers_fail_every_run(wrong, hint, run):
     with pytest.raises(CheckFailed, match=hint):
         check_choose_tiles(wrong)
+
+
+def test_choose_tiles_review_counts_20_runs():
+    """Issue 54: each count that leaves out or adds a part of a program's shared memory (the
+    running statistics m and l in it too: 8 bytes per query) fails 20 of 20 runs; the reference
+    and a search written otherwise pass 20 of 20."""
+    wrong = [lambda *a, c=c: _tiles(*a, count=c)
+             for c in ("stats", "whole", "scores", "no V", "bf16")]
+    for _ in range(20):
+        check_choose_tiles(lambda s, d, e, p=2, m=16: smem_tiles(s, d, e, p, m))
+        check_choose_tiles(_walk_down)
+        for answer in wrong:
+            with pytest.raises(CheckFailed):
+                check_choose_tiles(answer)
 
 
 @pytest.mark.parametrize("run", range(2))

@@ -311,9 +311,13 @@ def test_pick_layout_counts_what_layouts_predict_counts():
             assert layout_bytes(c, model, rank) == layouts.predict(model, c, rank=rank).total
 
 
-@pytest.mark.parametrize("repeat", range(5))
-def test_pick_layout_reference_and_rounded_counts_pass(repeat):
+@pytest.mark.parametrize("repeat", range(20))
+def test_pick_layout_reference_passes_20_of_20(repeat):
     check_pick_layout(pick_layout)
+
+
+@pytest.mark.parametrize("repeat", range(5))
+def test_pick_layout_rounded_counts_pass(repeat):
     check_pick_layout(_counted())                 # bits per weight instead of whole bytes
 
 
@@ -333,6 +337,20 @@ def test_pick_layout_reference_and_rounded_counts_pass(repeat):
 def test_pick_layout_wrong_answers_fail_every_run(wrong, hint, repeat):
     with pytest.raises(CheckFailed, match=hint):
         check_pick_layout(wrong)
+
+
+@pytest.mark.parametrize("wrong", [
+    _counted(nf4=0.5),                            # review: NF4's block scales forgotten (passed 10/10)
+    _counted(nf4=0.5 + 4 / 64),                   # review: no double quantization (9/10)
+    _counted(rest=2),                             # review: the frozen rest at 2 bytes, not 4 (8/10)
+    _counted(adapter=0),                          # review: the adapters free (7/10)
+    _counted(rest=0),                             # learner: the non-Linear weights left out (29/30)
+], ids=["no-scales", "no-double-quant", "rest-bf16", "adapters-free", "no-rest"])
+def test_pick_layout_review_qlora_counts_fail_20_of_20(wrong):
+    """Issue 54: QLoRA counts that passed most draws before the fixed budgets next to its need."""
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="QLoRA's bytes"):
+            check_pick_layout(wrong)
 
 
 # ---------------------------------------------------------------- exercise 6

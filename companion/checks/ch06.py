@@ -170,35 +170,44 @@ def _bucket_loss(model: nn.Module, seed: int, rank: int, step: int) -> torch.Ten
 
 
 class _WatchedWork:
-    """An all-reduce's Work, wrapped: each wait() notes whether backward was still running."""
+    """An all-reduce's Work, wrapped: each wait() notes whether backward was still running, and
+    that bucket `which`'s work was waited for (wait(), or get_future() to wait on)."""
 
-    def __init__(self, work: Any, waits: list[bool]):
-        self._work, self._waits = work, waits
+    def __init__(self, work: Any, waits: list[bool], which: int, waited: set):
+        self._work, self._waits, self._which, self._waited = work, waits, which, waited
 
     def wait(self, *args, **kwargs):
         self._waits.append(torch._C._current_graph_task_id() != -1)
+        self._waited.add(self._which)
         return self._work.wait(*args, **kwargs)
+
+    def get_future(self, *args, **kwargs):
+        self._waited.add(self._which)
+        return self._work.get_future(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
 
 
 @contextlib.contextmanager
-def _watched_all_reduce(buckets: list[list[nn.Parameter]], events: list, waits: list[bool]):
+def _watched_all_reduce(buckets: list[list[nn.Parameter]], events: list, waits: list[bool],
+                        waited: set | None = None):
     """Inside, dist.all_reduce (also as distributed_c10d.all_reduce, and as imported by `from
     torch.distributed import all_reduce` inside the block) appends ("launch", bucket, async, in
-    backward) to `events` and returns its Work wrapped in a `_WatchedWork`. Yields `adopt(obj)`,
+    backward) to `events` and returns its Work wrapped in a `_WatchedWork` (which adds the bucket
+    to `waited` once it is waited for). Yields `adopt(obj)`,
     which also watches the all_reduce that obj's module imported by name before the block (a
     worker may have imported it already, e.g. with the parent's __main__), or inside an earlier
     one (whose watcher it would otherwise still call), and restores it afterwards."""
     real, sizes = c10d.all_reduce, [sum(p.numel() for p in b) for b in buckets]
+    waited = set() if waited is None else waited
 
     def watched(tensor, *args, **kwargs):
         which = sizes.index(tensor.numel()) if tensor.numel() in sizes else -1
         async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
         events.append(("launch", which, async_op, torch._C._current_graph_task_id() != -1))
         work = real(tensor, *args, **kwargs)
-        return _WatchedWork(work, waits) if work is not None else None
+        return _WatchedWork(work, waits, which, waited) if work is not None else None
 
     watched.watches = real
     rebound: list[tuple[dict, str]] = []
@@ -233,16 +242,18 @@ def _bucket_worker(rank: int, world_size: int, packed: bytes, seed: int, steps: 
             for param in bucket:
                 param.register_post_accumulate_grad_hook(
                     lambda p, i=i: events.append(("grad", i)))
-        grads, per_step, waits = [], [], []
-        with _watched_all_reduce(buckets, events, waits) as adopt:
+        grads, per_step, waits, waited = [], [], [], set()
+        with _watched_all_reduce(buckets, events, waits, waited) as adopt:
             averager = adopt(pickle.loads(packed))(buckets)   # imported after patching if not yet
             for step in range(steps):
                 model.zero_grad(set_to_none=False)
                 _bucket_loss(model, seed, rank, step).backward()
                 averager.finish()
                 grads.append([p.grad.clone() for p in model.parameters()])
-                per_step.append((list(events), any(waits)))
+                launched = {e[1] for e in events if e[0] == "launch" and e[2]}
+                per_step.append((list(events), any(waits), sorted(launched - waited)))
                 del events[:], waits[:]
+                waited.clear()
         observed.append((grads, per_step))
     return observed
 
@@ -328,7 +339,8 @@ def check_bucketed_hooks(answer, *, worker_timeout: float = 20.0) -> str:
     """answer(buckets) -> an object whose parameters' post-accumulate-grad hooks average the
     gradients over the ranks, one asynchronous all-reduce per bucket launched during backward, in
     bucket order, as soon as the bucket and those before it are complete, and whose finish()
-    waits and leaves the averages in every param.grad. Run on an MLP and on a model whose
+    waits for every one of them (gloo completes all-reduces out of order: waiting on the last
+    says nothing of the others) and leaves the averages in every param.grad. Run on an MLP and on a model whose
     gradients become ready out of bucket order."""
     packed, world, steps = _ranks.packed(answer), 2, 2
     for seed in fresh_seeds(2):
@@ -340,9 +352,16 @@ def check_bucketed_hooks(answer, *, worker_timeout: float = 20.0) -> str:
                      for step in range(steps)]
             for rank in range(world):
                 grads, per_step = results[rank][c]
-                for step, (events, waited_in_backward) in enumerate(per_step):
+                for step, (events, waited_in_backward, unwaited) in enumerate(per_step):
                     where = f"rank {rank}, step {step + 1} ({_CASES[kind]}):"
                     _judge_launches(where, events, need, waited_in_backward)
+                    require(not unwaited, f"{where} finish() returned without waiting for "
+                            f"bucket(s) {unwaited}'s all-reduce: their buffers may still hold "
+                            "this rank's own gradients",
+                            hint="wait for every work you launched: all-reduces need not finish "
+                                 "in the order they started (gloo runs several at once, so a "
+                                 "small late bucket can finish before a large early one), and "
+                                 "one finished says nothing of the others.")
                     for i, g in enumerate(grads[step]):
                         want = sum(grad[i] for grad in local[step]) / world
                         compare(g, want, name=f"{where} gradient {i}", known_wrong={
@@ -410,6 +429,13 @@ def _judge_cap(case: dict, cap: float,
     return mine <= 1.5 * best_exposed + 0.05 * one, mine, best, best_exposed
 
 
+# Fixed cases (seeds of _cap_case), where a schedule that takes a bucket as ready at its first
+# gradient and equal buckets of network.best_bucket_count's count both leave at least 1.56x the
+# exposure the judgement allows, and a search over powers of two passes: a uniform stack of 24,
+# an early large head (31) and another uniform stack of 28 (tests/test_checks_ch06.py checks it).
+_FIXED_CAP_SEEDS = (55, 60, 89)
+
+
 @exercise(points=2, timeout=60.0, reference=("companion.cost.network.bucketed_exposed",))
 def check_bucket_cap(answer) -> str:
     """answer(grad_bytes, backward_seconds, world_size, alpha, beta) -> a bucket cap in bytes.
@@ -421,7 +447,7 @@ def check_bucket_cap(answer) -> str:
     show."""
     from companion.checks.core import call
 
-    for seed in fresh_seeds(12):
+    for seed in _FIXED_CAP_SEEDS + tuple(fresh_seeds(12)):
         case = _cap_case(seed)
         best = _best_cap(case)
         got = call(answer, list(case["grads"]), list(case["times"]), case["world"],
@@ -443,6 +469,6 @@ def check_bucket_cap(answer) -> str:
                 seed=seed, hint="the answer depends on when each gradient is ready and what "
                 "each bucket costs on the link: try the caps that change the bucketing and "
                 "keep the one whose last all-reduce ends soonest after backward.")
-    return ("within 1.5x of the best cap's exposed communication on 12 models (uniform, a late "
+    return ("within 1.5x of the best cap's exposed communication on 15 models (uniform, a late "
             "embedding gradient, an early large head, mixed sizes) at N from 2 to 64 and links "
             "from gloo-like to NCCL-like")

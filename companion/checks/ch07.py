@@ -378,21 +378,23 @@ def check_prefetch(answer) -> str:
 # ---------------------------------------------------------------- exercise 3: gather hooks
 
 class _Sharded(nn.Module):
-    """A Linear whose weight and bias were taken out (sharded): forward reads plain attributes."""
+    """A Linear whose weight and bias were taken out (sharded), held under `names` (the weight's,
+    the bias's): forward reads plain attributes."""
 
-    def __init__(self, d_in: int, d_out: int, gathered: list):
+    def __init__(self, d_in: int, d_out: int, gathered: list, names: tuple = ("weight", "bias")):
         super().__init__()
-        object.__setattr__(self, "weight", None)
-        object.__setattr__(self, "bias", None)
-        self.shape, self.gathered = (d_out, d_in), gathered       # names gather() was called on
+        for name in names:
+            object.__setattr__(self, name, None)
+        self.shape, self.gathered, self.names = (d_out, d_in), gathered, names   # gather()'s calls
 
     def forward(self, x):
-        if self.weight is None or self.bias is None:
+        weight, bias = (getattr(self, name, None) for name in self.names)
+        if weight is None or bias is None:
             if not self.gathered:
                 raise RuntimeError("weight is None when forward ran, and gather was never called")
             raise RuntimeError("weight is None when forward ran: gather in a forward pre-hook "
                                "and free in a forward hook (after), not in a second pre-hook")
-        return nn.functional.linear(x, self.weight, self.bias)
+        return nn.functional.linear(x, weight, bias)
 
 
 class _AllGather(torch.autograd.Function):
@@ -411,11 +413,18 @@ class _AllGather(torch.autograd.Function):
         return grad, None, None
 
 
-def _gather_case(seed: int, d_in: int, d_out: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """The full weights that gather() hands out, the input and the output's gradient."""
+# The names a layer's sharded tensors go by in each case: torch's, then others (an answer must
+# hook the names it is given, not torch's)
+_GATHER_NAMES = (("weight", "bias"), ("w", "b"))
+
+
+def _gather_case(seed: int, d_in: int, d_out: int,
+                 names: tuple = ("weight", "bias")) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The full weights that gather() hands out (by `names`: the weight's, the bias's), the input
+    and the output's gradient."""
     g = torch.Generator().manual_seed(seed)
-    full = {"weight": torch.randn(d_out, d_in, generator=g),
-            "bias": torch.randn(d_out, generator=g)}
+    full = {names[0]: torch.randn(d_out, d_in, generator=g),
+            names[1]: torch.randn(d_out, generator=g)}
     return full, torch.randn(3, d_in, generator=g), torch.randn(3, d_out, generator=g)
 
 
@@ -425,6 +434,7 @@ def _alive(buffers: list) -> int:
 
 def _forward_backward(module, x: torch.Tensor, grad_out, shards: dict, buffers: list,
                       key: str) -> dict:
+    """`shards`: the weight's and the bias's, in that order."""
     """One forward (with grad) and backward of `module` on x; what it gave and left behind."""
     out = call_inplace(module, x)       # the module with the answer's hooks, on the harness's x
     seen = {key + "output": out.detach() if isinstance(out, torch.Tensor) else out,
@@ -434,24 +444,28 @@ def _forward_backward(module, x: torch.Tensor, grad_out, shards: dict, buffers: 
     except Exception as e:                              # noqa: BLE001 (the learner's hooks)
         seen[key + "backward error"] = f"{type(e).__name__}: {e}"
     seen[key + "grads"] = [None if t.grad is None else t.grad.clone()
-                           for t in (x, shards["weight"], shards["bias"])]
+                           for t in (x, *shards.values())]
     for t in shards.values():
         t.grad = None
     return seen
 
 
 @harness
-def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int) -> dict:
+def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int,
+                          names: tuple = ("weight", "bias")) -> dict:
     """Register the answer's hooks on a sharded layer and train it one step twice: with autograd
     as it is (the hooks alone), then under FSDP-like saved-tensor hooks that save a token for a
     view of gathered memory and gather again in backward. What was gathered and when, outputs,
     gradients, the gathered bytes still alive, what autograd saved, what remove() does."""
-    full, x, grad_out = _gather_case(seed, d_in, d_out)
+    full, x, grad_out = _gather_case(seed, d_in, d_out, names)
     shards = {n: v.clone().requires_grad_() for n, v in full.items()}
     calls, buffers, saved = [], [], {}
-    module = _Sharded(d_in, d_out, calls)
+    module = _Sharded(d_in, d_out, calls, names)
 
     def gather(name):
+        if name not in shards:
+            raise KeyError(f"gather({name!r}): this layer's sharded tensors are {list(names)}, "
+                           f"the names your function was given")
         calls.append(name)
         return _AllGather.apply(shards[name], name, buffers)
 
@@ -469,12 +483,12 @@ def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int) -> dict:
         _, name, offset, shape, stride = packed
         return gather(name).detach().as_strided(shape, stride, offset)    # gathered again
 
-    handles = call_inplace(answer, module, ["weight", "bias"], gather)   # hooks on this module
+    handles = call_inplace(answer, module, list(names), gather)   # hooks on this module
     seen = {"early": list(calls)}
     seen.update(_forward_backward(module, x.clone().requires_grad_(), grad_out, shards, buffers,
                                   "plain "))
-    seen["calls"], seen["kept"] = list(calls), hasattr(module, "weight") and hasattr(module, "bias")
-    seen["freed"] = seen["kept"] and module.weight is None and module.bias is None
+    seen["calls"], seen["kept"] = list(calls), all(hasattr(module, n) for n in names)
+    seen["freed"] = seen["kept"] and all(getattr(module, n) is None for n in names)
     seen["alive"] = _alive(buffers)                      # after backward: nothing holds them
     calls.clear()
     x_tokens, seen["tokens error"] = x.clone().requires_grad_(), None
@@ -501,8 +515,9 @@ def _observe_gather_hooks(answer, seed: int, d_in: int, d_out: int) -> dict:
 
 
 def _reference_step(full: dict, x: torch.Tensor, grad_out: torch.Tensor) -> tuple:
-    """Output and gradients (input, weight, bias) of the unsharded layer."""
-    x, w, b = (t.clone().requires_grad_() for t in (x, full["weight"], full["bias"]))
+    """Output and gradients (input, weight, bias) of the unsharded layer (`full`: the weight's
+    and the bias's, in that order)."""
+    x, w, b = (t.clone().requires_grad_() for t in (x, *full.values()))
     out = nn.functional.linear(x, w, b)
     out.backward(grad_out)
     return out.detach(), [x.grad, w.grad, b.grad]
@@ -518,15 +533,18 @@ _NO_REFERENCE = ("keep no other reference to the gathered tensors or to views of
                  "memory.")
 
 
-def _judge_gather_hooks(seen: dict, expected: torch.Tensor, grads: list, weight_bytes: int) -> None:
+def _judge_gather_hooks(seen: dict, expected: torch.Tensor, grads: list, weight_bytes: int,
+                        names: tuple = ("weight", "bias")) -> None:
+    weight, bias = names
     require(not seen["early"], "gather was called before any forward",
             hint="gather inside the pre-forward hook, not when registering it: "
                  "the full weights must not exist between forwards.")
     compare(seen["plain output"], expected, name="the module's output")
-    require(sorted(seen["calls"]) == ["bias", "weight"],
+    require(sorted(seen["calls"]) == sorted(names),
             f"gather was called {seen['calls']} in one forward and backward",
             hint="gather each name once per forward, in the pre-forward hook.")
-    require(seen["kept"], "after forward the module has no attribute weight (or bias) any more",
+    require(seen["kept"], f"after forward the module has no attribute {weight} (or {bias}) any "
+            "more",
             hint="set each name back to None in a forward hook (setattr(mod, name, None)); don't "
                  "delete it: the module reads the attribute.")
     require(seen["freed"], "after forward the module still holds the full weights",
@@ -555,9 +573,9 @@ def _judge_gather_hooks(seen: dict, expected: torch.Tensor, grads: list, weight_
             "in memory until backward", hint="hand the module the tensor gather returned, not a "
             "copy of it (.clone(), * 1.0, torch.tensor(...)): FSDP can only replace what "
             "autograd saves by a token when it is a view of the gathered memory.")
-    require(seen["tokens calls"].count("weight") == 2 and seen["tokens calls"].count("bias") == 1,
+    require(seen["tokens calls"].count(weight) == 2 and seen["tokens calls"].count(bias) == 1,
             f"with FSDP's saved-tensor hooks gather ran {seen['tokens calls']}: expected the "
-            "weight and bias in forward and the weight again in backward",
+            f"weight and bias ({weight!r}, {bias!r}) in forward and the weight again in backward",
             hint="gather once per name in the pre-forward hook and keep no reference after it.")
     for got, want, name in zip(seen["tokens grads"], grads, names):
         require(got is not None, f"{name} is None after backward (tokens)", hint=_NO_GRADIENT)
@@ -576,12 +594,12 @@ def check_gather_hooks(answer) -> str:
     name to gather(name), after it set each to None. Checked through forward *and* backward:
     gradients against the unsharded layer's, gathered memory freed once nothing needs it, and,
     under FSDP-like saved-tensor hooks, freed right after forward and gathered again for
-    backward."""
-    for seed, (d_in, d_out) in zip(fresh_seeds(2), [(7, 5), (33, 17)]):
-        full, x, grad_out = _gather_case(seed, d_in, d_out)   # the verdict's own reference
+    backward. The second layer's tensors are named other than torch's (`_GATHER_NAMES`)."""
+    for seed, (d_in, d_out), names in zip(fresh_seeds(2), [(7, 5), (33, 17)], _GATHER_NAMES):
+        full, x, grad_out = _gather_case(seed, d_in, d_out, names)   # the verdict's reference
         expected, grads = _reference_step(full, x, grad_out)
         try:
-            seen = _observe_gather_hooks(answer, seed, d_in, d_out)
+            seen = _observe_gather_hooks(answer, seed, d_in, d_out, names)
         except CheckFailed as failure:
             if "gather was never called" in failure.summary:
                 failure.hint = ("register a forward pre-hook (module.register_forward_pre_hook) "
@@ -589,13 +607,16 @@ def check_gather_hooks(answer) -> str:
             elif "when forward ran" in failure.summary:
                 failure.hint = ("free with module.register_forward_hook(fn), whose fn(mod, "
                                 "inputs, output) runs after forward.")
+            elif "the names your function was given" in failure.summary:
+                failure.hint = ("a layer's sharded tensors need not be called weight and bias: "
+                                "gather and free each of the names you are given.")
             elif "resize" in failure.summary:
                 failure.hint = ("gather hands you a new tensor each time, memory you do not "
                                 "own: drop your reference (setattr(mod, name, None)). Torch's "
                                 "FSDP resizes storage it allocated itself, and refills it "
                                 "before backward (companion.zero.gather).")
             raise
-        _judge_gather_hooks(seen, expected, grads, full["weight"].numel() * 4)
+        _judge_gather_hooks(seen, expected, grads, full[names[0]].numel() * 4, names)
     return (f"forward and backward match the unsharded 33 x 17 layer. After forward, "
             f"{format_bytes(seen['plain alive after forward'])} of gathered weight stay alive "
             "with the hooks alone (autograd saved the weight), "
@@ -671,6 +692,14 @@ def check_per_rank_model_states(answer) -> str:
 _LEVELS = {"stage": (0, 1, 2, 3), "prefetch": (0, 1, 2)}
 
 
+# `cost.Speeds.for_gpu` prices one ring at one direction of NVLink: true inside one NVLink domain
+# (an HGX board's 8 GPUs), not for 16 or 64 GPUs, whose collectives cross the network card, nor
+# for cards whose NVLink is a bridge to one other card (`cost.gpus`: the H100 PCIe), so those
+# are not drawn. Without NVLink the ring runs at PCIe's speed, no faster than a network card.
+_NVLINK_DOMAIN = 8
+_BRIDGED = ("H100 PCIe",)
+
+
 def _zero_case(seed: int) -> dict:
     """A GPT, sequences per rank per step, a GPU of the table, N and a memory limit per GPU: drawn
     so that DDP does not always fit and the fastest plan that fits is not always the leanest."""
@@ -681,11 +710,11 @@ def _zero_case(seed: int) -> dict:
     shape = {"width": width, "depth": rng.choice([16, 24, 32, 40]), "heads": width // 128,
              "seq_len": rng.choice([1024, 2048, 4096]), "vocab": 50304}
     batch = rng.choice([4, 8, 16])
-    world = rng.choice([8, 16, 64])
     pcie = rng.random() < 0.5                       # half the cases without NVLink
     gpu = rng.choice([n for n, g in gpus.GPUS.items()
                       if (g.nvlink_bandwidth is None) == pcie and g.bf16_flops
-                      and g.memory_bytes >= 24 * 2**30])
+                      and g.memory_bytes >= 24 * 2**30 and n not in _BRIDGED])
+    world = rng.choice([8, 16, 64] if pcie else [_NVLINK_DOMAIN])
     most = gpus.gpu(gpu).memory_bytes
     sizes = sorted(b for b in (plan_bytes(shape, batch, world, *p) for p in plans(batch))
                    if b <= most)
@@ -695,6 +724,60 @@ def _zero_case(seed: int) -> dict:
     roomy = [b for b in sizes if b >= ddp]          # half the cases: DDP fits at some k
     limit = rng.choice(roomy if roomy and rng.random() < 0.5 else sizes[len(sizes) // 4:])
     return {"shape": shape, "batch": batch, "gpu": gpu, "world": world, "limit": int(limit)}
+
+
+def _gpt(width: int, depth: int, seq_len: int) -> dict:
+    return {"width": width, "depth": depth, "heads": width // 128, "seq_len": seq_len,
+            "vocab": 50304}
+
+
+def _mistaken_plan(case: dict, *, gather_bytes: int = 2, blocks: bool = True) -> tuple:
+    """The fastest plan that fits by a count with one part changed: `gather_bytes` per parameter
+    gathered, or ZeRO-3's gathered blocks left out (`blocks=False`)."""
+    from companion import cost
+
+    shape, batch, world = case["shape"], case["batch"], case["world"]
+    C, L, T, V = (shape[x] for x in ("width", "depth", "seq_len", "vocab"))
+    speeds, timed = cost.Speeds.for_gpu(case["gpu"]), []
+    for stage, k, prefetch in plans(batch):
+        need = plan_bytes(shape, batch, world, stage, k, prefetch)
+        if not blocks and stage == 3:
+            need -= 4 * (12 * C * C + 13 * C) * (1 + prefetch)
+        if need > case["limit"]:
+            continue
+        layers = cost.gpt_layers(C, L, T, V, batch // k * T, dtype_bytes=2)
+        step = (cost.ddp_step(layers, speeds, world, k=k, optimizer="adamw") if stage == 0 else
+                cost.zero_step(layers, speeds, world, stage, k=k, prefetch=prefetch,
+                               optimizer="adamw", gather_bytes_per_param=gather_bytes))
+        timed.append((step.total, (stage, k, prefetch)))
+    return min(timed)[1] if timed else None
+
+
+# Fixed cases, each where a count that leaves out one part of the exercise's gives another plan
+# (found among _zero_case's draws; tests/test_checks_ch07.py checks that they still do), with the
+# hint for that mistake: 4-byte gathers price ZeRO-3 1.41x over its time and choose ZeRO-2 with 4
+# micro-batches; leaving out ZeRO-3's gathered blocks picks a plan 4% (L40S) and 9% (L4) over the
+# limit.
+_GATHER_HINT = ("price each plan's gathers as the exercise says: what does ZeRO-3 gather, in "
+                "which dtype?")
+_BLOCKS_HINT = "under ZeRO-3 the blocks gathered at once count too: the current one and each " \
+               "prefetched one."
+_FIXED_ZERO = [
+    ({"shape": _gpt(4096, 40, 1024), "batch": 4, "gpu": "L40S", "world": 16,
+      "limit": 32_570_814_706}, {"gather_bytes": 4}, _GATHER_HINT),
+    ({"shape": _gpt(4096, 40, 2048), "batch": 8, "gpu": "L40S", "world": 8,
+      "limit": 39_639_869_698}, {"blocks": False}, _BLOCKS_HINT),
+    ({"shape": _gpt(4096, 16, 1024), "batch": 4, "gpu": "L4", "world": 64,
+      "limit": 9_219_750_178}, {"blocks": False}, _BLOCKS_HINT),
+]
+
+
+def _mistake_hint(case: dict, got: tuple, default: str) -> str:
+    """A fixed case's hint when `got` is the plan of the mistake it was placed for."""
+    for fixed, mistake, hint in _FIXED_ZERO:
+        if fixed == {k: case[k] for k in fixed} and _mistaken_plan(case, **mistake) == got:
+            return hint
+    return default
 
 
 def _best_plan(case: dict) -> tuple[tuple[int, int, int], float]:
@@ -715,7 +798,7 @@ def check_choose_zero(answer) -> str:
     limit. Judged on GPTs, GPUs, world sizes and limits the notebook does
     not show: the plan must fit, and its step time by `companion.cost` (`plan_seconds`, not to be
     called either) must be within 2% of the fastest plan that fits."""
-    cases = [_zero_case(seed) for seed in fresh_seeds(8)]
+    cases = [dict(c) for c, _, _ in _FIXED_ZERO] + [_zero_case(seed) for seed in fresh_seeds(8)]
     extra = iter(fresh_seeds(60))
     while sum(_best_plan(c)[0][0] < 3 for c in cases) < 2:    # where ZeRO-3 is not the answer
         case = _zero_case(next(extra))
@@ -741,13 +824,14 @@ def check_choose_zero(answer) -> str:
         need = plan_bytes(case["shape"], case["batch"], case["world"], *got)
         require(need <= case["limit"], f"{where}: your plan {tuple(got)} needs "
                 f"{need / 2**30:.2f} GiB per GPU; the best plan that fits is {best}",
-                hint="count the sharded model states, one micro-batch's activations and, under "
-                "ZeRO-3, the blocks gathered at once.")
+                hint=_mistake_hint(case, tuple(got), "count the sharded model states, one "
+                "micro-batch's activations and, under ZeRO-3, the blocks gathered at once."))
         mine = plan_seconds(case["shape"], case["batch"], case["gpu"], case["world"], *got)
         require(mine <= 1.02 * best_s, f"{where}: your plan {tuple(got)} fits but takes "
                 f"{mine * 1e3:.0f} ms per step; {best} fits and takes {best_s * 1e3:.0f} ms",
-                hint="among the plans that fit, compare their step times: more micro-batches "
-                "and higher stages save memory but cost time (ZeRO-2 and -3 communicate every "
-                "micro-batch), and prefetching hides gathers at the price of memory.")
+                hint=_mistake_hint(case, tuple(got), "among the plans that fit, compare their step "
+                "times: more micro-batches and higher stages save memory but cost time (ZeRO-2 "
+                "and -3 communicate every micro-batch), and prefetching hides gathers at the "
+                "price of memory."))
     return (f"the fastest plan that fits on {len(cases)} GPTs, GPUs (with and without NVLink), "
             "world sizes and memory limits the notebook does not show")

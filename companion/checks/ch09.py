@@ -580,7 +580,8 @@ def _table_case(seed: int, at_boundary: bool, largest: bool = False) -> dict:
     wrong way round (its setting's largest micro-batch does not fit) and differs from the
     fastest of each setting's largest fitting micro-batch; `largest`: drawn until the fastest
     plan that fits is the largest micro-batch of its setting instead (a search that never asks
-    for the last size misses it)."""
+    for the last size misses it) and a scan of each setting's sizes from the smallest up asks
+    more peaks than a binary search per setting can (`_judge_asking`)."""
     rng = random.Random(seed)
     while True:
         batch, depth = rng.choice((24, 36, 48)), rng.choice((5, 6, 7))
@@ -605,8 +606,8 @@ def _table_case(seed: int, at_boundary: bool, largest: bool = False) -> dict:
             times[_key(levers, plan)] = (compute + overhead) * rng.uniform(0.8, 1.25)
         budget = _table_budget(peaks, times, rng, at_boundary)
         case = {"levers": levers, "peaks": peaks, "times": times, "budget": budget}
-        if budget is not None and (_largest_is_best(case) if largest
-                                   else _telling(case, at_boundary)):
+        if budget is not None and (_largest_is_best(case) and _scan_asks(case) > _asks_at_most(case)
+                                   if largest else _telling(case, at_boundary)):
             return case
 
 
@@ -810,6 +811,29 @@ def _largest_is_best(case: dict) -> bool:
     return best is not None and best[where] == levers[MONOTONE][-1]
 
 
+def _asks_at_most(case: dict) -> int:
+    """The most peaks a binary search per setting of the other levers asks: ceil(log2(n + 1))
+    per setting for n micro-batch sizes."""
+    n = len(case["levers"][MONOTONE])
+    return len(_settings(case["levers"])) * math.ceil(math.log2(n + 1))
+
+
+def _scan_asks(case: dict) -> int:
+    """The peaks a scan of each setting's sizes from the smallest up asks: those that fit, and
+    the first that does not."""
+    levers, asks = case["levers"], 0
+    for plans in _settings(levers).values():
+        fit = sum(case["peaks"][_key(levers, p)] <= case["budget"] for p in plans)
+        asks += fit + (fit < len(plans))
+    return asks
+
+
+# The cases whose budget most plans fit, where asking each size that fits costs more peaks than a
+# binary search per setting can ask (where few fit, a search that asks the fastest plans first
+# may ask more than that and still few: it is not held to it there)
+FEW_ASKS = ("boundary", "between peaks", "largest fits")
+
+
 def _largest_per_setting(case: dict) -> tuple | None:
     levers, budget, keys = case["levers"], case["budget"], []
     for plans in _settings(levers).values():
@@ -875,8 +899,9 @@ def _judge_answer(case: dict, got: tuple | None, label: str, mistake: str | None
             "(checkpoint_sequential's segments are uneven), so no setting of them may be skipped.")
 
 
-def _judge_asking(case: dict, asked: list, label: str) -> None:
-    """No peak asked twice, nor one that earlier answers decide by the promise."""
+def _judge_asking(case: dict, asked: list, label: str, kind: str) -> None:
+    """No peak asked twice, nor one that earlier answers decide by the promise; on the cases
+    `FEW_ASKS`, no more peaks than a binary search per setting can ask."""
     levers, budget = case["levers"], case["budget"]
     where = [i for i, k in enumerate(levers) if k == MONOTONE][0]
     known: dict = {}                                # setting -> (largest fitting, smallest not)
@@ -900,6 +925,16 @@ def _judge_asking(case: dict, asked: list, label: str) -> None:
             known[setting] = (max(fits_up_to, size), fails_from)
         else:
             known[setting] = (fits_up_to, min(fails_from, size))
+    if kind in FEW_ASKS:
+        most = _asks_at_most(case)
+        require(len(asked) <= most,
+                f"{label}: you predicted {len(asked)} peaks; a binary search in each of the "
+                f"{len(_settings(levers))} settings of the other levers asks at most "
+                f"{most // len(_settings(levers))} of its {len(levers[MONOTONE])} micro-batch "
+                f"sizes, {most} in all",
+                hint="the sizes that fit are a prefix of the ascending list: under a budget that "
+                     "most plans fit, asking the sizes one by one asks nearly all of them. Find "
+                     "where each prefix ends with as few predictions as the promise allows.")
 
 
 @exercise(points=2, timeout=30.0, reference=("companion.plan.search.fastest_fitting",))
@@ -915,14 +950,14 @@ def check_fastest_fitting(answer) -> str:
         label = (f"{len(case['peaks'])} plans over {list(case['levers'])}, budget "
                  f"{case['budget']:,.1f} ({kind})")
         seen = _search(answer, seed, kind)
-        runs.append((case, _as_key(case, seen["got"], label), seen["asked"], label))
+        runs.append((case, _as_key(case, seen["got"], label), seen["asked"], label, kind))
     # One wrong rule that gives every answer the learner gave names the mistake.
     mistakes = [hint for hint, rule in _WRONG.items()
-                if all(rule(case) == got for case, got, _, _ in runs)]
-    for case, got, _, label in runs:
+                if all(rule(case) == got for case, got, _, _, _ in runs)]
+    for case, got, _, label, _ in runs:
         _judge_answer(case, got, label, mistakes[0] if mistakes else None)
-    for case, _, asked, label in runs:
-        _judge_asking(case, asked, label)
+    for case, _, asked, label, kind in runs:
+        _judge_asking(case, asked, label, kind)
     asked = sum(len(run[2]) for run in runs)
     total = sum(len(run[0]["peaks"]) for run in runs)
     return (f"the fastest plan that fits on {len(kinds)} grids the notebook does not show, "

@@ -2,6 +2,7 @@
 NF4, which layout fits, and which codes to keep a tensor's moments in."""
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -423,11 +424,14 @@ def pick_layout(model, rank, gpu_bytes, other_bytes):
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _gpt(vocab: int, seq_len: int, width: int, depth: int) -> nn.Module:
+    """A GPT on the meta device, built once per shape (the answer gets copies: `call`)."""
     with torch.random.fork_rng(devices=[]):            # GPT seeds the global generator
         return models.GPT(vocab, seq_len, width, depth, max(1, width // 128), device="meta")
 
 
+@functools.lru_cache(maxsize=None)
 def _narrow_mlp(depth: int) -> nn.Module:
     """Many Linear layers of 60 x 60: every tensor under 4096 values."""
     with torch.random.fork_rng(devices=[]):
