@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import all_reduce as imported_all_reduce
 
+from repeats import REVIEW_RUNS
 from companion import collectives
 from companion.cost import network
 from companion.checks import _collective_guard, ch06
@@ -389,7 +390,7 @@ def test_checks_fail_on_known_wrong_answers_with_their_hint(check, answer, words
 def test_bucketed_hooks_review_answers_20_runs():
     """Issue 54: waiting on the last work only fails 20 of 20 runs, the reference and a wait on
     every future pass 20 of 20 (each run starts 2 gloo ranks twice)."""
-    for _ in range(20):
+    for _ in range(REVIEW_RUNS):
         ch06.check_bucketed_hooks(Averager)
         ch06.check_bucketed_hooks(AveragerWaitsOnFutures)
         with pytest.raises(CheckFailed, match="without waiting for bucket") as info:

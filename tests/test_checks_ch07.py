@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from repeats import REVIEW_RUNS
 from companion import collectives
 from companion.compat import reduce_scatter_tensor
 from companion.checks import ch07
@@ -549,7 +550,7 @@ def test_choose_zero_review_answers_fail_20_of_20(answer, hint):
 
 @pytest.mark.slow
 def test_choose_zero_passes_the_reference_20_of_20():
-    for _ in range(20):
+    for _ in range(REVIEW_RUNS):
         ch07.check_choose_zero(_search)
 
 

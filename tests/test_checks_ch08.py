@@ -4,6 +4,7 @@ import dataclasses
 import pytest
 import torch
 
+from repeats import REVIEW_RUNS
 from companion import cost, estimate, offload
 from companion.checks.ch08 import (check_offload_hooks, check_offload_plan,
                                    check_offload_schedule, check_offloaded_step)
@@ -191,7 +192,7 @@ def test_offload_plan_fixed_case_needs_the_largest_layer():
 def test_offload_plan_review_answers_20_runs():
     """Issue 54: the reference and the most offloaded of equals pass 20 of 20 runs (ties failed
     7 of 20 before); a count without the largest layer fails 20 of 20 (passed 4 of 20)."""
-    for _ in range(20):
+    for _ in range(REVIEW_RUNS):
         check_offload_plan(_plan)
         check_offload_plan(_most_offloaded_of_equals)
         with pytest.raises(CheckFailed, match="nothing fits") as failed:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
+from repeats import REVIEW_RUNS
 from companion import lora
 from companion.checks import ch09
 from companion.checks.core import REGISTRY, CheckFailed, evaluate
@@ -328,7 +329,7 @@ def _pure_bf16(model_fn, batches, lr, budget):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("repeat", range(20))
+@pytest.mark.parametrize("repeat", range(REVIEW_RUNS))
 def test_review_answers_of_exercise_1_20_runs(repeat):
     """Issue 54, fresh cases each run: the reference passes; the review's fixed plan with every
     lever (no prediction: passed 4/4, every budget was drawn >= 1.15x its peak) and pure bf16

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from repeats import REVIEW_RUNS
 from companion.attention import flash_forward, merge
 from companion.attention.tiles import choose_tiles, fitting_tiles, tile_sram_bytes
 from companion.checks.ch10 import (check_choose_tiles, check_forward_tiles, check_merge,
@@ -156,7 +157,7 @@ def test_forward_tiles_fails_a_softmax_over_all_keys_of_a_query_tile_every_run(r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", range(20))
+@pytest.mark.parametrize("run", range(REVIEW_RUNS))
 def test_forward_tiles_review_answers_20_runs(run):
     """Issue 54: the reference and a correct loop pass every run; the review's softmax over all
     keys of a query tile (passed 4/4 before the Nk >> block_k case) fails every run, and a loop
