@@ -17,6 +17,7 @@ from companion.models import GPT, Llama
 from companion.plan import EXACT, LOW_PRECISION, Candidate, GPTShape, candidates, predict_memory
 from companion.plan import predict_seconds, simulate
 from companion.plan.costmodel import CostModel
+from companion.memory import format_bytes
 from companion.plan.named import format_plans, plan_named
 from companion.plan.simulation import _FusedRMSNorm
 from companion.plan.training import build
@@ -176,7 +177,12 @@ def test_a_llama_config_is_planned_on_two_gpus_with_zero_3(tmp_path):
     assert p.shape.llama and p.chosen_row.fit.fits and p.chosen_row.fit.total <= budget
     plain = p.plain.fit.total
     assert plain > budget and p.chosen.techniques()        # the budget asks for levers
-    assert "Not searched: tensor and pipeline parallelism" in format_plans(p)
+    text = format_plans(p)
+    assert "Not searched: tensor and pipeline parallelism" in text
+    says = "ZeRO-3 plans assume the model is made on the meta device"
+    zero3 = any(r.candidate.zero_stage == 3 for r in p.shown[:5])
+    assert (says in text) == zero3 and (f"needs {format_bytes(4 * p.shape.n_params)}" in text
+                                        or not zero3)
 
 
 def test_llama_3_8b_on_8_h100s_is_planned_by_formula_in_seconds():
@@ -227,3 +233,13 @@ def test_a_zero3_step_on_several_gpus_is_measured_without_the_whole_models_makin
     assert simulate(wide, cand, world_size=8, device_type="cpu").peak > whole
     monkeypatch.setattr(simulation, "sharded_init", lambda *args: False)
     assert simulate(wide, cand, world_size=8, device_type="cuda").peak > whole
+
+
+def test_a_zero3_step_made_before_the_measurement_keeps_the_fused_attention_lever():
+    # review of issue 52: the model made ahead of the measurement was made without the lever
+    from companion.models import GPT
+    written = functools.partial(GPT, 256, 256, 128, 3, 4)
+    plain = Candidate(2, precision="autocast", zero_stage=3)
+    fused = Candidate(2, precision="autocast", zero_stage=3, fused_attention=True)
+    peaks = [simulate(written, c, world_size=2, device_type="cuda").peak for c in (plain, fused)]
+    assert peaks[1] < 0.9 * peaks[0]                   # no (T, T) softmax kept per block

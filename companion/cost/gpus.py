@@ -392,7 +392,7 @@ _SETUPS = {
                       "PyTorch blog 'Maximizing training throughput using PyTorch FSDP' (IBM and "
                       "Meta, 2024-03-13, https://research.ibm.com/blog/pytorch-fsdp): Llama 2 "
                       "7B on 128 A100s, 3,700 tok/s/GPU, 'a model FLOPS utilization (MFU) ... "
-                      "of 57%' (SDPA FlashAttention, selective activation checkpointing; "
+                      "of 57%', MFU and HFU alike (no recompute at 7B; SDPA FlashAttention; "
                       "torch.compile came in the follow-up post)"),
     ("A100", True): (0.68, "FSDP + torch.compile, A100",
                      "PyTorch blog 'Maximizing training throughput using PyTorch FSDP and Torch."

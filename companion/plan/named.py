@@ -191,6 +191,14 @@ def format_plans(result, *, top: int = 5) -> str:
                    f"{result.gpu.usable_source}")
     if result.device.type == "cuda":
         out += list(NOT_KNOWN)
+        if result.world_size > 1 and any(r.candidate.zero_stage == 3
+                                         for r in result.shown[:top]):
+            whole = result.shape.n_params * 4 if result.shape else None
+            out.append("ZeRO-3 plans assume the model is made on the meta device and each GPU "
+                       "makes only its shards (FSDP2's way: fully_shard, then to_empty and "
+                       "init, as torchtitan does); made whole on one GPU first, it needs "
+                       + (f"{format_bytes(whole)} (fp32) " if whole else "its whole size ")
+                       + "while it loads.")
     out.append("Not searched: tensor and pipeline parallelism (one layer must fit one GPU).")
     if result.shape is None:
         out.append("Not searched for a traced model: ZeRO, offload, chunked loss, QLoRA (the "

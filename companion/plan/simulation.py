@@ -168,8 +168,10 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size:
         # step's data, like a loader's, and QLoRA's host-side model for a GPU: not counted
         host = (_quantized_on_host(model_fn, cand)
                 if cand.nf4_base and device_type != "cpu" else None)
-        made = (model_fn(dtype=_dtype(cand), device="cpu")   # FSDP2 makes it on the meta
-                if sharded_init(cand, world_size, device_type) else None)   # device: unseen
+        made = None                                    # FSDP2 makes it on the meta device:
+        if sharded_init(cand, world_size, device_type):   # unseen (fused: the lever's model)
+            made = model_fn(dtype=_dtype(cand), device="cpu",
+                            **({"fused_attention": True} if cand.fused_attention else {}))
         with track("cpu") as tracker:
             with _broadcast_skipped() if made is not None else contextlib.nullcontext():
                 setup = build(model_fn, cand, world_size=world_size, host_model=host,
