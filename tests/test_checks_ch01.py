@@ -99,6 +99,22 @@ def test_train_epoch_wrong_answers_fail(wrong, hint):
         check_train_epoch(wrong)
 
 
+def _stops_one_early(X, y, w, b, lr, bs):
+    """The loop's bound one row short (range(0, len(y) - 1, bs)): a last batch of one example
+    is never visited (bench_mutants' survivor of issue 54)."""
+    for start in range(0, X.shape[0] - 1, bs):
+        dw, db = gd.mse_gradient(X[start:start + bs], y[start:start + bs], w, b)
+        w, b = gd.sgd_step(w, b, dw, db, lr)
+    return w, b
+
+
+def test_train_epoch_fails_a_loop_that_stops_one_row_early_every_time():
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="smaller"):
+            check_train_epoch(_stops_one_early)
+        check_train_epoch(_epoch)
+
+
 @pytest.mark.parametrize("check", [check_mse_gradient, check_largest_stable_lr,
                                    check_train_epoch])
 @pytest.mark.parametrize("garbage", [None, "answer", 1.0, lambda *a: None, lambda *a: 1 / 0,

@@ -67,6 +67,33 @@ def test_saved_bytes_reference_passes():
     check_saved_bytes(_saved_bytes)
 
 
+def _notebook_saved_bytes(fn, x, *, parameter=lambda p: p.untyped_storage().data_ptr()):
+    """The notebook's solution; `parameter=` tells parameters apart another way."""
+    params = {parameter(p) for p in fn.parameters()} if isinstance(fn, torch.nn.Module) else set()
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return sum(storages.values())
+
+
+def test_saved_bytes_fails_parameters_told_apart_by_where_they_start_every_time():
+    """bench_mutants' survivor (issue 54): {p.data_ptr() ...} for the parameters' storages. A
+    layer whose parameters are views into one flat buffer (as FSDP flattens them), after another
+    layer's, has its weight's storage counted as activation memory."""
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="where a parameter starts is not where its storage"):
+            check_saved_bytes(lambda fn, x: _notebook_saved_bytes(
+                fn, x, parameter=lambda p: p.data_ptr()))
+        check_saved_bytes(_notebook_saved_bytes)
+
+
 @pytest.mark.parametrize("wrong, hint", [
     (_every_save, "count each storage once"),
     (_with_parameters, "leave out the parameters"),
@@ -220,9 +247,15 @@ def test_checkpoint_plan_reference_passes():
     check_checkpoint_plan(ck.checkpoint_plan)
 
 
-def _exhaustive(saved, inputs, cost, budget, fits=int.__le__):
+def _recomputed(cost, starts, ends):
+    """The cost of every checkpointed segment (all but the last), as the notebook counts it."""
+    return sum(sum(cost[a:b]) for a, b in zip(starts[:-1], ends[:-1]))
+
+
+def _exhaustive(saved, inputs, cost, budget, fits=int.__le__, recomputed=_recomputed,
+                better=tuple.__lt__):
     """A learner's answer: every plan by bit mask, the exact peak written out, ties to fewer
-    segments (the notebook's solution)."""
+    segments (the notebook's solution); `recomputed` and `better` make bench_mutants' mutants."""
     n, best = len(saved), None
     for mask in range(2 ** (n - 1)):
         starts = [0] + [i + 1 for i in range(n - 1) if mask >> i & 1]
@@ -230,10 +263,43 @@ def _exhaustive(saved, inputs, cost, budget, fits=int.__le__):
         kept = [sum(inputs[a] for a in starts[:j + 1]) for j in range(len(starts) - 1)]
         kept.append(sum(inputs[a] for a in starts[:-1]))
         peak = max(k + sum(saved[a:b]) for k, (a, b) in zip(kept, zip(starts, ends)))
-        recompute = sum(sum(cost[a:b]) for a, b in zip(starts[:-1], ends[:-1]))
-        if fits(peak, budget) and (best is None or (recompute, len(starts)) < best[0]):
+        recompute = recomputed(cost, starts, ends)
+        if fits(peak, budget) and (best is None or better((recompute, len(starts)), best[0])):
             best = ((recompute, len(starts)), starts)
     return None if best is None else best[1]
+
+
+# bench_mutants' survivors of check_checkpoint_plan (issue 54): each picks, among the plans of the
+# fewest segments that fit, one with the earliest last segment; the 13th fixed case's best plan
+# has more segments
+_WRONG_RECOMPUTE = {
+    "slice lower -1: the first segment costs nothing, each later one adds the layer before it":
+        lambda cost, st, en: sum(sum(cost[a - 1:b]) for a, b in zip(st[:-1], en[:-1])),
+    "slice upper +1: each segment adds the next segment's first layer":
+        lambda cost, st, en: sum(sum(cost[a:b + 1]) for a, b in zip(st[:-1], en[:-1])),
+    "starts[:-0]: no segment counted, the fewest segments win":
+        lambda cost, st, en: sum(sum(cost[a:b]) for a, b in zip(st[:-0], en[:-1])),
+    "ends[:-0]: no segment counted, the fewest segments win":
+        lambda cost, st, en: sum(sum(cost[a:b]) for a, b in zip(st[:-1], en[:-0])),
+    "zip(ends, starts): every slice empty":
+        lambda cost, st, en: sum(sum(cost[a:b]) for a, b in zip(en[:-1], st[:-1])),
+}
+
+
+@pytest.mark.parametrize("mistake", _WRONG_RECOMPUTE)
+def test_checkpoint_plan_fails_recompute_miscounts_every_time(mistake):
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match=r"recomputes 20; \[0, 1, 3, 4\] fits with 15"):
+            check_checkpoint_plan(lambda *case: _exhaustive(
+                *case, recomputed=_WRONG_RECOMPUTE[mistake]))
+
+
+def test_checkpoint_plan_passes_the_last_of_tied_plans_every_time():
+    """`<=` for `<` keeps the last of the plans with the least recompute and fewest segments: as
+    right as the first (equivalent.toml)."""
+    for _ in range(20):
+        check_checkpoint_plan(lambda *case: _exhaustive(*case, better=tuple.__le__))
+        check_checkpoint_plan(_exhaustive)
 
 
 def test_an_exhaustive_search_with_the_exact_peak_passes_every_draw():
@@ -251,7 +317,7 @@ def test_an_exhaustive_search_passes_the_check():
 
 
 def test_the_fixed_cases_hold_plans_the_bound_gets_wrong():
-    fixed = ch04._plan_cases(0)[:12]
+    fixed = ch04._plan_cases(0)[:13]
     changed = [c for c in fixed
                if not ch04._accepted(ck.checkpoint_plan(*c, bound=True), ck.checkpoint_plan(*c), *c)]
     assert len(changed) >= 2
@@ -418,6 +484,17 @@ _core = ck.attention_core_policy
 def test_selective_policy_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
         ch04.check_selective_policy(wrong)
+
+
+def test_selective_policy_fails_a_policy_without_mm_every_time():
+    """bench_mutants' survivor (issue 54): aten.mm left out of the kept operators. A Linear
+    without a bias (Llama's) runs aten.mm, not addmm; the check's second block has none."""
+    kept = (_aten.native_layer_norm, _aten.addmm, _aten.gelu, _aten.add)
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="outside the attention core of a block without "
+                                              "biases"):
+            ch04.check_selective_policy(lambda op: op.overloadpacket in kept)
+        ch04.check_selective_policy(_core)
 
 
 _KEPT_NAMES = re.compile(r"aten\.|addmm|\bmm\b|layer_?norm|gelu|\badd\b|product with a weight|"

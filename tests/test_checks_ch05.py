@@ -38,14 +38,54 @@ def replay_loss_scale(amaxes, init_scale, growth_interval):
     return steps
 
 
+def _grows_when(grows):
+    """The notebook's solution with another test of whether the scale may grow."""
+    def replay(amaxes, init_scale, growth_interval):
+        scale, clean, steps = init_scale, 0, []
+        for amax in amaxes:
+            overflow = not torch.isfinite((torch.tensor(amax) * scale).half()).item()
+            steps.append((scale, not overflow))
+            if overflow:
+                scale, clean = scale * 0.5, 0
+            else:
+                clean += 1
+                if clean == growth_interval:
+                    if grows(scale):
+                        scale = scale * 2
+                    clean = 0
+        return steps
+    return replay
+
+
+# bench_mutants' survivors (issue 54): each stops one growth short of float32's largest value,
+# which a scale that is a power of two never reaches
+_SHORT_OF_THE_TOP = {
+    "<": lambda scale: scale * 2 < torch.finfo(torch.float32).max,
+    "scale * 3 <=": lambda scale: scale * 3 <= torch.finfo(torch.float32).max,
+    "bf16's largest": lambda scale: scale * 2 <= torch.finfo(torch.bfloat16).max,
+    "3.4e38": lambda scale: scale * 2 < 3.4e38,
+}
+
+
+@pytest.mark.parametrize("test", _SHORT_OF_THE_TOP)
+def test_replay_loss_scale_fails_a_growth_that_stops_short_of_the_top_every_time(test):
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="largest value / 8"):
+            check_replay_loss_scale(_grows_when(_SHORT_OF_THE_TOP[test]))
+        check_replay_loss_scale(_grows_when(lambda s: s * 2 <= torch.finfo(torch.float32).max))
+
+
 def _python_floats(amaxes, init_scale, growth_interval):
-    """Right too: fp16 overflows from 65520 on, tested in float64 arithmetic."""
+    """Right too: fp16 overflows from 65520 on, tested in float64 arithmetic. (With 3.4e38 for
+    float32's largest value, 3.4028e38, it stops one growth short of GradScaler from a scale of
+    that value / 8, and fails: test_replay_loss_scale_fails_..._short_of_the_top.)"""
+    top = torch.finfo(torch.float32).max
     scale, clean, steps = init_scale, 0, []
     for amax in amaxes:
         ok = math.isfinite(amax * scale) and abs(amax * scale) < 65520
         steps.append((scale, ok))
         scale, clean = (scale / 2, 0) if not ok else \
-            ((scale * 2 if scale * 2 < 3.4e38 else scale, 0) if clean + 1 == growth_interval
+            ((scale * 2 if scale * 2 <= top else scale, 0) if clean + 1 == growth_interval
              else (scale, clean + 1))
     return steps
 
@@ -111,8 +151,10 @@ def test_replay_loss_scale_failure_shows_the_skips():
 
 # ---------------------------------------------------------------- unscale and find infs
 
-def unscale_grads(grads, inv_scale):
-    found_inf = torch.zeros(())
+def unscale_grads(grads, inv_scale, *, device=True):
+    """The notebook's solution; device=False makes the flag on the CPU whatever inv_scale's
+    device (bench_mutants' survivor: `device=` dropped)."""
+    found_inf = torch.zeros((), device=inv_scale.device) if device else torch.zeros(())
     for g in grads:
         found_inf += (~torch.isfinite(g)).any()
         g.mul_(inv_scale)
@@ -202,6 +244,23 @@ def test_unscale_grads_reference_passes():
     from companion.amp import unscale_grads_
     check_unscale_grads(unscale_grads)
     check_unscale_grads(unscale_grads_)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: on the CPU the "
+                    "flag's device is inv_scale's whichever way it is made")
+def test_unscale_grads_fails_a_flag_made_on_the_cpu_every_time():
+    """`found_inf += (~torch.isfinite(g)).any()` into a CPU flag from CUDA gradients: a CPU output
+    beside a CUDA input (TensorIterator's compute_types: only an input may be a CPU scalar)."""
+    for _ in range(20):
+        with pytest.raises(CheckFailed):
+            check_unscale_grads(lambda grads, inv: unscale_grads(grads, inv, device=False))
+        check_unscale_grads(unscale_grads)
+
+
+def test_unscale_grads_flag_made_on_the_cpu_passes_on_the_cpu():
+    """Where every tensor is on the CPU the device-less flag is the same tensor: no case of a
+    CPU-only run can tell them apart (why bench_mutants keeps it as a survivor there)."""
+    check_unscale_grads(lambda grads, inv: unscale_grads(grads, inv, device=False))
 
 
 @pytest.mark.parametrize("wrong, hint", [
@@ -421,24 +480,61 @@ def test_to_e4m3_wrong_answers_fail(wrong, hint):
         check_to_e4m3(wrong)
 
 
+def _amax_unconverted(x, amax):
+    """bench_mutants' survivor (issue 54): `float(amax)` left out, so a bf16 amax makes a bf16
+    scale."""
+    scale = 448.0 / amax if amax > 0 and math.isfinite(amax) else 1.0
+    scaled = x.float() * scale
+    return scaled.to(torch.float8_e4m3fn), scale, int((scaled.abs() >= 464).sum())
+
+
+def _scales_above_one_only(x, amax):
+    """bench_mutants' survivor (issue 54): `amax > 1` for `amax > 0`: a gradient's amax gets a
+    scale of 1."""
+    amax = float(amax)
+    scale = 448.0 / amax if amax > 1 and math.isfinite(amax) else 1.0
+    scaled = x.float() * scale
+    return scaled.to(torch.float8_e4m3fn), scale, int((scaled.abs() >= 464).sum())
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_amax_unconverted, "rounded to its precision"),
+    (_scales_above_one_only, "amax below 1"),
+])
+def test_to_e4m3_fails_a_scale_from_a_bf16_or_small_amax_every_time(wrong, hint):
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match=hint):
+            check_to_e4m3(wrong)
+        check_to_e4m3(to_e4m3)
+
+
+def test_to_e4m3_counting_from_above_464_passes_every_time():
+    """`> 464` for `>= 464` differs only at 464 itself, which round-to-nearest-even takes to 448
+    (equivalent.toml): the check leaves that tie out."""
+    for _ in range(20):
+        check_to_e4m3(lambda x, amax: to_e4m3(x, amax)[:2] + (
+            int(((x.float() * to_e4m3(x, amax)[1]).abs() > 464).sum()),))
+
+
 # ---------------------------------------------------------------- current or delayed scaling
 
 def choose_scaling(trace, history, *, with_own=False, own_first=False, by="both", limit=464.0,
-                   count_after_cast=False):
+                   count_after_cast=False, current_from=0, worse_than=float.__gt__, factor=2.0):
     """The notebook's solution; the keywords make the known-wrong ones."""
     amaxes = [float(x.abs().max()) for x in trace]
     overflows, worse = 0, False
     for t, x in enumerate(trace):
         window = amaxes[max(0, t - history + with_own):t + with_own]
         errors = []
-        for amax in (amaxes[t], max(window) if window else amaxes[t] if own_first else None):
+        for amax in (amaxes[t + current_from],
+                     max(window) if window else amaxes[t] if own_first else None):
             scale = 448.0 / amax if amax else 1.0
             scaled = x.float() * scale
             codes = scaled.to(torch.float8_e4m3fn)
             errors.append(float((codes.float() / scale - x).norm() / x.norm()))
             over = int(((codes.float() if count_after_cast else scaled).abs() >= limit).sum())
         overflows += over
-        worse |= errors[1] > 2 * errors[0]
+        worse |= worse_than(errors[1], factor * errors[0])
     bad = {"both": overflows > 0 or worse, "overflows": overflows > 0, "error": worse}[by]
     return ("current" if bad else "delayed"), overflows
 
@@ -467,6 +563,19 @@ def test_choose_scaling_wrong_answers_fail(wrong, hint):
             check_choose_scaling(wrong)
         assert __import__("re").search(hint, failed.value.hint + failed.value.summary), \
             (failed.value.summary, failed.value.hint)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    # bench_mutants' survivors (issue 54)
+    (dict(current_from=-1), "falls 14,000x"),           # current scaling from the step before's
+    (dict(factor=3.0), "falls 14,000x"),                # 2.4x current's error let through
+    (dict(worse_than=float.__ge__), "both recipes' errors are 0"),   # 0 is within 2 x 0
+])
+def test_choose_scaling_fails_the_fixed_traces_mistakes_every_time(wrong, hint):
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match=hint):
+            check_choose_scaling(lambda t, h: choose_scaling(t, h, **wrong))
+        check_choose_scaling(choose_scaling)
 
 
 # ---------------------------------------------------------------- garbage and hangs

@@ -38,6 +38,46 @@ def _slices_product(t: torch.Tensor) -> torch.Tensor:
     return (first * rest) * rest                   # rest is saved twice
 
 
+def _flat_second_layer(seed: int, width: int) -> torch.nn.Module:
+    """The second Linear of a two-layer model whose four parameters are views of one flat
+    buffer, as FSDP and ZeRO flatten a model's parameters: its weight starts inside the buffer,
+    not at its first byte."""
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(width, width), torch.nn.Linear(width, width)]
+    flat = torch.cat([p.detach().reshape(-1) for layer in layers for p in layer.parameters()])
+    start = 0
+    for layer in layers:
+        for name in ("weight", "bias"):
+            p = getattr(layer, name)
+            setattr(layer, name, torch.nn.Parameter(flat[start:start + p.numel()].view_as(p)))
+            start += p.numel()
+    return layers[1]
+
+
+def _input(seed: int, width: int, rows: int = 5) -> torch.Tensor:
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed),
+                       requires_grad=True)
+
+
+@harness
+def _flat_layer_saved(answer, seed: int, width: int):
+    """The answer's bytes for `_flat_second_layer` on the check's input, both made here: a copy
+    for the answer (`call`) would give each parameter a storage of its own (a Parameter's
+    deepcopy clones its data), and the shared buffer would be gone."""
+    return call_inplace(answer, _flat_second_layer(seed, width), _input(seed, width, 7))
+
+
+def _parameter_pointer_bytes(fn, x) -> int:
+    """Known wrong: parameters told apart by p.data_ptr(), where each one starts, not by the
+    storage that holds it."""
+    params = {p.data_ptr() for p in fn.parameters()} if isinstance(fn, torch.nn.Module) else set()
+    storages: dict[int, int] = {}
+    for s in checkpointing.saved_for_backward(fn, x):
+        if s.storage not in params:
+            storages[s.storage] = s.storage_nbytes
+    return sum(storages.values())
+
+
 def _view_bytes(fn, x) -> int:
     """Known wrong: each saved view counted by its own bytes, views told apart by t.data_ptr()."""
     views: dict[int, int] = {}
@@ -71,18 +111,26 @@ def check_saved_bytes(answer) -> str:
     """answer(fn, x) -> int: bytes of the tensors `fn(x)` saves for backward that are not
     parameters of `fn`, each storage counted once and whole."""
     for seed, width in zip(fresh_seeds(3), [5, 9, 16]):
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(7, width, generator=g, requires_grad=True)
+        x = _input(seed, width, 7)
         block = _block(seed, width, 0.0)
+        flat = _flat_second_layer(seed, width)
         cases = [(block, "an MLP block"), (_square, "x * x"),
                  (_sigmoid_exp_matmul, "sigmoid, exp, matmul"),
-                 (_slices_product, "two slices of one tensor, multiplied")]
+                 (_slices_product, "two slices of one tensor, multiplied"),
+                 (flat, "the second layer of a model whose parameters share one flat buffer "
+                  "(as FSDP flattens them)")]
         for fn, label in cases:
             want = checkpointing.activation_bytes(fn, x)
             saved = checkpointing.saved_for_backward(fn, x)
             with_params = sum({s.storage: s.storage_nbytes for s in saved}.values())
             every_save = sum(s.nbytes for s in saved if not s.is_parameter)
+            # the first match is the hint: on the flat buffer, parameters told apart by where
+            # they start give what counting the parameters does, and that answer kept them out
+            # of the MLP block already
             wrong = {
+                "a parameter can be a view into a larger buffer (here one flat buffer holds "
+                "both layers' parameters, and this layer's start inside it): where a parameter "
+                "starts is not where its storage starts.": _parameter_pointer_bytes(fn, x),
                 "a tensor saved twice (x * x saves x twice, and a ReLU's output is saved again by "
                 "the next Linear) exists once: count each storage once "
                 "(t.untyped_storage().data_ptr()).": every_save,
@@ -95,7 +143,7 @@ def check_saved_bytes(answer) -> str:
                 "t.untyped_storage().data_ptr(), not t.data_ptr() (a slice starts elsewhere in "
                 "the same storage).": _view_bytes(fn, x),
             }
-            got = call(answer, fn, x)
+            got = _flat_layer_saved(answer, seed, width) if fn is flat else call(answer, fn, x)
             compare(got, want, name=f"bytes saved by {label}",
                     hint="pack every tensor with torch.autograd.graph.saved_tensors_hooks and add "
                          "t.untyped_storage().nbytes() for each new storage.", known_wrong=wrong)
@@ -119,10 +167,6 @@ def _gradients(fn_wrapper, block, x, seed, *, autocast: bool = False):
     grads = tuple(p.grad.clone() if p.grad is not None else torch.zeros_like(p)
                   for p in block.parameters())
     return y.detach(), grads + (x.grad if x.grad is not None else torch.zeros_like(x),)
-
-
-def _input(seed: int, width: int) -> torch.Tensor:
-    return torch.randn(5, width, generator=torch.Generator().manual_seed(seed), requires_grad=True)
 
 
 @harness
@@ -250,7 +294,7 @@ _CRITERION = ("Korthikanti et al. weigh what an output costs to recompute agains
               "recompute the core and keep every output outside it.")
 
 
-def _outside_failure(block, xs, table) -> CheckFailed | None:
+def _outside_failure(block, xs, table, where: str = "") -> CheckFailed | None:
     """A failure when the policy recomputes anything outside the core, with what recomputing all
     of that beside the core costs in matmul FLOPs and frees in bytes, against the core alone."""
     core = checkpointing.attention_core_policy
@@ -264,11 +308,12 @@ def _outside_failure(block, xs, table) -> CheckFailed | None:
     T = xs[0].shape[1]
     flops = (f"; the step's matmul FLOPs go from {ref / plain:.3f}x plain autograd's to "
              f"{mine / plain:.3f}x" if mine != ref else "")
-    return CheckFailed(f"your policy recomputes outputs outside the attention core: beside the "
-                       f"core's, they free {freed[0]:,} bytes at T = {T} and {freed[1]:,} at "
-                       f"T = {2 * T}; the core alone frees {by_core[0]:,} and {by_core[1]:,}"
-                       f"{flops}", hint="what an output outside the core frees grows only like "
-                       "T. " + _CRITERION + " List the operators your policy recomputes, in the "
+    return CheckFailed(f"your policy recomputes outputs outside the attention core{where}: "
+                       f"beside the core's, they free {freed[0]:,} bytes at T = {T} and "
+                       f"{freed[1]:,} at T = {2 * T}; the core alone frees {by_core[0]:,} "
+                       f"and {by_core[1]:,}{flops}",
+                       hint="what an output outside the core frees grows only like T. "
+                       + _CRITERION + " List the operators your policy recomputes, in the "
                        "order the block runs them, and ask of each whether it is part of the "
                        "core.")
 
@@ -317,16 +362,19 @@ def _policy_table(answer, block, x) -> dict:
 def check_selective_policy(answer) -> str:
     """answer(op) -> bool: True to keep the output of the aten operator `op` in forward, False to
     recompute it in backward, so that a block recomputes what Korthikanti et al. recompute."""
-    for seed, (width, heads, T) in zip(fresh_seeds(2), [(20, 4, 11), (42, 3, 7)]):
+    # the second block has no biases (as Llama's): its Linear layers run aten.mm, not addmm
+    for seed, (width, heads, T, bias) in zip(fresh_seeds(2), [(20, 4, 11, True),
+                                                              (42, 3, 7, False)]):
         torch.manual_seed(seed)
-        block = models.Block(width, heads)
+        block = models.Block(width, heads, bias=bias)
         xs = [torch.randn(2, t, width, generator=torch.Generator().manual_seed(seed),
                           requires_grad=True) for t in (T, 2 * T)]
         # 1. Every operator the block runs, at both lengths (views included: they are asked too).
         table = _policy_table(answer, block, xs[0]) | _policy_table(answer, block, xs[1])
         require(not all(table.values()), "your policy keeps every operator's output",
                 hint="keeping everything saves nothing: it is plain autograd with extra steps.")
-        failure = _outside_failure(block, xs, table)
+        failure = _outside_failure(block, xs, table,
+                                   "" if bias else " of a block without biases")
         if failure is not None:
             raise failure
         policy = lambda op: table.get(op, False)
@@ -342,7 +390,8 @@ def check_selective_policy(answer) -> str:
                 "keeps its whole base alive).")
         # 4. No more than the reference keeps.
         want = _kept_bytes(block, xs[0], checkpointing.attention_core_policy)
-        compare(short, want, name=f"bytes kept by one block (width {width}, T = {T})",
+        compare(short, want, name=f"bytes kept by one block (width {width}, T = {T}"
+                                  f"{'' if bias else ', no biases'})",
                 hint="you keep more than the core's recomputation needs: the contiguous copies "
                      "of q, k and v that the core's products make duplicate the output it "
                      "already keeps, and cost nothing to redo." if short > want else "")
@@ -484,9 +533,10 @@ _PLAN_HINTS = [
 
 
 def _plan_cases(seed: int) -> list[tuple[list, list, list, int]]:
-    """Fixed cases (the first 12), in an order where each wrong rule above first fails with its own
-    hint (two of them where Chen et al.'s bound changes the best plan or finds none), then random
-    uneven layers and budgets."""
+    """Fixed cases (the first 13), in an order where each wrong rule above first fails with its own
+    hint (two of them where Chen et al.'s bound changes the best plan or finds none; the 13th where
+    every plan of the fewest segments that fits recomputes more than the best, which has four),
+    then random uneven layers and budgets."""
     cases = [([5, 2, 2, 1], [1, 1, 3, 2], [1, 4, 3, 5], 7),
              ([1, 2, 3], [1, 1, 1], [5, 1, 2], 5),
              ([5, 4, 5], [1, 1, 1], [5, 4, 2], 8),
@@ -497,7 +547,8 @@ def _plan_cases(seed: int) -> list[tuple[list, list, list, int]]:
              ([5, 6, 5, 2, 7], [3, 1, 2, 2, 2], [5, 3, 1, 2, 2], 14),    # the bound: a dearer plan
              ([3, 2, 2], [3, 1, 1], [1, 1, 3], 6),                       # the bound: none fits
              ([11, 1, 4, 3, 10], [1, 3, 1, 1, 2], [2, 4, 3, 4, 4], 15),
-             ([3, 3, 3], [1, 1, 1], [1, 1, 1], 2), ([7], [2], [1], 7)]
+             ([3, 3, 3], [1, 1, 1], [1, 1, 1], 2), ([7], [2], [1], 7),
+             ([7, 7, 3, 3, 3, 7], [3, 4, 6, 1, 1, 7], [4, 4, 3, 4, 5, 4], 18)]   # fewest: dearer
     rng = random.Random(seed)
     for _ in range(10):
         n = rng.randrange(3, 11)
