@@ -503,7 +503,9 @@ def test_a_grader_killed_by_sigkill_takes_its_processes_along_and_the_next_run_i
             time.sleep(0.5)
         assert _processes_in(tmp) == [] and _alive(watched) == []
         left = [p.name for p in tmp.iterdir() if p.name.startswith("companion-")]
-        assert len(left) == 1 and left[0].startswith("companion-grader-"), left   # the copy only
+        # the copy only, if any: the grading process's own SIGTERM clean-up may beat the test
+        # to it (it did once in CI, under load); where it is left, the next run removes it
+        assert len(left) <= 1 and all(n.startswith("companion-grader-") for n in left), left
         again = _grade(later, tmp_path / "grades2", tmp, "--jobs", "1")
         _, stderr = again.communicate(timeout=600)
         assert again.returncode == 0, stderr[-3000:]

@@ -171,11 +171,12 @@ def test_an_equivalent_without_a_reason_is_refused(tmp_path):
 def test_a_chapter_exercise_end_to_end():
     """Chapter 01's MSE gradient: the namespace is the notebook's, every mutant is killed."""
     import IPython
+    before = IPython.get_ipython()                           # another test's shell, or None
     with Chapter("01") as chapter:
         (target,) = [t for t in chapter.targets if t.check == "check_mse_gradient"]
         assert target.answer == "mse_gradient" and not target.skip
         report = run_target(chapter, target, table={})
-    assert IPython.get_ipython() is None                     # the shell is gone again
+    assert IPython.get_ipython() is before                   # the process's shell is back
     assert report.skip == "" and len(report.outcomes) == report.found > 5
     assert [o.mutant.description for o in report.outcomes if o.verdict != "killed"] == []
 
@@ -224,3 +225,18 @@ def _import_all() -> None:
     for m in pkgutil.iter_modules(package.__path__):
         if re.fullmatch(r"ch\d\d", m.name):
             importlib.import_module(f"companion.checks.{m.name}")
+
+
+def test_a_shell_the_process_already_has_is_set_aside_and_given_back():
+    # CI runs this file in a worker where an earlier test may have made an IPython shell
+    import IPython
+    from IPython.core.interactiveshell import InteractiveShell
+    had = InteractiveShell.initialized()
+    outer = InteractiveShell.instance()
+    try:
+        with Chapter("01") as chapter:
+            assert chapter.shell is not outer and IPython.get_ipython() is chapter.shell
+        assert IPython.get_ipython() is outer and InteractiveShell.instance() is outer
+    finally:
+        if not had:
+            InteractiveShell.clear_instance()

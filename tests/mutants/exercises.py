@@ -91,9 +91,10 @@ class Chapter:
         info = read_chapter(path)
         if info.error:
             raise RuntimeError(f"chapter {number}: {info.error}")
-        if InteractiveShell.initialized():
-            raise RuntimeError("Chapter builds its own IPython shell: run it from plain Python "
-                               "(pytest, a script), not inside IPython or Jupyter")
+        # a shell another test of this process made is set aside and given back by close()
+        self._outer = InteractiveShell.instance() if InteractiveShell.initialized() else None
+        if self._outer is not None:
+            InteractiveShell.clear_instance()
         began = time.perf_counter()
         self._main = sys.modules["__main__"]
         self.shell = InteractiveShell.instance()
@@ -128,10 +129,14 @@ class Chapter:
         self.built_in = time.perf_counter() - began      # seconds to build the namespace
 
     def close(self) -> None:
-        """Give the process back as it was: no IPython shell, its own __main__."""
+        """Give the process back as it was: the IPython shell it had (or none), its __main__."""
         from IPython.core.interactiveshell import InteractiveShell
         InteractiveShell.clear_instance()
         sys.modules["__main__"] = self._main
+        if self._outer is not None:                   # the singleton's slots, as instance()
+            for cls in type(self._outer).mro():        # fills them
+                if isinstance(cls, type) and issubclass(cls, InteractiveShell):
+                    cls._instance = self._outer
 
     def __enter__(self) -> "Chapter":
         return self
