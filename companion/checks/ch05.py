@@ -621,7 +621,7 @@ def _wrong_overflows(got: int, want: int, x, scale: float, what: str) -> None:
     elif got == int((scaled > 448).sum()):
         hint = ("a value a little above 448 still rounds to 448, the nearest e4m3 value: where "
                 "does round-to-nearest stop reaching it? (The next step above 448 would be 480.)")
-    elif got == int(((x.float() * scale) >= 464).sum()):
+    elif got == int(((x.float() * scale) > 464).sum()):
         hint = "overflow is about magnitude: large negative values overflow too."
     raise CheckFailed(f"with {what}: {got} overflows counted, expected {want}", hint=hint)
 
@@ -731,8 +731,8 @@ def _scaling_hint(trace: list, history: int, rows: list, got: tuple[str, int]) -
     hints = []
     if got[1] != want[1]:
         if got[1] == counts["448"]:
-            hints.append("count a value as an overflow where the e4m3 cast cannot round it to 448 "
-                         "(from 464 on): 448 < |x| < 464 rounds to 448.")
+            hints.append("a value a little above 448 still rounds to 448, the nearest e4m3 value: "
+                         "count only the values round-to-nearest cannot bring to it.")
         if got[1] == 0:
             hints.append("count the overflows before the cast: torch's e4m3fn cast saturates at "
                          "448, so after it nothing looks too large.")
