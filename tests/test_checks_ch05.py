@@ -521,7 +521,7 @@ def choose_scaling(trace, history, *, with_own=False, own_first=False, by="both"
 
 
 def test_choose_scaling_reference_passes():
-    from companion.checks.ch05 import _choose, _trace_errors
+    from companion.checks.ch05.scaling_choice import _choose, _trace_errors
     for _ in range(10):
         check_choose_scaling(choose_scaling)
     check_choose_scaling(lambda trace, history: _choose(_trace_errors(trace, history)))
