@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from companion import accumulation
-from companion.checks.ch03.accumulation import (_interleaved, _reject_known_wrong, _released,
-                                                _stale, _watched)
+from companion.checks.ch03._common import (_interleaved, _reject_known_wrong, _released, _stale,
+                                           _watched)
 from companion.checks.core import call_inplace, compare, exercise, fresh_seeds, harness, require
 
 __all__ = ["check_token_normalized_step"]

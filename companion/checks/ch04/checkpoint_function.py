@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from companion import checkpointing
-from companion.checks.ch04.saved_bytes import _block, _input
+from companion.checks.ch04._common import _block, _input
 from companion.checks.core import (CheckFailed, call_inplace, compare, exercise, fresh_seeds,
                                    harness, require)
 from companion.memory import format_bytes

@@ -4,15 +4,10 @@ from __future__ import annotations
 import torch
 
 from companion import checkpointing
+from companion.checks.ch04._common import _block, _input
 from companion.checks.core import call, call_inplace, compare, exercise, fresh_seeds, harness
 
 __all__ = ["check_saved_bytes"]
-
-
-def _block(seed: int, width: int, p: float) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(width, 3 * width), torch.nn.GELU(),
-                               torch.nn.Dropout(p), torch.nn.Linear(3 * width, width), torch.nn.Tanh())
 
 
 def _square(t: torch.Tensor) -> torch.Tensor:
@@ -44,11 +39,6 @@ def _flat_second_layer(seed: int, width: int) -> torch.nn.Module:
             setattr(layer, name, torch.nn.Parameter(flat[start:start + p.numel()].view_as(p)))
             start += p.numel()
     return layers[1]
-
-
-def _input(seed: int, width: int, rows: int = 5) -> torch.Tensor:
-    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed),
-                       requires_grad=True)
 
 
 @harness

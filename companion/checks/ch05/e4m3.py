@@ -6,6 +6,7 @@ import numbers
 
 import torch
 
+from companion.checks.ch05._common import _own_amax
 from companion.checks.core import CheckFailed, call, exercise, fresh_seeds, require
 
 __all__ = ["check_to_e4m3"]
@@ -100,10 +101,6 @@ def _wrong_scale(got: float, want: float, amax, x, what: str) -> None:
         hint = ("use the amax you are given, not the tensor's own: delayed scaling's amax comes "
                 "from earlier steps, and the whole point is not to look at this tensor first.")
     raise CheckFailed(f"with {what}: scale {got:.6g}, expected {want:.6g}", hint=hint)
-
-
-def _own_amax(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().float().abs().max()
 
 
 def _wrong_overflows(got: int, want: int, x, scale: float, what: str) -> None:

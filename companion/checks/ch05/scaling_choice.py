@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch
 
-from companion.checks.ch05.e4m3 import _own_amax
+from companion.checks.ch05._common import _own_amax
 from companion.checks.core import CheckFailed, call, exercise, fresh_seeds, require
 
 __all__ = ["check_choose_scaling"]
