@@ -12,6 +12,8 @@ from repeats import REVIEW_RUNS
 from companion import collectives
 from companion.compat import reduce_scatter_tensor
 from companion.checks import ch07
+from companion.checks.ch07 import choose_zero as zero_plan
+from companion.checks.ch07 import flat_partition as partition_check
 from companion.zero import planning
 from companion.checks.core import CheckFailed, evaluate
 from companion.zero import (flat_partition, per_rank_state_bytes, register_gather_hooks,
@@ -378,9 +380,9 @@ def test_references_pass(capsys):
 
 
 @pytest.mark.parametrize("check, answer, words", [
-    (ch07.check_flat_partition, ch07._whole_tensors, "split by elements"),
+    (ch07.check_flat_partition, partition_check._whole_tensors, "split by elements"),
     (ch07.check_flat_partition, partition_floor, "ceil"),
-    (ch07.check_flat_partition, ch07._flat_coordinates, "inside each parameter"),
+    (ch07.check_flat_partition, partition_check._flat_coordinates, "inside each parameter"),
     (ch07.check_flat_partition, partition_with_empty_pieces, "leave out those it misses"),
     (ch07.check_flat_partition, partition_inclusive_stop, "stop is exclusive, like a Python slice"),
     (ch07.check_flat_partition, partition_floor_plus_one, "when N divides Ψ, ceil(Ψ/N) = Ψ/N"),
@@ -518,19 +520,19 @@ def test_choose_zero_passes_a_search_over_every_plan():
 
 
 def _mistaken(**mistake):
-    """The search with one part of the count changed (ch07._mistaken_plan's rules)."""
+    """The search with one part of the count changed (zero_plan._mistaken_plan's rules)."""
     def answer(shape, batch, gpu, world, limit):
         case = {"shape": shape, "batch": batch, "gpu": gpu, "world": world, "limit": limit}
-        return ch07._mistaken_plan(case, **mistake) or (3, batch, 0)
+        return zero_plan._mistaken_plan(case, **mistake) or (3, batch, 0)
     return answer
 
 
 def test_choose_zero_fixed_cases_tell_each_mistake():
     """Each fixed case's mistake picks a plan that is over the limit or over 2% slower."""
-    for case, mistake, _ in ch07._FIXED_ZERO:
-        best, best_s = ch07._best_plan(case)
-        assert ch07._mistaken_plan(case) == best
-        wrong = ch07._mistaken_plan(case, **mistake)
+    for case, mistake, _ in zero_plan._FIXED_ZERO:
+        best, best_s = zero_plan._best_plan(case)
+        assert zero_plan._mistaken_plan(case) == best
+        wrong = zero_plan._mistaken_plan(case, **mistake)
         over = planning.plan_bytes(case["shape"], case["batch"], case["world"], *wrong)
         slow = planning.plan_seconds(case["shape"], case["batch"], case["gpu"], case["world"],
                                      *wrong)
@@ -559,7 +561,7 @@ def test_choose_zero_prices_nvlink_within_one_domain_only():
     PCIe (NVLink to one other card) is not drawn."""
     from companion.cost import gpus
 
-    cases = [ch07._zero_case(seed) for seed in range(60)]
+    cases = [zero_plan._zero_case(seed) for seed in range(60)]
     assert all(c["world"] == 8 for c in cases if gpus.gpu(c["gpu"]).nvlink_bandwidth)
     assert all(c["gpu"] != "H100 PCIe" for c in cases)
 
@@ -584,12 +586,12 @@ def test_choose_zero_rejects_what_is_not_a_plan(answer, match):
 def test_the_plan_cases_mix_gpus_links_and_winners():
     from companion.cost import gpus
 
-    cases = [ch07._zero_case(seed) for seed in range(60)]
+    cases = [zero_plan._zero_case(seed) for seed in range(60)]
     links = {gpus.gpu(c["gpu"]).nvlink_bandwidth is None for c in cases}
-    winners = {ch07._best_plan(c)[0][0] for c in cases}
+    winners = {zero_plan._best_plan(c)[0][0] for c in cases}
     assert links == {True, False} and winners >= {0, 1, 3}
     for c in cases[:5]:                                     # the limit always admits a plan
-        assert planning.plan_bytes(c["shape"], c["batch"], c["world"], *ch07._best_plan(c)[0]) \
+        assert planning.plan_bytes(c["shape"], c["batch"], c["world"], *zero_plan._best_plan(c)[0]) \
             <= c["limit"] <= gpus.gpu(c["gpu"]).memory_bytes
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import shutil
 import tempfile
 
@@ -143,9 +144,13 @@ def withheld_table() -> str:
     for n in range(12):
         importlib.import_module(f"companion.checks.ch{n:02d}")
     lines = ["| chapter | exercise | withheld while it is graded on its own |", "|---|---|---|"]
-    for info in sorted(REGISTRY.values(), key=lambda i: i.module):     # in each chapter's order
-        if not info.module.startswith("companion.checks.ch"):
-            continue
-        names = ", ".join(f"`{r}`" for r in info.reference) or "nothing"
-        lines.append(f"| {info.module[-2:]} | {info.name.removeprefix('check_')} | {names} |")
+    chapters = {}                       # chapter -> its checks, in the registry's order
+    for info in REGISTRY.values():      # a chapter's module or a module of its package
+        found = re.match(r"companion\.checks\.ch(\d\d)(\.|$)", info.module)
+        if found:
+            chapters.setdefault(found[1], []).append(info)
+    for chapter, infos in sorted(chapters.items()):
+        for info in infos:
+            names = ", ".join(f"`{r}`" for r in info.reference) or "nothing"
+            lines.append(f"| {chapter} | {info.name.removeprefix('check_')} | {names} |")
     return "\n".join(lines)
