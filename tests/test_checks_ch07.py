@@ -12,6 +12,8 @@ from repeats import REVIEW_RUNS
 from companion import collectives
 from companion.compat import reduce_scatter_tensor
 from companion.checks import ch07
+from companion.checks.ch07 import choose_zero as zero_plan
+from companion.checks.ch07 import flat_partition as partition_check
 from companion.zero import planning
 from companion.checks.core import CheckFailed, evaluate
 from companion.zero import (flat_partition, per_rank_state_bytes, register_gather_hooks,
@@ -378,9 +380,9 @@ def test_references_pass(capsys):
 
 
 @pytest.mark.parametrize("check, answer, words", [
-    (ch07.check_flat_partition, ch07._whole_tensors, "split by elements"),
+    (ch07.check_flat_partition, partition_check._whole_tensors, "split by elements"),
     (ch07.check_flat_partition, partition_floor, "ceil"),
-    (ch07.check_flat_partition, ch07._flat_coordinates, "inside each parameter"),
+    (ch07.check_flat_partition, partition_check._flat_coordinates, "inside each parameter"),
     (ch07.check_flat_partition, partition_with_empty_pieces, "leave out those it misses"),
     (ch07.check_flat_partition, partition_inclusive_stop, "stop is exclusive, like a Python slice"),
     (ch07.check_flat_partition, partition_floor_plus_one, "when N divides Ψ, ceil(Ψ/N) = Ψ/N"),
@@ -518,19 +520,19 @@ def test_choose_zero_passes_a_search_over_every_plan():
 
 
 def _mistaken(**mistake):
-    """The search with one part of the count changed (ch07._mistaken_plan's rules)."""
+    """The search with one part of the count changed (zero_plan._mistaken_plan's rules)."""
     def answer(shape, batch, gpu, world, limit):
         case = {"shape": shape, "batch": batch, "gpu": gpu, "world": world, "limit": limit}
-        return ch07._mistaken_plan(case, **mistake) or (3, batch, 0)
+        return zero_plan._mistaken_plan(case, **mistake) or (3, batch, 0)
     return answer
 
 
 def test_choose_zero_fixed_cases_tell_each_mistake():
     """Each fixed case's mistake picks a plan that is over the limit or over 2% slower."""
-    for case, mistake, _ in ch07._FIXED_ZERO:
-        best, best_s = ch07._best_plan(case)
-        assert ch07._mistaken_plan(case) == best
-        wrong = ch07._mistaken_plan(case, **mistake)
+    for case, mistake, _ in zero_plan._FIXED_ZERO:
+        best, best_s = zero_plan._best_plan(case)
+        assert zero_plan._mistaken_plan(case) == best
+        wrong = zero_plan._mistaken_plan(case, **mistake)
         over = planning.plan_bytes(case["shape"], case["batch"], case["world"], *wrong)
         slow = planning.plan_seconds(case["shape"], case["batch"], case["gpu"], case["world"],
                                      *wrong)
@@ -548,6 +550,85 @@ def test_choose_zero_review_answers_fail_20_of_20(answer, hint):
         assert hint in failed.value.hint
 
 
+def _choose(shape, batch, gpu, world_size, memory_limit, *, ks=None, prefetches=(0, 1, 2),
+            block=lambda C: 12 * C * C + 13 * C, below_3=0, swap_params=False, dtype_bytes=2,
+            gather_bytes=2, ddp_optimizer="adamw"):
+    """A learner's search as the notebook writes it, or with one mistake (the survivors of
+    bench_mutants, issue 54): the micro-batch counts, the prefetch depths, the bytes of a gathered
+    block or below stage 3, gpt_params' arguments, the elementwise dtype, the gathers' bytes or
+    DDP's optimizer."""
+    from companion import cost, estimate
+
+    C, L, T, V, h = (shape[key] for key in ("width", "depth", "seq_len", "vocab", "heads"))
+    n = estimate.gpt_params(T, V, C, L) if swap_params else estimate.gpt_params(V, T, C, L)
+    speeds = cost.Speeds.for_gpu(gpu)
+    timed = []
+    for stage in range(4):
+        for k in (k for k in (ks or range(1, batch + 1)) if batch % k == 0):
+            for prefetch in (prefetches if stage == 3 else (0,)):
+                need = (estimate.model_states(n, optimizer="adam", precision="mixed",
+                                              zero_stage=stage, world_size=world_size).total
+                        + estimate.gpt_activations(batch // k, T, C, L, h, V, precision="bf16")
+                        + (4 * block(C) * (1 + prefetch) if stage == 3 else below_3))
+                if need > memory_limit:
+                    continue
+                layers = cost.gpt_layers(C, L, T, V, batch // k * T, dtype_bytes=dtype_bytes)
+                if stage == 0:
+                    step = cost.ddp_step(layers, speeds, world_size, k=k, optimizer=ddp_optimizer)
+                else:
+                    step = cost.zero_step(layers, speeds, world_size, stage, k=k,
+                                          prefetch=prefetch, optimizer="adamw",
+                                          gather_bytes_per_param=gather_bytes)
+                timed.append((step.total, (stage, k, prefetch)))
+    if not timed:
+        raise ValueError(f"no plan fits in {memory_limit / 2**30:.1f} GiB per GPU")
+    return min(timed)[1]
+
+
+_ZERO_SURVIVORS = {           # bench_mutants' survivors (and lucky draws) of check_choose_zero
+    "no prefetch 0": dict(prefetches=(1, 2)),
+    "no prefetch 2": dict(prefetches=(0, 1)),
+    "block 12C^2 - 13C": dict(block=lambda C: 12 * C * C - 13 * C),
+    "block 12C^2 + 13/C": dict(block=lambda C: 12 * C * C + 13 / C),
+    "block 12C^2": dict(block=lambda C: 12 * C * C),
+    "block 12C^2 + 12C": dict(block=lambda C: 12 * C * C + 12 * C),
+    "block 11C^2 + 13C": dict(block=lambda C: 11 * C * C + 13 * C),
+    "3 bytes a block parameter": dict(block=lambda C: 0.75 * (12 * C * C + 13 * C)),
+    "a byte less below stage 3": dict(below_3=-1),
+    "gpt_params(T, V, ...)": dict(swap_params=True),
+    "4-byte elementwise": dict(dtype_bytes=4),
+    "1-byte elementwise": dict(dtype_bytes=1),
+    "3-byte elementwise": dict(dtype_bytes=3),
+    "3-byte gathers": dict(gather_bytes=3),
+    "1-byte gathers": dict(gather_bytes=1),
+    "DDP priced with SGD": dict(ddp_optimizer="sgd"),
+}
+
+
+def test_choose_zero_passes_the_written_out_search():
+    ch07.check_choose_zero(_choose)
+
+
+@pytest.mark.parametrize("mistake", list(_ZERO_SURVIVORS.values()), ids=list(_ZERO_SURVIVORS))
+def test_choose_zero_fails_each_survivor_20_of_20(mistake):
+    """Each fails on a fixed case (the edge cases come first, so each run stops early)."""
+    def answer(*args):
+        return _choose(*args, **mistake)
+    for _ in range(20):
+        with pytest.raises(CheckFailed):
+            ch07.check_choose_zero(answer)
+
+
+def test_choose_zero_edge_cases_sit_one_byte_under_a_plan():
+    """Each edge case's limit is one byte under some plan's bytes or exactly a plan's, and some
+    plan fits it."""
+    for case in zero_plan._EDGE_ZERO:
+        sizes = {planning.plan_bytes(case["shape"], case["batch"], case["world"], *p)
+                 for p in planning.plans(case["batch"])}
+        assert case["limit"] + 1 in sizes or case["limit"] in sizes
+        assert min(sizes) <= case["limit"]
+
+
 @pytest.mark.slow
 def test_choose_zero_passes_the_reference_20_of_20():
     for _ in range(REVIEW_RUNS):
@@ -559,7 +640,7 @@ def test_choose_zero_prices_nvlink_within_one_domain_only():
     PCIe (NVLink to one other card) is not drawn."""
     from companion.cost import gpus
 
-    cases = [ch07._zero_case(seed) for seed in range(60)]
+    cases = [zero_plan._zero_case(seed) for seed in range(60)]
     assert all(c["world"] == 8 for c in cases if gpus.gpu(c["gpu"]).nvlink_bandwidth)
     assert all(c["gpu"] != "H100 PCIe" for c in cases)
 
@@ -584,12 +665,12 @@ def test_choose_zero_rejects_what_is_not_a_plan(answer, match):
 def test_the_plan_cases_mix_gpus_links_and_winners():
     from companion.cost import gpus
 
-    cases = [ch07._zero_case(seed) for seed in range(60)]
+    cases = [zero_plan._zero_case(seed) for seed in range(60)]
     links = {gpus.gpu(c["gpu"]).nvlink_bandwidth is None for c in cases}
-    winners = {ch07._best_plan(c)[0][0] for c in cases}
+    winners = {zero_plan._best_plan(c)[0][0] for c in cases}
     assert links == {True, False} and winners >= {0, 1, 3}
     for c in cases[:5]:                                     # the limit always admits a plan
-        assert planning.plan_bytes(c["shape"], c["batch"], c["world"], *ch07._best_plan(c)[0]) \
+        assert planning.plan_bytes(c["shape"], c["batch"], c["world"], *zero_plan._best_plan(c)[0]) \
             <= c["limit"] <= gpus.gpu(c["gpu"]).memory_bytes
 
 

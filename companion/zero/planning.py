@@ -5,7 +5,7 @@ under ZeRO-3, how many units are gathered ahead. `plan_bytes` counts bf16 mixed-
 (16 bytes per parameter, sharded as the stage says, `companion.estimate.model_states`), one
 micro-batch's bf16 activations (`estimate.gpt_activations`) and ZeRO-3's gathered blocks;
 `plan_seconds` schedules the step with `companion.cost` on a GPU of its cited table.
-`companion.checks.ch07.check_choose_zero` judges a learner's choice with them.
+`companion.checks.ch07.choose_zero.check_choose_zero` judges a learner's choice with them.
 
 Simplified vs a real run: the gathered blocks counted are the weights and their gradient of one
 transformer block each, bf16; temporaries, the loss's logits and the allocator's rounding are left
