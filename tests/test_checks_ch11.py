@@ -250,8 +250,8 @@ def test_stochastic_rounding_noise_one_off_fails_20_of_20(low, message):
 
 def test_stochastic_rounding_hints_do_not_spell_out_the_bit_trick():
     import inspect
-    from companion.checks import ch11
-    assert "low 16 bits" not in inspect.getsource(ch11.check_stochastic_rounding)
+    from companion.checks.ch11 import stochastic_rounding
+    assert "low 16 bits" not in inspect.getsource(stochastic_rounding)        # the whole module
 
 
 @pytest.mark.parametrize("wrong, hint", [
@@ -364,7 +364,7 @@ def _cheapest(model, rank, gpu, other):
 
 def test_pick_layout_counts_what_layouts_predict_counts():
     from companion.lowbit import layouts
-    from companion.checks.ch11 import _fixed_cases
+    from companion.checks.ch11.layout_choice import _fixed_cases
     for model, rank, *_ in _fixed_cases():
         for c in CHOICES:
             assert layout_bytes(c, model, rank) == layouts.predict(model, c, rank=rank).total
@@ -443,7 +443,7 @@ def test_pick_layout_counts_off_by_a_little_fail_20_of_20(name):
 
 def test_pick_layout_probe_budgets_decide():
     """Each layout's two _probe budgets give two answers: that layout just over, another under."""
-    from companion.checks.ch11 import _boundary_cases
+    from companion.checks.ch11.layout_choice import _boundary_cases
     cases = _boundary_cases()
     for c, under, over in zip(CHOICES, cases[0:12:2], cases[1:12:2]):
         assert pick_layout(*over[:4]) == c and pick_layout(*under[:4]) != c
@@ -470,7 +470,7 @@ def test_pick_layout_exact_fit_refused_fails_20_of_20():
 
 def _state_answer(fixed=None, bytes_per_value=None, ignore_budget=False, only=None, blocks=None):
     """A learner's search with one thing changed (the defaults are the reference's)."""
-    from companion.checks.ch11 import _state_errors, state_bytes_per_value
+    from companion.checks.ch11.state_codes import _state_errors, state_bytes_per_value
     count = bytes_per_value or state_bytes_per_value
 
     def answer(m, v, max_bytes):
