@@ -177,8 +177,9 @@ def test_each_exercise_heading_shows_the_points_its_check_gives(source):
     counting 1, 2, 3 ... and P the points the check is registered with."""
     from companion.checks.core import REGISTRY
 
-    for module in sorted(p.stem for p in (COURSE.parent / "companion" / "checks").glob("ch*.py")):
-        __import__(f"companion.checks.{module}")         # each module registers its checks
+    checks = COURSE.parent / "companion" / "checks"
+    for module in sorted(p.stem for p in checks.glob("ch[0-9][0-9]*")):    # modules and packages
+        __import__(f"companion.checks.{module}")         # each registers its checks
     nb = nbformat.read(source, as_version=4)
     heading, numbers = None, []
     for i, cell in enumerate(nb.cells):
