@@ -33,6 +33,22 @@ def _flat_codes(x, code, blocksize):
     return codes.reshape(-1), absmax
 
 
+def _absmax_in_x_dtype(x, code, blocksize):
+    """Mutant of the notebook's answer: the flattened x kept in x's dtype (`.float()` dropped)."""
+    flat = x.reshape(-1)
+    blocks = torch.nn.functional.pad(flat, (0, (-flat.numel()) % blocksize)).view(-1, blocksize)
+    absmax = blocks.abs().amax(1)
+    scaled = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
+    codes = (scaled[..., None] - code).abs().argmin(-1)
+    return codes.reshape(-1)[:x.numel()].to(torch.uint8).view(x.shape), absmax
+
+
+def test_blockwise_absmax_in_x_dtype_fails_20_of_20():
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="x in bf16"):
+            check_blockwise(_absmax_in_x_dtype)
+
+
 def test_blockwise_reference_passes():
     check_blockwise(quantize_blockwise)
 
@@ -75,6 +91,27 @@ def _signed_v(p, grad, mc, ma, vc, va, t, lr, betas, eps):
     index = (v.reshape(-1, 1) / out[4].clamp_min(1e-30) - signed).abs().argmin(1)
     out[3] = index.to(torch.uint8)
     return tuple(out)
+
+
+def _adam_dividing_zero(p, grad, m_codes, m_absmax, v_codes, v_absmax, t, lr, betas, eps):
+    """Mutant of the notebook's answer: `absmax >= 0`, so an all-zero moment is divided by 0."""
+    from companion.lowbit import dynamic_map
+    signed, unsigned = dynamic_map(True), dynamic_map(False)
+    m = betas[0] * signed[m_codes.long()] * m_absmax + (1 - betas[0]) * grad
+    v = betas[1] * unsigned[v_codes.long()] * v_absmax + (1 - betas[1]) * grad * grad
+    p = p - lr * (m / (1 - betas[0] ** t)) / ((v / (1 - betas[1] ** t)).sqrt() + eps)
+    out = [p]
+    for x, levels in ((m, signed), (v, unsigned)):
+        absmax = x.abs().max().reshape(1)
+        scaled = x / (absmax if absmax >= 0 else torch.ones(1))
+        out += [(scaled[:, None] - levels).abs().argmin(1).to(torch.uint8), absmax]
+    return tuple(out)
+
+
+def test_adam8bit_block_zero_moment_divided_by_zero_fails_20_of_20():
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="gradient all zero"):
+            check_adam8bit_block(_adam_dividing_zero)
 
 
 def test_adam8bit_block_reference_passes():
@@ -186,15 +223,35 @@ def _bf16_threshold(x):
 @pytest.mark.parametrize("wrong", [_eight_bits, _bf16_threshold])
 @pytest.mark.parametrize("repeat", range(5))
 def test_stochastic_rounding_coarse_noise_fails_every_run(wrong, repeat):
-    with pytest.raises(CheckFailed, match="1/1024 of a spacing") as e:
+    """A threshold in bf16 never draws the spacing's lowest step either: the values just under
+    their upper neighbour catch it first."""
+    with pytest.raises(CheckFailed, match="1/1024 of a spacing|one in 65,536") as e:
         check_stochastic_rounding(wrong)
-    assert "thousandth of a spacing" in e.value.hint
+    assert "thousandth of a spacing" in e.value.hint or "lowest step" in e.value.hint
+
+
+def _noise_from(low):
+    """Mutant of the notebook's answer: noise drawn from `low` to 65,535, not from 0."""
+    def answer(x):
+        noise = torch.randint(low, 1 << 16, x.shape, dtype=torch.int32)
+        return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+    return answer
+
+
+@pytest.mark.parametrize("low, message", [(1, "one in 65,536 should round down"),
+                                          (-1, "which bf16 holds exactly")])
+def test_stochastic_rounding_noise_one_off_fails_20_of_20(low, message):
+    """Noise from 1 never rounds a value one fp32 step under its upper neighbour down; noise from
+    -1 moves one exact value in 65,537 below itself (bench_mutants' survivors before)."""
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match=message):
+            check_stochastic_rounding(_noise_from(low))
 
 
 def test_stochastic_rounding_hints_do_not_spell_out_the_bit_trick():
     import inspect
-    from companion.checks import ch11
-    assert "low 16 bits" not in inspect.getsource(ch11.check_stochastic_rounding)
+    from companion.checks.ch11 import stochastic_rounding
+    assert "low 16 bits" not in inspect.getsource(stochastic_rounding)        # the whole module
 
 
 @pytest.mark.parametrize("wrong, hint", [
@@ -284,14 +341,16 @@ def _pick(need, gpu, other):
 
 
 def _counted(nf4=0.5 + 1 / 64 + 4 / (64 * 256), rest=4, adapter=16, absmax=4 / 256,
-             small_fp32=True, at_4096_fp32=False):
+             small_fp32=True, at_4096_fp32=False, line=4096, small_bytes=8, master=16,
+             fp32_weights=8, bf16_weights=8):
     """A learner's count with one of its parts changed (the defaults are right up to rounding)."""
     def answer(model, rank, gpu, other):
         n, dense, adapters, sizes = _counts(model, rank)
-        small = (lambda k: k <= 4096) if at_4096_fp32 else (lambda k: k < 4096)
-        moments = sum(8 * k if small_fp32 and small(k) else 2 * k * (1 + absmax) for k in sizes)
-        need = {"bf16+master": 16 * n, "fp32+adam8bit": 8 * n + moments, "bf16+kahan": 10 * n,
-                "bf16": 8 * n, "bf16+adam8bit": 4 * n + moments,
+        small = (lambda k: k <= line) if at_4096_fp32 else (lambda k: k < line)
+        moments = sum(small_bytes * k if small_fp32 and small(k) else 2 * k * (1 + absmax)
+                      for k in sizes)
+        need = {"bf16+master": master * n, "fp32+adam8bit": fp32_weights * n + moments,
+                "bf16+kahan": 10 * n, "bf16": bf16_weights * n, "bf16+adam8bit": 4 * n + moments,
                 "qlora": nf4 * dense + rest * (n - dense) + adapter * adapters}
         return _pick(need, gpu, other)
     return answer
@@ -305,7 +364,7 @@ def _cheapest(model, rank, gpu, other):
 
 def test_pick_layout_counts_what_layouts_predict_counts():
     from companion.lowbit import layouts
-    from companion.checks.ch11 import _fixed_cases
+    from companion.checks.ch11.layout_choice import _fixed_cases
     for model, rank, *_ in _fixed_cases():
         for c in CHOICES:
             assert layout_bytes(c, model, rank) == layouts.predict(model, c, rank=rank).total
@@ -353,11 +412,65 @@ def test_pick_layout_review_qlora_counts_fail_20_of_20(wrong):
             check_pick_layout(wrong)
 
 
+_MUTANT_COUNTS = {                    # bench_mutants' survivors of the reference, issue 54
+    "tensors of 4095 values 8-bit": _counted(line=4095),
+    "small tensors at 9 bytes": _counted(small_bytes=9),
+    "small tensors at 7 bytes": _counted(small_bytes=7),
+    "an absmax per 257 values": _counted(absmax=4 / 257),
+    "an absmax per 255 values": _counted(absmax=4 / 255),
+    "bf16+master at 17 bytes": _counted(master=17),
+    "bf16+master at 15 bytes": _counted(master=15),
+    "fp32+adam8bit's weights at 9 bytes": _counted(fp32_weights=9),
+    "bf16 at 9 bytes": _counted(bf16_weights=9),
+    "bf16 at 7 bytes": _counted(bf16_weights=7),
+    "NF4's second scales of 33 bits": _counted(nf4=0.5 + 1 / 64 + 33 / (8 * 64 * 256)),
+    "NF4's second scales of 31 bits": _counted(nf4=0.5 + 1 / 64 + 31 / (8 * 64 * 256)),
+    "NF4's second scales per 65 x 256": _counted(nf4=0.5 + 1 / 64 + 32 / (8 * 65 * 256)),
+    "NF4's second scales per 63 x 256": _counted(nf4=0.5 + 1 / 64 + 32 / (8 * 63 * 256)),
+    "NF4's second scales per 64 x 257": _counted(nf4=0.5 + 1 / 64 + 32 / (8 * 64 * 257)),
+    "NF4's second scales per 64 x 255": _counted(nf4=0.5 + 1 / 64 + 32 / (8 * 64 * 255)),
+}
+
+
+@pytest.mark.parametrize("name", list(_MUTANT_COUNTS))
+def test_pick_layout_counts_off_by_a_little_fail_20_of_20(name):
+    """Each part of a count off by one unit: the _probe budgets 64 bytes either side of each
+    layout's bytes catch it on every draw (before them, 14 of these passed every seed)."""
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="64 bytes (under|over)"):
+            check_pick_layout(_MUTANT_COUNTS[name])
+
+
+def test_pick_layout_probe_budgets_decide():
+    """Each layout's two _probe budgets give two answers: that layout just over, another under."""
+    from companion.checks.ch11.layout_choice import _boundary_cases
+    cases = _boundary_cases()
+    for c, under, over in zip(CHOICES, cases[0:12:2], cases[1:12:2]):
+        assert pick_layout(*over[:4]) == c and pick_layout(*under[:4]) != c
+    assert pick_layout(*cases[12][:4]) == "bf16"
+
+
+def _fits_with_room(model, rank, gpu, other):
+    """Mutant of the notebook's answer: `<` for `<=`, states that fill the GPU exactly do not fit."""
+    n, dense, adapters, sizes = _counts(model, rank)
+    moments = sum(2 * k * (1 + 4 / 256) if k >= 4096 else 8 * k for k in sizes)
+    need = {"bf16+master": 16 * n, "fp32+adam8bit": 8 * n + moments, "bf16+kahan": 10 * n,
+            "bf16": 8 * n, "bf16+adam8bit": 4 * n + moments,
+            "qlora": dense * (4 + 8 / 64 + 32 / (64 * 256)) / 8 + 4 * (n - dense) + 16 * adapters}
+    return next((c for c in CHOICES if need[c] + other < gpu), None)
+
+
+def test_pick_layout_exact_fit_refused_fails_20_of_20():
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="exactly bf16's bytes"):
+            check_pick_layout(_fits_with_room)
+
+
 # ---------------------------------------------------------------- exercise 6
 
 def _state_answer(fixed=None, bytes_per_value=None, ignore_budget=False, only=None, blocks=None):
     """A learner's search with one thing changed (the defaults are the reference's)."""
-    from companion.checks.ch11 import _state_errors, state_bytes_per_value
+    from companion.checks.ch11.state_codes import _state_errors, state_bytes_per_value
     count = bytes_per_value or state_bytes_per_value
 
     def answer(m, v, max_bytes):
