@@ -117,11 +117,14 @@ def _qkv(seed: int, b: int, nq: int, nk: int, d: int):
 @harness
 def _forward_run(answer, seed: int, b: int, nq: int, nk: int, d: int, causal: bool, bq: int,
                  bk: int):
-    """(the answer's result, the largest tensor its operators made: (elements, dtype, shape))."""
+    """(the answer's result, the largest tensor its operators made: (elements, dtype, shape),
+    the names of the inputs it wrote into)."""
     q, k, v = _qkv(seed, b, nq, nk, d)      # the answer's own: a copy would count as its tensor
     with _Largest() as seen:
         got = call_inplace(answer, q, k, v, causal, bq, bk)
-    return got, seen.largest
+    changed = [name for name, t, t0 in zip("qkv", (q, k, v), _qkv(seed, b, nq, nk, d))
+               if not torch.equal(t, t0)]
+    return got, seen.largest, changed
 
 
 def _forward_wrong(q, k, v, causal) -> dict:
@@ -155,18 +158,26 @@ def _forward_wrong(q, k, v, causal) -> dict:
 def check_forward_tiles(answer) -> str:
     """answer(q, k, v, is_causal, block_q, block_k) -> (o, lse): attention over tiles, for q
     (B, Nq, d) and k, v (B, Nk, d), never holding all the scores at once."""
-    seeds = fresh_seeds(5)
-    cases = [(2, 45, 61, 8, False, 8, 16), (1, 37, 37, 16, True, 16, 8),
+    # The first two are lengths where a loop's end is easy to get wrong by one: Nq one past a
+    # whole number of query tiles with Nk a whole number of key tiles, then Nk one past.
+    cases = [(2, 33, 64, 8, True, 16, 16), (1, 32, 33, 8, False, 16, 16),
+             (2, 45, 61, 8, False, 8, 16), (1, 37, 37, 16, True, 16, 8),
              (2, 29, 50, 8, True, 8, 8), (3, 50, 23, 4, True, 16, 16),   # rows that see nothing
              (2, 40, 150, 4, True, 16, 8)]     # Nk >> block_k: (B, block_q, Nk) is 4x a K
     biggest = 0
-    for seed, (b, nq, nk, d, causal, bq, bk) in zip(seeds, cases):
+    for seed, (b, nq, nk, d, causal, bq, bk) in zip(fresh_seeds(len(cases)), cases):
         q, k, v = _qkv(seed, b, nq, nk, d)
         o, lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
         wrong = _forward_wrong(q, k, v, causal)
-        got, (largest, dtype, shape) = _forward_run(answer, seed, b, nq, nk, d, causal, bq, bk)
+        got, (largest, dtype, shape), changed = _forward_run(answer, seed, b, nq, nk, d, causal,
+                                                             bq, bk)
         label = (f"(o, lse) for B={b}, Nq={nq}, Nk={nk}, d={d}, causal={causal}, "
                  f"tiles {bq}x{bk}")
+        require(not changed, f"{label}: your function wrote into its input "
+                f"{' and '.join(changed)}",
+                hint="attention reads q, k and v and leaves them as they were: the caller (and "
+                     "backward) needs them again. Write the output and any scaled copy into "
+                     "tensors of your own.")
         compare(got, (o.float(), lse.float()), name=label, rtol=1e-4, atol=1e-5,
                 known_wrong=wrong,
                 hint="after each key tile: m_new = max(m, rowmax(S)), rescale l and the output "
