@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from companion import estimate, optim
-from companion.checks.ch00 import (LAYOUTS, check_activation_bytes, check_adam_step,
-                                   check_model_state_bytes, check_transformer_activations)
+from companion.checks.ch00 import (check_activation_bytes, check_adam_step, check_model_state_bytes,
+                                   check_transformer_activations)
+from companion.checks.ch00.model_states import LAYOUTS
 from companion.checks.core import CheckFailed, evaluate
 from elsewhere import Elsewhere
 
@@ -273,7 +274,7 @@ class _Draws:
 def test_transformer_cases_where_two_mistakes_give_one_number_are_drawn_again():
     # 2 layers of one head, 28 tokens, width 56: 2·5as²b = 5sbh, so leaving out the s² terms and
     # leaving out everything outside the layers gave the same number and the wrong hint (CI, once)
-    from companion.checks.ch00 import _telling_case
+    from companion.checks.ch00.transformer_activations import _telling_case
     assert _telling_case(_Draws(8, 28, 7, 2, 2053, 8, 29, 7, 2, 2053), 1) == (8, 29, 56, 2, 1, 2053)
 
 

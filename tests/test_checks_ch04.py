@@ -12,6 +12,8 @@ import torch
 
 from companion import checkpointing as ck
 from companion.checks import ch04
+from companion.checks.ch04 import checkpoint_function as ch04_function
+from companion.checks.ch04 import checkpoint_plan as ch04_plan
 from companion.checks.ch04 import (check_checkpoint_function, check_checkpoint_plan,
                                    check_saved_bytes)
 from companion.checks.core import REGISTRY, CheckFailed
@@ -19,12 +21,7 @@ from companion.grader.child import _Monitor
 from companion.grader.withhold import MARK, Withheld, withheld_sources
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)           # small blocks: two threads on a loaded machine only wait
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _saved_bytes(fn, x):
@@ -209,11 +206,11 @@ def test_checkpoint_function_reference_passes():
 
 def test_the_autocast_case_sets_apart_a_recomputation_in_another_precision():
     for seed in range(20):
-        plain = ch04._autocast_gradients(None, seed, 10)
+        plain = ch04_function._autocast_gradients(None, seed, 10)
         assert plain[0].dtype == torch.bfloat16                  # forward ran under autocast
-        replayed = ch04._autocast_gradients(ck.checkpoint, seed, 10)
+        replayed = ch04_function._autocast_gradients(ck.checkpoint, seed, 10)
         assert all(torch.equal(a, b) for a, b in zip(replayed[1], plain[1]))
-        drifted = ch04._autocast_gradients(lambda fn, x: _NoAutocast.apply(fn, x), seed, 10)
+        drifted = ch04_function._autocast_gradients(lambda fn, x: _NoAutocast.apply(fn, x), seed, 10)
         assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-5)
                        for a, b in zip(drifted[1], plain[1]))
 
@@ -304,8 +301,8 @@ def test_checkpoint_plan_passes_the_last_of_tied_plans_every_time():
 
 def test_an_exhaustive_search_with_the_exact_peak_passes_every_draw():
     for seed in range(100):
-        for case in ch04._plan_cases(seed):
-            assert ch04._accepted(_exhaustive(*case), ck.checkpoint_plan(*case), *case), case
+        for case in ch04_plan._plan_cases(seed):
+            assert ch04_plan._accepted(_exhaustive(*case), ck.checkpoint_plan(*case), *case), case
 
 
 def test_an_exhaustive_search_passes_the_check():
@@ -317,16 +314,16 @@ def test_an_exhaustive_search_passes_the_check():
 
 
 def test_the_fixed_cases_hold_plans_the_bound_gets_wrong():
-    fixed = ch04._plan_cases(0)[:13]
+    fixed = ch04_plan._plan_cases(0)[:13]
     changed = [c for c in fixed
-               if not ch04._accepted(ck.checkpoint_plan(*c, bound=True), ck.checkpoint_plan(*c), *c)]
+               if not ch04_plan._accepted(ck.checkpoint_plan(*c, bound=True), ck.checkpoint_plan(*c), *c)]
     assert len(changed) >= 2
     assert any(ck.checkpoint_plan(*c, bound=True) is None for c in changed)
     assert any(ck.checkpoint_plan(*c, bound=True) is not None for c in changed)
 
 
 @pytest.mark.parametrize("run", range(3))
-@pytest.mark.parametrize("wrong, hint", ch04._PLAN_HINTS)
+@pytest.mark.parametrize("wrong, hint", ch04_plan._PLAN_HINTS)
 def test_checkpoint_plan_wrong_rules_fail_with_their_own_hint(wrong, hint, run):
     with pytest.raises(CheckFailed) as failure:
         check_checkpoint_plan(wrong)
@@ -338,7 +335,7 @@ def test_a_strict_fits_gets_the_boundary_hint_whatever_its_tie_break():
     for _ in range(20):
         with pytest.raises(CheckFailed) as failure:
             check_checkpoint_plan(lambda *case: _exhaustive(*case, fits=int.__lt__))
-        assert failure.value.hint == dict((w, h) for w, h in ch04._PLAN_HINTS)[ch04._strict]
+        assert failure.value.hint == dict((w, h) for w, h in ch04_plan._PLAN_HINTS)[ch04_plan._strict]
         assert "not checkpointed" not in failure.value.hint
 
 
@@ -380,7 +377,7 @@ def test_an_answer_that_calls_plan_cost_is_caught_as_a_reference_use():
     references = REGISTRY["check_checkpoint_plan"].reference
     assert {"companion.checkpointing.plan_cost", "companion.checkpointing.checkpoint_plan"} <= \
         set(references)
-    case = ch04._plan_cases(0)[0]
+    case = ch04_plan._plan_cases(0)[0]
     with _Monitor(references) as delegated:                   # what the grader's sandbox counts
         _delegates(*case)
     with _Monitor(references) as written_out:
@@ -417,7 +414,7 @@ def test_in_the_clean_room_an_answer_that_calls_plan_cost_fails(monkeypatch):
 
 def test_a_rule_that_keeps_the_later_checkpoints_gets_its_own_hint():
     with pytest.raises(CheckFailed) as failure:
-        check_checkpoint_plan(ch04._later_alive)
+        check_checkpoint_plan(ch04_plan._later_alive)
     assert "from the last to the first" in failure.value.hint
     assert "own checkpoint is still alive" not in failure.value.hint
 

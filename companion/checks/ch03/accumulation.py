@@ -1,20 +1,17 @@
-"""Checks for chapter 03, batch size and gradient accumulation."""
+"""Chapter 03, exercise 1: one optimizer step accumulated over k micro-batches."""
 from __future__ import annotations
 
 import copy
-import math
-import numbers
-import random
 
 import torch
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from companion import accumulation
-from companion.checks.core import (CheckFailed, call, call_inplace, compare, exercise,
-                                   fresh_seeds, harness, require)
+from companion.checks.core import (CheckFailed, call_inplace, compare, exercise, fresh_seeds,
+                                   harness, require)
 
-__all__ = ["check_accumulation_step", "check_token_normalized_step", "check_batch_size_search"]
+__all__ = ["check_accumulation_step"]
 
 
 def _setup(seed: int, n: int, d: int = 6):
@@ -183,152 +180,3 @@ def check_accumulation_step(answer) -> str:
                      "accum_steps, call backward on each, step once.")
     return ("k micro-batches of b make the same step as one batch of k·b; activations are held for "
             "b examples at a time")
-
-
-# ---------------------------------------------------------------- token-count normalization
-
-_IGNORE = -100
-
-
-def _token_setup(seed: int, rows: tuple, T: int = 7, V: int = 19):
-    """A per-token model (embedding, then a Linear to the vocabulary), SGD with momentum, and
-    micro-batches of `rows` sequences whose real lengths differ (the rest is padding, -100)."""
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Embedding(V, 8), torch.nn.Tanh(), torch.nn.Linear(8, V))
-    micro = []
-    for b in rows:
-        x, y = torch.randint(V, (b, T), generator=g), torch.randint(V, (b, T), generator=g)
-        lengths = torch.randint(1, T + 1, (b,), generator=g)
-        y[torch.arange(T)[None, :] >= lengths[:, None]] = _IGNORE
-        micro.append((x, y))
-    return model, micro
-
-
-def _token_variant(seed: int, rows: tuple, variant: str = "reference") -> tuple:
-    """Parameters after one step: the reference, or a known-wrong normalization."""
-    model, micro = _token_setup(seed, rows)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    for p, g in zip(model.parameters(), _stale(model, seed)):
-        p.grad = g.clone() if variant == "no_zero_grad" else None
-    if variant == "reference":
-        accumulation.token_normalized_step(model, opt, micro)
-        return tuple(p.detach().clone() for p in model.parameters())
-    tokens = sum(int((y != _IGNORE).sum()) for _, y in micro)
-    for x, y in micro:
-        logits, target = model(x).flatten(0, 1), y.flatten()
-        total = F.cross_entropy(logits, target, ignore_index=_IGNORE, reduction="sum")
-        mean = F.cross_entropy(logits, target, ignore_index=_IGNORE)
-        loss = {"mean_over_k": mean / len(micro), "mean": mean, "sum": total,
-                "with_padding": total / sum(y.numel() for _, y in micro),
-                "no_zero_grad": total / tokens}[variant]
-        loss.backward()
-    opt.step()
-    return tuple(p.detach().clone() for p in model.parameters())
-
-
-@harness
-def _token_run(answer, seed: int, rows: tuple) -> tuple:
-    """Run the answer (stale gradients in .grad); (its parameters, optimizer steps, rows seen)."""
-    model, micro = _token_setup(seed, rows)
-    opt, seen, steps, order, held = _watched(model, seed, lr=0.5)
-    call_inplace(answer, model, opt, [(x.clone(), y.clone()) for x, y in micro])
-    return tuple(p.detach() for p in model.parameters()), len(steps), seen, order, held
-
-
-@exercise(points=2, timeout=30.0, reference="companion.accumulation.token_normalized_step")
-def check_token_normalized_step(answer) -> str:
-    """answer(model, optimizer, micro_batches): one optimizer step on token micro-batches
-    [(x, y), ...] (y is -100 on padding) equal to the step on all of them at once."""
-    for seed, rows in zip(fresh_seeds(3), [(3, 1, 4), (2, 5), (1, 1, 1, 6)]):
-        expected = _token_variant(seed, rows)
-        got, steps, seen, order, held = _token_run(answer, seed, rows)
-        require(steps == 1, f"optimizer.step() ran {steps} times; expected once",
-                hint="accumulate the gradients of every micro-batch, then step once, after the "
-                     "loop.")
-        require(seen == list(rows), f"the model saw batches of {seen} rows; expected the "
-                f"micro-batches one by one, {list(rows)}",
-                hint="run the model on each micro-batch in turn: concatenating them first would "
-                     "hold the activations of the whole batch.")
-        _interleaved(order, len(rows))
-        _released(held)
-        if not all(torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(got, expected)):
-            _reject_known_wrong(got, {
-                "each micro-batch's mean over its own tokens, divided by k, weights a token of a "
-                "short micro-batch more than one of a long micro-batch: that is the 2024 bug. Sum "
-                "the token losses (reduction=\"sum\") and divide by the real tokens of the whole "
-                "batch.": _token_variant(seed, rows, "mean_over_k"),
-                "the micro-batch means are added up, k times too large and weighted by micro-batch: "
-                "sum the token losses and divide by the tokens of the whole batch.":
-                    _token_variant(seed, rows, "mean"),
-                "divide the summed loss by the number of real tokens in the whole batch, counted "
-                "before the first backward.": _token_variant(seed, rows, "sum"),
-                "count only the real tokens, those whose target is not -100: padding has no loss "
-                "and must not count in the mean.": _token_variant(seed, rows, "with_padding"),
-                "start with optimizer.zero_grad(): backward adds to whatever .grad holds, here "
-                "gradients left over from an earlier step.":
-                    _token_variant(seed, rows, "no_zero_grad"),
-            })
-        compare(got, expected, name="parameters after the step",
-                hint="zero the gradients, count the real tokens of all micro-batches, then for "
-                     "each: summed token loss / that count, backward; step once.")
-    return ("the same step as the whole batch, however the tokens fall into micro-batches: "
-            "loss summed over tokens, divided by the tokens of the whole batch")
-
-
-def _search_problem(seed: int):
-    rng = random.Random(seed)
-    limit = rng.randrange(37, 5000)
-    return limit, rng.randrange(1, 9)
-
-
-@harness
-def _search_run(answer, limit: int, start: int) -> tuple:
-    """Run the answer with a step(b) that fails above `limit`; return (its answer, the sizes tried)."""
-    tried: list[int] = []
-    invalid: list = []          # kept here: an answer that catches every exception hides them
-
-    def step(b):
-        if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
-            invalid.append(b)
-            raise ValueError(f"step was called with batch size {b!r}: batch sizes are ints >= 1")
-        tried.append(int(b))
-        if b > limit:
-            raise torch.OutOfMemoryError(f"Tried to allocate memory for a batch of {b}")
-
-    try:
-        got = call(answer, step, start)
-    except CheckFailed as failure:
-        if not invalid and "OutOfMemoryError" in failure.summary:
-            failure.hint = ("wrap each try in `try: step(b) except torch.OutOfMemoryError:` "
-                            "and treat the error as 'does not fit'.")
-        if not invalid:
-            raise
-    if invalid:
-        hint = ("the midpoint of two sizes is (good + bad) // 2: integer division, since a batch "
-                "size is an int >= 1." if isinstance(invalid[0], float) else
-                "batch sizes are ints >= 1: start from `start`, then only double or bisect.")
-        raise CheckFailed(f"step was called with batch size {invalid[0]!r}", hint=hint)
-    return got, tried
-
-
-@exercise(points=2, timeout=30.0, reference="companion.accumulation.find_max_batch_size")
-def check_batch_size_search(answer) -> str:
-    """answer(step, start) -> int: the largest b for which step(b) runs without
-    torch.OutOfMemoryError, assuming every smaller batch fits when b does, and start fits."""
-    for seed in fresh_seeds(4):
-        limit, start = _search_problem(seed)
-        got, tried = _search_run(answer, limit, start)
-        powers = [b for b in tried if b <= limit]
-        compare(got, limit, name=f"largest batch (start={start})",
-                hint="double until a step fails, then bisect between the last that ran and the "
-                     "first that failed.",
-                known_wrong={"after the first failure, search between the last size that ran and "
-                             "the first that did not: the answer is rarely a power of two.":
-                             max(powers, default=start)})
-        budget = math.log2(2 * limit / start) + math.log2(2 * limit) + 2
-        require(len(tried) <= budget,
-                f"{len(tried)} trial steps to find {limit}; doubling then bisecting needs at most "
-                f"{int(budget)}", hint="each trial is a full training step: grow by doubling, then "
-                                       "halve the interval, instead of trying every size.")
-    return "finds the largest batch in about 2·log2(b) trial steps"
