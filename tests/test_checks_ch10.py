@@ -11,8 +11,9 @@ from repeats import REVIEW_RUNS
 from companion.attention import flash_forward, merge
 from companion.attention.tiles import choose_tiles, fitting_tiles, tile_sram_bytes
 from companion.checks.ch10 import (check_choose_tiles, check_forward_tiles, check_merge,
-                                   check_tile_backward, check_triton_forward, smem_tiles,
-                                   tile_backward)
+                                   check_tile_backward, check_triton_forward)
+from companion.checks.ch10.tile_grads import tile_backward
+from companion.checks.ch10.tile_sizes import smem_tiles
 from companion.checks.core import CheckFailed, NotDone, evaluate
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
