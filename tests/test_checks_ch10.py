@@ -11,8 +11,9 @@ from repeats import REVIEW_RUNS
 from companion.attention import flash_forward, merge
 from companion.attention.tiles import choose_tiles, fitting_tiles, tile_sram_bytes
 from companion.checks.ch10 import (check_choose_tiles, check_forward_tiles, check_merge,
-                                   check_tile_backward, check_triton_forward, smem_tiles,
-                                   tile_backward)
+                                   check_tile_backward, check_triton_forward)
+from companion.checks.ch10.tile_grads import tile_backward
+from companion.checks.ch10.tile_sizes import smem_tiles
 from companion.checks.core import CheckFailed, NotDone, evaluate
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -145,6 +146,35 @@ def _loop_with_one_mask(q, k, v, causal, bq, bk):
     return o, lse
 
 
+def _loop_ends(q, k, v, causal, bq, bk, *, q_end=0, k_end=0, o_is_q=False, scale_q=False):
+    """bench_mutants' survivors (issue 54), as a learner writes them: the query or key loop's end
+    one off (q_end, k_end); and two that return the right numbers but change q: the output
+    written into q itself (o_is_q), q scaled in place to save a multiply per tile (scale_q)."""
+    B, nq, d = q.shape
+    nk, scale = k.shape[1], 1 / math.sqrt(d)
+    if scale_q:
+        q *= scale
+    o, lse = (q if o_is_q else torch.empty_like(q)), torch.empty(B, nq)
+    for i in range(0, nq + q_end, bq):
+        qi = q[:, i:i + bq]
+        rows = torch.arange(i, i + qi.shape[1])
+        m = torch.full(qi.shape[:2], float("-inf"))
+        l, acc = torch.zeros(qi.shape[:2]), torch.zeros_like(qi)
+        for j in range(0, nk + k_end, bk):
+            s = qi @ k[:, j:j + bk].transpose(1, 2) * (1.0 if scale_q else scale)
+            if causal:
+                cols = torch.arange(j, j + s.shape[2])
+                s = s.masked_fill(cols[None, :] > rows[:, None] + nk - nq, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            p = torch.exp(s - safe[..., None])
+            a = torch.exp(m - safe)
+            l, acc, m = a * l + p.sum(-1), a[..., None] * acc + p @ v[:, j:j + bk], m_new
+        o[:, i:i + bq] = acc / l.masked_fill(l == 0, 1.0)[..., None]
+        lse[:, i:i + bq] = m + torch.log(l)
+    return o, lse
+
+
 def test_forward_tiles_reference_and_a_correct_loop_pass():
     check_forward_tiles(_forward)
     check_forward_tiles(_loop)
@@ -187,6 +217,29 @@ def test_forward_tiles_names_a_whole_causal_mask_made_once():
 def test_forward_tiles_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
         check_forward_tiles(wrong)
+
+
+@pytest.mark.parametrize("mistake, message", [
+    (dict(q_end=-1), r"Nq=33, Nk=64"),                 # the last query tile (one row) skipped
+    (dict(k_end=1), r"raised IndexError: amax"),     # an empty key tile past Nk = 64
+    (dict(k_end=-1), r"Nq=32, Nk=33"),                 # the last key tile (one key) skipped
+])
+def test_forward_tiles_fails_loops_that_end_one_off_every_run(mistake, message):
+    """bench_mutants' survivors (issue 54): lengths a whole number of tiles and one past it come
+    first."""
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match=message):
+            check_forward_tiles(lambda *a: _loop_ends(*a, **mistake))
+
+
+def test_forward_tiles_passes_the_loop_with_the_right_ends_and_one_that_writes_into_q():
+    """An empty last query tile does nothing; writing the output into q (or scaling q in place)
+    changes only the answer's own copy: checks do not judge what an answer does to its inputs
+    (tests/test_checks_inputs.py)."""
+    check_forward_tiles(_loop_ends)
+    check_forward_tiles(lambda *a: _loop_ends(*a, q_end=1))
+    check_forward_tiles(lambda *a: _loop_ends(*a, o_is_q=True))
+    check_forward_tiles(lambda *a: _loop_ends(*a, scale_q=True))
 
 
 def _tile(q, k, v, o, do, lse, scale, *, kind):
