@@ -548,6 +548,67 @@ def test_the_bucket_cap_review_answers_20_runs():
                 ch06.check_bucket_cap(wrong)
 
 
+def _choose_bucket_cap(ready_from=1, first_run=0, last_run=0, run_from=1):
+    """The notebook's solution with bench_mutants' survivors (issue 54) as options: gradient i
+    ready after backward_seconds[:i + ready_from]; the caps the sums of grad_bytes[i:j + last_run]
+    for i below len(grad_bytes) + first_run (-1: the runs that start at the last gradient left
+    out; with one gradient, no cap at all) and j from i + run_from."""
+    def choose_bucket_cap(grad_bytes, backward_seconds, world_size, alpha, beta):
+        ready = [sum(backward_seconds[:i + ready_from]) for i in range(len(backward_seconds))]
+
+        def exposed(cap):
+            end, size, last = 0.0, 0.0, None
+            for i, n in enumerate(grad_bytes + [None]):
+                if n is None or (size and size + n > cap):
+                    end = max(end, ready[last]) + network.all_reduce_seconds(
+                        size, world_size, alpha=alpha, beta=beta)
+                    size = 0.0
+                if n is not None:
+                    size, last = size + n, i
+            return end - ready[-1]
+
+        caps = {sum(grad_bytes[i:j + last_run]) for i in range(len(grad_bytes) + first_run)
+                for j in range(i + run_from, len(grad_bytes) + 1)}
+        return min(caps, key=lambda cap: (exposed(cap), cap))
+    return choose_bucket_cap
+
+
+_CAP_SURVIVORS = {
+    "ready one gradient early": dict(ready_from=0),
+    "ready one gradient late": dict(ready_from=2),
+    "no run starts at the last gradient": dict(first_run=-1),
+    "runs one gradient longer": dict(last_run=1),
+    "runs of two gradients or more": dict(run_from=2),
+}
+
+
+def test_the_small_cap_cases_pass_searches_and_fail_each_survivor():
+    args = lambda c: (list(c["grads"]), list(c["times"]), c["world"], c["alpha"], c["beta"])
+    for case in ch06._SMALL_CAP_CASES:
+        for right in (cap_by_search, cap_by_powers_of_two, _choose_bucket_cap()):
+            assert ch06._judge_cap(case, right(*args(case)))[0]
+    for options in _CAP_SURVIVORS.values():
+        wrong = _choose_bucket_cap(**options)
+        failed = 0
+        for case in ch06._SMALL_CAP_CASES:
+            try:
+                failed += not ch06._judge_cap(case, wrong(*args(case)))[0]
+            except ValueError:                          # min() of no caps: one gradient
+                failed += 1
+        assert failed >= 1, options
+
+
+@pytest.mark.parametrize("survivor", _CAP_SURVIVORS)
+def test_the_bucket_cap_check_fails_each_survivor_every_time(survivor):
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="exposed|raised ValueError"):
+            ch06.check_bucket_cap(_choose_bucket_cap(**_CAP_SURVIVORS[survivor]))
+
+
+def test_the_bucket_cap_check_passes_the_notebooks_solution():
+    ch06.check_bucket_cap(_choose_bucket_cap())
+
+
 @pytest.mark.parametrize("answer", [
     lambda g, t, w, a, b: 25 * 2**20,                                   # torch's default
     lambda g, t, w, a, b: sum(g),                                       # one bucket

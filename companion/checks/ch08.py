@@ -208,13 +208,30 @@ def _fixed_plan_cases() -> list[dict]:
                  weight_bytes=4, gpu="T4")]
 
 
+def _exact_fit_plan_cases() -> list[dict]:
+    """Two cases where the fastest rung that fits fills a memory exactly: a 6.65B GPT on an
+    A100 40GB (16-bit weights), whose gradients' rung (the fastest that fits) leaves exactly
+    the activations' bytes free on the GPU in the first and needs exactly the host's RAM in the
+    second. A fit tested with >= (a rung fits only with room to spare) chooses another rung."""
+    speeds = dataclasses.replace(cost.Speeds.for_gpu("A100 40GB", "bf16"), host_adam_rate=1e9)
+    layers = cost.gpt_layers(4096, 32, 1024, 50257, 4096, dtype_bytes=2)
+    memory = cost.gpus.gpu("A100 40GB").memory_bytes
+    placed = estimate.rung_placement(sum(l.params for l in layers), "gradients", weight_bytes=2,
+                                     largest_layer_params=max(l.params for l in layers))
+    base = dict(layers=layers, speeds=speeds, k=1, device_bytes=memory, disk_bandwidth=7e9,
+                weight_bytes=2, gpu="A100 40GB")
+    return [dict(base, host_bytes=2048 * 2**30, activation_bytes=memory - placed.device),
+            dict(base, host_bytes=placed.host, activation_bytes=10 * 2**30)]
+
+
 def _best_rung(layers, speeds, *, k, device_bytes, host_bytes, activation_bytes, disk_bandwidth,
                weight_bytes, first_fit=False, with_activations=True, with_host=True,
                time_k=None, time_bytes=None, part=None, memory=True, largest=True,
-               every=False):
+               every=False, strict=False):
     """The reference's decision, or a known mistake: the fastest rung (the least offloaded of
     equals) whose model states plus activations fit the device and whose host bytes fit RAM.
-    `every`: {rung: seconds} of every rung that fits instead."""
+    `every`: {rung: seconds} of every rung that fits instead; `strict`: a rung fits only with
+    bytes to spare (a known mistake)."""
     P = sum(l.params for l in layers if l.trainable)
     L = max(l.params for l in layers) if largest else 0
     tb = weight_bytes if time_bytes is None else time_bytes
@@ -224,8 +241,9 @@ def _best_rung(layers, speeds, *, k, device_bytes, host_bytes, activation_bytes,
         placed = estimate.rung_placement(P, rung, weight_bytes=weight_bytes,
                                          largest_layer_params=L)
         device = placed.device + (activation_bytes if with_activations else 0)
-        fits = not memory or (device <= device_bytes
-                              and (not with_host or placed.host <= host_bytes))
+        room = (lambda need, have: need < have) if strict else (lambda need, have: need <= have)
+        fits = not memory or (room(device, device_bytes)
+                              and (not with_host or room(placed.host, host_bytes)))
         if not fits:
             continue
         t = ladder[rung].total if part is None else getattr(ladder[rung], part)
@@ -263,6 +281,8 @@ def _wrong_plans(case: dict) -> dict:
         "with the parameters offloaded the device still holds a layer's weights and gradients, "
         "the one computing and the next: count the largest layer.":
             _best_rung(**kw, largest=False),
+        "a rung that needs exactly the bytes there are still fits: it must need at most the "
+        "device's bytes and at most the host's, no less.": _best_rung(**kw, strict=True),
     }
 
 
@@ -271,7 +291,8 @@ def check_offload_plan(answer) -> str:
     """answer(layers, speeds, *, k, device_bytes, host_bytes, activation_bytes, disk_bandwidth,
     weight_bytes) -> (rung, seconds): the rung of cost.OFFLOAD_RUNGS to train on and its
     predicted step time, or None when nothing fits."""
-    cases, chosen = _fixed_plan_cases() + _plan_cases(fresh_seeds(1)[0]), {}
+    cases = _exact_fit_plan_cases() + _fixed_plan_cases() + _plan_cases(fresh_seeds(1)[0])
+    chosen = {}
     for case in cases:
         kw = {k: v for k, v in case.items() if k != "gpu"}
         want, wrong_plans = _best_rung(**kw), _wrong_plans(case)
@@ -340,6 +361,11 @@ def _schedule_cases(seed: int) -> list[tuple]:
                                                      for g in range(n)]
         out.append((ready, *draw))
     return out
+
+
+# A fixed case, first: two groups ready at once whose every stage takes under a second (a
+# schedule whose link or CPU is taken to be free only from 1.0 ends late).
+_SHORT_SCHEDULE = ([0.0, 0.0], [0.1, 0.2], [0.3, 0.1], [0.2, 0.1])
 
 
 def _stage_by_stage(ready, down, step, up):
@@ -433,7 +459,7 @@ def check_offload_schedule(answer) -> str:
     """answer(ready, down, step, up) -> {(stage, g): start}: a schedule of every group's copy
     down, host step and copy up that uses no buffer before it is filled, one thing at a time
     per resource, and ends as early as the pipeline can."""
-    cases = _schedule_cases(fresh_seeds(1)[0])
+    cases = [_SHORT_SCHEDULE] + _schedule_cases(fresh_seeds(1)[0])
     saved = 0.0
     for ready, down, step, up in cases:
         where = (f"{len(ready)} group(s), ready {ready}, down {down}, step {step}, up {up}")
