@@ -36,8 +36,8 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["FP8", "amax_scale", "overflow_limit", "quantize", "dequantize", "DelayedScaling",
-           "block_absmax", "block_quantize", "mx_scales", "fp8_linears", "FP8Recipe"]
+__all__ = ["FP8", "amax_scale", "overflow_limit", "overflows", "quantize", "dequantize",
+           "DelayedScaling", "block_absmax", "block_quantize", "mx_scales", "fp8_linears", "FP8Recipe"]
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -64,22 +64,37 @@ _MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 
 
 def overflow_limit(fmt: str = "e4m3") -> float:
-    """The smallest magnitude that round-to-nearest cannot bring to the format's largest value:
-    the largest value plus half its ulp (464 for e4m3, 61440 for e5m2). Below it a value rounds
-    to a representable one (448.00003 is 448, not an overflow)."""
+    """Where round-to-nearest stops reaching the format's largest value: the largest value plus
+    half its ulp (464 for e4m3, 61440 for e5m2). Below it a value rounds to a representable one
+    (448.00003 is 448, not an overflow). The limit itself is a tie, which rounds to the even
+    mantissa: e4m3's 448 (1.110 x 2^8) is even, so 464 becomes 448; e5m2's 57344 (1.11 x 2^15) is
+    odd, so 61440 rounds up, past the range (`overflows` counts it)."""
     dtype = _dtype(fmt)
     top = torch.finfo(dtype).max
     return top + 2.0 ** (math.floor(math.log2(top)) - _MANTISSA[dtype]) / 2
 
 
+def _top_is_odd(dtype: torch.dtype) -> bool:
+    top = torch.finfo(dtype).max
+    return int(top / 2.0 ** (math.floor(math.log2(top)) - _MANTISSA[dtype])) % 2 == 1
+
+
+def overflows(scaled: torch.Tensor, fmt: str = "e4m3") -> int:
+    """How many values of `scaled` round-to-nearest-even cannot bring into the format's range
+    (NaN counts too): beyond `overflow_limit`, or on it when the tie rounds away from the top."""
+    dtype = _dtype(fmt)
+    limit = overflow_limit(fmt)
+    inside = scaled.abs() < limit if _top_is_odd(dtype) else scaled.abs() <= limit
+    return int((~inside).sum())
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str = "e4m3"
              ) -> tuple[torch.Tensor, int]:
-    """(x · scale cast to the FP8 format, how many values lay beyond its range before the cast,
-    `overflow_limit`, which the cast saturates or turns into inf without saying so)."""
+    """(x · scale cast to the FP8 format, how many values lay beyond its range before the cast
+    (`overflows`), which the cast saturates or turns into inf without saying so)."""
     dtype = _dtype(fmt)
     scaled = x.float() * torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    overflows = int((~(scaled.abs() < overflow_limit(fmt))).sum())       # NaN counts too
-    return scaled.to(dtype), overflows
+    return scaled.to(dtype), overflows(scaled, fmt)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

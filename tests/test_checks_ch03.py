@@ -13,12 +13,7 @@ from companion.checks.core import CheckFailed, evaluate
 from elsewhere import Elsewhere
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)           # tiny models: two threads on a loaded machine only wait
-    yield                              # (a check of exercise 1 took 0.63 s with 2, 0.02 s with 1)
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _reference_step(model, loss_fn, opt, x, y, k):

@@ -19,12 +19,7 @@ from companion.grader.child import _Monitor
 from companion.grader.withhold import MARK, Withheld, withheld_sources
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)           # small blocks: two threads on a loaded machine only wait
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _saved_bytes(fn, x):

@@ -44,6 +44,15 @@ def test_overflows_are_counted_before_the_cast_which_saturates_or_gives_inf():
     assert overflows == 1 and math.isinf(codes.float()[0])
 
 
+def test_a_tie_at_the_limit_rounds_to_even_and_counts_only_where_the_cast_leaves_the_range():
+    # e4m3: 464 lies halfway between 448 (mantissa 110, even) and 480 (not a value of e4m3fn)
+    codes, overflows = scaling.quantize(torch.tensor([464.0, -464.0, 464.0001]), 1.0, "e4m3")
+    assert overflows == 1 and codes.float().tolist() == [448.0, -448.0, 448.0]
+    # e5m2: 61440 lies halfway between 57344 (mantissa 11, odd) and 65536: the cast gives inf
+    codes, overflows = scaling.quantize(torch.tensor([61440.0, 61439.0]), 1.0, "e5m2")
+    assert overflows == 1 and math.isinf(codes.float()[0]) and codes.float()[1] == 57344.0
+
+
 def test_delayed_scaling_lags_a_spike_that_current_scaling_follows():
     delayed = scaling.DelayedScaling(history=4, fmt="e4m3", margin=1)   # 2x room, as TE's
     g = torch.Generator().manual_seed(1)

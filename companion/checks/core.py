@@ -129,7 +129,7 @@ class CheckInfo:
     name: str
     points: int
     timeout: float
-    module: str
+    module: str                         # the chapter's: companion.checks.chNN, package or module
     reference: tuple[str, ...] = ()     # companion functions an answer must not call
     function: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -446,7 +446,8 @@ def exercise(*, points: int = 1, timeout: float = 5.0,
         if name in REGISTRY:
             raise ValueError(f"two checks are named {name}; check names must be unique")
         refs = (reference,) if isinstance(reference, str) else tuple(reference)
-        REGISTRY[name] = CheckInfo(name, points, timeout, check.__module__, refs, check)
+        chapter = ".".join(check.__module__.split(".")[:3])     # a packaged chapter's submodule
+        REGISTRY[name] = CheckInfo(name, points, timeout, chapter, refs, check)
 
         @functools.wraps(check)
         def run(answer: Any = None, *args, timeout: float = timeout, **kwargs) -> None:
