@@ -8,7 +8,7 @@ from repeats import REVIEW_RUNS
 from companion import cost, estimate, offload
 from companion.checks.ch08 import (check_offload_hooks, check_offload_plan,
                                    check_offload_schedule, check_offloaded_step)
-from companion.checks.ch08 import _best_rung, _plan_cases
+from companion.checks.ch08.offload_plan import _best_rung, _plan_cases
 from companion.checks.core import CheckFailed
 
 
@@ -183,7 +183,7 @@ def _most_offloaded_of_equals(layers, speeds, **kw):
 
 
 def test_offload_plan_fixed_case_needs_the_largest_layer():
-    from companion.checks.ch08 import _fixed_plan_cases
+    from companion.checks.ch08.offload_plan import _fixed_plan_cases
     for case in _fixed_plan_cases():
         kw = {k: v for k, v in case.items() if k != "gpu"}
         assert _best_rung(**kw) is None and _best_rung(**kw, largest=False)[0] == "parameters"
@@ -225,7 +225,7 @@ def _plan_with_room_to_spare(device, host):
 
 
 def test_offload_plan_exact_fit_cases_fill_the_memory_with_the_fastest_rung():
-    from companion.checks.ch08 import _exact_fit_plan_cases
+    from companion.checks.ch08.offload_plan import _exact_fit_plan_cases
     for case in _exact_fit_plan_cases():
         kw = {k: v for k, v in case.items() if k != "gpu"}
         assert _best_rung(**kw)[0] == "gradients"
@@ -268,17 +268,17 @@ def _schedule(ready, down, step, up):
 
 
 def _stage_by_stage(ready, down, step, up):
-    from companion.checks.ch08 import _stage_by_stage as mistake
+    from companion.checks.ch08.pipeline import _stage_by_stage as mistake
     return mistake(ready, down, step, up)
 
 
 def _after_all_downs(ready, down, step, up):
-    from companion.checks.ch08 import _after_all_downs as mistake
+    from companion.checks.ch08.pipeline import _after_all_downs as mistake
     return mistake(ready, down, step, up)
 
 
 def _one_link(ready, down, step, up):
-    from companion.checks.ch08 import _one_link as mistake
+    from companion.checks.ch08.pipeline import _one_link as mistake
     return mistake(ready, down, step, up)
 
 
