@@ -12,6 +12,7 @@ from repeats import REVIEW_RUNS
 from companion import collectives
 from companion.cost import network
 from companion.checks import _collective_guard, ch06
+from companion.checks.ch06 import bucket_cap, bucketed_hooks
 from companion.checks.core import CheckFailed, NotDone
 
 
@@ -294,34 +295,34 @@ def test_late_launch_finds_the_first_bucket_held_back():
     grads = [("grad", 0)] * 3 + [("grad", 1)] + [("grad", 2)] * 2
     launches = [("launch", i, True, True) for i in range(3)]
     on_time = grads[:3] + launches[:1] + grads[3:4] + launches[1:2] + grads[4:] + launches[2:]
-    assert ch06._late_launch(on_time, [3, 1, 2]) is None
-    assert ch06._late_launch(grads + launches, [3, 1, 2]) == 0
+    assert bucketed_hooks._late_launch(on_time, [3, 1, 2]) is None
+    assert bucketed_hooks._late_launch(grads + launches, [3, 1, 2]) == 0
     late_middle = grads[:3] + launches[:1] + grads[3:4] + grads[4:] + launches[1:]
-    assert ch06._late_launch(late_middle, [3, 1, 2]) == 1
+    assert bucketed_hooks._late_launch(late_middle, [3, 1, 2]) == 1
     swapped = [("grad", 0), ("grad", 0), ("grad", 1), ("grad", 0)] + launches[:2] + grads[4:] \
         + launches[2:]                         # bucket 1's gradient first: both launch together
-    assert ch06._late_launch(swapped, [3, 1, 2]) is None
+    assert bucketed_hooks._late_launch(swapped, [3, 1, 2]) is None
 
 
 def test_early_launch_finds_a_bucket_started_before_its_last_gradient():
     launch = [("launch", i, True, True) for i in range(3)]
     grads = [("grad", b) for b in (0, 1, 1, 0, 2, 2)]
     in_order = grads[:4] + launch[:2] + grads[4:] + launch[2:]
-    assert ch06._early_launch(in_order, [2, 2, 2]) is None
+    assert bucketed_hooks._early_launch(in_order, [2, 2, 2]) is None
     counted_together = grads[:2] + launch[:1] + grads[2:4] + launch[1:2] + grads[4:] + launch[2:]
-    assert ch06._early_launch(counted_together, [2, 2, 2]) == \
+    assert bucketed_hooks._early_launch(counted_together, [2, 2, 2]) == \
         "bucket 0's all-reduce started with 1 of its 2 gradients in"
-    assert ch06._early_launch([("launch", -1, True, True)], [2]) is None   # not a bucket's size
+    assert bucketed_hooks._early_launch([("launch", -1, True, True)], [2]) is None   # not a bucket's size
 
 
 def _arrivals(kind, seed):
     """The bucket of each gradient of the check's case, in the order backward makes them."""
-    model, buckets = ch06._bucket_case(kind, seed)
+    model, buckets = bucketed_hooks._bucket_case(kind, seed)
     bucket_of = {p: i for i, bucket in enumerate(buckets) for p in bucket}
     seen = []
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: seen.append(bucket_of[p]))
-    ch06._bucket_loss(model, seed, 0, 0).backward()
+    bucketed_hooks._bucket_loss(model, seed, 0, 0).backward()
     return seen, [len(b) for b in buckets], [sum(p.numel() for p in b) for b in buckets]
 
 
@@ -338,10 +339,10 @@ def test_the_shuffled_case_makes_gradients_in_an_order_that_exposes_wrong_launch
     assert mlp == sorted(mlp)
 
 
-@pytest.mark.parametrize("pattern", range(len(ch06._ARRIVALS)))
+@pytest.mark.parametrize("pattern", range(len(bucketed_hooks._ARRIVALS)))
 def test_every_arrival_order_passes_the_reference_and_fails_each_wrong_launch(pattern,
                                                                              monkeypatch):
-    monkeypatch.setattr(ch06, "fresh_seeds", lambda n: [3000 + pattern])   # seed % 3: pattern
+    monkeypatch.setattr(bucketed_hooks, "fresh_seeds", lambda n: [3000 + pattern])   # seed % 3: pattern
     ch06.check_bucketed_hooks.__wrapped__(Averager)
     for answer in (AveragerInReadyOrder, AveragerOneLaunchPerHook, AveragerCountsAllGradients):
         with pytest.raises(CheckFailed, match="out of bucket order"):
@@ -445,7 +446,7 @@ def test_all_reduce_imported_by_name_before_the_check_is_watched_too():
     exec("class Answer:\n    pass", vars(module))
     sys.modules["early_answer"] = module
     try:
-        with ch06._watched_all_reduce([], [], []) as adopt:
+        with bucketed_hooks._watched_all_reduce([], [], []) as adopt:
             adopt(module.Answer)
             assert module.all_reduce is dist.all_reduce and module.all_reduce is not real
         assert module.all_reduce is real and dist.all_reduce is real       # restored
@@ -490,10 +491,10 @@ def cap_by_powers_of_two(grads, times, world, alpha, beta):
 
 def test_the_bucket_cap_check_passes_searches_of_the_schedule():
     ch06.check_bucket_cap(cap_by_search)
-    cases = [ch06._cap_case(seed) for seed in range(300)]            # fixed: no flaky draw
+    cases = [bucket_cap._cap_case(seed) for seed in range(300)]            # fixed: no flaky draw
     args = lambda c: (c["grads"], c["times"], c["world"], c["alpha"], c["beta"])
-    assert all(ch06._judge_cap(c, cap_by_search(*args(c)))[0] for c in cases[:40])
-    coarse = sum(ch06._judge_cap(c, cap_by_powers_of_two(*args(c)))[0] for c in cases)
+    assert all(bucket_cap._judge_cap(c, cap_by_search(*args(c)))[0] for c in cases[:40])
+    coarse = sum(bucket_cap._judge_cap(c, cap_by_powers_of_two(*args(c)))[0] for c in cases)
     assert coarse >= 0.98 * len(cases)        # a coarser search nearly always passes a case
 
 
@@ -529,12 +530,12 @@ def cap_of_equal_buckets(g, t, w, a, b):
 
 def test_the_fixed_cap_cases_tell_the_two_wrong_schedules():
     args = lambda c: (c["grads"], c["times"], c["world"], c["alpha"], c["beta"])
-    for seed in ch06._FIXED_CAP_SEEDS:
-        case = ch06._cap_case(seed)
-        assert ch06._judge_cap(case, cap_by_search(*args(case)))[0]
-        assert ch06._judge_cap(case, cap_by_powers_of_two(*args(case)))[0]
+    for seed in bucket_cap._FIXED_CAP_SEEDS:
+        case = bucket_cap._cap_case(seed)
+        assert bucket_cap._judge_cap(case, cap_by_search(*args(case)))[0]
+        assert bucket_cap._judge_cap(case, cap_by_powers_of_two(*args(case)))[0]
         for wrong in (cap_ready_at_first_gradient, cap_of_equal_buckets):
-            assert not ch06._judge_cap(case, float(wrong(*args(case))))[0]
+            assert not bucket_cap._judge_cap(case, float(wrong(*args(case))))[0]
 
 
 def test_the_bucket_cap_review_answers_20_runs():
@@ -546,6 +547,67 @@ def test_the_bucket_cap_review_answers_20_runs():
         for wrong in (cap_ready_at_first_gradient, cap_of_equal_buckets):
             with pytest.raises(CheckFailed, match="exposed"):
                 ch06.check_bucket_cap(wrong)
+
+
+def _choose_bucket_cap(ready_from=1, first_run=0, last_run=0, run_from=1):
+    """The notebook's solution with bench_mutants' survivors (issue 54) as options: gradient i
+    ready after backward_seconds[:i + ready_from]; the caps the sums of grad_bytes[i:j + last_run]
+    for i below len(grad_bytes) + first_run (-1: the runs that start at the last gradient left
+    out; with one gradient, no cap at all) and j from i + run_from."""
+    def choose_bucket_cap(grad_bytes, backward_seconds, world_size, alpha, beta):
+        ready = [sum(backward_seconds[:i + ready_from]) for i in range(len(backward_seconds))]
+
+        def exposed(cap):
+            end, size, last = 0.0, 0.0, None
+            for i, n in enumerate(grad_bytes + [None]):
+                if n is None or (size and size + n > cap):
+                    end = max(end, ready[last]) + network.all_reduce_seconds(
+                        size, world_size, alpha=alpha, beta=beta)
+                    size = 0.0
+                if n is not None:
+                    size, last = size + n, i
+            return end - ready[-1]
+
+        caps = {sum(grad_bytes[i:j + last_run]) for i in range(len(grad_bytes) + first_run)
+                for j in range(i + run_from, len(grad_bytes) + 1)}
+        return min(caps, key=lambda cap: (exposed(cap), cap))
+    return choose_bucket_cap
+
+
+_CAP_SURVIVORS = {
+    "ready one gradient early": dict(ready_from=0),
+    "ready one gradient late": dict(ready_from=2),
+    "no run starts at the last gradient": dict(first_run=-1),
+    "runs one gradient longer": dict(last_run=1),
+    "runs of two gradients or more": dict(run_from=2),
+}
+
+
+def test_the_small_cap_cases_pass_searches_and_fail_each_survivor():
+    args = lambda c: (list(c["grads"]), list(c["times"]), c["world"], c["alpha"], c["beta"])
+    for case in bucket_cap._SMALL_CAP_CASES:
+        for right in (cap_by_search, cap_by_powers_of_two, _choose_bucket_cap()):
+            assert bucket_cap._judge_cap(case, right(*args(case)))[0]
+    for options in _CAP_SURVIVORS.values():
+        wrong = _choose_bucket_cap(**options)
+        failed = 0
+        for case in bucket_cap._SMALL_CAP_CASES:
+            try:
+                failed += not bucket_cap._judge_cap(case, wrong(*args(case)))[0]
+            except ValueError:                          # min() of no caps: one gradient
+                failed += 1
+        assert failed >= 1, options
+
+
+@pytest.mark.parametrize("survivor", _CAP_SURVIVORS)
+def test_the_bucket_cap_check_fails_each_survivor_every_time(survivor):
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="exposed|raised ValueError"):
+            ch06.check_bucket_cap(_choose_bucket_cap(**_CAP_SURVIVORS[survivor]))
+
+
+def test_the_bucket_cap_check_passes_the_notebooks_solution():
+    ch06.check_bucket_cap(_choose_bucket_cap())
 
 
 @pytest.mark.parametrize("answer", [
@@ -574,7 +636,7 @@ def test_the_bucket_cap_check_rejects_what_is_not_a_cap(answer, match):
 
 
 def test_the_bucket_cap_cases_span_the_kinds_and_the_best_cap_is_the_brute_force_one():
-    from companion.checks.ch06 import _best_cap, _cap_case, _exposed_at
+    from companion.checks.ch06.bucket_cap import _best_cap, _cap_case, _exposed_at
 
     cases = [_cap_case(seed) for seed in range(40)]
     assert {c["kind"] for c in cases} == {"uniform", "embedding last", "head first", "mixed"}

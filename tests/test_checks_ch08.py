@@ -8,7 +8,7 @@ from repeats import REVIEW_RUNS
 from companion import cost, estimate, offload
 from companion.checks.ch08 import (check_offload_hooks, check_offload_plan,
                                    check_offload_schedule, check_offloaded_step)
-from companion.checks.ch08 import _best_rung, _plan_cases
+from companion.checks.ch08.offload_plan import _best_rung, _plan_cases
 from companion.checks.core import CheckFailed
 
 
@@ -163,6 +163,7 @@ def _wrong_plan(**options):
     (_wrong_plan(part="compute"), r"not the\s+compute alone"),
     (_wrong_plan(memory=False), "must fit before"),
     (_wrong_plan(largest=False), "count the largest layer"),
+    (_wrong_plan(strict=True), "needs exactly the bytes there are still fits"),
     (lambda layers, speeds, **kw: (_best_rung(layers, speeds, **kw) or (None,))[0],
      r"expected \(rung, seconds\)"),
 ])
@@ -182,7 +183,7 @@ def _most_offloaded_of_equals(layers, speeds, **kw):
 
 
 def test_offload_plan_fixed_case_needs_the_largest_layer():
-    from companion.checks.ch08 import _fixed_plan_cases
+    from companion.checks.ch08.offload_plan import _fixed_plan_cases
     for case in _fixed_plan_cases():
         kw = {k: v for k, v in case.items() if k != "gpu"}
         assert _best_rung(**kw) is None and _best_rung(**kw, largest=False)[0] == "parameters"
@@ -198,6 +199,46 @@ def test_offload_plan_review_answers_20_runs():
         with pytest.raises(CheckFailed, match="nothing fits") as failed:
             check_offload_plan(_wrong_plan(largest=False))
         assert "count the largest layer" in failed.value.hint
+
+
+def _plan_with_room_to_spare(device, host):
+    """The notebook's solution with a fit that needs bytes to spare: on the device (`device`)
+    or on the host (`host`); bench_mutants' survivors (issue 54), > turned >=."""
+    def plan_offload(layers, speeds, *, k, device_bytes, host_bytes, activation_bytes,
+                     disk_bandwidth, weight_bytes):
+        n = sum(l.params for l in layers)
+        largest_layer = max(l.params for l in layers)
+        times = cost.offload_ladder(layers, speeds, k=k, weight_bytes=weight_bytes,
+                                    grad_bytes=weight_bytes, disk_bandwidth=disk_bandwidth)
+        best = None
+        for rung in cost.OFFLOAD_RUNGS:
+            placed = estimate.rung_placement(n, rung, weight_bytes=weight_bytes,
+                                             largest_layer_params=largest_layer)
+            on_device = placed.device + activation_bytes
+            if (on_device >= device_bytes if device else on_device > device_bytes) or (
+                    placed.host >= host_bytes if host else placed.host > host_bytes):
+                continue
+            if best is None or times[rung].total < best[1]:
+                best = (rung, times[rung].total)
+        return best
+    return plan_offload
+
+
+def test_offload_plan_exact_fit_cases_fill_the_memory_with_the_fastest_rung():
+    from companion.checks.ch08.offload_plan import _exact_fit_plan_cases
+    for case in _exact_fit_plan_cases():
+        kw = {k: v for k, v in case.items() if k != "gpu"}
+        assert _best_rung(**kw)[0] == "gradients"
+        assert _best_rung(**kw, strict=True)[0] != "gradients"
+        assert _plan(**kw) == _best_rung(**kw)
+
+
+@pytest.mark.parametrize("device, host", [(True, False), (False, True), (True, True)])
+def test_offload_plan_fails_a_fit_that_needs_bytes_to_spare_every_time(device, host):
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="the fastest rung that fits is 'gradients'") as e:
+            check_offload_plan(_plan_with_room_to_spare(device, host))
+        assert "needs exactly the bytes there are still fits" in e.value.hint
 
 
 def test_offload_plan_with_seconds_that_are_not_a_number_fails_clearly():
@@ -227,17 +268,17 @@ def _schedule(ready, down, step, up):
 
 
 def _stage_by_stage(ready, down, step, up):
-    from companion.checks.ch08 import _stage_by_stage as mistake
+    from companion.checks.ch08.pipeline import _stage_by_stage as mistake
     return mistake(ready, down, step, up)
 
 
 def _after_all_downs(ready, down, step, up):
-    from companion.checks.ch08 import _after_all_downs as mistake
+    from companion.checks.ch08.pipeline import _after_all_downs as mistake
     return mistake(ready, down, step, up)
 
 
 def _one_link(ready, down, step, up):
-    from companion.checks.ch08 import _one_link as mistake
+    from companion.checks.ch08.pipeline import _one_link as mistake
     return mistake(ready, down, step, up)
 
 
@@ -295,6 +336,28 @@ def test_schedule_groups_by_hand():
 def test_offload_schedule_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
         check_offload_schedule(wrong)
+
+
+def _schedule_with_links_free_from(down, step, up):
+    """The notebook's solution with the link down, the CPU and the link up taken to be free
+    only from the given times (bench_mutants' survivor, issue 54: the link up from 1.0)."""
+    def schedule(ready, down_s, step_s, up_s):
+        starts, free = {}, {"down": down, "step": step, "up": up}
+        for g in range(len(ready)):
+            at = ready[g]
+            for stage, seconds in (("down", down_s), ("step", step_s), ("up", up_s)):
+                starts[(stage, g)] = max(at, free[stage])
+                at = free[stage] = starts[(stage, g)] + seconds[g]
+        return starts
+    return schedule
+
+
+@pytest.mark.parametrize("free", [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0)])
+def test_offload_schedule_fails_a_resource_busy_at_the_start_every_time(free):
+    check_offload_schedule(_schedule_with_links_free_from(0.0, 0.0, 0.0))
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match=r"2 group\(s\), ready \[0.0, 0.0\].*the pipeline can"):
+            check_offload_schedule(_schedule_with_links_free_from(*free))
 
 
 # ---------------------------------------------------------------- exercise 4: pack and unpack

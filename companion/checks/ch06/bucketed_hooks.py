@@ -1,13 +1,8 @@
-"""Checks for chapter 06 (data parallelism). Every answer runs in real gloo worker processes.
-
-The learner's function must be importable by the workers: in the notebook the exercise cell starts
-with `%%worker_module NAME`, which writes it to a module. A rank that raises, hangs or returns
-garbage becomes a CheckFailed that names the rank.
-"""
+"""Chapter 06, exercise 2: gradient hooks that all-reduce buckets while backward runs, on 2
+gloo ranks."""
 from __future__ import annotations
 
 import contextlib
-import math
 import pickle
 import sys
 from typing import Any
@@ -17,105 +12,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d as c10d
 
-from companion import collectives
-from companion.cost import network
 from companion.checks import _ranks
-from companion.checks._collective_guard import point_to_point_only, ring_direction
-from companion.checks.core import CheckFailed, compare, exercise, fresh_seeds, require
+from companion.checks.core import compare, exercise, fresh_seeds, require
 
-__all__ = ["check_ring_all_reduce", "check_bucketed_hooks", "check_bucket_cap"]
+__all__ = ["check_bucketed_hooks"]
 
-
-# ---------------------------------------------------------------- exercise 1: ring all-reduce
-
-def _ring_worker(rank: int, world_size: int, packed: bytes, seed: int, lengths: list[int]):
-    results, log = [], []
-    with point_to_point_only(log):
-        answer = pickle.loads(packed)        # imported after patching: `from dist import send`
-        for numel in lengths:
-            tensor = _ranks.rank_tensor(seed, rank, numel)
-            del log[:]
-            returned = answer(tensor)
-            results.append((tensor, list(log), returned is None or returned is tensor))
-    return results
-
-
-def _ring_on_ranks(world: int, packed: bytes, seed: int, lengths: list[int], timeout: float):
-    """The ring worker on `world` ranks; ranks that hang fail with what makes a ring hang."""
-    try:
-        return _ranks.on_ranks(_ring_worker, world, packed, seed, lengths, timeout=timeout)
-    except CheckFailed as e:
-        if "did not finish" not in e.summary:
-            raise
-        raise CheckFailed(f"{e.summary} (on {world} ranks)", hint=(
-            "a blocking dist.send or dist.recv returns only once the neighbour has posted the "
-            "matching call (gloo holds a send until its receiver is ready, and NCCL may): if "
-            "every rank sends first, or every rank receives first, each waits for a neighbour "
-            "that is doing the same; if one side skips an empty chunk that the other still "
-            "sends or receives, that rank waits forever. Start each step's send without waiting "
-            "(dist.isend, wait() after the recv; or dist.batch_isend_irecv), or let even ranks "
-            "send first while odd ranks receive first.")) from None
-
-
-def _chunk_hint(got: torch.Tensor, expected: torch.Tensor, own: torch.Tensor) -> str:
-    if torch.allclose(got, own):
-        return "the tensor is unchanged: write the sum into it in place (tensor.copy_(...))."
-    right = float(torch.isclose(got, expected, rtol=1e-4, atol=1e-5).float().mean())
-    return (f"{right:.0%} of the elements are right: chunks are sent too early or land in the "
-            "wrong slot. In step s of reduce-scatter, send chunk (rank - s) % N and add into chunk "
-            "(rank - s - 1) % N; in all-gather, send (rank + 1 - s) % N, receive (rank - s) % N.")
-
-
-def _judge_ring_traffic(sends: list[list[tuple[int, int]]], numel: int) -> None:
-    """Each rank sent at most 2(N-1)·ceil(numel/N) elements, all to one ring neighbour, and the
-    ranks together exactly 2(N-1) chunks' worth: 2(N-1)·numel elements (or with chunks padded to
-    ceil(numel/N), 2(N-1)·N·ceil)."""
-    world = len(sends)
-    sent = [sum(b for _, b in log) for log in sends]
-    limit, chunk = 2 * (world - 1) * math.ceil(numel / world) * 4, math.ceil(numel / world)
-    hint = ("send one chunk (1/N of the tensor) per step, 2(N-1) steps, with dist.isend / "
-            "dist.send; sending whole tensors to one rank is the naive all-reduce.")
-    for rank in range(world):
-        require(sent[rank] <= limit, f"rank {rank} sent {sent[rank]} bytes for a {numel * 4}-"
-                f"byte tensor on {world} ranks; a ring sends 2(N-1)/N·S, at most {limit}",
-                hint=hint)
-    ring = [2 * (world - 1) * numel * 4, 2 * (world - 1) * world * chunk * 4]
-    require(sum(sent) in ring, f"the {world} ranks sent {sum(sent)} bytes in all for a "
-            f"{numel * 4}-byte tensor; a ring sends exactly 2(N-1)·S = {ring[0]}", hint=hint)
-    for rank in range(world):
-        require(not sends[rank] or ring_direction(sends[rank], rank, world) is not None,
-                f"rank {rank} sent to ranks {sorted({peer for peer, _ in sends[rank]})}, not "
-                "only to its neighbour", hint="in a ring, rank r sends only to its right "
-                "neighbour (r + 1) % N and receives from its left one.")
-
-
-@exercise(points=2, timeout=90.0, reference=("companion.collectives.ring_all_reduce",
-                                             "companion.collectives.naive_all_reduce",
-                                             "companion.collectives.ring_reduce_scatter",
-                                             "companion.collectives.ring_all_gather"))
-def check_ring_all_reduce(answer, *, worker_timeout: float = 20.0) -> str:
-    """answer(tensor, group=None): sum `tensor` over all ranks in place, with a ring of sends."""
-    packed, seed = _ranks.packed(answer), fresh_seeds(1)[0]
-    lengths = [1001, 12, 5, 2, 1]           # the long one first: its failure says most
-    for world in (2, 3):
-        per_rank = _ring_on_ranks(world, packed, seed, lengths, worker_timeout)
-        for i, numel in enumerate(lengths):
-            expected = sum(_ranks.rank_tensor(seed, r, numel) for r in range(world))
-            for rank in range(world):
-                got, sends, in_place = per_rank[rank][i]
-                compare(got, expected, name=f"rank {rank}'s tensor ({numel} elements, "
-                        f"{world} ranks)", hint=_chunk_hint(got, expected,
-                                                           _ranks.rank_tensor(seed, rank, numel)))
-                require(in_place, "return nothing (None): the result goes into the tensor itself")
-            _judge_ring_traffic([r[i][1] for r in per_rank], numel)
-    s = 1001 * 4
-    return (f"matches the sum on 2 and 3 ranks for {len(lengths)} lengths; each of 3 ranks sent "
-            f"{sum(b for _, b in per_rank[0][0][1])} bytes for a {s}-byte tensor (2(N-1)/N·S = "
-            f"{collectives.ring_bytes_per_rank(s, 3):.0f}; the naive root sends "
-            f"{collectives.naive_root_bytes(s, 3)})")
-
-
-# ---------------------------------------------------------------- exercise 2: bucketed hooks
 
 _ARRIVALS = [(0, 1, 1, 0, 2, 2), (1, 0, 2, 1, 0, 2), (1, 1, 0, 2, 0, 2)]   # bucket of each
 # gradient, in the order they arrive: bucket 1 is complete before bucket 0, 2 completes last
@@ -372,103 +273,3 @@ def check_bucketed_hooks(answer, *, worker_timeout: float = 20.0) -> str:
             "once, asynchronously, in bucket order, launched from the hook that completed it "
             "(and the buckets before it) while backward was still running, and waited for only "
             "in finish(); every rank left with the average")
-
-
-# ---------------------------------------------------------------- exercise 3: choose the cap
-
-def _cap_case(seed: int) -> dict:
-    """A model's gradients in backward order (bytes, backward seconds each), N and a fit: uniform
-    stacks, a huge embedding gradient arriving last, a huge output layer first, fast and slow
-    backward passes, gloo-like and NCCL-like latencies."""
-    import random
-
-    rng = random.Random(seed)
-    kind = rng.choice(["uniform", "embedding last", "head first", "mixed"])
-    layers = rng.randint(12, 48)
-    each = rng.choice([2**18, 2**20, 4 * 2**20])
-    grads = [float(each * rng.choice([1, 1, 1, 2]) if kind == "mixed" else each)
-             for _ in range(layers)]
-    if kind == "embedding last":
-        grads.append(float(rng.randint(layers // 2, 2 * layers) * each))
-    if kind == "head first":
-        grads.insert(0, float(rng.randint(layers // 2, 2 * layers) * each))
-    world = rng.choice([2, 4, 8, 64])
-    alpha = rng.choice([8e-6, 3e-5, 2e-4, 1e-3])
-    beta = 1 / rng.choice([1e9, 10e9, 50e9, 200e9])
-    one = network.all_reduce_seconds(sum(grads), world, alpha=alpha, beta=beta)
-    backward = one * rng.choice([0.2, 1.0, 3.0, 10.0])           # comm-bound .. compute-bound
-    weights = [g ** rng.choice([0.5, 1.0]) for g in grads]
-    times = [backward * w / sum(weights) for w in weights]
-    return {"kind": kind, "grads": grads, "times": times, "world": world, "alpha": alpha,
-            "beta": beta}
-
-
-def _exposed_at(case: dict, cap: float) -> float:
-    return network.bucketed_exposed(case["grads"], case["times"], case["world"],
-                                    alpha=case["alpha"], beta=case["beta"], cap_bytes=cap)
-
-
-def _best_cap(case: dict) -> tuple[float, float]:
-    """(cap, exposed seconds) of the best cap: every bucketing a cap can make is made by a cap
-    equal to the bytes of some run of consecutive gradients."""
-    g = case["grads"]
-    caps = {sum(g[i:j]) for i in range(len(g)) for j in range(i + 1, len(g) + 1)}
-    return min(((c, _exposed_at(case, c)) for c in caps), key=lambda x: (x[1], x[0]))
-
-
-def _judge_cap(case: dict, cap: float,
-               best: tuple[float, float] | None = None) -> tuple[bool, float, float, float]:
-    """(good enough, the cap's exposed seconds, the best cap, its exposed seconds; `best`: the
-    best (cap, exposed seconds), when found already): good enough is at most 1.5x the best's
-    exposure plus 5% of one whole all-reduce (a search over powers of two passed all of 300 fixed
-    cases, and fails about 3 check calls in 100 on fresh ones)."""
-    best, best_exposed = best or _best_cap(case)
-    mine = _exposed_at(case, cap)
-    one = network.all_reduce_seconds(sum(case["grads"]), case["world"], alpha=case["alpha"],
-                                     beta=case["beta"])
-    return mine <= 1.5 * best_exposed + 0.05 * one, mine, best, best_exposed
-
-
-# Fixed cases (seeds of _cap_case), where a schedule that takes a bucket as ready at its first
-# gradient and equal buckets of network.best_bucket_count's count both leave at least 1.56x the
-# exposure the judgement allows, and a search over powers of two passes: a uniform stack of 24,
-# an early large head (31) and another uniform stack of 28 (tests/test_checks_ch06.py checks it).
-_FIXED_CAP_SEEDS = (55, 60, 89)
-
-
-@exercise(points=2, timeout=60.0, reference=("companion.cost.network.bucketed_exposed",))
-def check_bucket_cap(answer) -> str:
-    """answer(grad_bytes, backward_seconds, world_size, alpha, beta) -> a bucket cap in bytes.
-    grad_bytes[i] is the i-th gradient backward makes (in that order) and backward_seconds[i]
-    the time backward spends making it; buckets hold at most the cap (one larger gradient gets a
-    bucket of its own), each is all-reduced by a ring as soon as it is complete and the link is
-    free. Judged by the communication left after backward ends: at most 1.5x the best cap's
-    plus 5% of one whole all-reduce, on models, world sizes and links the notebook does not
-    show."""
-    from companion.checks.core import call
-
-    for seed in _FIXED_CAP_SEEDS + tuple(fresh_seeds(12)):
-        case = _cap_case(seed)
-        best = _best_cap(case)
-        got = call(answer, list(case["grads"]), list(case["times"]), case["world"],
-                   case["alpha"], case["beta"])
-        require(isinstance(got, (int, float)) and not isinstance(got, bool) and
-                math.isfinite(got) and got > 0,
-                f"expected a positive number of bytes, got {got!r}",
-                hint="return the cap itself, e.g. 8 * 2**20 for 8 MiB.")
-        good, mine, best, best_exposed = _judge_cap(case, float(got), best)
-        if not good:
-            n_mine = len(network.buckets(case["grads"], float(got)))
-            n_best = len(network.buckets(case["grads"], best))
-            raise CheckFailed(
-                f"{case['kind']} model, {len(case['grads'])} gradients, N = {case['world']}, "
-                f"α = {case['alpha'] * 1e6:.0f} µs, {1 / case['beta'] / 1e9:.0f} GB/s, backward "
-                f"{sum(case['times']) * 1e3:.2f} ms: your cap of {got:,.0f} B makes {n_mine} "
-                f"bucket(s) and leaves {mine * 1e3:.3f} ms exposed; a cap of {best:,.0f} B "
-                f"({n_best} bucket(s)) leaves {best_exposed * 1e3:.3f} ms",
-                seed=seed, hint="the answer depends on when each gradient is ready and what "
-                "each bucket costs on the link: try the caps that change the bucketing and "
-                "keep the one whose last all-reduce ends soonest after backward.")
-    return ("within 1.5x of the best cap's exposed communication on 15 models (uniform, a late "
-            "embedding gradient, an early large head, mixed sizes) at N from 2 to 64 and links "
-            "from gloo-like to NCCL-like")
