@@ -34,6 +34,7 @@ import functools
 import html
 import pathlib
 import random
+import re
 import signal
 import sysconfig
 import threading
@@ -129,7 +130,7 @@ class CheckInfo:
     name: str
     points: int
     timeout: float
-    module: str
+    module: str                         # the chapter's check module (its package, when split)
     reference: tuple[str, ...] = ()     # companion functions an answer must not call
     function: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -446,7 +447,10 @@ def exercise(*, points: int = 1, timeout: float = 5.0,
         if name in REGISTRY:
             raise ValueError(f"two checks are named {name}; check names must be unique")
         refs = (reference,) if isinstance(reference, str) else tuple(reference)
-        REGISTRY[name] = CheckInfo(name, points, timeout, check.__module__, refs, check)
+        # the chapter's module: a chapter split into one module per exercise (a package) is
+        # named by its package, as the notebooks import it
+        module = re.sub(r"^(companion\.checks\.ch\d\d)\..*", r"\1", check.__module__)
+        REGISTRY[name] = CheckInfo(name, points, timeout, module, refs, check)
 
         @functools.wraps(check)
         def run(answer: Any = None, *args, timeout: float = timeout, **kwargs) -> None:
