@@ -16,6 +16,7 @@ import inspect
 import json
 import os
 import pickle
+import pkgutil
 import resource
 import signal
 import sys
@@ -117,8 +118,11 @@ _TARGETS: dict[tuple[str, str], Any] = {}      # taken before any learner code r
 def _capture(modules: list[str]) -> None:
     """Import the chapter's check modules and keep their functions as they are now: a cell that
     rebinds `core.call` or a harness later does not change what the grader's requests run."""
-    for name in ["companion.checks.core", *modules]:
+    names = ["companion.checks.core", *modules]
+    for name in names:
         module = importlib.import_module(name)
+        names += [f"{name}.{m.name}" for m in      # a chapter split into one module per
+                  pkgutil.iter_modules(getattr(module, "__path__", []))]   # exercise
         for attr, value in vars(module).items():
             if callable(value) and getattr(value, "__module__", None) == name:
                 _TARGETS[name, attr] = _unwrapped(value)
