@@ -125,6 +125,45 @@ def test_replay_loss_scale_wrong_answers_fail(wrong, hint):
             check_replay_loss_scale(wrong)
 
 
+def _fp32_replay(past_65520=False, reset_when_blocked=True):
+    """The independent review's replay (issue 54): the product amax * scale in float32, overflow
+    from 65520 on (`past_65520`: only beyond it, the review's wrong answer); with
+    `reset_when_blocked=False` the count is not reset when float32 stops the growth, an honest
+    variant (no growth is possible until a backoff resets it)."""
+    def replay(amaxes, init_scale, growth_interval):
+        top, scale, clean, steps = torch.finfo(torch.float32).max, init_scale, 0, []
+        for amax in amaxes:
+            prod = float(torch.tensor(amax, dtype=torch.float32) *
+                         torch.tensor(scale, dtype=torch.float32))
+            over = not math.isfinite(prod) or (abs(prod) > 65520 if past_65520 else
+                                               abs(prod) >= 65520)
+            steps.append((scale, not over))
+            if over:
+                scale, clean = scale * 0.5, 0
+            else:
+                clean += 1
+                if clean == growth_interval:
+                    if scale * 2 <= top:
+                        scale, clean = scale * 2, 0
+                    elif reset_when_blocked:
+                        clean = 0
+        return steps
+    return replay
+
+
+def test_replay_loss_scale_fails_an_overflow_past_65520_every_time():
+    """65520 is the tie between 65504 and 65536 that fp16 rounds up to inf (the review passed
+    `> 65520` 11 of 11 runs: the traces had 65505-65519 and 65521-65530 but not 65520)."""
+    assert torch.tensor(65520.0).half().isinf() and torch.tensor(65519.99).half() == 65504
+    honest = [replay_loss_scale, _python_floats, _fp32_replay(),
+              _fp32_replay(reset_when_blocked=False)]
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="exactly 65520"):
+            check_replay_loss_scale(_fp32_replay(past_65520=True))
+        for right in honest:
+            check_replay_loss_scale(right)
+
+
 def test_replay_loss_scale_failure_shows_the_skips():
     with pytest.raises(CheckFailed, match=r"S: skipped, expected [.S]+\)"):
         check_replay_loss_scale(_with(always_step=True))
@@ -327,6 +366,29 @@ def test_pick_layout_wrong_answers_fail(wrong, hint):
     assert hits >= 4, (hint, failed.value.summary, failed.value.hint)    # 2 regimes can tie
 
 
+def _adamw_three_states(n_params, optimizer, micro_batches, gpu_bytes, activation_bytes):
+    """The independent review's wrong answer (issue 54; 13 of 46 runs passed while AdamW was
+    drawn against Adam): AdamW counted with a third state for its weight decay."""
+    states = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 3}[optimizer]
+    need = (2 + 4 + 4 * states + (2 if micro_batches == 1 else 4)) * n_params
+    return ("master" if micro_batches == 1 else "main_grad", need) \
+        if need <= gpu_bytes - activation_bytes else (None, 0)
+
+
+def _by_bytes_per_parameter(n, optimizer, k, gpu, act):
+    """The review's honest variant: a table of bytes per parameter, no estimate."""
+    per = (8 if k == 1 else 10) + 4 * STATES[optimizer]
+    return ("master" if k == 1 else "main_grad", per * n) if per * n <= gpu - act else (None, 0)
+
+
+def test_adamw_with_a_third_state_fails_every_run():
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="AdamW differs from Adam only"):
+            check_bf16_layout(_adamw_three_states)
+        check_bf16_layout(bf16_layout)
+        check_bf16_layout(_by_bytes_per_parameter)
+
+
 @pytest.mark.parametrize("few", [2, 4, 8])
 def test_16_bit_gradients_for_a_few_micro_batches_fail_every_run(few):
     # 'master' while k <= 4 passed 4 of 6 runs when every k > 1 was drawn from 2..64 (the
@@ -368,6 +430,10 @@ def test_autocast_activation_bytes_reference_passes():
     (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) - 2 * B * d, "input batch"),
     (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 2 * L * B * W,
      "count it once"),
+    # the review's fp32 ReLU outputs: the same number as a ReLU output counted twice, so the hint
+    # names both
+    (lambda B, d, W, L, K: 2 * B * d + 2 * ((L - 1) * W * W + W * K) + 4 * L * B * W + 4 * B * K
+     + 4, r"count it once; \(2\) a ReLU after a 16-bit Linear: what dtype"),
     (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 2 * B * K,
      "16-bit logits are not saved"),
     (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 2 * ((L - 1) * W + K),
@@ -489,30 +555,62 @@ def test_to_e4m3_fails_a_scale_from_a_bf16_or_small_amax_every_time(wrong, hint)
         check_to_e4m3(to_e4m3)
 
 
-def test_to_e4m3_counting_from_464_on_passes_every_time():
+def _counted_from_464_on(x, amax):
+    codes, scale, _ = to_e4m3(x, amax)
+    return codes, scale, int(((x.float() * scale).abs() >= 464).sum())
+
+
+def _float64_product(x, amax):
+    """Honest (the statement names no dtype for the product): x * scale in float64, then cast;
+    it rounds some bf16 products to the other side of an e4m3 midpoint than float32's does."""
+    amax = float(amax)
+    scale = 448.0 / amax if amax > 0 and math.isfinite(amax) else 1.0
+    scaled = x.double() * scale
+    return scaled.to(torch.float8_e4m3fn), scale, int((scaled.abs() > 464).sum())
+
+
+def test_to_e4m3_fails_counting_from_464_on_every_time():
     """`>= 464` for `> 464` differs only at 464 itself, the tie that round-to-nearest-even takes to
-    448 (equivalent.toml): the check leaves that tie out."""
+    448; the exercise asks where "could not represent" begins, so the tie is graded (the review
+    passed `>=` in every run while the check's values beside the limit were 463.9 and 464.1)."""
+    assert torch.tensor([464.0, -464.0]).to(torch.float8_e4m3fn).float().abs().tolist() == \
+        [448.0, 448.0]
     for _ in range(20):
-        check_to_e4m3(lambda x, amax: to_e4m3(x, amax)[:2] + (
-            int(((x.float() * to_e4m3(x, amax)[1]).abs() >= 464).sum()),))
+        with pytest.raises(CheckFailed, match="exactly 464"):
+            check_to_e4m3(_counted_from_464_on)
+        check_to_e4m3(to_e4m3)
+
+
+def test_to_e4m3_a_float64_product_passes_every_time():
+    """The review's false failure (11 of 11 runs): the bf16 case with amax 13, where the float64
+    product and float32's cast some values to neighbouring codes; both are accepted."""
+    x = torch.linspace(-13.0, 13.0, 4001).bfloat16()
+    assert not torch.equal(to_e4m3(x, torch.tensor(13.0))[0].float(),
+                           _float64_product(x, torch.tensor(13.0))[0].float()), "no midpoint hit"
+    for _ in range(20):
+        check_to_e4m3(_float64_product)
+        check_to_e4m3(to_e4m3)
 
 
 # ---------------------------------------------------------------- current or delayed scaling
 
 def choose_scaling(trace, history, *, with_own=False, own_first=False, by="both", limit=464.0,
-                   count_after_cast=False, current_from=0, worse_than=float.__gt__, factor=2.0):
+                   count_after_cast=False, current_from=0, worse_than=float.__gt__, factor=2.0,
+                   longer=0, mean_error=False):
     """The notebook's solution; the keywords make the known-wrong ones."""
     amaxes = [float(x.abs().max()) for x in trace]
     overflows, worse = 0, False
     for t, x in enumerate(trace):
-        window = amaxes[max(0, t - history + with_own):t + with_own]
+        window = amaxes[max(0, t - history - longer + with_own):t + with_own]
         errors = []
         for amax in (amaxes[t + current_from],
                      max(window) if window else amaxes[t] if own_first else None):
             scale = 448.0 / amax if amax else 1.0
             scaled = x.float() * scale
             codes = scaled.to(torch.float8_e4m3fn)
-            errors.append(float((codes.float() / scale - x).norm() / x.norm()))
+            back = codes.float() / scale
+            errors.append(float(((back - x).abs() / x.abs().clamp_min(1e-30)).mean()
+                                if mean_error else (back - x).norm() / x.norm()))
             over = int(((codes.float() if count_after_cast else scaled).abs() > limit).sum())
         overflows += over
         worse |= worse_than(errors[1], factor * errors[0])
@@ -553,6 +651,19 @@ def test_choose_scaling_wrong_answers_fail(wrong, hint):
     (dict(worse_than=float.__ge__), "both recipes' errors are 0"),   # 0 is within 2 x 0
 ])
 def test_choose_scaling_fails_the_fixed_traces_mistakes_every_time(wrong, hint):
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match=hint):
+            check_choose_scaling(lambda t, h: choose_scaling(t, h, **wrong))
+        check_choose_scaling(choose_scaling)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    # the independent review's (issue 54): a window of history + 1 steps passed 31 of 36 runs, a
+    # mean of each value's relative error for the norm ratio 16 of 16
+    (dict(longer=1), "count the steps your slice holds"),
+    (dict(mean_error=True), "An average of each value's own relative error"),
+])
+def test_choose_scaling_fails_the_reviews_mistakes_every_time(wrong, hint):
     for _ in range(20):
         with pytest.raises(CheckFailed, match=hint):
             check_choose_scaling(lambda t, h: choose_scaling(t, h, **wrong))

@@ -32,8 +32,9 @@ def _mlp_variants(B: int, d_in: int, W: int, L: int, K: int) -> dict[str, int]:
         "fp32, 4 bytes.": ref - 2 * B * K,
         "the first Linear saves the 16-bit copy of the input batch (batch · d_in · 2 bytes).":
             ref - 2 * B * d_in,
-        "the ReLU's output and the next Linear's input are one tensor: count it once.":
-            ref + 2 * L * B * W,
+        "one of two things about the ReLU outputs: (1) the ReLU's output and the next Linear's "
+        "input are one tensor: count it once; (2) a ReLU after a 16-bit Linear: what dtype is "
+        "its output in?": ref + 2 * L * B * W,
         "the 16-bit logits are not saved: cross_entropy casts them to fp32 and saves its "
         "log-softmax.": ref + 2 * B * K,
         "a Linear does not save its bias (its gradient is a sum of the output gradient).":

@@ -82,6 +82,9 @@ def _bytes_mistakes(n: int, optimizer: str, layout: str) -> dict[str, int]:
             right - 4 * n if layout != "bf16" else right,
         "main_grad replaces the bf16 .grad (each one is added in and freed): 4 bytes of "
         "gradient, not 2 + 4.": right + 2 * n if layout == "main_grad" else right,
+        "AdamW differs from Adam only in where its weight decay goes (onto the weights, not into "
+        "the gradient): does that need a state tensor of its own?":
+            right + (4 if layout != "bf16" else 2) * n if optimizer == "adamw" else right,
     }
 
 
@@ -92,13 +95,15 @@ _GPUS = {"24 GiB": 24 * 2**30, "40 GiB": 40 * 2**30, "80 GiB (H100)": 80 * 2**30
 def _pick_cases(seed: int) -> list[tuple[int, str, int, int, int]]:
     """(n_params, optimizer, micro_batches, gpu_bytes, activation_bytes), each regime once: the
     16 B layout fits (k = 1), the 18 B one (k = 2 always: an answer that keeps 16-bit gradients
-    for a few micro-batches must fail every run, not when the draw is small), only a drifting one
-    fits, nothing fits beside the activations (but would without them), nothing fits at all."""
+    for a few micro-batches must fail every run, not when the draw is small), Adam's and AdamW's
+    exact layouts (both every run: a count of AdamW's states unlike Adam's must fail every run,
+    not when AdamW is drawn), only a drifting one fits, nothing fits beside the activations (but
+    would without them), nothing fits at all."""
     rng = random.Random(seed)
     cases = []
     for k, regime, optimizer in [
             (1, "exact", "sgd"), (2, "exact", "sgd_momentum"),
-            (rng.randint(1, 64), "exact", rng.choice(("adam", "adamw"))),
+            (rng.randint(1, 64), "exact", "adam"), (rng.randint(1, 64), "exact", "adamw"),
             (rng.randint(2, 64), "drift", rng.choice(OPTIMIZERS)),
             (rng.randint(1, 16), "tight", rng.choice(OPTIMIZERS)),
             (rng.randint(1, 16), "none", rng.choice(OPTIMIZERS))]:

@@ -22,6 +22,8 @@ def _wrong_replay(kind: str):
             scaled = amax * scale
             if kind == "at_65504":
                 found = not math.isfinite(scaled) or abs(scaled) > 65504
+            elif kind == "past_65520":
+                found = not math.isfinite(scaled) or abs(scaled) > 65520
             elif kind == "nan_passes":
                 found = abs(scaled) >= 65520                     # NaN compares False
             elif kind == "inf_only":
@@ -48,6 +50,9 @@ _WRONG_REPLAY = {
     "a scaled gradient a little above 65504 still rounds to 65504, fp16's largest value: where "
     "does rounding to nearest stop reaching it? (fp16's next step above 65504 would be 65536.)":
         "at_65504",
+    "a scaled gradient of exactly 65520 lies halfway between 65504 and 65536 (fp16's next step "
+    "up): which way does rounding to nearest, ties to even, take it, and is that value finite?":
+        "past_65520",
     "a NaN gradient must skip the step too, and NaN compares False with every number: test for "
     "finiteness (math.isfinite, torch.isfinite), not with `>`.": "nan_passes",
     "backward runs in fp16: the scaled gradient overflows where fp16 does, long before float32.":
@@ -68,7 +73,9 @@ _WRONG_REPLAY = {
 
 def _replay_traces(seed: int) -> list[tuple[str, list[float], float, int]]:
     """(what, trace, init_scale, growth_interval): a noisy run with spikes, inf and NaN; values
-    between 65504 and 65520 once scaled; a scale that float32 cannot grow further. That one
+    between 65504 and 65520 once scaled, then 65520 itself (the tie that rounds to inf: the scale
+    is start / 2 there, after the overflow above 65520 and at most one clean step, whether or
+    not the scale grew before it); a scale that float32 cannot grow further. That one
     starts at float32's largest value / 8, not at a power of two: its third growth lands on the
     largest value itself, so a test that stops short of it (`<`, or another dtype's largest
     value), or one that looks further than one growth ahead, keeps a smaller scale."""
@@ -80,7 +87,8 @@ def _replay_traces(seed: int) -> list[tuple[str, list[float], float, int]]:
         noisy[rng.randrange(10, len(noisy))] = bad
     start = 2.0 ** rng.randint(10, 14)
     edge = [rng.randint(65505, 65519) / start for _ in range(rng.randint(3, 6))]
-    edge += [rng.randint(65521, 65530) / start, rng.randint(65505, 65519) / (start / 2)]
+    edge += [rng.randint(65521, 65530) / start, rng.randint(65505, 65519) / (start / 2),
+             65520 / (start / 2)]
     edge += [10 ** rng.uniform(-3, -1) for _ in range(6)]
     tiny = [10 ** rng.uniform(-38, -36) for _ in range(10)]
     top = torch.finfo(torch.float32).max

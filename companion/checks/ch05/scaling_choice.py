@@ -14,14 +14,16 @@ __all__ = ["check_choose_scaling"]
 
 
 def _trace_errors(trace: list, history: int, *, own_first: bool = False, with_own: bool = False,
-                  limit: float | None = None) -> list[tuple[float, float, int]]:
+                  limit: float | None = None, longer: bool = False,
+                  mean_error: bool = False) -> list[tuple[float, float, int]]:
     """(current's error, delayed's error, delayed's overflows) per step; the keywords make the
-    known-wrong delayed recipes (first step from its own amax, this step's amax in the window)."""
+    known-wrong delayed recipes (first step from its own amax, this step's amax in the window, a
+    window one step longer) and the known-wrong error (each value's relative error, averaged)."""
     from companion import scaling
     amaxes = [_own_amax(x) for x in trace]
     rows = []
     for t, x in enumerate(trace):
-        window = amaxes[max(0, t - history + with_own):t + with_own]
+        window = amaxes[max(0, t - history + with_own - longer):t + with_own]
         delayed = (torch.stack(window).max() if window else
                    amaxes[t] if own_first else None)
         errors = []
@@ -31,7 +33,9 @@ def _trace_errors(trace: list, history: int, *, own_first: bool = False, with_ow
             if limit is not None:                              # a known-wrong overflow limit
                 overflows = int(((x.float() * scale).abs() >= limit).sum())
             back = scaling.dequantize(codes, scale)
-            errors.append((float((back - x.float()).norm() / x.float().norm()), overflows))
+            error = (((back - x.float()).abs() / x.float().abs().clamp_min(1e-30)).mean()
+                     if mean_error else (back - x.float()).norm() / x.float().norm())
+            errors.append((float(error), overflows))
         rows.append((errors[0][0], errors[1][0], errors[1][1]))
     return rows
 
@@ -75,11 +79,18 @@ def _scaling_traces(seed: int) -> list[tuple[str, list[torch.Tensor], int]]:
 
 
 def _fixed_traces() -> list[tuple[str, list[torch.Tensor], int]]:
-    """Two traces the same in every run (a fixed generator): an amax that falls 14,000x in one
+    """Four traces the same in every run (a fixed generator): an amax that falls 14,000x in one
     step with a history of 1, where delayed scaling's error at the fall is 2.3-2.7 times current
     scaling's (from 8 generator seeds; this one's is fixed), so the factor 2 decides and current
-    scaling must use the step's own amax; and values e4m3 holds exactly at a scale of 1 (an amax
-    of 448 every step), where both recipes' errors are 0."""
+    scaling must use the step's own amax; values e4m3 holds exactly at a scale of 1 (an amax
+    of 448 every step), where both recipes' errors are 0; amaxes 100, 1, 1, 1.05 with a history
+    of 2, where the last step overflows from the window of the 2 steps before it (amax 1) and a
+    window of 3 reaches back to 100 and overflows nothing (current, 1 against delayed, 0 from 8
+    generator seeds, delayed's error within 1.11x current's either way); and values near 1e-3
+    beside four large ones (amax 8, then 2, a history of 1), where delayed scaling's first step,
+    at a scale of 1, flushes the small values to e4m3's subnormals: the norm ratio stays within
+    0.9x current's (the large values carry the norm) while the mean of each value's relative
+    error grows past twice current's (delayed against current from 8 seeds)."""
     g = torch.Generator().manual_seed(54)
 
     def tensor(amax: float, shape=(32, 32)) -> torch.Tensor:
@@ -91,8 +102,16 @@ def _fixed_traces() -> list[tuple[str, list[torch.Tensor], int]]:
         x.view(-1)[0] = 448.0
         return x
 
+    def beside_large(amax: float) -> torch.Tensor:
+        x = torch.randn(32, 32, generator=g) * 1e-3
+        x.view(-1)[:4] = torch.tensor([amax, -amax, amax / 2, -amax / 3])
+        return x
+
     return [("an amax that falls 14,000x in one step", [tensor(300.0), tensor(300.0 / 14000)], 1),
-            ("values e4m3 holds exactly, amax 448 at every step", [exact() for _ in range(4)], 2)]
+            ("values e4m3 holds exactly, amax 448 at every step", [exact() for _ in range(4)], 2),
+            ("amaxes 100, 1, 1, then 1.05", [tensor(a) for a in (100.0, 1.0, 1.0, 1.05)], 2),
+            ("values near 0.001 beside four large ones, amax 8 then 2",
+             [beside_large(8.0), beside_large(2.0)], 1)]
 
 
 _SCALING_WRONG = {
@@ -103,6 +122,10 @@ _SCALING_WRONG = {
     "step does not see its own amax.": dict(own_first=True),
     "decide on both: an overflow, or an error more than twice current scaling's at any step.":
         dict(),
+    "the window is the `history` steps before this one: count the steps your slice holds at "
+    "step t.": dict(longer=True),
+    "the error is the statement's, the whole tensor's: ‖x̂ − x‖ / ‖x‖. An average of each "
+    "value's own relative error weighs a tiny value as much as the largest.": dict(mean_error=True),
 }
 
 
@@ -112,7 +135,8 @@ def _scaling_hint(trace: list, history: int, rows: list, got: tuple[str, int]) -
     want = _choose(rows)
     counts = {"own": _choose(_trace_errors(trace, history, with_own=True))[1],
               "first": _choose(_trace_errors(trace, history, own_first=True))[1],
-              "448": _choose(_trace_errors(trace, history, limit=448.0 + 1e-3))[1]}
+              "448": _choose(_trace_errors(trace, history, limit=448.0 + 1e-3))[1],
+              "longer": _choose(_trace_errors(trace, history, longer=True))[1]}
     hints = []
     if got[1] != want[1]:
         if got[1] == counts["448"]:
@@ -121,18 +145,22 @@ def _scaling_hint(trace: list, history: int, rows: list, got: tuple[str, int]) -
         if got[1] == 0:
             hints.append("count the overflows before the cast: torch's e4m3fn cast saturates at "
                          "448, so after it nothing looks too large.")
-        for key, kw in (("own", "with_own"), ("first", "own_first")):
+        for key, kw in (("own", "with_own"), ("first", "own_first"), ("longer", "longer")):
             if got[1] == counts[key] and counts[key] != want[1]:
                 hints.append(next(h for h, k in _SCALING_WRONG.items() if kw in k))
     else:
         if got[0] in (_choose(rows, by="overflows")[0], _choose(rows, by="error")[0]):
             hints.append(next(h for h, k in _SCALING_WRONG.items() if not k))
-        for kw in ({"own_first": True}, {"with_own": True}):
+        for kw in ({"own_first": True}, {"with_own": True}, {"longer": True},
+                   {"mean_error": True}):
             if _choose(_trace_errors(trace, history, **kw))[0] == got[0]:
                 hints.append(next(h for h, k in _SCALING_WRONG.items() if k == kw))
     if not hints:
         return "replay both recipes step by step, then decide."
-    return hints[0] if len(hints) == 1 else f"one of two things: (1) {hints[0]} (2) {hints[1]}"
+    if len(hints) == 1:
+        return hints[0]
+    number = {2: "two", 3: "three", 4: "four"}.get(len(hints), str(len(hints)))
+    return f"one of {number} things: " + " ".join(f"({i}) {h}" for i, h in enumerate(hints, 1))
 
 
 @exercise(points=2, timeout=20.0,
