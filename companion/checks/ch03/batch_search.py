@@ -55,9 +55,10 @@ def check_batch_size_search(answer) -> str:
     torch.OutOfMemoryError, assuming every smaller batch fits when b does, and start fits."""
     # Fixed limits first: start·2^5 - 1, start·2^5 and one past it, where a bisection whose bounds
     # step past the midpoint (hi = mid - 1, then return hi unverified) or that stops two apart
-    # lands one off (issue 54, review finding 7); then random ones.
+    # lands one off (issue 54, review finding 7); then two random ones (four before: the time
+    # stays within 1.3x).
     fixed = [(95, 3), (96, 3), (97, 3)]
-    for limit, start in fixed + [_search_problem(seed) for seed in fresh_seeds(4)]:
+    for limit, start in fixed + [_search_problem(seed) for seed in fresh_seeds(2)]:
         got, tried = _search_run(answer, limit, start)
         powers = [b for b in tried if b <= limit and b % start == 0    # start · 2^k that ran
                   and (b // start) & (b // start - 1) == 0]
