@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from companion import gd
+from companion.checks import ch01
 from companion.checks.ch01 import check_largest_stable_lr, check_mse_gradient, check_train_epoch
 from companion.checks.core import CheckFailed
 
@@ -64,6 +65,31 @@ def test_largest_stable_lr_other_right_answers_pass(right):
 def test_largest_stable_lr_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
         check_largest_stable_lr(wrong)
+
+
+def _stepped(X, lr, steps=300):
+    """Full-batch descent step by step, as the check ran it before (2,400 tiny steps a run)."""
+    g = torch.Generator().manual_seed(0)
+    X = X.double()
+    y = torch.randn(X.shape[0], generator=g, dtype=torch.float64)
+    w = torch.randn(X.shape[1], generator=g, dtype=torch.float64)
+    b = torch.randn((), generator=g, dtype=torch.float64)
+    start = gd.mse_loss(X, y, w, b)
+    for _ in range(steps):
+        w, b = gd.sgd_step(w, b, *gd.mse_gradient(X, y, w, b), lr=lr)
+    return bool(gd.mse_loss(X, y, w, b) < start)
+
+
+@pytest.mark.parametrize("shape", [(48, 3, "shifted"), (7, 10, "scaled"), (300, 1, "scaled"),
+                                   (64, 6, "correlated")])
+def test_the_closed_form_descent_agrees_with_stepping(shape):
+    # the check's own 2,400 descent steps made the notebook's solution time out on a loaded
+    # machine (review 54a, finding 8); their closed form must say what stepping says
+    for seed in range(3):
+        X = ch01._features(seed, *shape)
+        edge = gd.max_stable_lr(X)
+        for factor in (0.5, 0.98, 1.02, 1.5):
+            assert ch01._descends(X, factor * edge) == _stepped(X, factor * edge) == (factor < 1)
 
 
 def _epoch(X, y, w, b, lr, bs):

@@ -342,7 +342,7 @@ def test_batch_size_search_reference_passes():
     (_doubling_only, "rarely a power of two"),
     (_linear, "trial steps"),
     (_uncaught, "except torch.OutOfMemoryError"),
-    (_off_by_one, "bisect"),
+    (_off_by_one, "one more than the largest size that fits"),
     (lambda step, start: step(0), "batch size 0"),
     (_float_midpoint, "integer division"),
     (functools.partial(_float_midpoint, catch_all=True), "integer division"),
@@ -350,6 +350,84 @@ def test_batch_size_search_reference_passes():
 def test_batch_size_search_wrong_answers_fail(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
         check_batch_size_search(wrong)
+
+
+def _fits(step, b):
+    try:
+        step(b)
+        return True
+    except torch.OutOfMemoryError:
+        return False
+
+
+def _hi_unverified(step, start):
+    """Review 54a, finding 7: a lo/hi bisection with hi = mid - 1 that returns hi untried."""
+    lo, hi = start, 2 * start
+    while _fits(step, hi):
+        lo, hi = hi, 2 * hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _fits(step, mid):
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return hi
+
+
+def _stops_two_apart(step, start):
+    """Bisects until the bounds are two apart and returns the lower one."""
+    good, bad = start, 2 * start
+    while _fits(step, bad):
+        good, bad = bad, 2 * bad
+    while bad - good > 2:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if _fits(step, mid) else (good, mid)
+    return good
+
+
+def _upper_mid(step, start):
+    """An honest variant: bisection on [good, bad - 1] with the upper midpoint."""
+    lo, hi = start, 2 * start
+    while _fits(step, hi):
+        lo, hi = hi, 2 * hi
+    hi -= 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if _fits(step, mid) else (lo, mid - 1)
+    return lo
+
+
+@pytest.mark.parametrize("wrong, hint", [(_hi_unverified, "one more than"),
+                                         (_stops_two_apart, "one less than")])
+def test_batch_size_search_off_by_one_bisections_fail_every_time(wrong, hint):
+    # the first passed 5 of 46 runs on random limits alone (review 54a, finding 7)
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match=hint):
+            check_batch_size_search(wrong)
+
+
+@pytest.mark.parametrize("right", [_search, _upper_mid])
+def test_batch_size_search_reference_and_an_upper_mid_bisection_pass_every_time(right):
+    for _ in range(20):
+        check_batch_size_search(right)
+
+
+def _scaled_twice(model, loss_fn, opt, x, y, k):
+    opt.zero_grad()
+    for xb, yb in zip(x.chunk(k), y.chunk(k)):
+        (2 * loss_fn(model(xb), yb) / k).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("check, answer", [
+    (check_accumulation_step, _scaled_twice),
+    (check_token_normalized_step, _token_step(lambda s, m, micro, y: 2 * s / _tokens(micro)))])
+def test_the_fallback_hint_asks_rather_than_tells(check, answer):
+    # the fallback hints gave the whole recipe (review 54a): they ask for the principle now
+    with pytest.raises(CheckFailed, match="parameters after the step") as failure:
+        check(answer)
+    assert failure.value.hint.rstrip().endswith("?")
+    assert "step once" not in failure.value.hint and "/ that count" not in failure.value.hint
 
 
 def _hangs(*args):

@@ -226,6 +226,59 @@ def test_a_checkpoint_without_the_autocast_replay_fails_with_the_precision_hint(
             failure.value.hint
 
 
+class _AutocastAssumed(_NoForkRng):
+    """Known wrong (review 54a, finding 5): replays whether CPU autocast was on, but under a dtype
+    it assumes (bf16 named, or none named: CPU autocast's default is bf16) instead of forward's."""
+    name_dtype = True
+
+    @classmethod
+    def forward(cls, ctx, fn, x):
+        ctx.enabled = torch.is_autocast_enabled("cpu")
+        return _NoForkRng.forward(ctx, fn, x)
+
+    @classmethod
+    def backward(cls, ctx, grad):
+        kwargs = {"dtype": torch.bfloat16} if cls.name_dtype else {}
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            with torch.autocast("cpu", enabled=ctx.enabled, **kwargs):
+                return _NoRng.backward(ctx, grad)
+
+
+class _AutocastNoDtype(_AutocastAssumed):
+    name_dtype = False
+
+
+class _AutocastReplayed(_AutocastAssumed):
+    """An honest variant: forward's CPU autocast state and dtype, replayed in backward."""
+
+    @classmethod
+    def forward(cls, ctx, fn, x):
+        ctx.dtype = torch.get_autocast_dtype("cpu")
+        return super().forward(ctx, fn, x)
+
+    @classmethod
+    def backward(cls, ctx, grad):
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            with torch.autocast("cpu", enabled=ctx.enabled, dtype=ctx.dtype):
+                return _NoRng.backward(ctx, grad)
+
+
+@pytest.mark.parametrize("wrong", [_AutocastAssumed, _AutocastNoDtype])
+def test_a_recomputation_under_an_assumed_autocast_dtype_fails_every_time(wrong):
+    # passed 6 of 6 runs with only a bf16 autocast case (review 54a, finding 5)
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="under float16 autocast") as failure:
+            check_checkpoint_function(lambda fn, x: wrong.apply(fn, x))
+        assert "float16" in failure.value.hint and "get_autocast_dtype" not in failure.value.hint
+
+
+def test_a_recomputation_under_forwards_autocast_dtype_passes_every_time():
+    for _ in range(20):
+        check_checkpoint_function(lambda fn, x: _AutocastReplayed.apply(fn, x))
+
+
 @pytest.mark.parametrize("wrong, hint", [
     (lambda fn, x: _NoRng.apply(fn, x), "rng_state"),
     (lambda fn, x: _NoForkRng.apply(fn, x), "fork_rng"),
@@ -267,7 +320,7 @@ def _exhaustive(saved, inputs, cost, budget, fits=int.__le__, recomputed=_recomp
 
 
 # bench_mutants' survivors of check_checkpoint_plan (issue 54): each picks, among the plans of the
-# fewest segments that fit, one with the earliest last segment; the 13th fixed case's best plan
+# fewest segments that fit, one with the earliest last segment; the 14th fixed case's best plan
 # has more segments
 _WRONG_RECOMPUTE = {
     "slice lower -1: the first segment costs nothing, each later one adds the layer before it":
@@ -314,7 +367,7 @@ def test_an_exhaustive_search_passes_the_check():
 
 
 def test_the_fixed_cases_hold_plans_the_bound_gets_wrong():
-    fixed = ch04_plan._plan_cases(0)[:13]
+    fixed = ch04_plan._plan_cases(0)[:14]
     changed = [c for c in fixed
                if not ch04_plan._accepted(ck.checkpoint_plan(*c, bound=True), ck.checkpoint_plan(*c), *c)]
     assert len(changed) >= 2
@@ -328,6 +381,16 @@ def test_checkpoint_plan_wrong_rules_fail_with_their_own_hint(wrong, hint, run):
     with pytest.raises(CheckFailed) as failure:
         check_checkpoint_plan(wrong)
     assert failure.value.hint == hint
+
+
+def test_a_plan_that_leaves_out_only_the_models_input_gets_its_own_hint():
+    # it was told to add the checkpoints at all (review 54a): the model's input, counted as free
+    want = dict((w, h) for w, h in ch04_plan._PLAN_HINTS)[ch04_plan._first_input_free]
+    for _ in range(20):
+        with pytest.raises(CheckFailed) as failure:
+            check_checkpoint_plan(lambda saved, inputs, cost, budget: _exhaustive(
+                saved, [0, *inputs[1:]], cost, budget))
+        assert failure.value.hint == want and "inputs[0]" in want
 
 
 def test_a_strict_fits_gets_the_boundary_hint_whatever_its_tie_break():

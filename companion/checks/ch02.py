@@ -66,10 +66,12 @@ def _bf16_hint(bits: int) -> str:
     if exponent == 0 and mantissa == 0:
         return "an exponent field of 0 with a mantissa of 0 is zero: 0.0 × 2^(1 − 127)."
     if exponent == 0:
-        return ("an exponent field of 0 is a subnormal: (−1)^sign × (mantissa / 2^7) × 2^(1 − "
-                "127); print the three fields of this pattern and your value.")
-    return ("a normal pattern (exponent field 1 to 254) is (−1)^sign × (1 + mantissa / 2^7) × "
-            "2^(exponent − 127): print the three fields of this pattern and your value.")
+        return ("an exponent field of 0 is a subnormal: print the three fields of this pattern "
+                "and your value. Does a subnormal have an implicit leading 1, and which power of "
+                "two scales it?")
+    return ("a normal pattern (exponent field 1 to 254): print the three fields of this pattern "
+            "and your value. Which part of your formula (sign, leading bit, mantissa scale, "
+            "bias) turns these fields into another number?")
 
 
 @exercise(points=1, reference="companion.floats.decode")
@@ -132,10 +134,10 @@ def check_max_finite(answer) -> str:
                  _pow2(top - 1) if not fn else 2.0**top}
         if fn:
             wrong["with finite_only the top exponent field holds ordinary numbers: only its "
-                  "all-ones mantissa is NaN, so use the top exponent with the mantissa one below "
-                  "all ones."] = (2 - 2.0**-m) * 2.0 ** (top - 1)
-            wrong["S.1…1.1…1 is the NaN pattern: the largest number has the top exponent and the "
-                  "mantissa 1.11…10, one step below."] = (2 - 2.0**-m) * 2.0**top
+                  "all-ones mantissa is NaN. Which patterns of that field are left for numbers, "
+                  "and which is the largest?"] = (2 - 2.0**-m) * 2.0 ** (top - 1)
+            wrong["S.1…1.1…1 is the NaN pattern here, not a number: which pattern is the largest "
+                  "one below it?"] = (2 - 2.0**-m) * 2.0**top
         else:
             wrong["an exponent field of all ones is reserved for inf and NaN: the largest finite "
                   "number uses all ones but the last bit."] = (2 - 2.0**-m) * _pow2(top)
@@ -211,8 +213,9 @@ def check_low_precision_sum(answer) -> str:
     for values, dtype in cases:
         want = floats.running_sum(values, dtype)
         wrong = {
-            ".sum() adds in a wider accumulator (fp32) and rounds once at the end; add one value "
-            "at a time in the low-precision dtype.": values.to(dtype).sum(),
+            "this sum was kept in a wider accumulator (as .sum(), cumsum and Python floats "
+            "keep it) and rounded once at the end: the exercise rounds to the low-precision "
+            "dtype after every addition.": values.to(dtype).sum(),
             "round each value to the dtype before adding it, as a tensor of that dtype would "
             "hold it: added as given, a value can round the sum twice differently.":
                 _added_unrounded(values, dtype),

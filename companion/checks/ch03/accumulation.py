@@ -84,7 +84,8 @@ def check_accumulation_step(answer) -> str:
                     _step_params(model, x, y, k, variant="zero_grad_each", stale=stale),
             })
         compare(got, expected, name="parameters after the step",
-                hint="start with optimizer.zero_grad(), divide each micro-batch's loss by "
-                     "accum_steps, call backward on each, step once.")
+                hint="backward adds each micro-batch's gradient to what .grad already holds: "
+                     "what must .grad hold before the first one, and which loss per micro-batch "
+                     "makes the sum the gradient of the whole batch's mean loss?")
     return ("k micro-batches of b make the same step as one batch of k·b; activations are held for "
             "b examples at a time")

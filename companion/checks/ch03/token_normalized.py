@@ -96,7 +96,8 @@ def check_token_normalized_step(answer) -> str:
                     _token_variant(seed, rows, "no_zero_grad"),
             })
         compare(got, expected, name="parameters after the step",
-                hint="zero the gradients, count the real tokens of all micro-batches, then for "
-                     "each: summed token loss / that count, backward; step once.")
+                hint="backward sums what each micro-batch's loss contributes: which loss per "
+                     "micro-batch makes that sum the mean over all the real tokens of the batch, "
+                     "and what does .grad hold before the first backward?")
     return ("the same step as the whole batch, however the tokens fall into micro-batches: "
             "loss summed over tokens, divided by the tokens of the whole batch")

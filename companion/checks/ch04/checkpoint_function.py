@@ -12,13 +12,14 @@ from companion.memory import format_bytes
 __all__ = ["check_checkpoint_function"]
 
 
-def _gradients(fn_wrapper, block, x, seed, *, autocast: bool = False):
-    """(output, parameter and input gradients) of fn_wrapper(block, x); with `autocast`, forward
-    runs under CPU bf16 autocast and backward after its block has closed, as a training step does."""
+def _gradients(fn_wrapper, block, x, seed, *, autocast: torch.dtype | None = None):
+    """(output, parameter and input gradients) of fn_wrapper(block, x); with `autocast` (a dtype),
+    forward runs under CPU autocast to that dtype and backward after its block has closed, as a
+    training step does."""
     block.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
     torch.manual_seed(seed)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         y = fn_wrapper(block, x)
     if not isinstance(y, torch.Tensor) or not y.requires_grad:
         raise CheckFailed(f"expected a tensor that requires grad, got {type(y).__name__}"
@@ -53,11 +54,12 @@ def _checkpoint_backward(answer, seed: int, width: int, p: float) -> tuple[tuple
 
 
 @harness
-def _autocast_gradients(answer, seed: int, width: int) -> tuple:
+def _autocast_gradients(answer, seed: int, width: int,
+                        dtype: torch.dtype = torch.bfloat16) -> tuple:
     """(output, gradients) of a block through the answer (plain autograd when answer is None),
-    forward under CPU bf16 autocast, backward outside it."""
+    forward under CPU autocast to `dtype`, backward outside it."""
     run = (lambda m, t: m(t)) if answer is None else (lambda m, t: call_inplace(answer, m, t))
-    return _gradients(run, _block(seed, width, 0.0), _input(seed, width), seed, autocast=True)
+    return _gradients(run, _block(seed, width, 0.0), _input(seed, width), seed, autocast=dtype)
 
 
 @harness
@@ -126,6 +128,15 @@ def check_checkpoint_function(answer) -> str:
                  "recomputation ran at another precision than forward did: remember forward's "
                  "autocast settings for the tensors' device (here the CPU, not CUDA) and "
                  "recompute under them.")
+    # CPU autocast's default dtype is bf16, so a recomputation that assumes bf16 (or names no
+    # dtype) matches above; under fp16 it runs at another precision than forward did (the
+    # reference matches plain autograd exactly; issue 54, review finding 5).
+    compare(_autocast_gradients(answer, seeds[1], 10, torch.float16),
+            _autocast_gradients(None, seeds[1], 10, torch.float16),
+            name="(output, parameter and input gradients) under float16 autocast",
+            hint="your recomputation matches forward under bf16 autocast but not under float16: "
+                 "which of forward's autocast settings does it remember, and which does it "
+                 "assume?")
     return (f"same gradients as plain autograd (with dropout, and under autocast), random stream "
             f"left as it was; saved for backward "
             f"{format_bytes(saved_plain)} -> {format_bytes(saved_mine)}")

@@ -53,6 +53,13 @@ def _no_inputs(saved, inputs, cost, budget):
     return _search(saved, inputs, cost, budget, lambda st: max(_held(st, saved)))
 
 
+def _first_input_free(saved, inputs, cost, budget):
+    """Known wrong: the first segment's input (the model's input, data) not counted as kept."""
+    free = [0, *inputs[1:]]
+    return _search(saved, inputs, cost, budget,
+                   lambda st: checkpointing.plan_cost(st, saved, free, cost)[0])
+
+
 def _last_only(saved, inputs, cost, budget):
     """Known wrong: only the last segment's saved bytes counted, not the recomputed ones."""
     return _search(saved, inputs, cost, budget,
@@ -116,6 +123,8 @@ _PLAN_HINTS = [
                       "recompute; cut where the bytes and the costs say."),
     (_no_inputs, "each checkpointed segment keeps its input (inputs[start]) until its backward: "
                  "add the checkpoints alive at each moment to the peak."),
+    (_first_input_free, "inputs[0] is the first segment's checkpoint: it is the model's input, "
+                        "but is it freed before that segment's backward?"),
     (_last_only, "a checkpointed segment's saved tensors all come back while it is recomputed: "
                  "any segment can set the peak, not only the last one."),
     (_bound, "all checkpoints beside the largest segment is Chen et al.'s upper bound, not the "
@@ -141,11 +150,14 @@ _PLAN_HINTS = [
 
 
 def _plan_cases(seed: int) -> list[tuple[list, list, list, int]]:
-    """Fixed cases (the first 13), in an order where each wrong rule above first fails with its own
-    hint (two of them where Chen et al.'s bound changes the best plan or finds none; the 13th where
+    """Fixed cases (the first 14), in an order where each wrong rule above first fails with its own
+    hint (two of them where Chen et al.'s bound changes the best plan or finds none; the 14th where
     every plan of the fewest segments that fits recomputes more than the best, which has four),
     then random uneven layers and budgets."""
     cases = [([5, 2, 2, 1], [1, 1, 3, 2], [1, 4, 3, 5], 7),
+             # the inputs left out (and only the last segment counted) fail here, so that leaving
+             # out only inputs[0] fails first on the next case, with its own hint (review 54a)
+             ([5, 7, 6, 4], [1, 1, 1, 3], [2, 1, 4, 4], 10),
              ([1, 2, 3], [1, 1, 1], [5, 1, 2], 5),
              ([5, 4, 5], [1, 1, 1], [5, 4, 2], 8),
              ([1, 3, 4], [1, 1, 3], [5, 3, 2], 6),
