@@ -243,6 +243,16 @@ def test_a_shell_the_process_already_has_is_set_aside_and_given_back():
             InteractiveShell.clear_instance()
 
 
+# Lines whose mutants only a CUDA device tells apart: on a CPU they compute what the reference
+# computes (bench_mutants lists them as survivors; the checks hold a CUDA case for each)
+CUDA_ONLY = {
+    "found_inf = torch.zeros((), device=inv_scale.device)",                    # 05 unscale
+    'room = budget if device.type == "cpu" else 0.8 * budget',                 # 09 budget
+    "if predict_memory(shape, c, device_type=device.type).peak <= room]",
+    "model = model_fn(dtype=torch.float32, device=device)",
+}
+
+
 @pytest.mark.parametrize("number", [f"{n:02d}" for n in range(12)])
 def test_a_fixed_sample_of_each_chapters_mutants_is_killed(number, capsys):
     """Two mutants of each exercise, the same every run (`select`: a different kind of mistake
@@ -254,5 +264,8 @@ def test_a_fixed_sample_of_each_chapters_mutants_is_killed(number, capsys):
     found = re.fullmatch(r"(\d+) survivors of (\d+) non-equivalent mutants \(\d+ equivalent\)",
                          out[-1])
     assert found and int(found[2]) > 0, out[-1]
-    assert found[1] == "0", "\n".join(out[-30:])
-
+    survived = [re.search(r"survived: line \d+ `(.*?)`: ", line)[1] for line in out
+                if "survived: line" in line]
+    allowed = set() if torch.cuda.is_available() else CUDA_ONLY
+    assert int(found[1]) == len(survived), out[-1]
+    assert [code for code in survived if code not in allowed] == [], "\n".join(out[-30:])
