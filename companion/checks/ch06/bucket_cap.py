@@ -53,8 +53,8 @@ def _judge_cap(case: dict, cap: float,
                best: tuple[float, float] | None = None) -> tuple[bool, float, float, float]:
     """(good enough, the cap's exposed seconds, the best cap, its exposed seconds; `best`: the
     best (cap, exposed seconds), when found already): good enough is at most 1.5x the best's
-    exposure plus 5% of one whole all-reduce (a search over powers of two passed all of 300 fixed
-    cases, and fails about 3 check calls in 100 on fresh ones)."""
+    exposure plus 5% of one whole all-reduce (a search over powers of two passes all of the first
+    300 drawn cases; the sixth small fixed case fails it every call)."""
     best, best_exposed = best or _best_cap(case)
     mine = _exposed_at(case, cap)
     one = network.all_reduce_seconds(sum(case["grads"]), case["world"], alpha=case["alpha"],
@@ -70,10 +70,14 @@ _FIXED_CAP_SEEDS = (55, 60, 89)
 
 # Small fixed cases, judged first (they cost microseconds): a schedule that takes a bucket as
 # ready one gradient early or late, or a search that leaves out the caps of single gradients or
-# of the runs that start at the first gradient, leaves 1.19x to 4.6x the exposure the judgement
+# of the runs that start at the last gradient, leaves 1.19x to 4.6x the exposure the judgement
 # allows in at least one of them (tests/test_checks_ch06.py checks it). One per gradient is best
 # in the first two; the third is latency-bound (64 ranks, α = 1 ms), where one bucket is best;
 # the fourth has one gradient (a model of one tensor), where a search must still find a cap.
+# The fifth's best buckets are [8 MiB] [1 MiB] after a 16 MiB one, a cap no prefix of the
+# gradients makes: a search over prefix sums only leaves 3.2x what is allowed (issue 54; over
+# the drawn cases it failed only 9 of the first 300). The sixth's best is [3 MiB x 3] [1/4 MiB],
+# a cap in [9, 9.25) MiB, which no power of two is: a search over 2**k leaves 1.39x.
 _MiB = 2.0**20
 _SMALL_CAP_CASES = (
     {"kind": "small", "grads": [8 * _MiB, 1 * _MiB], "times": [20e-3, 20e-3], "world": 2,
@@ -84,6 +88,10 @@ _SMALL_CAP_CASES = (
      "alpha": 1e-3, "beta": 5e-12},
     {"kind": "small", "grads": [4 * _MiB], "times": [1e-3], "world": 4, "alpha": 3e-5,
      "beta": 1e-10},
+    {"kind": "small", "grads": [16 * _MiB, 8 * _MiB, 1 * _MiB], "times": [3e-3, 30e-3, 10e-3],
+     "world": 2, "alpha": 1e-5, "beta": 1e-9},
+    {"kind": "small", "grads": [3 * _MiB, 3 * _MiB, 3 * _MiB, _MiB / 4],
+     "times": [1e-3, 1e-5, 1e-5, 16e-3], "world": 4, "alpha": 3e-4, "beta": 1e-9},
 )
 
 
