@@ -442,6 +442,15 @@ def test_failures_show_whole_values_and_name_the_fields_not_an_index_path():
     assert "stage 2" in summary and "the gradient bytes differ" in summary, summary
 
 
+def test_a_list_of_too_few_pieces_is_counted_in_pieces():
+    """Review 54b: a rank's list of 1 piece for 6 read "expected 6 values in a tuple"."""
+    with pytest.raises(CheckFailed) as info:
+        ch07.check_flat_partition(lambda numels, world, rank: flat_partition(numels, world,
+                                                                             rank)[:1])
+    assert "pieces (index, start, stop), got 1" in info.value.summary, info.value.summary
+    assert "values in a tuple" not in info.value.summary
+
+
 def test_a_hanging_reduce_scatter_fails_within_the_worker_timeout():
     with pytest.raises(CheckFailed, match="did not finish"):
         ch07.check_ring_reduce_scatter(rs_hangs, worker_timeout=2)
@@ -602,6 +611,7 @@ _ZERO_SURVIVORS = {           # bench_mutants' survivors (and lucky draws) of ch
     "3-byte gathers": dict(gather_bytes=3),
     "1-byte gathers": dict(gather_bytes=1),
     "DDP priced with SGD": dict(ddp_optimizer="sgd"),
+    "k in powers of two only": dict(ks=(1, 2, 4, 8, 16, 32, 64)),   # review 54b: passed 5/5
 }
 
 

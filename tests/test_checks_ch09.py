@@ -225,11 +225,14 @@ def train_within_budget(model_fn, batches, lr, budget):
 
 
 def _written_out(model_fn, batches, lr, budget, *, allow=("accumulation", "checkpointing",
-                 "offload"), key=lambda c: (c.offload, c.accumulation, c.segments), item=True):
+                 "offload"), key=lambda c: (c.offload, c.accumulation, c.segments), item=True,
+                 sized_by=0):
     """The notebook's solution as a learner writes it (on the CPU), with bench_mutants' changes:
-    `allow` without a lever, another `key`, `item=False` for `.item()` dropped."""
+    `allow` without a lever, another `key`, `item=False` for `.item()` dropped, the batch size
+    read from batch `sized_by` (the same size in every batch, but 1 is not there in a list of
+    one)."""
     device = torch.device("cpu")
-    shape, batch = GPTShape.of(model_fn), len(batches[0][0])
+    shape, batch = GPTShape.of(model_fn), len(batches[sized_by][0])
     fits = [c for c in candidates(shape, batch, allow=allow)
             if predict_memory(shape, c, device_type=device.type).peak <= budget]
     c = min(fits, key=key)
@@ -263,6 +266,17 @@ def test_an_answer_that_never_checkpoints_fails_20_of_20(repeat):
     so the answer finds no plan there (it fails before it trains)."""
     with pytest.raises(CheckFailed, match="ValueError"):
         evaluate("check_train_within_budget", _never_checkpoints)
+
+
+@pytest.mark.slow
+def test_an_answer_that_sizes_by_the_second_batch_fails_on_a_list_of_one():
+    """bench_mutants' batches[0][0] -> batches[1][0] (review 54b): the statement allows one batch,
+    where there is no second; every run ends in the check's one-batch call (one case: the last)."""
+    for _ in range(REVIEW_RUNS):
+        with pytest.raises(CheckFailed, match="IndexError") as failed:
+            evaluate("check_train_within_budget",
+                     lambda *args: _written_out(*args, sized_by=1), cases=1)
+        assert "blocks of width" in failed.value.summary
 
 
 def test_the_solution_passes_and_says_what_it_saved(capsys):

@@ -86,6 +86,7 @@ def check_flat_partition(answer) -> str:
             for rank in range(world):
                 _compare_whole(got[rank], want[rank],
                                name=f"rank {rank}'s pieces of {numels} on {world} ranks",
+                               items="pieces (index, start, stop)",
                                hint=mistake[0] if mistake else
                                "rank r owns flat elements [r·s, (r+1)·s) with s = ceil(Ψ/N); "
                                "list each parameter that range overlaps, in order, and leave "
