@@ -187,5 +187,7 @@ def check_choose_tiles(answer) -> str:
     budgets = len({case[0] for case in cases})
     return (f"your tiles fit every setting tried ({len(cases)} settings over {budgets} distinct "
             f"SRAM budgets, 1 to 3 programs per SM), and your default reproduces FA2's "
-            f"{_A10_SHIPPED[0]} x {_A10_SHIPPED[1]} on an A10; FA2's launch code says why: "
+            f"{_A10_SHIPPED[0]} x {_A10_SHIPPED[1]} on an A10 and stands for the same number of "
+            f"programs at {len(_DEFAULT_SETTINGS)} other head sizes and input widths; FA2's launch "
+            "code says why: "
             f"\"128 x 32 (48 KB smem) is the fastest for non-causal since we get 2 CTAs per SM\"")
