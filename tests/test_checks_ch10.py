@@ -78,19 +78,23 @@ def _whole_matrix(q, k, v, causal, bq, bk):
     return p @ v, lse
 
 
-def _loop(q, k, v, causal, bq, bk, *, top_left=False, rescale=True, lse_with_m=True):
-    """A tile loop with switchable mistakes."""
+def _loop(q, k, v, causal, bq, bk, *, top_left=False, rescale=True, lse_with_m=True,
+          o_fp32=False, lse_q_dtype=False, fp32=True):
+    """A tile loop with switchable mistakes; the dtype ones (review 54b, finding 2): o in fp32
+    (o_fp32), lse in q's dtype (lse_q_dtype), scores and accumulator in q's dtype (not fp32)."""
     B, nq, d = q.shape
     nk, scale = k.shape[1], 1 / math.sqrt(d)
     offset = 0 if top_left else nk - nq
-    o, lse = torch.zeros_like(q), torch.empty(B, nq)
+    work = torch.float32 if fp32 else q.dtype
+    o = torch.zeros(q.shape) if o_fp32 else torch.zeros_like(q)
+    lse = torch.empty(B, nq, dtype=q.dtype if lse_q_dtype else torch.float32)
     for i in range(0, nq, bq):
-        qi = q[:, i:i + bq]
+        qi = q[:, i:i + bq].to(work)
         m = torch.full(qi.shape[:2], float("-inf"))
         l, acc = torch.zeros(qi.shape[:2]), torch.zeros_like(qi)
         rows = torch.arange(i, i + qi.shape[1])
         for j in range(0, nk, bk):
-            s = qi @ k[:, j:j + bk].transpose(1, 2) * scale
+            s = qi @ k[:, j:j + bk].to(work).transpose(1, 2) * scale
             cols = torch.arange(j, j + s.shape[-1])
             if causal:
                 s = s.masked_fill(cols[None] > rows[:, None] + offset, float("-inf"))
@@ -99,7 +103,7 @@ def _loop(q, k, v, causal, bq, bk, *, top_left=False, rescale=True, lse_with_m=T
             p = torch.exp(s - safe[..., None])
             a = torch.exp(m - safe) if rescale else torch.ones_like(m)
             l = a * l + p.sum(-1)
-            acc = a[..., None] * acc + p @ v[:, j:j + bk]
+            acc = a[..., None] * acc + p @ v[:, j:j + bk].to(work)
             m = m_new
         o[:, i:i + bq] = acc / l.masked_fill(l == 0, 1)[..., None]
         lse[:, i:i + bq] = m + torch.log(l) if lse_with_m else torch.log(l)
@@ -131,16 +135,16 @@ def _loop_with_one_mask(q, k, v, causal, bq, bk):
     for i in range(0, nq, bq):
         qi = q[:, i:i + bq]
         m = torch.full(qi.shape[:2], float("-inf"))
-        l, acc = torch.zeros(qi.shape[:2]), torch.zeros_like(qi)
+        l, acc = torch.zeros(qi.shape[:2]), torch.zeros(qi.shape)
         for j in range(0, nk, bk):
-            s = qi @ k[:, j:j + bk].transpose(1, 2) * scale
+            s = qi.float() @ k[:, j:j + bk].float().transpose(1, 2) * scale
             if causal:
                 s = s.masked_fill(hidden[i:i + bq, j:j + bk], float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             safe = m_new.masked_fill(m_new == float("-inf"), 0)
             p = torch.exp(s - safe[..., None])
             a = torch.exp(m - safe)
-            l, acc, m = a * l + p.sum(-1), a[..., None] * acc + p @ v[:, j:j + bk], m_new
+            l, acc, m = a * l + p.sum(-1), a[..., None] * acc + p @ v[:, j:j + bk].float(), m_new
         o[:, i:i + bq] = acc / l.masked_fill(l == 0, 1)[..., None]
         lse[:, i:i + bq] = m + torch.log(l)
     return o, lse
@@ -159,9 +163,9 @@ def _loop_ends(q, k, v, causal, bq, bk, *, q_end=0, k_end=0, o_is_q=False, scale
         qi = q[:, i:i + bq]
         rows = torch.arange(i, i + qi.shape[1])
         m = torch.full(qi.shape[:2], float("-inf"))
-        l, acc = torch.zeros(qi.shape[:2]), torch.zeros_like(qi)
+        l, acc = torch.zeros(qi.shape[:2]), torch.zeros(qi.shape)
         for j in range(0, nk + k_end, bk):
-            s = qi @ k[:, j:j + bk].transpose(1, 2) * (1.0 if scale_q else scale)
+            s = qi.float() @ k[:, j:j + bk].float().transpose(1, 2) * (1.0 if scale_q else scale)
             if causal:
                 cols = torch.arange(j, j + s.shape[2])
                 s = s.masked_fill(cols[None, :] > rows[:, None] + nk - nq, float("-inf"))
@@ -169,7 +173,7 @@ def _loop_ends(q, k, v, causal, bq, bk, *, q_end=0, k_end=0, o_is_q=False, scale
             safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
             p = torch.exp(s - safe[..., None])
             a = torch.exp(m - safe)
-            l, acc, m = a * l + p.sum(-1), a[..., None] * acc + p @ v[:, j:j + bk], m_new
+            l, acc, m = a * l + p.sum(-1), a[..., None] * acc + p @ v[:, j:j + bk].float(), m_new
         o[:, i:i + bq] = acc / l.masked_fill(l == 0, 1.0)[..., None]
         lse[:, i:i + bq] = m + torch.log(l)
     return o, lse
@@ -198,6 +202,29 @@ def test_forward_tiles_review_answers_20_runs(run):
         check_forward_tiles(_query_chunks_full_softmax)
     with pytest.raises(CheckFailed, match="a mask over more than one tile"):
         check_forward_tiles(_loop_with_one_mask)
+
+
+@pytest.mark.parametrize("mistake, message", [
+    (dict(o_fp32=True), "o is torch.float32; the exercise asks for o in q's dtype"),
+    (dict(lse_q_dtype=True), "lse is torch.bfloat16; the exercise asks for lse in fp32"),
+    (dict(fp32=False), "bf16 q, k, v.*raised RuntimeError"),   # the notebook's first solution
+])
+def test_forward_tiles_names_a_wrong_dtype(mistake, message):
+    """Review 54b, finding 2: each passed every run while every case was fp32."""
+    with pytest.raises(CheckFailed, match=message) as failed:
+        check_forward_tiles(lambda *a: _loop(*a, **mistake))
+    assert "fp32" in failed.value.hint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(REVIEW_RUNS))
+def test_forward_tiles_dtype_review_answers_20_runs(run):
+    """Review 54b, finding 2: o in fp32 and lse in q's dtype fail every run (the bf16 case); the
+    reference (fp32 scores and accumulator, o cast at the end) passes."""
+    check_forward_tiles(_forward)
+    for mistake in (dict(o_fp32=True), dict(lse_q_dtype=True)):
+        with pytest.raises(CheckFailed, match="the exercise asks for"):
+            check_forward_tiles(lambda *a, mistake=mistake: _loop(*a, **mistake))
 
 
 def test_forward_tiles_names_a_whole_causal_mask_made_once():
@@ -393,6 +420,29 @@ def test_choose_tiles_grades_programs_per_sm_only(bound, run):
     """The exercise gives min_block_k's default (16); any bound up to 32 lands on 128 x 32 at two
     programs per SM, so the check does not pretend to grade it (second review, finding 2)."""
     check_choose_tiles(lambda s, d, e, p=2, m=bound: _tiles(s, d, e, p, m))
+
+
+def _hard_coded_default(sram_bytes, head_dim, dtype_bytes, programs_per_sm=None, min_block_k=16):
+    """Review 54b, finding 4: the right search, and FA2's A10 tile returned for the default."""
+    if programs_per_sm is None:
+        return (128, 32)
+    return _tiles(sram_bytes, head_dim, dtype_bytes, programs_per_sm, min_block_k)
+
+
+def _default_or_two(sram_bytes, head_dim, dtype_bytes, programs_per_sm=None, min_block_k=16):
+    return _tiles(sram_bytes, head_dim, dtype_bytes, programs_per_sm or 2, min_block_k)
+
+
+def test_choose_tiles_fails_a_tile_returned_for_the_default_20_runs():
+    """The default stands for a number of programs per SM: left out, the answer must pick what it
+    picks with that number given, on other heads and widths too. The honest defaults (in the def
+    line, or None read as two) pass every run."""
+    for _ in range(20):
+        with pytest.raises(CheckFailed, match="given explicitly the number of programs") as failed:
+            check_choose_tiles(_hard_coded_default)
+        assert "choose that number" in failed.value.hint
+        check_choose_tiles(_default_or_two)
+        check_choose_tiles(_tiles)
 
 
 def test_choose_tiles_asks_for_defaults_when_there_are_none():

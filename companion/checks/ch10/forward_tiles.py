@@ -8,8 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from companion.attention import naive_attention
 from companion.checks.ch10._common import _qkv
-from companion.checks.core import (call_inplace, compare, exercise, fresh_seeds, harness,
-                                   require)
+from companion.checks.core import (CheckFailed, NotDone, call_inplace, compare, exercise,
+                                   fresh_seeds, harness, require)
 
 __all__ = ["check_forward_tiles"]
 
@@ -31,9 +31,10 @@ class _Largest(TorchDispatchMode):
 
 @harness
 def _forward_run(answer, seed: int, b: int, nq: int, nk: int, d: int, causal: bool, bq: int,
-                 bk: int):
+                 bk: int, dtype: str = "float32"):
     """(the answer's result, the largest tensor its operators made: (elements, dtype, shape))."""
-    q, k, v = _qkv(seed, b, nq, nk, d)      # the answer's own: a copy would count as its tensor
+    # The answer's own inputs: a copy would count as its tensor.
+    q, k, v = (t.to(getattr(torch, dtype)) for t in _qkv(seed, b, nq, nk, d))
     with _Largest() as seen:
         got = call_inplace(answer, q, k, v, causal, bq, bk)
     return got, seen.largest
@@ -98,8 +99,40 @@ def check_forward_tiles(answer) -> str:
                 f"tile of scores {bq * bk}, all the scores {nq * nk}",
                 hint=_too_large_hint(dtype, shape, nq, nk))
         biggest = max(biggest, largest)
-    return (f"exact to the written-out attention; the largest tensor you made had {biggest} "
-            "elements, no more than the inputs or a tile of scores")
+    _check_bf16(answer, fresh_seeds(1)[0])
+    return (f"exact to the written-out attention (and on bf16 inputs within bf16's rounding, o in "
+            f"bf16 and lse in fp32); the largest tensor you made had {biggest} elements, no more "
+            "than the inputs or a tile of scores")
+
+
+def _check_bf16(answer, seed: int) -> None:
+    """16-bit inputs, as on a GPU: o in q's dtype, lse in fp32, within bf16's rounding."""
+    b, nq, nk, d, causal, bq, bk = 2, 24, 40, 16, True, 16, 16
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(seed, b, nq, nk, d))
+    o, lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
+    label = (f"(o, lse) for bf16 q, k, v: B={b}, Nq={nq}, Nk={nk}, d={d}, causal={causal}, "
+             f"tiles {bq}x{bk}")
+    fp32 = ("compute each tile's scores, m, l and the accumulator in fp32 (cast the tiles you "
+            "read with .float()), whatever q's dtype; only o is cast back to q's dtype, at the "
+            "end.")
+    try:
+        got, _ = _forward_run(answer, seed, b, nq, nk, d, causal, bq, bk, "bfloat16")
+    except NotDone:
+        raise
+    except CheckFailed as failed:
+        raise CheckFailed(f"{label}: {failed.summary}", where=failed.where, hint=fp32) from None
+    require(isinstance(got, (tuple, list)) and len(got) == 2
+            and all(isinstance(t, torch.Tensor) for t in got),
+            f"{label}: expected a tuple of two tensors (o, lse), got {type(got).__name__}")
+    require(got[0].dtype == q.dtype,
+            f"{label}: o is {got[0].dtype}; the exercise asks for o in q's dtype, {q.dtype}",
+            hint="accumulate in fp32, then cast the output to q's dtype once, at the end.")
+    require(got[1].dtype == torch.float32,
+            f"{label}: lse is {got[1].dtype}; the exercise asks for lse in fp32",
+            hint="backward recomputes P = exp(S − lse) from it, and bf16 keeps 8 significant "
+                 "bits: between 16 and 32 its step is 0.125, so P can be off by 6%. Keep m, l and "
+                 "lse in fp32.")
+    compare(got, (o.to(q.dtype), lse.float()), name=label, rtol=2e-2, atol=2e-2, hint=fp32)
 
 
 def _too_large_hint(dtype: str, shape: list, nq: int, nk: int) -> str:

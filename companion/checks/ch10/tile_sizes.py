@@ -36,6 +36,16 @@ def smem_tiles(sram_bytes: int, head_dim: int, dtype_bytes: int, programs_per_sm
 # The card whose shipped tile the defaults must reproduce: FA2's non-causal 128 x 32 on sm86.
 _A10 = SRAM_PER_SM["A10"]["bytes"]
 _A10_SHIPPED = next(row[3] for row in SHIPPED if row[:3] == ("FA2", "A10", False))
+# The one number of programs per SM at which the reference lands on that tile (two: FA2's "2 CTAs
+# per SM"); a default stands for a number of programs, so the answer left to its default must
+# pick what it picks at that number given explicitly, on other settings too (review 54b,
+# finding 4: a default that returns 128 x 32 itself passed).
+_A10_PROGRAMS = [p for p in range(1, 9) if smem_tiles(_A10, 128, 2, p, 16) == _A10_SHIPPED]
+assert len(_A10_PROGRAMS) == 1, _A10_PROGRAMS
+_A10_PROGRAMS = _A10_PROGRAMS[0]
+# Other heads and widths on the same card, where that tile differs from 128 x 32 at any bound up
+# to 32 and from the tiles of one or three programs per SM.
+_DEFAULT_SETTINGS = ((64, 2), (96, 2), (128, 4))
 
 # The likely wrong rules, each as a function of (sram, d, e, programs, min_block_k), with its hint.
 _TILE_MISTAKES = {
@@ -162,8 +172,22 @@ def check_choose_tiles(answer) -> str:
             hint="the search is right; the default programs_per_sm is not FA2's choice for this "
                  "card (and min_block_k's default is 16). Why would one program per SM leave its "
                  "loads of K and V exposed, and what does each program give up for a neighbour?")
+    for d, e in _DEFAULT_SETTINGS:
+        label = (f"tiles for the A10 ({_A10:,} B per SM), d = {d}, {e}-byte inputs, with your "
+                 "default programs_per_sm")
+        got, explicit = (_as_pair(call(answer, _A10, d, e, *p), label)
+                         for p in ((), (_A10_PROGRAMS,)))
+        require(got == explicit,
+                f"{label}: your function picks {got}; given explicitly the number of programs "
+                f"per SM at which it picks FA2's {_A10_SHIPPED[0]} x {_A10_SHIPPED[1]} at d = "
+                f"128, it picks {explicit}",
+                hint="left out, programs_per_sm stands for one number of programs per SM, which "
+                     "the same search then uses as if it were given: choose that number, rather "
+                     "than a tile for the A10.")
     budgets = len({case[0] for case in cases})
     return (f"your tiles fit every setting tried ({len(cases)} settings over {budgets} distinct "
             f"SRAM budgets, 1 to 3 programs per SM), and your default reproduces FA2's "
-            f"{_A10_SHIPPED[0]} x {_A10_SHIPPED[1]} on an A10; FA2's launch code says why: "
+            f"{_A10_SHIPPED[0]} x {_A10_SHIPPED[1]} on an A10 and stands for the same number of "
+            f"programs at {len(_DEFAULT_SETTINGS)} other head sizes and input widths; FA2's launch "
+            "code says why: "
             f"\"128 x 32 (48 KB smem) is the fastest for non-causal since we get 2 CTAs per SM\"")
