@@ -24,13 +24,7 @@ from companion.plan.search import fastest_fitting, fastest_fitting_brute
 from elsewhere import Elsewhere
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread is as fast on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- exercise 1: train within budget
