@@ -55,7 +55,9 @@ OUTCOMES = ("ran", "out of memory")
 # "not expressible".
 NO_LEVER = "no planner lever"
 LEVERS: dict[str, dict | Callable | str] = {
-    "checkpointing": lambda run, shape: {"segments": shape.depth},      # every block
+    # every block wrapped, the last too: torchtune's set_activation_checkpointing, torchtitan's
+    # full AC, fms-fsdp's apply_fsdp_checkpointing and litgpt's FSDP policy wrap each block
+    "checkpointing": lambda run, shape: {"segments": shape.depth, "checkpoint_last": True},
     "selective-checkpointing": {"selective": True},
     "autocast": {"precision": "autocast"},        # 16-bit compute on fp32 weights (FSDP's bf16)
     "mixed": {"precision": "mixed"},              # bf16 weights + fp32 master
@@ -164,8 +166,9 @@ def build_candidate(run: dict, shape: GPTShape) -> tuple[Candidate | None, str]:
         missing = [lv for lv in run["levers"] if isinstance(LEVERS[lv], dict)
                    and not _accepts(LEVERS[lv])]
         return None, f"not expressible yet: {', '.join(missing) or e}"
-    if cand not in candidates(shape, run["global_batch"], world_size=run["gpus"],
-                              allow=TECHNIQUES, lora_rank=cand.lora_rank or 8):
+    searched = dataclasses.replace(cand, checkpoint_last=False)   # predicted, not searched
+    if searched not in candidates(shape, run["global_batch"], world_size=run["gpus"],
+                                  allow=TECHNIQUES, lora_rank=cand.lora_rank or 8):
         return None, "not expressible yet: the planner does not search this combination"
     return cand, "~" if approximated else "predicted"
 

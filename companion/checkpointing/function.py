@@ -131,8 +131,9 @@ def _run(layers: Sequence[Callable]) -> Callable:
 
 
 def checkpoint_sequential(layers: Sequence[Callable], segments: int, x: torch.Tensor, *,
-                          use_reentrant: bool = True) -> torch.Tensor:
-    """Run `layers` in order on `x`, split into `segments` pieces, all but the last checkpointed.
+                          use_reentrant: bool = True, last: bool = False) -> torch.Tensor:
+    """Run `layers` in order on `x`, split into `segments` pieces, all but the last checkpointed
+    (`last=True`: the last one too, as wrapping every layer in a checkpoint does).
 
     Memory, for n equal layers of activation size A: about (segments - 1) + n/segments activations
     instead of n, smallest near segments = √n (about 2√n·A). Cost: every layer but the last
@@ -149,4 +150,5 @@ def checkpoint_sequential(layers: Sequence[Callable], segments: int, x: torch.Te
     size = len(layers) // segments
     for start in range(0, size * (segments - 1), size):       # checkpointed segments
         x = checkpoint(_run(layers[start:start + size]), x, use_reentrant=use_reentrant)
-    return _run(layers[size * (segments - 1):])(x)            # last segment: plain, saved
+    rest = _run(layers[size * (segments - 1):])               # the last segment: plain, its
+    return checkpoint(rest, x, use_reentrant=use_reentrant) if last else rest(x)   # tensors saved

@@ -222,8 +222,11 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
     step_temp = G if c.precision == "mixed" and not c.offload else 0
     step_temp = in_step if (c.precision == "bf16" or c.paged) and not c.in_backward \
         else step_temp
-    phases = [("forward", G_before, A, logits + cached),
-              ("backward", G_before + moving, A, loss_grads),
+    at_loss = A                                        # the last segment checkpointed too:
+    if c.checkpoint_last:                              # only its input kept until its backward
+        at_loss = A - segment_sizes(s.depth, c.segments)[1] * per_block + checkpoint
+    phases = [("forward", G_before, at_loss, logits + cached),
+              ("backward", G_before + moving, at_loss, loss_grads),
               ("first block's backward", max(G_before, early) + early_moving, early_acts,
                block_temp),
               ("backward end", G, 0, 0),
@@ -315,7 +318,7 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
     backward = 2 * forward                             # frozen (LoRA): no weight gradients,
     if c.lora_rank:                                    # attention's backward as before
         backward -= tokens * (L * 2 * s.block_matmul_params() + 2 * C * V)
-    recompute = tokens * block * (L // c.segments) * (c.segments - 1)
+    recompute = tokens * block * c.recomputed_blocks(L)
     if c.chunked_loss:                                 # the head's matmul again in backward
         recompute += tokens * 2 * C * V
     speed = cost.flops * (cost.half_speedup if c.precision != "fp32" else 1.0)
@@ -341,7 +344,7 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
     dequantized = 0                                    # QLoRA: base values dequantized
     if c.nf4_base:                                     # forward, backward, and recompute
         per_pass = sum(s.lora_linear_weights())
-        dequantized = c.accumulation * per_pass * (2 * L + (L // c.segments) * (c.segments - 1))
+        dequantized = c.accumulation * per_pass * (2 * L + c.recomputed_blocks(L))
     parts = {
         "compute": (forward + backward) / speed,
         "recompute": recompute / speed,
@@ -385,7 +388,7 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
     }
     if world_size > 1:
         exposed = _exposed_communication(s, c, cost, world_size, c.micro_batch * T * block / speed,
-                                         (L // c.segments) * (c.segments - 1) / L + redone)
+                                         c.recomputed_blocks(L) / L + redone)
         parts["communication"] = min(exposed, sent / cost.network_bandwidth)
     parts["total"] = sum(parts.values())
     if world_size > 1:

@@ -187,6 +187,9 @@ class Candidate:
     in_backward: bool = False    # each parameter's AdamW step in backward (`optim.
                                  # optimizer_in_backward`): one gradient alive at a time
     paged: bool = False          # 8-bit states paged to the host (bitsandbytes' paged AdamW8bit)
+    checkpoint_last: bool = False  # the last segment checkpointed too: every block wrapped, as
+                                 # torchtune, torchtitan's full AC and HF's gradient checkpointing
+                                 # do (checkpoint_sequential runs the last segment plainly)
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accumulation", "segments"):
@@ -221,6 +224,10 @@ class Candidate:
     def _check_new_levers(self) -> None:
         """Selective checkpointing, pure bf16, the step in backward, paged 8-bit states: the
         combinations planned here (issue 52's levers)."""
+        if self.checkpoint_last and (self.segments == 1 or self.activation_offload):
+            raise ValueError("Candidate.checkpoint_last checkpoints the last of the checkpoint "
+                             "segments: it needs segments > 1, and is planned without "
+                             "activation offload")
         if self.paged and self.state_bits != 8:
             raise ValueError("Candidate.paged pages 8-bit Adam states: it needs state_bits=8")
         if self.selective and (self.segments > 1 or self.activation_offload or self.lora_rank):
@@ -239,6 +246,14 @@ class Candidate:
                              "own optimizer (fp32, autocast or pure bf16): not with ZeRO, "
                              "offload, LoRA or fp32 masters")
 
+    def recomputed_blocks(self, depth: int) -> int:
+        """Blocks whose forward runs again in backward: every checkpointed segment's (the last
+        one's too with checkpoint_last; checkpoint_sequential sizes them depth // segments and
+        gives the last the rest)."""
+        if self.segments == 1:
+            return 0
+        return depth if self.checkpoint_last else (depth // self.segments) * (self.segments - 1)
+
     def check_depth(self, depth: int) -> None:
         """Raise ValueError when the plan asks for more checkpoint segments than blocks."""
         if self.segments > depth:
@@ -251,7 +266,8 @@ class Candidate:
         if self.accumulation > 1:
             out.append(f"{self.accumulation} micro-batches of {self.micro_batch}")
         if self.segments > 1:
-            out.append(f"checkpointing ({self.segments} segments)")
+            out.append(f"checkpointing ({self.segments} segments"
+                       + (", the last too)" if self.checkpoint_last else ")"))
         if self.selective:
             out.append("selective checkpointing")
         if self.precision != "fp32":

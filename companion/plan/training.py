@@ -56,14 +56,18 @@ __all__ = ["CheckpointedBlocks", "SelectiveBlocks", "InBackward", "PagedAdam8bit
 class CheckpointedBlocks(nn.Module):
     """A GPT's blocks run by `checkpoint_sequential(blocks, segments, x, use_reentrant=False)`:
     segments - 1 of them keep only their input and recompute in backward, the last runs plainly.
-    The hooks design replays autocast in the recompute (the reentrant one would not)."""
+    With `last=True` the last segment is checkpointed too, the same way, as trainers that wrap
+    every block do (torchtune's `set_activation_checkpointing`, torchtitan's full AC, HF's
+    `gradient_checkpointing_enable`). The hooks design replays autocast in the recompute (the
+    reentrant one would not)."""
 
-    def __init__(self, blocks: nn.Sequential, segments: int):
+    def __init__(self, blocks: nn.Sequential, segments: int, last: bool = False):
         super().__init__()
-        self.blocks, self.segments = blocks, segments
+        self.blocks, self.segments, self.last = blocks, segments, last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint_sequential(list(self.blocks), self.segments, x, use_reentrant=False)
+        return checkpoint_sequential(list(self.blocks), self.segments, x, use_reentrant=False,
+                                     last=self.last)
 
 
 class SelectiveBlocks(nn.Module):
@@ -264,7 +268,7 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
     if cand.lora_rank and not cand.nf4_base:
         lora.apply_lora(model, cand.lora_rank, targets=_lora_targets(model))   # base frozen
     if cand.segments > 1:
-        model.blocks = CheckpointedBlocks(model.blocks, cand.segments)
+        model.blocks = CheckpointedBlocks(model.blocks, cand.segments, cand.checkpoint_last)
     if cand.selective:
         model.blocks = SelectiveBlocks(model.blocks)
     net, optimizer, master = _optimizer(cand, model, world_size, lr, paged_to_host)
