@@ -64,8 +64,11 @@ LEVERS: dict[str, dict | Callable | str] = {
     "pure-bf16": {"precision": "bf16"},           # bf16 weights and states, no master
     "zero-1": {"zero_stage": 1}, "zero-2": {"zero_stage": 2}, "zero-3": {"zero_stage": 3},
     "offload": {"offload": True},
-    "lora": lambda run, shape: {"lora_rank": run["lora_rank"]},
-    "qlora": lambda run, shape: {"lora_rank": run["lora_rank"], "nf4_base": True},
+    "lora": lambda run, shape: {"lora_rank": run["lora_rank"],
+                                "lora_targets": _targets(run, shape)},
+    "qlora": lambda run, shape: {"lora_rank": run["lora_rank"], "nf4_base": True,
+                                 "lora_targets": _targets(run, shape),
+                                 "nf4_keeps_inputs": _before(run.get("bitsandbytes"), (0, 43, 2))},
     "adam8bit": {"state_bits": 8},
     "paged-adam8bit": {"state_bits": 8, "paged": True},
     "optimizer-in-backward": {"in_backward": True},
@@ -75,6 +78,21 @@ LEVERS: dict[str, dict | Callable | str] = {
     "fsdp-cpu-offload": NO_LEVER,                 # parameters on the host, brought per module
     "hsdp": NO_LEVER,                             # sharded within a node, replicated across
 }
+
+
+def _targets(run: dict, shape: GPTShape) -> tuple[str, ...]:
+    """The run's adapted Linears (its `lora_targets`) as `Candidate.lora_targets` names them:
+    () when it adapts every Linear of a block."""
+    targets = tuple(run.get("lora_targets", ()))
+    return () if set(targets) == set(shape.block_linears()) else targets
+
+
+def _before(version: str | None, fixed: tuple[int, ...]) -> bool:
+    """Whether a run's library `version` ("0.42.0"; None: not recorded, taken as recent) is
+    older than `fixed`."""
+    return version is not None and tuple(int(p) for p in version.split(".")[:3]) < fixed
+
+
 # Under LoRA and QLoRA the base is frozen: pure bf16 and "mixed" keep the same bf16 base and
 # differ only by the adapters' fp32 copies (4·r·(in + out) bytes a Linear, under 0.2 GB for the
 # corpus's runs). The planner plans pure bf16 without adapters only, so such runs are predicted
@@ -166,9 +184,11 @@ def build_candidate(run: dict, shape: GPTShape) -> tuple[Candidate | None, str]:
         missing = [lv for lv in run["levers"] if isinstance(LEVERS[lv], dict)
                    and not _accepts(LEVERS[lv])]
         return None, f"not expressible yet: {', '.join(missing) or e}"
-    searched = dataclasses.replace(cand, checkpoint_last=False)   # predicted, not searched
+    searched = dataclasses.replace(cand, checkpoint_last=False,   # predicted, not searched
+                                   nf4_keeps_inputs=False)
     if searched not in candidates(shape, run["global_batch"], world_size=run["gpus"],
-                                  allow=TECHNIQUES, lora_rank=cand.lora_rank or 8):
+                                  allow=TECHNIQUES, lora_rank=cand.lora_rank or 8,
+                                  lora_targets=cand.lora_targets):
         return None, "not expressible yet: the planner does not search this combination"
     return cand, "~" if approximated else "predicted"
 

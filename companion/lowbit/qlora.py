@@ -43,9 +43,11 @@ class _FrozenNF4Linear(torch.autograd.Function):
     the same way: the dense weight never exists whole, and nothing dense is saved for backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, base: NF4Tensor, bias: torch.Tensor | None
-                ) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, base: NF4Tensor, bias: torch.Tensor | None,
+                keep_input: bool = False) -> torch.Tensor:
         ctx.base = base                                     # codes and scales only
+        if keep_input:                                      # bitsandbytes < 0.43.2's ctx.tensors:
+            ctx.kept = x                                    # never read, freed with the graph
         y = x.new_empty(x.shape[0], base.shape[0])          # (N, out)
         for r0, r1, w in nf4_row_blocks(base, x.dtype):     # w: (rows, in), reused buffers
             torch.mm(x, w.T, out=y[:, r0:r1])               # y's columns r0..r1
@@ -56,24 +58,34 @@ class _FrozenNF4Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if not ctx.needs_input_grad[0]:
-            return None, None, None
+            return None, None, None, None
         grad_x = grad.new_zeros(grad.shape[0], ctx.base.shape[1])     # (N, in)
         for r0, r1, w in nf4_row_blocks(ctx.base, grad.dtype):
             grad_x.addmm_(grad[:, r0:r1], w)                # Σ over row blocks of g·W
-        return grad_x, None, None
+        return grad_x, None, None, None
 
 
 class QLoRALinear(nn.Module):
-    """y = x·dequant(W)ᵀ + b + s·(x·Aᵀ)·Bᵀ; W in NF4 (frozen), b frozen, A and B trained."""
+    """y = x·dequant(W)ᵀ + b + s·(x·Aᵀ)·Bᵀ; W in NF4 (frozen), b frozen, A and B trained.
+    rank=0: no adapter, the frozen NF4 Linear alone (a Linear quantized but not adapted).
+    `keeps_input = True` does what bitsandbytes' MatMul4Bit did before 0.43.2 (fixed by its PR
+    #1270, July 2024): it kept its input on the autograd node (`ctx.tensors = (A, B)`, an
+    attribute, which backward does not free) until the graph itself is freed. Off by default:
+    the planner turns it on to predict runs made with those versions."""
+
+    keeps_input = False
 
     def __init__(self, base: NF4Tensor, bias: torch.Tensor | None, rank: int, *,
                  alpha: float | None = None):
         super().__init__()
         out_f, in_f = base.shape
-        self.A, self.B = adapter_parameters(in_f, out_f, rank, dtype=base.dtype,
-                                            device=base.packed.device)   # checks the rank
+        if rank == 0 and not isinstance(rank, bool):
+            self.A = self.B = None
+        else:
+            self.A, self.B = adapter_parameters(in_f, out_f, rank, dtype=base.dtype,
+                                                device=base.packed.device)   # checks the rank
         self.base, self.rank = base, rank
-        self.scale = (rank if alpha is None else alpha) / rank
+        self.scale = ((rank if alpha is None else alpha) / rank) if rank else 0.0
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
@@ -102,8 +114,9 @@ class QLoRALinear(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         lead, x = x.shape[:-1], x.reshape(-1, in_f)        # (N, in)
         with torch.autocast(x.device.type, enabled=False):
-            y = _FrozenNF4Linear.apply(x, self.base, self.bias)           # (N, out), + b
-            y = y.addmm_(x @ self.A.T.to(x.dtype), self.B.T.to(x.dtype), alpha=self.scale)
+            y = _FrozenNF4Linear.apply(x, self.base, self.bias, self.keeps_input)  # (N, out)
+            if self.A is not None:
+                y = y.addmm_(x @ self.A.T.to(x.dtype), self.B.T.to(x.dtype), alpha=self.scale)
         return y.view(*lead, out_f)
 
     def merge(self) -> nn.Linear:
@@ -112,7 +125,8 @@ class QLoRALinear(nn.Module):
         merged = nn.Linear(in_f, out_f, bias=self.bias is not None, dtype=self.base.dtype,
                            device=self.base.packed.device)
         with torch.no_grad():
-            merged.weight.copy_(dequantize_nf4(self.base) + self.scale * self.B @ self.A)
+            merged.weight.copy_(dequantize_nf4(self.base) if self.A is None else
+                                dequantize_nf4(self.base) + self.scale * self.B @ self.A)
             if self.bias is not None:
                 merged.bias.copy_(self.bias)
         return merged
@@ -123,16 +137,22 @@ class QLoRALinear(nn.Module):
 
 
 def apply_qlora(model: nn.Module, rank: int, targets: Iterable[str | type] | None = None, *,
-                alpha: float | None = None, blocksize: int = 64,
-                double_quant: bool = True) -> nn.Module:
+                quantize: Iterable[str | type] | None = None, alpha: float | None = None,
+                blocksize: int = 64, double_quant: bool = True) -> nn.Module:
     """Freeze `model` and replace the chosen nn.Linear layers (as `lora.apply_lora` chooses them)
-    by `QLoRALinear`s; edits `model` in place and returns it."""
+    by `QLoRALinear`s; edits `model` in place and returns it. `quantize`: the Linears whose
+    weights go to NF4, the adapted ones among them (default: the adapted ones); those not in
+    `targets` are quantized without an adapter, as loading a model in 4 bits before LoRA does."""
     model.requires_grad_(False)
-    names = [name for name, _ in linear_targets(model, targets)]   # names only: each dense
+    adapted = [name for name, _ in linear_targets(model, targets)]  # names only: each dense
+    names = adapted if quantize is None else [name for name, _ in linear_targets(model, quantize)]
+    if set(adapted) - set(names):
+        raise ValueError(f"QLoRA adapts only quantized Linears; not quantized: "
+                         f"{sorted(set(adapted) - set(names))}")
     for name in names:                                              # weight is freed once its
         parent_name, _, child = name.rpartition(".")               # codes replace it
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QLoRALinear.from_linear(getattr(parent, child), rank=rank,
-                                                       alpha=alpha, blocksize=blocksize,
-                                                       double_quant=double_quant))
+        setattr(parent, child, QLoRALinear.from_linear(
+            getattr(parent, child), rank=rank if name in adapted else 0, alpha=alpha,
+            blocksize=blocksize, double_quant=double_quant))
     return model

@@ -55,6 +55,7 @@ def plan_model(model_fn: Callable[[], nn.Module], batch: int, *, budget: int | s
                seq_len: int | None = None, vocab: int | None = None,
                optimizer: Callable = torch.optim.AdamW, device: torch.device | str = "cpu",
                allow: Iterable[str] = ("accumulation", "checkpointing"), lora_rank: int = 8,
+               lora_targets: Iterable[str] = (),
                margin: float | None = None, cost: CostModel | None = None,
                gpu: str | None = None, verify: int = 8, fallback: bool = True) -> Plan:
     """The fastest plan (by `cost`) whose traced step fits `budget` bytes per device, for any
@@ -76,5 +77,6 @@ def plan_model(model_fn: Callable[[], nn.Module], batch: int, *, budget: int | s
     model = Traced(model_fn, step=step, seq_len=seq_len, vocab=vocab, optimizer=optimizer,
                    fallback=fallback)
     return _plan(model, batch, budget=budget, device=torch.device(device), world_size=1,
-                 allow=allow, lora_rank=lora_rank, host_budget=None, margin=margin, cost=cost,
+                 allow=allow, lora_rank=lora_rank, lora_targets=tuple(lora_targets),
+                 host_budget=None, margin=margin, cost=cost,
                  lr=1e-3, verify=verify, simulate_plain=True, gpu=gpu, context_bytes=None)

@@ -329,7 +329,7 @@ def _build(model_fn, cand: Candidate, optimizer=None) -> _Setup:
     if cand.lora_rank:                         # first: checkpointing captures the blocks
         with warnings.catch_warnings():        # plan_model warns once, not at every simulation
             warnings.simplefilter("ignore")
-            lora.apply_lora(model, cand.lora_rank)
+            lora.apply_lora(model, cand.lora_rank, cand.lora_targets or None)
     container = blocks_of(model)
     if cand.segments > 1:
         if container is None:

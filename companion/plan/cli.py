@@ -101,6 +101,15 @@ def _whole(low: int):
 _positive, _count = _whole(1), _whole(0)
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """An argparse type: comma-separated names ("q_proj,v_proj"), none of them empty."""
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names) or not all(n.replace("_", "").replace(".", "").isalnum() for n in names):
+        raise argparse.ArgumentTypeError(f"Linear names separated by commas, e.g. q_proj,v_proj; "
+                                         f"got {text!r}")
+    return names
+
+
 def _cli_names(names) -> list[str]:
     """Techniques as --allow spells them: issue 52's levers with hyphens ("pure-bf16")."""
     new = ("selective_checkpointing", "pure_bf16", "optimizer_in_backward", "paged_adam8bit")
@@ -154,7 +163,8 @@ def _run_named(args) -> int:
                             budget=args.budget, verify=args.simulate,
                             host_budget=None if args.host_gib is None      # 0 GiB is no host
                             else int(args.host_gib * 2**30),
-                            lora_rank=args.lora_rank, **kwargs)
+                            lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+                            **kwargs)
     except (ValueError, TypeError, RuntimeError, FileNotFoundError) as e:
         print(f"companion plan: {e}", file=sys.stderr)
         return 2
@@ -222,6 +232,7 @@ def _run(args) -> int:
         result = plan_model(model_fn, args.batch, budget=args.budget, step=step,
                             seq_len=args.seq_len, vocab=args.vocab, optimizer=optimizer,
                             device=device, allow=args.allow, lora_rank=args.lora_rank,
+                            lora_targets=args.lora_targets,
                             cost=cost, gpu=args.gpu, verify=max(args.simulate, 1),
                             fallback=not args.no_fallback)
     except (ValueError, TypeError, RuntimeError) as e:
@@ -313,6 +324,10 @@ def add_parser(sub) -> None:
                         "them selective-checkpointing pure-bf16 optimizer-in-backward "
                         "paged-adam8bit")
     p.add_argument("--lora-rank", type=_positive, default=8)
+    p.add_argument("--lora-targets", type=_names, default=(),
+                   help="the Linears LoRA and QLoRA adapt, by name, comma-separated (e.g. "
+                        "q_proj,v_proj, PEFT's and litgpt's default for a Llama; default: every "
+                        "Linear of a block); QLoRA quantizes all of them either way")
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     p.add_argument("--check", action="store_true",
                    help="then run the chosen step for real on this CPU and print its peak")

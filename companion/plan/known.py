@@ -82,9 +82,9 @@ class Formulas:
         return allow                                   # `candidates` checks the names
 
     def candidates(self, batch: int, *, world_size: int, allow: Iterable[str],
-                   lora_rank: int) -> list[Candidate]:
+                   lora_rank: int, lora_targets: tuple[str, ...] = ()) -> list[Candidate]:
         return candidates(self.shape, batch, world_size=world_size, allow=allow,
-                          lora_rank=lora_rank)
+                          lora_rank=lora_rank, lora_targets=lora_targets)
 
     def predict(self, cand: Candidate, *, world_size: int, device_type: str, cost: CostModel
                 ) -> tuple[Prediction, dict[str, float]]:
@@ -189,7 +189,7 @@ class Traced:
         return tuple(a for a in allow if a in GENERIC)
 
     def candidates(self, batch: int, *, world_size: int, allow: Iterable[str],
-                   lora_rank: int) -> list[Candidate]:
+                   lora_rank: int, lora_targets: tuple[str, ...] = ()) -> list[Candidate]:
         if world_size != 1:
             raise ValueError("for a model other than the course GPT the planner plans one device "
                              "(world_size=1)")
@@ -201,7 +201,10 @@ class Traced:
                      self._inert if "checkpointing" in allow and self._inert else self._already)
         self._micro = ([m for m in range(1, batch + 1) if batch % m == 0]
                        if "accumulation" in allow else [batch])
-        return [Candidate(m, batch // m, **combo)
+        if lora_targets and "lora" in allow:           # the names are the model's own
+            _with_lora(self.model_fn, lora_rank, lora_targets)   # (raises, listing them)
+        return [Candidate(m, batch // m, **combo,
+                          lora_targets=tuple(lora_targets) if combo["lora_rank"] else ())
                 for combo in _combos(allow, lora_rank, self.segments) for m in self._micro]
 
     def _trace(self, cand: Candidate) -> tuple[MemoryTracker, float, int]:
@@ -277,7 +280,8 @@ class Traced:
                                phase=near.peak_phase or "step")
         flops = lo[1] * (1 - w) + hi[1] * w
         trainable = (self.n_params if not cand.lora_rank else
-                     lora.trainable_params(_with_lora(self.model_fn, cand.lora_rank)))
+                     lora.trainable_params(_with_lora(self.model_fn, cand.lora_rank,
+                                                     cand.lora_targets)))
         return predicted, _seconds(cand, flops, lo[2], trainable, cost)
 
     def lines(self, cand: Candidate, *, device_type: str, gpu, world_size: int,
@@ -338,7 +342,7 @@ def _combos(allow: frozenset[str], lora_rank: int, segments: int) -> list[dict]:
             if not (r and b == 8)]
 
 
-def _with_lora(model_fn, lora_rank: int) -> nn.Module:
+def _with_lora(model_fn, lora_rank: int, targets: tuple[str, ...] = ()) -> nn.Module:
     with FakeTensorMode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return lora.apply_lora(build_model(model_fn), lora_rank)
+        return lora.apply_lora(build_model(model_fn), lora_rank, targets or None)

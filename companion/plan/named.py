@@ -68,7 +68,7 @@ def parse_batch(text: str | int, seq_len: int, gpus: int = 1) -> int:
 def plan_named(model: str, *, gpu: str = "H100 SXM", gpus: int = 1, seq_len: int | None = None,
                batch: str | int = "1M-tokens", budget: int | None = None,
                host_budget: int | None = None, allow=DEFAULT_ALLOW, verify: int = 1,
-               show: int = 5, cost=None, lora_rank: int = 8):
+               show: int = 5, cost=None, lora_rank: int = 8, lora_targets=()):
     """The planner's answer for a shipped model name or a config.json path on `gpus` GPUs,
     within `budget` bytes per GPU (default the card's usable bytes, `GPU.usable_bytes`: what
     CUDA reports, not the nominal size); the `show` fastest plans are each replayed. `cost`: a
@@ -95,7 +95,7 @@ def plan_named(model: str, *, gpu: str = "H100 SXM", gpus: int = 1, seq_len: int
     result = plan(config.model_fn(seq_len), sequences, budget=card.usable_bytes if budget is None else budget,
                   device="cuda", gpu=card.name, world_size=gpus, allow=allow,
                   host_budget=host_budget, verify=verify, simulate_plain=False, show=show,
-                  cost=cost, lora_rank=lora_rank)
+                  cost=cost, lora_rank=lora_rank, lora_targets=tuple(lora_targets))
     result.config = config
     return result
 

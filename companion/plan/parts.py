@@ -60,8 +60,9 @@ def activation_bytes(s: GPTShape, c: Candidate,
     if precision == "bf16":
         outside += 2 * B * T * V                       # the loss's log-softmax is fp32 here
     if c.lora_rank:                                    # x·Aᵀ, (N, r), saved for B's gradient
-        per_block += (len(s.lora_linear_shapes()) * B * T * c.lora_rank
+        per_block += (len(s.lora_linear_shapes(c.lora_targets)) * B * T * c.lora_rank
                       * (2 if c.precision != "fp32" else 4))
+        per_block -= unadapted_inputs(s, c) * B * T * (2 if c.precision != "fp32" else 4)
     if c.nf4_base and precision == "autocast":         # the base is dequantized again in
         per_block -= 24 * C * C                        # backward: no 16-bit weight copies saved
     if c.chunked_loss:                                 # no logits kept: their fp32 log-softmax
@@ -76,6 +77,27 @@ def activation_bytes(s: GPTShape, c: Candidate,
     if precision == "autocast" and c.segments > 1 and not c.lora_rank:
         cached = (L - segment_sizes(L, c.segments)[1]) * 24 * C * C
     return outside + blocks, per_block, checkpoint, cached, outside
+
+
+def unadapted_inputs(s: GPTShape, c: Candidate) -> int:
+    """Values per token of a block's Linear inputs no one saves when LoRA adapts only some of
+    its Linears (`c.lora_targets`): a frozen Linear saves nothing (no weight gradient), so an
+    input is kept only for an adapter's A, whose gradient needs it; the ops before it need their
+    own inputs, not this output (RMSNorm's and LayerNorm's, SwiGLU's and GELU's, the attention's
+    output copied out of its heads). The Linears that read one input are grouped: a Llama's q, k
+    and v read the first norm's output, gate and up the second's."""
+    if not c.lora_targets:
+        return 0
+    return sum(width for names, width in linear_inputs(s)
+               if not set(names) & set(c.lora_targets))
+
+
+def linear_inputs(s: GPTShape) -> list[tuple[tuple[str, ...], int]]:
+    """A block's Linear inputs: (the Linears that read it, its values per token)."""
+    C, I = s.width, s.intermediate
+    return ([(("q_proj", "k_proj", "v_proj"), C), (("o_proj",), C),
+             (("gate_proj", "up_proj"), C), (("down_proj",), I)] if s.llama else
+            [(("qkv",), C), (("proj",), C), (("fc",), C), (("out",), 4 * C)])
 
 
 def bf16_weights(c: Candidate) -> bool:
@@ -141,7 +163,7 @@ def segment_sizes(depth: int, segments: int) -> tuple[int, int]:
 
 def state_bytes(s: GPTShape, c: Candidate, world_size: int) -> tuple[int, int, int, int, int]:
     """(weights, gradients, optimizer state, gradients live while a micro-batch starts, host)."""
-    trainable = s.lora_params(c.lora_rank) if c.lora_rank else s.n_params
+    trainable = s.lora_params(c.lora_rank, c.lora_targets) if c.lora_rank else s.n_params
     if c.precision == "bf16":                          # pure bf16: 2 + 2 + moments, no master
         n, small = trainable, s.n_params_small
         optimizer = 4 * n if c.state_bits == 32 else (  # bf16 moments 2 + 2, or 8-bit codes
@@ -158,7 +180,7 @@ def state_bytes(s: GPTShape, c: Candidate, world_size: int) -> tuple[int, int, i
                                    zero_stage=c.zero_stage, world_size=world_size)
     dense = 2 if bf16_weights(c) else 4
     frozen = dense * s.n_params if c.lora_rank else 0  # the base beside the adapters
-    if c.nf4_base:                                     # its adapted weights in NF4
+    if c.nf4_base:                                     # every block Linear's weight in NF4
         linear = s.lora_linear_weights()
         frozen += s.depth * sum(estimate.nf4_bytes(n) - dense * n for n in linear)
     weights = states.params + frozen
@@ -187,7 +209,7 @@ def qlora_build_bytes(s: GPTShape, c: Candidate) -> tuple[int, int]:
     adapters, a layer's quantization temporaries (about 21 bytes per value of the first
     block's qkv weight in fp32, 29 from bf16: fitted to the simulated build))."""
     dense = 2 if bf16_weights(c) else 4
-    return (dense * (s.n_params + s.lora_params(c.lora_rank)),
+    return (dense * (s.n_params + s.lora_params(c.lora_rank, c.lora_targets)),
             (29 if dense == 2 else 21) * s.lora_linear_weights()[0])
 
 

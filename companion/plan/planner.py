@@ -256,7 +256,8 @@ def _gpu(device: torch.device, name: str | None):
 
 def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
          device: torch.device | str | None = None, world_size: int = 1,
-         allow: Iterable[str] = EXACT, lora_rank: int = 8, host_budget: int | str | None = None,
+         allow: Iterable[str] = EXACT, lora_rank: int = 8, lora_targets: Iterable[str] = (),
+         host_budget: int | str | None = None,
          margin: float | None = None, cost: CostModel | None = None, lr: float = 1e-3,
          verify: int = 4, simulate_plain: bool = True, step: Callable | None = None,
          seq_len: int | None = None, vocab: int | None = None,
@@ -316,13 +317,15 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
     allow = (allow,) if isinstance(allow, str) else tuple(allow)   # "offload" alone is fine
     model = describe(model_fn, step=step, seq_len=seq_len, vocab=vocab, optimizer=optimizer)
     return _plan(model, batch, budget=budget, device=device, world_size=world_size,
-                 allow=model.allowed(allow), lora_rank=lora_rank, host_budget=host_budget,
+                 allow=model.allowed(allow), lora_rank=lora_rank,
+                 lora_targets=tuple(lora_targets), host_budget=host_budget,
                  margin=margin, cost=cost, lr=lr, verify=verify, simulate_plain=simulate_plain,
                  gpu=gpu, context_bytes=context_bytes, show=show)
 
 
 def _plan(model: Formulas | Traced, batch: int, *, budget, device: torch.device,
           world_size: int, allow: tuple[str, ...], lora_rank: int, host_budget, margin,
+          lora_targets: tuple[str, ...] = (),
           cost: CostModel | None, lr: float, verify: int, simulate_plain: bool,
           gpu: str | None, context_bytes: int | None, show: int | None = None) -> Plan:
     """The one path: candidates, predicted rows against the budget's lines, the fastest
@@ -344,7 +347,8 @@ def _plan(model: Formulas | Traced, batch: int, *, budget, device: torch.device,
     card = _gpu(device, gpu)
     cost = cost or (CostModel.for_gpu(card.name) if card is not None
                     else CostModel.for_device(device.type))
-    cands = model.candidates(batch, world_size=world_size, allow=allow, lora_rank=lora_rank)
+    cands = model.candidates(batch, world_size=world_size, allow=allow, lora_rank=lora_rank,
+                             lora_targets=lora_targets)
     rows = _rows(model, cands, world_size, device.type, cost, usable, card, context_bytes)
     plain = next(r for r in rows if not r.candidate.techniques())   # micro-batch = batch
     fitting = sorted([r for r in rows if r.fit.fits

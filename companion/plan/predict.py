@@ -101,10 +101,10 @@ import dataclasses
 
 from companion.plan.costmodel import CostModel
 from companion.plan.parts import (BUCKET_BYTES, PAGE, STEP_TEMPORARIES, activation_bytes,
-                                  bf16_weights, offloaded_twice, paged_state_bytes,
+                                  bf16_weights, linear_inputs, offloaded_twice, paged_state_bytes,
                                   qlora_build_bytes, qlora_dequantize_bytes, segment_sizes,
                                   selective_block_bytes, selective_recompute_flops,
-                                  state_bytes)
+                                  state_bytes, unadapted_inputs)
 from companion.plan.space import Candidate, GPTShape
 
 __all__ = ["Prediction", "predict_memory", "CostModel", "predict_seconds", "BUCKET_BYTES",
@@ -240,10 +240,10 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
 
               ("optimizer", G, 0, step_temp)]
     if c.in_backward and c.chunked_loss:               # the head's gradient summed over the
-        phases.append(("backward", 2 * G, A, loss_grads))   # slices before its step: the
+        phases.append(("backward", 2 * G, at_loss, loss_grads))   # slices before its step: the
                                                        # sum and a slice's
     if c.in_backward:                                  # the head's step, its gradient made
-        phases.append(("optimizer in backward", G, A - outside, in_step))   # (the logits'
+        phases.append(("optimizer in backward", G, at_loss - outside, in_step))   # (the logits'
                                                        # gradient freed): the blocks' left
     if c.selective:                                    # the last block's backward: its
         recomputed = per_block - selective_block_bytes(s, c)   # recomputed tensors back, the
@@ -260,8 +260,17 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
         phases.append(("last block's backward", max(G_before, made) + moving,   # activations
                        A - outside - e * N * I,        # but down_proj's input, gradients as in
                        3 * e * N * I + e * N * C))     # the first block's (a chunked loss's
+    if c.nf4_keeps_inputs:                             # bitsandbytes < 0.43.2: every NF4
+        e = 2 if low else 4                            # Linear's input kept to the graph's end
+        every = e * N * s.depth * sum(width for _, width in linear_inputs(s))   # (the step's,
+        unsaved = e * N * s.depth * unadapted_inputs(s, c)   # held loss), beyond what the
+        intact = ("backward", "QLoRA's dequantization", "last block's backward")  # blocks
+        phases = [(name, g, a + (unsaved + every * (c.accumulation > 1) if name == "forward"
+                                 else unsaved if name in intact else every), t)   # still save;
+                  for name, g, a, t in phases]         # the last micro-batch's in forward
     phase, grads, acts, temp = max(phases, key=lambda p: p[1] + p[2] + p[3])   # peak, V small)
-    disk = 12 * (s.lora_params(c.lora_rank) if c.lora_rank else s.n_params) if c.nvme else 0
+    disk = 12 * (s.lora_params(c.lora_rank, c.lora_targets) if c.lora_rank else s.n_params) \
+        if c.nvme else 0
     step = Prediction(P, grads, O, acts, temp, phase, host + host_acts, disk)
     if c.nf4_base and device_type == "cpu":            # QLoRA's build, in the same memory
         weights, quantizing = qlora_build_bytes(s, c)
@@ -322,7 +331,7 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
     if c.chunked_loss:                                 # the head's matmul again in backward
         recompute += tokens * 2 * C * V
     speed = cost.flops * (cost.half_speedup if c.precision != "fp32" else 1.0)
-    trainable = s.lora_params(c.lora_rank) if c.lora_rank else s.n_params
+    trainable = s.lora_params(c.lora_rank, c.lora_targets) if c.lora_rank else s.n_params
     weight_bytes = 2 if bf16_weights(c) else 4
     shard = trainable / world_size if c.zero_stage else trainable
     ring = (world_size - 1) / world_size
@@ -351,7 +360,7 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
         "overhead": c.accumulation * (L + 2) * cost.layer_seconds,
         # AdamW reads and writes ~32 B per parameter (weight, gradient, two moments) through
         # the memory it runs in: the host's when offloaded, the device's otherwise
-        "optimizer": (shard / cost.adam8bit_rate + s.trainable_tensors(c.lora_rank)
+        "optimizer": (shard / cost.adam8bit_rate + s.trainable_tensors(c.lora_rank, c.lora_targets)
                       * cost.adam8bit_tensor_seconds
                       if c.state_bits == 8 and cost.adam8bit_rate
                       else optimizer_bytes * shard / (cost.host_memory_bandwidth if c.offload
@@ -367,7 +376,7 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
                                / (cost.activation_bandwidth or cost.host_bandwidth)
                                if c.activation_offload else 0.0),
         "disk": (2 * 12 * trainable / cost.disk_bandwidth + 3 * s.trainable_tensors(
-            c.lora_rank) * cost.disk_sync_seconds) if c.nvme else 0.0,
+            c.lora_rank, c.lora_targets) * cost.disk_sync_seconds) if c.nvme else 0.0,
         # selective checkpointing's element-wise recompute: what the policy does not keep,
         # written again and read by backward, at the device's memory speed
         "selective recompute": 2 * recomputed / cost.memory_bandwidth,
@@ -380,10 +389,10 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
         # gradients added: ~40·N·out + 24·N·in bytes in fp32 (half in 16 bits), at the rate
         # calibrate measures for them (on the CPU a fifth of the copy bandwidth)
         "adapters": c.accumulation * L * sum(40 * c.micro_batch * T * o + 24 * c.micro_batch
-                                             * T * i for i, o in s.lora_linear_shapes())
+                                             * T * i for i, o in s.lora_linear_shapes(c.lora_targets))
         * (0.5 if c.precision != "fp32" else 1.0)
         / (cost.adapter_bandwidth or cost.memory_bandwidth)
-        + c.accumulation * L * len(s.lora_linear_shapes()) * cost.adapter_seconds
+        + c.accumulation * L * len(s.lora_linear_shapes(c.lora_targets)) * cost.adapter_seconds
         if c.lora_rank else 0.0,
     }
     if world_size > 1:

@@ -143,26 +143,40 @@ class GPTShape:
         bias += self.width * self.o_bias + (2 * self.intermediate + self.width) * self.mlp_bias
         return self.block_matmul_params() + 2 * self.width + bias
 
-    def lora_params(self, rank: int) -> int:
+    def lora_params(self, rank: int, targets: tuple[str, ...] = ()) -> int:
         """Trainable parameters of rank-`rank` adapters on every block's adapted Linears:
-        r·(in + out) each; the GPT's four r·(C + 3C + C + C + C + 4C + 4C + C) = 16·r·C."""
-        return self.depth * rank * sum(i + o for i, o in self.lora_linear_shapes())
+        r·(in + out) each; the GPT's four r·(C + 3C + C + C + C + 4C + 4C + C) = 16·r·C.
+        `targets`: the Linears adapted, by name (`block_linears`); () adapts all of them."""
+        return self.depth * rank * sum(i + o for i, o in self.lora_linear_shapes(targets))
 
-    def trainable_tensors(self, lora_rank: int = 0) -> int:
+    def trainable_tensors(self, lora_rank: int = 0, targets: tuple[str, ...] = ()) -> int:
         """Tensors the optimizer steps: every parameter, or two adapter matrices per adapted
         Linear with LoRA."""
-        return 2 * len(self.lora_linear_weights()) * self.depth if lora_rank else self.n_tensors
+        return (2 * len(self.lora_linear_shapes(targets)) * self.depth if lora_rank
+                else self.n_tensors)
 
-    def lora_linear_weights(self) -> list[int]:    # per block; QLoRA's NF4 ones
-        return [i * o for i, o in self.lora_linear_shapes()]
+    def lora_linear_weights(self, targets: tuple[str, ...] = ()) -> list[int]:
+        return [i * o for i, o in self.lora_linear_shapes(targets)]      # per block
 
-    def lora_linear_shapes(self) -> list[tuple[int, int]]:
-        """(in, out) features of each Linear LoRA adapts, per block: GPT qkv (C, 3C),
-        proj (C, C), fc (C, 4C), out (4C, C); Llama q, k, v, o, gate, up, down."""
+    def block_linears(self) -> dict[str, tuple[int, int]]:
+        """{name: (in, out) features} of a block's Linears: GPT qkv (C, 3C), proj (C, C),
+        fc (C, 4C), out (4C, C); Llama q, k, v, o, gate, up, down. QLoRA's NF4 base is all of
+        them, whichever LoRA adapts (as bitsandbytes' 4-bit loading, litgpt and torchtune do)."""
         C, I, kv = self.width, self.intermediate, self.kv_heads * (self.width // self.heads)
         if self.llama:
-            return [(C, C), (C, kv), (C, kv), (C, C), (C, I), (C, I), (I, C)]
-        return [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]
+            return dict(zip(LLAMA_LORA_TARGETS,
+                            [(C, C), (C, kv), (C, kv), (C, C), (C, I), (C, I), (I, C)]))
+        return dict(zip(LORA_TARGETS, [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]))
+
+    def lora_linear_shapes(self, targets: tuple[str, ...] = ()) -> list[tuple[int, int]]:
+        """(in, out) features of each Linear LoRA adapts, per block: those named in `targets`
+        (`block_linears`' names), or all of them (())."""
+        linears = self.block_linears()
+        unknown = [t for t in targets if t not in linears]
+        if unknown:
+            raise ValueError(f"LoRA target(s) {unknown} are not Linears of this model's blocks: "
+                             f"choose from {', '.join(linears)}")
+        return [shape for name, shape in linears.items() if not targets or name in targets]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +191,8 @@ class Candidate:
     offload: bool = False        # AdamW state and fp32 master weights on the host
     lora_rank: int = 0           # 0 = train every parameter
     state_bits: int = 32         # 8: Adam's moments as block-wise 8-bit codes (`lowbit.Adam8bit`)
-    nf4_base: bool = False       # QLoRA: the adapted Linear weights frozen in NF4 (lora_rank > 0)
+    nf4_base: bool = False       # QLoRA: every block Linear's weight frozen in NF4, the adapted
+                                 # ones under their adapters (lora_rank > 0)
     activation_offload: bool = False   # saved activations to the host (saved-tensor hooks)
     chunked_loss: int = 0        # slices of `chunked_cross_entropy` (0: the whole logits at once)
     fused_attention: bool = False  # build the model with fused attention (no (T, T) matrix)
@@ -187,6 +202,12 @@ class Candidate:
     in_backward: bool = False    # each parameter's AdamW step in backward (`optim.
                                  # optimizer_in_backward`): one gradient alive at a time
     paged: bool = False          # 8-bit states paged to the host (bitsandbytes' paged AdamW8bit)
+    lora_targets: tuple[str, ...] = ()  # the Linears LoRA adapts (GPTShape.block_linears'
+                                 # names, e.g. ("q_proj", "v_proj"), PEFT's and litgpt's default
+                                 # for a Llama); (): every Linear of a block
+    nf4_keeps_inputs: bool = False  # QLoRA as with bitsandbytes < 0.43.2: each 4-bit Linear
+                                 # keeps its input until its graph is freed, and the loop holds
+                                 # the last micro-batch's loss through the next forward (litgpt's)
     checkpoint_last: bool = False  # the last segment checkpointed too: every block wrapped, as
                                  # torchtune, torchtitan's full AC and HF's gradient checkpointing
                                  # do (checkpoint_sequential runs the last segment plainly)
@@ -224,6 +245,16 @@ class Candidate:
     def _check_new_levers(self) -> None:
         """Selective checkpointing, pure bf16, the step in backward, paged 8-bit states: the
         combinations planned here (issue 52's levers)."""
+        if not isinstance(self.lora_targets, tuple) or not all(
+                isinstance(t, str) for t in self.lora_targets):
+            raise ValueError(f"Candidate.lora_targets is a tuple of Linear names, got "
+                             f"{self.lora_targets!r}")
+        if self.lora_targets and not self.lora_rank:
+            raise ValueError("Candidate.lora_targets names the Linears LoRA adapts: give it a "
+                             "lora_rank >= 1")
+        if self.nf4_keeps_inputs and (not self.nf4_base or self.segments > 1):
+            raise ValueError("Candidate.nf4_keeps_inputs is QLoRA's (nf4_base=True), planned "
+                             "without checkpointing")
         if self.checkpoint_last and (self.segments == 1 or self.activation_offload):
             raise ValueError("Candidate.checkpoint_last checkpoints the last of the checkpoint "
                              "segments: it needs segments > 1, and is planned without "
@@ -285,8 +316,11 @@ class Candidate:
         if self.offload:
             out.append("optimizer offload to NVMe" if self.nvme else "optimizer offload")
         if self.lora_rank:
-            out.append(f"QLoRA r={self.lora_rank} (NF4 base frozen)" if self.nf4_base
-                       else f"LoRA r={self.lora_rank} (base frozen)")
+            on = f" on {', '.join(self.lora_targets)}" if self.lora_targets else ""
+            out.append(f"QLoRA r={self.lora_rank}{on} (NF4 base frozen"
+                       + (", inputs kept as bitsandbytes < 0.43.2)" if self.nf4_keeps_inputs
+                          else ")") if self.nf4_base
+                       else f"LoRA r={self.lora_rank}{on} (base frozen)")
         if self.state_bits == 8:
             out.append("paged 8-bit Adam states" if self.paged else "8-bit Adam states")
         if self.in_backward:
@@ -315,11 +349,13 @@ def _check_allow(allow: Iterable[str]) -> frozenset[str]:
 
 
 def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
-               allow: Iterable[str] = EXACT, lora_rank: int = 8) -> list[Candidate]:
+               allow: Iterable[str] = EXACT, lora_rank: int = 8,
+               lora_targets: tuple[str, ...] = ()) -> list[Candidate]:
     """Every plan that trains `batch` sequences per optimizer step (over all ranks) with the
     techniques in `allow`. Several ranks: each takes batch / world_size, with a ZeRO stage (or
     plain data parallelism); the course's offload and LoRA run on one process, so they are
-    searched for world_size = 1 only, as are 8-bit states and QLoRA."""
+    searched for world_size = 1 only, as are 8-bit states and QLoRA. `lora_targets`: the
+    Linears LoRA and QLoRA adapt (`Candidate.lora_targets`; (): all of a block's)."""
     allow = _check_allow(allow)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int (sequences per step), got {batch!r}")
@@ -331,6 +367,8 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
                             or not 1 <= lora_rank <= shape.width):
         raise ValueError(f"lora_rank must be an int from 1 to the width {shape.width}, "
                          f"got {lora_rank!r}")
+    lora_targets = tuple(lora_targets)
+    shape.lora_linear_shapes(lora_targets)             # names a block's Linears, or raises
     per_rank = batch // world_size
     micro = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
     if "accumulation" not in allow:
@@ -375,5 +413,6 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
         if shape.llama and p == "autocast" and z != 3:
             continue                       # LLAMA_NOT_SEARCHED says why
         out.append(Candidate(m, per_rank // m, s, p, z, off, r, b, nf4, a, ch, f, d,
-                             selective=sel, in_backward=ib, paged=pg))
+                             selective=sel, in_backward=ib, paged=pg,
+                             lora_targets=lora_targets if r else ()))
     return out

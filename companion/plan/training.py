@@ -213,12 +213,15 @@ def _quantized_on_host(model_fn: Callable[..., nn.Module], cand: Candidate) -> n
     """QLoRA's model as a quantizing loader leaves it: made on the host, each adapted Linear
     weight replaced by its NF4 codes (one layer at a time), ready to move to the device."""
     model = model_fn(dtype=_dtype(cand), device="cpu")
-    return lowbit.apply_qlora(model, cand.lora_rank, targets=_lora_targets(model))
+    return lowbit.apply_qlora(model, cand.lora_rank, targets=_lora_targets(model, cand),
+                              quantize=_lora_targets(model))
 
 
-def _lora_targets(model: nn.Module) -> tuple[str, ...]:
-    """The Linear layers LoRA adapts: a Llama's q, k, v, o, gate, up and down; a GPT's qkv,
-    proj, fc and out."""
+def _lora_targets(model: nn.Module, cand: Candidate | None = None) -> tuple[str, ...]:
+    """The Linear layers LoRA adapts: those `cand.lora_targets` names, or all of a block's (a
+    Llama's q, k, v, o, gate, up and down; a GPT's qkv, proj, fc and out)."""
+    if cand is not None and cand.lora_targets:
+        return cand.lora_targets
     return LLAMA_LORA_TARGETS if isinstance(model, Llama) else LORA_TARGETS
 
 
@@ -265,8 +268,12 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
     else:
         model = model_fn(dtype=_dtype(cand), device=device)
     cand.check_depth(len(model.blocks))
+    if cand.nf4_keeps_inputs:                          # bitsandbytes < 0.43.2's MatMul4Bit
+        for module in model.modules():
+            if isinstance(module, lowbit.QLoRALinear):
+                module.keeps_input = True
     if cand.lora_rank and not cand.nf4_base:
-        lora.apply_lora(model, cand.lora_rank, targets=_lora_targets(model))   # base frozen
+        lora.apply_lora(model, cand.lora_rank, targets=_lora_targets(model, cand))   # base frozen
     if cand.segments > 1:
         model.blocks = CheckpointedBlocks(model.blocks, cand.segments, cand.checkpoint_last)
     if cand.selective:
@@ -276,9 +283,13 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
 
 
 def micro_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, *, scale: float = 1.0,
-               sync: bool = True) -> torch.Tensor:
+               sync: bool = True, hold: bool = False, previous: list | None = None
+               ) -> torch.Tensor:
     """Forward and backward of one micro-batch, its mean loss times `scale` (1/k of k
-    micro-batches), gradients added into .grad; `sync=False` skips DDP's all-reduce (no_sync)."""
+    micro-batches), gradients added into .grad; `sync=False` skips DDP's all-reduce (no_sync).
+    `hold=True` returns the loss with its graph, not detached; `previous`: a list holding the
+    last micro-batch's such loss, emptied once this one's loss is made (a loop that rebinds its
+    `loss`, as litgpt's does: what a graph keeps outside backward's reach lives until then)."""
     net, cand = setup.net, setup.candidate
     use_autocast = cand.precision == "autocast" and not isinstance(net, FSDP)
     skip = isinstance(net, ddp.DDP) and not sync
@@ -297,8 +308,10 @@ def micro_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, *, scale: float =
         if not cand.chunked_loss:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) * scale
             del logits                                 # freed now, not after backward
+        if previous:
+            previous.clear()
         loss.backward()
-    return loss.detach()
+    return loss if hold else loss.detach()
 
 
 @contextlib.contextmanager
