@@ -353,9 +353,17 @@ def train_step(setup: Setup, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     setup.optimizer.zero_grad(set_to_none=True)
     # 2. k micro-batches of (micro_batch, T): forward, backward of loss / k; gradients add up.
     #    DDP all-reduces (a collective) only after the last one.
-    total = torch.zeros((), device=x.device)
+    #    bitsandbytes < 0.43.2 (`Candidate.nf4_keeps_inputs`): the loop holds each micro-batch's
+    #    loss until the next one's is made, and the last through the step, as litgpt's does.
+    total, held = torch.zeros((), device=x.device), []
+    hold = setup.candidate.nf4_keeps_inputs
     for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k))):
-        total += micro_step(setup, xb, yb, scale=1 / k, sync=i == k - 1)
+        loss = micro_step(setup, xb, yb, scale=1 / k, sync=i == k - 1, hold=hold, previous=held)
+        total += loss.detach()
+        if hold:
+            held.append(loss)
+        del loss
     # 3. One optimizer step for the whole batch.
     optimizer_step(setup)
+    del held
     return total
