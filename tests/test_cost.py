@@ -422,6 +422,11 @@ def test_cost_model_reads_the_gpu_table_and_the_profile(profile):
     assert measured.adam8bit_rate == profile.adam8bit.median > 1e5
     assert measured.adapter_seconds == profile.adapter_seconds.median >= 0
     assert measured.adam8bit_tensor_seconds == profile.adam8bit_tensor.median >= 0
+    # activation offload's hooks at the rate they reached in a block's step
+    assert measured.activation_bandwidth == profile.activation_offload.median > 1e8
+    assert CostModel.from_profile(dataclasses.replace(
+        profile, activation_offload=None)).activation_bandwidth == \
+        CostModel.for_device("cpu").activation_bandwidth
 
 
 def test_calibrate_times_a_blocks_autocast_step_against_fp32():

@@ -20,7 +20,8 @@
   Linear's at two sizes: the bytes' rate and a fixed cost per adapted Linear, `adapter_seconds`), and the course's 8-bit Adam's step
   in parameters/s and seconds per tensor (`adam8bit`, `adam8bit_tensor`: compute-bound on a
   CPU, 51-74 M/s here where fused AdamW runs ~1,400 M/s: its 260 bytes a parameter under-count
-  it);
+  it), and the bytes/s activation offload's copies reach in that block's step
+  (`activation_offload`: its saved-tensor hooks' bytes down and up over the time they add);
 - α and β of a gloo process group of 2 ranks (the `launch` module's workers), one fit per round,
   and each collective's curve (seconds against bytes);
 - how 2 ranks share the machine: a training step with both ranks stepping against one alone
@@ -37,6 +38,7 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -102,6 +104,8 @@ class DeviceProfile:
     adapter_seconds: Measured | None = None           # and its fixed seconds per adapted Linear
     adam8bit: Measured | None = None                  # CPU: lowbit.Adam8bit, parameters/s
     adam8bit_tensor: Measured | None = None           # and seconds per tensor beyond those
+    activation_offload: Measured | None = None        # CPU: bytes/s of activation offload's
+                                                      # copies (down and up) in a block's step
     world_size: int = 2                               # ranks the collectives were timed on
     seconds: float = 0.0                              # how long calibrate took
 
@@ -169,6 +173,7 @@ class DeviceProfile:
                    adapter_bandwidth=m(d.get("adapter_bandwidth")),
                    adapter_seconds=m(d.get("adapter_seconds")), adam8bit=m(d.get("adam8bit")),
                    adam8bit_tensor=m(d.get("adam8bit_tensor")),
+                   activation_offload=m(d.get("activation_offload")),
                    collectives=None if d["collectives"] is None else {
                        k: [(n, Measured(**x)) for n, x in rows]
                        for k, rows in d["collectives"].items()})
@@ -453,6 +458,38 @@ def _block_steps(device: torch.device, dtypes: Sequence[str],
     return fp32, out
 
 
+def _activation_offload(device: torch.device, repeats: int) -> Measured:
+    """The bytes/s activation offload's copies reach in a training step of one course GPT block
+    (the `_block_steps` block, 16 x 64 tokens): the bytes its saved-tensor hooks move (down in
+    forward, up in backward: `OffloadActivations`' counters) over the seconds the step takes
+    beyond the plain one, one ratio per interleaved round (on a CPU the copies are memcpy's and
+    the hooks' own work; `predict_seconds` prices 2·A bytes a micro-batch at this rate)."""
+    from companion.activation_offload import OffloadActivations
+    from companion.models.gpt import Block
+
+    B, T, C = 16, 64, 128
+    block = Block(C, 4, fused_attention=True).to(device)
+    x = torch.randn(B, T, C, device=device, requires_grad=True)
+    moved = []
+
+    def step(offload: bool):
+        hooks = OffloadActivations(min_bytes=0)
+        with hooks if offload else contextlib.nullcontext():
+            y = block(x)
+            y.square().mean().backward()
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        if offload:
+            moved.append(hooks.bytes_to_host + hooks.bytes_to_device)
+    step(True)
+    rates = []
+    for _ in range(repeats):
+        plain, offloaded = _times(lambda: step(False), device, 1, 3)[0], \
+            _times(lambda: step(True), device, 1, 3)[0]
+        rates.append(moved[-1] / max(offloaded - plain, 1e-7))
+    return Measured.of(rates)
+
+
 def _host_copies(device: torch.device, repeats: int) -> tuple[dict, dict]:
     nbytes = 64 * 2**20
     gpu = torch.empty(nbytes // 4, device=device)
@@ -550,11 +587,12 @@ def _per_rank(device: torch.device, dtypes: Sequence[str], repeats: int) -> dict
            "adamw": _adamw_rates(repeats), "host_to_device": None, "device_to_host": None,
            "step_flops": None, "autocast": None, "adapter_bandwidth": None, "adapter_seconds": None,
            "adam8bit": None,
-           "adam8bit_tensor": None}
+           "adam8bit_tensor": None, "activation_offload": None}
     if not cuda:
         out["step_flops"], out["autocast"] = _block_steps(device, dtypes, repeats)
         out["adapter_bandwidth"], out["adapter_seconds"] = _adapters(device, repeats)
         out["adam8bit"], out["adam8bit_tensor"] = _adam8bit_rate(repeats)
+        out["activation_offload"] = _activation_offload(device, repeats)
     if cuda:
         out["host_to_device"], out["device_to_host"] = _host_copies(device, repeats)
     return out

@@ -146,8 +146,9 @@ class CostModel:
         and the host AdamW rate (28 bytes a parameter); `layer_seconds` defaults to 16x the
         measured tiny layer (a Linear(8, 8) and a ReLU): on the reference CPU a capstone block's
         forward and backward on 4 tokens cost 1.7 ms, 16x calibrate's 0.106 ms tiny layer.
-        The disk and activation offload's rate are not calibrated: a CPU's profile keeps
-        `for_device("cpu")`'s, a GPU's the defaults (activation offload at the host link's)."""
+        On a CPU, activation offload at the rate its hooks' copies reached in a block's step
+        (`DeviceProfile.activation_offload`; a profile without it keeps `for_device("cpu")`'s);
+        on a GPU at the host link's. The disk's rate is not calibrated."""
         fp32 = profile.peak_flops("float32")
         half = profile.peak_flops("bfloat16") / fp32 if "bfloat16" in profile.matmul else 1.0
         if profile.step_flops is not None:             # a CPU: the rate a block's step reaches
@@ -161,7 +162,8 @@ class CostModel:
                    host.median if host else profile.copy_bandwidth.median,
                    1 / profile.beta.median if profile.beta else 1e9, 28 * rate,
                    *_disk(profile.device),
-                   CostModel.for_device("cpu").activation_bandwidth
+                   (profile.activation_offload.median if profile.activation_offload else
+                    CostModel.for_device("cpu").activation_bandwidth)
                    if profile.device.startswith("cpu") else None,
                    adapter_bandwidth=profile.adapter_bandwidth.median
                    if profile.adapter_bandwidth else None,
