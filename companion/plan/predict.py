@@ -357,7 +357,10 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
     parts = {
         "compute": (forward + backward) / speed,
         "recompute": recompute / speed,
-        "overhead": c.accumulation * (L + 2) * cost.layer_seconds,
+        # each block's operators' fixed cost, forward and backward, per micro-batch; a
+        # recomputed block pays it again (its forward under the checkpoint's hooks: measured
+        # 1.5 ms a block on the CPU, as much as a layer's forward and backward)
+        "overhead": c.accumulation * (L + 2 + c.recomputed_blocks(L)) * cost.layer_seconds,
         # AdamW reads and writes ~32 B per parameter (weight, gradient, two moments) through
         # the memory it runs in: the host's when offloaded, the device's otherwise
         "optimizer": (shard / cost.adam8bit_rate + s.trainable_tensors(c.lora_rank, c.lora_targets)
