@@ -561,16 +561,19 @@ def test_choose_zero_review_answers_fail_20_of_20(answer, hint):
 
 def _choose(shape, batch, gpu, world_size, memory_limit, *, ks=None, prefetches=(0, 1, 2),
             block=lambda C: 12 * C * C + 13 * C, below_3=0, swap_params=False, dtype_bytes=2,
-            gather_bytes=2, ddp_optimizer="adamw"):
+            gather_bytes=2, ddp_optimizer="adamw", root=True, ring_for_world=True):
     """A learner's search as the notebook writes it, or with one mistake (the survivors of
     bench_mutants, issue 54): the micro-batch counts, the prefetch depths, the bytes of a gathered
     block or below stage 3, gpt_params' arguments, the elementwise dtype, the gathers' bytes or
-    DDP's optimizer."""
+    DDP's optimizer, the root unit left out (`root=False`) or the ring priced for one server
+    (`ring_for_world=False`)."""
     from companion import cost, estimate
 
     C, L, T, V, h = (shape[key] for key in ("width", "depth", "seq_len", "vocab", "heads"))
     n = estimate.gpt_params(T, V, C, L) if swap_params else estimate.gpt_params(V, T, C, L)
-    speeds = cost.Speeds.for_gpu(gpu)
+    kept = n - L * (12 * C * C + 13 * C) if root else 0
+    speeds = (cost.Speeds.for_gpu(gpu, world_size=world_size) if ring_for_world else
+              cost.Speeds.for_gpu(gpu))
     timed = []
     for stage in range(4):
         for k in (k for k in (ks or range(1, batch + 1)) if batch % k == 0):
@@ -578,7 +581,7 @@ def _choose(shape, batch, gpu, world_size, memory_limit, *, ks=None, prefetches=
                 need = (estimate.model_states(n, optimizer="adam", precision="mixed",
                                               zero_stage=stage, world_size=world_size).total
                         + estimate.gpt_activations(batch // k, T, C, L, h, V, precision="bf16")
-                        + (4 * block(C) * (1 + prefetch) if stage == 3 else below_3))
+                        + (4 * (kept + block(C) * (1 + prefetch)) if stage == 3 else below_3))
                 if need > memory_limit:
                     continue
                 layers = cost.gpt_layers(C, L, T, V, batch // k * T, dtype_bytes=dtype_bytes)
@@ -612,6 +615,8 @@ _ZERO_SURVIVORS = {           # bench_mutants' survivors (and lucky draws) of ch
     "1-byte gathers": dict(gather_bytes=1),
     "DDP priced with SGD": dict(ddp_optimizer="sgd"),
     "k in powers of two only": dict(ks=(1, 2, 4, 8, 16, 32, 64)),   # review 54b: passed 5/5
+    "the root unit left out": dict(root=False),
+    "the ring priced for one server": dict(ring_for_world=False),
 }
 
 
@@ -645,14 +650,24 @@ def test_choose_zero_passes_the_reference_20_of_20():
         ch07.check_choose_zero(_search)
 
 
-def test_choose_zero_prices_nvlink_within_one_domain_only():
-    """Speeds.for_gpu prices one NVLink ring: the cases with NVLink have 8 GPUs, and the H100
-    PCIe (NVLink to one other card) is not drawn."""
+def test_choose_zero_prices_the_ring_for_its_world_size():
+    """The cases span one server and 2 or 8, over NVLink and PCIe (the H100 PCIe among the
+    latter: its bridge joins pairs only); across servers plan_seconds prices the network."""
+    from companion import cost
     from companion.cost import gpus
 
     cases = [zero_plan._zero_case(seed) for seed in range(60)]
-    assert all(c["world"] == 8 for c in cases if gpus.gpu(c["gpu"]).nvlink_bandwidth)
-    assert all(c["gpu"] != "H100 PCIe" for c in cases)
+    nvlink = [c for c in cases if gpus.ring_link(c["gpu"], 8)[0] == "NVLink"]
+    assert {c["world"] for c in nvlink} == {8, 16, 64}
+    assert all(gpus.ring_link(c["gpu"], 8)[0] == "PCIe" for c in cases
+               if c["gpu"] == "H100 PCIe")
+    case = {"shape": zero_plan._gpt(2048, 24, 2048), "batch": 8, "gpu": "A100 80GB"}
+    for world, link in ((8, 300e9), (16, 200e9)):
+        step = cost.zero_step(cost.gpt_layers(2048, 24, 2048, 50304, 8 * 2048, dtype_bytes=2),
+                              cost.Speeds.for_gpu("A100 80GB", world_size=world), world, 3,
+                              optimizer="adamw", gather_bytes_per_param=2).total
+        assert planning.plan_seconds(case["shape"], 8, "A100 80GB", world, 3, 1, 0) == step
+        assert cost.Speeds.for_gpu("A100 80GB", world_size=world).beta == 1 / link
 
 
 @pytest.mark.parametrize("answer", [_always_zero3, _leanest, _lowest_stage_first, _states_only],
@@ -693,6 +708,8 @@ def test_plan_bytes_follow_the_estimator_and_the_gathered_blocks():
     ddp = planning.plan_bytes(shape, 4, 8, 0, 2, 0)
     assert ddp == 16 * n + acts
     block = 12 * 1024**2 + 13 * 1024
+    root = 2 * 1000 * 1024 + 256 * 1024 + 2 * 1024 + 1000     # embeddings, final norm, head
+    assert n == 4 * block + root
     z3 = estimate.model_states(n, optimizer="adam", precision="mixed", zero_stage=3,
                                world_size=8).total
-    assert planning.plan_bytes(shape, 4, 8, 3, 2, 2) == z3 + acts + 4 * block * 3
+    assert planning.plan_bytes(shape, 4, 8, 3, 2, 2) == z3 + acts + 4 * (root + block * 3)

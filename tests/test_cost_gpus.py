@@ -5,7 +5,9 @@ import torch
 
 from companion.attention.tiles import SRAM_PER_SM
 from companion.cost import gpus
-from companion.cost.gpus import GPUS, GROUPS, efficiency, gpu, gpu_for_device, ridge_point
+from companion.cost.gpus import (GPUS, GROUPS, efficiency, gpu, gpu_for_device, ridge_point,
+                                 ring_link)
+from companion.cost.speeds import Speeds
 
 
 @pytest.mark.parametrize("name", list(GPUS))
@@ -168,3 +170,31 @@ def test_tiles_reads_its_sram_from_the_table():
     assert SRAM_PER_SM["B200"]["cc"] == "10.0"
     assert "compute capability 10.0" in SRAM_PER_SM["B200"]["source"]
     assert SRAM_PER_SM["H100"]["bytes"] == gpus.GPUS["H100 SXM"].shared_memory_per_sm
+
+
+def test_ring_link_inside_a_domain_a_server_and_across_servers():
+    """NVLink inside its domain; 8 H100 PCIe (a bridge joins pairs) ring over PCIe; across
+    servers the DGX's network cards together bound the ring where they are slower."""
+    assert ring_link("H100 SXM", 8) == ("NVLink", 450e9)
+    assert ring_link("H100 PCIe", 2) == ("NVLink", 300e9)
+    assert ring_link("H100 PCIe", 8) == ("PCIe", 64e9)
+    assert ring_link("H100 SXM", 16) == ("network", 8 * 400e9 / 8)      # 8 x 400 Gb/s
+    assert ring_link("A100 80GB", 64) == ("network", 200e9)             # 8 x 200 Gb/s
+    assert ring_link("V100", 16) == ("network", 50e9)                   # 4 x 100 Gb/s
+    assert ring_link("L40S", 64) == ("PCIe", 32e9)                      # assumed to keep up
+    assert ring_link("L40S", 64, network=12.5e9) == ("network", 12.5e9)  # one 100 Gb/s card
+    assert ring_link("B200", 16, network=1e15) == ("NVLink", 900e9)
+    for name, g in GPUS.items():
+        if g.nvlink_bandwidth:
+            assert g.nvlink_gpus and g.server_source, name
+        for world in (2, 8, 16, 64):
+            assert Speeds.for_gpu(name, "fp16", world_size=world).beta == \
+                1 / ring_link(name, world)[1]
+
+
+@pytest.mark.parametrize("bad, match", [(dict(world_size=0), "world_size"),
+                                        (dict(world_size=2.0), "world_size"),
+                                        (dict(network=0), "network")])
+def test_ring_link_rejects_bad_input(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ring_link("H100 SXM", **{"world_size": 16, **bad})

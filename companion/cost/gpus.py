@@ -22,6 +22,10 @@ chapter can say what a step would cost on an H100 without one. Reading those doc
   `nvlink_bandwidth` is the total NVIDIA quotes (both directions, all links of one GPU).
 - `sram_per_sm` is an SM's combined L1 + shared memory; `shared_memory_per_sm` the most of it a
   program can take as shared memory, what FlashAttention's tiles must fit (attention.tiles).
+- `nvlink_gpus` is how many GPUs one NVLink domain joins (8 on the SXM boards' NVSwitch or
+  hybrid cube-mesh, 2 where a bridge joins a pair), `server_network` the compute network of
+  NVIDIA's 8-GPU server built on the card (DGX), one direction, all its network cards together
+  (`ring_link` uses both).
 - None: the documents give no such figure (no bf16 on Volta or Turing, no NVLink on a PCIe card,
   SM counts NVIDIA does not print). Nothing is filled in by guess.
 
@@ -46,8 +50,8 @@ import dataclasses
 
 import torch
 
-__all__ = ["GPU", "GPUS", "GROUPS", "gpu", "gpu_for_device", "ridge_point", "efficiency",
-           "step_efficiency"]
+__all__ = ["GPU", "GPUS", "GROUPS", "SERVER_GPUS", "gpu", "gpu_for_device", "ring_link",
+           "ridge_point", "efficiency", "step_efficiency"]
 
 KIB, GIB = 2**10, 2**30
 GROUPS = ("memory", "flops", "bandwidth", "pcie", "nvlink", "sms", "sram")   # cited groups
@@ -79,6 +83,9 @@ class GPU:
     notes: str = ""
     usable_bytes: int = 0             # the total CUDA reports (set from _USABLE below)
     usable_source: str = ""           # the report it comes from
+    nvlink_gpus: int | None = None    # GPUs one NVLink domain joins (set from _SERVERS below)
+    server_network: float | None = None   # B/s, one direction, the DGX server's network cards
+    server_source: str = ""           # where both come from
 
     def flops(self, dtype: torch.dtype | str) -> float:
         """Dense peak FLOP/s in `dtype`: a torch dtype, or "fp32", "tf32", "bf16", "fp16", "fp8"."""
@@ -255,8 +262,33 @@ _USABLE = {
     "B200": (182_631, 'torch "total_memory=182631MB" and "182642MB" (_CudaDeviceProperties, '
                       f'NVIDIA B200); {_FIND}'),
 }
+SERVER_GPUS = 8                 # GPUs in one server (an HGX board, a DGX, a PCIe server)
+_BASEPOD = ("NVIDIA DGX BasePOD reference architecture, 'Core Components' (DGX B200, H200 and H100: "
+            "eight single-port ConnectX-7, up to 400 Gb/s InfiniBand/Ethernet, for the compute "
+            "fabric), https://docs.nvidia.com/dgx-basepod/reference-architecture-infrastructure-"
+            "foundation-enterprise-ai/latest/core-components.html")
+_DGX_A100 = ("NVIDIA, 'Defining AI Innovation with NVIDIA DGX A100' (eight single-port ConnectX-6 "
+             "200 Gb/s HDR InfiniBand), https://developer.nvidia.com/blog/defining-ai-innovation-"
+             "with-dgx-a100")
+_DGX1 = ("NVIDIA DGX-1 with Tesla V100 System Architecture whitepaper (hybrid cube-mesh NVLink "
+         "among 8 V100s; four 100 Gb/s InfiniBand cards), https://images.nvidia.com/content/pdf/"
+         "dgx1-v100-system-architecture-whitepaper.pdf")
+_GBIT = 1e9 / 8                 # B/s in one Gb/s
+# (GPUs one NVLink domain joins, the 8-GPU DGX's compute network in B/s one way, the sources)
+_SERVERS = {
+    "V100": (8, 4 * 100 * _GBIT, _DGX1),
+    "A100 40GB": (8, 8 * 200 * _GBIT, _DGX_A100),
+    "A100 80GB": (8, 8 * 200 * _GBIT, _DGX_A100),
+    "H100 PCIe": (2, None, f"NVLink bridge to one other card: {_H100_DS}; no DGX"),
+    "H100 SXM": (8, 8 * 400 * _GBIT, _BASEPOD),
+    "H200": (8, 8 * 400 * _GBIT, _BASEPOD),
+    "B200": (8, 8 * 400 * _GBIT, _BASEPOD),
+}
 GPUS = {name: dataclasses.replace(g, usable_bytes=_USABLE[name][0] * MIB,
-                                  usable_source=_USABLE[name][1]) for name, g in GPUS.items()}
+                                  usable_source=_USABLE[name][1],
+                                  **(dict(zip(("nvlink_gpus", "server_network", "server_source"),
+                                              _SERVERS[name])) if name in _SERVERS else {}))
+        for name, g in GPUS.items()}
 
 # names torch.cuda.get_device_name reports, beyond the table's own keys (both normalized)
 _DEVICE_NAMES = {"v100sxm232gb": "V100", "a100sxm440gb": "A100 40GB", "a100sxm480gb": "A100 80GB",
@@ -311,6 +343,39 @@ def gpu_for_device(device: torch.device | str | int) -> GPU | None:
 
 def _as_gpu(value: GPU | str) -> GPU:
     return value if isinstance(value, GPU) else gpu(value)
+
+
+def ring_link(gpu: GPU | str, world_size: int = SERVER_GPUS, *,
+              network: float | None = None) -> tuple[str, float]:
+    """(what bounds it, bytes/s one way) of a ring collective over `world_size` of these GPUs.
+
+    Inside one NVLink domain (`nvlink_gpus`): one direction of NVLink. Inside one server of
+    `SERVER_GPUS` otherwise: PCIe (a bridge joins only its pair, so 8 H100 PCIe ring over PCIe).
+    Across servers the ring leaves each server once per channel, and NCCL spreads its channels
+    over the server's network cards, so the ring runs at the slower of the link inside a server
+    and all its cards together: NCCL's bus bandwidth across nodes reaches about that (two A100
+    servers with 8 x 100 Gb/s cards: ~600 Gb/s, NVIDIA/nccl#495; two HGX A100 with 4 x 200 Gb/s:
+    91 GB/s, NVIDIA/nccl-tests#100; 248 servers of 8 H200 with 8 x 400 Gb/s: ~350 GB/s,
+    NVIDIA/nccl-tests#283). `network` (B/s one way, all of a server's cards) defaults to the
+    card's DGX (`server_network`); for a card without one it is assumed to keep up with PCIe
+    (cards moving one GPU's PCIe bandwidth: 256 Gb/s for PCIe 4.0, 512 Gb/s for 5.0): pass
+    yours where it is less (one 100 Gb/s card: 12.5e9)."""
+    g = _as_gpu(gpu)
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if network is not None and not network > 0:
+        raise ValueError(f"network must be positive bytes/s, got {network!r}")
+    nvlink = g.nvlink_bandwidth / 2 if g.nvlink_bandwidth else None
+    if nvlink and world_size <= (g.nvlink_gpus or 0):
+        return "NVLink", nvlink
+    inside = ("NVLink", nvlink) if nvlink and (g.nvlink_gpus or 0) >= SERVER_GPUS else \
+        ("PCIe", g.pcie_bandwidth)
+    if world_size <= SERVER_GPUS:
+        return inside
+    network = network if network is not None else g.server_network
+    if network is None or network >= inside[1]:
+        return inside
+    return "network", network
 
 
 def ridge_point(gpu: GPU | str, dtype: torch.dtype | str) -> float:

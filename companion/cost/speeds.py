@@ -105,17 +105,20 @@ class Speeds:
             linear_table=tuple((mkn, a * f, b * f) for mkn, a, b in self.linear_table))
 
     @classmethod
-    def for_gpu(cls, name: str, dtype: str = "bf16", *, alpha: float = 20e-6) -> "Speeds":
-        """The speeds of a GPU of `companion.cost.gpus` on paper: its dense `dtype` FLOP/s times
-        `gpus.efficiency` (the cited fraction training reaches), HBM bandwidth, one direction of
-        NVLink between GPUs (half the total NVIDIA quotes), or of PCIe where there is no NVLink,
-        and of PCIe to the host. Assumed, not cited: `alpha`, 20 µs per step of a collective
-        (NCCL inside one machine is of the order of ten microseconds; fit yours as chapter 06
-        does), and 5 µs per operator (a kernel launch)."""
+    def for_gpu(cls, name: str, dtype: str = "bf16", *, world_size: int = 8,
+                network: float | None = None, alpha: float = 20e-6) -> "Speeds":
+        """The speeds of a GPU of `companion.cost.gpus` on paper, as one of `world_size` ranks:
+        its dense `dtype` FLOP/s times `gpus.efficiency` (the cited fraction training reaches),
+        HBM bandwidth, the ring's link (`gpus.ring_link`: one direction of NVLink inside an
+        NVLink domain, PCIe inside a server otherwise, and across servers the slower of that and
+        the server's network cards together, `network` or the cited DGX's), and PCIe to the
+        host. Assumed, not cited: `alpha`, 20 µs per step of a collective (NCCL inside one
+        machine is of the order of ten microseconds; fit yours as chapter 06 does), and 5 µs
+        per operator (a kernel launch)."""
         from companion.cost import gpus
 
         g = gpus.gpu(name)
-        link = g.nvlink_bandwidth / 2 if g.nvlink_bandwidth else g.pcie_bandwidth
+        link = gpus.ring_link(g, world_size, network=network)[1]
         return cls(matmul_flops=g.flops(dtype) * gpus.efficiency(g, dtype)[0],
                    memory_bandwidth=g.hbm_bandwidth, op_seconds=5e-6, alpha=alpha,
                    beta=1 / link, host_bandwidth=g.pcie_bandwidth,

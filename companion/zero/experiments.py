@@ -14,6 +14,7 @@ Example:
 """
 from __future__ import annotations
 
+import random
 import statistics
 
 import torch
@@ -105,7 +106,8 @@ def stage_report(rank: int, world_size: int, stages: list[int], width: int, dept
                  classes: int = 16, *, bucket_cap_mb: float | None = None) -> list[dict]:
     """For each stage (0 = data parallel, 1, 2, 3 = FSDP), train the course MLP for `steps` steps
     and return this rank's model states in bytes (tracked, after the last step), the gradient bytes
-    alive right after the last backward, its peak, the bytes it sent in the last step, the payload
+    alive right after the last backward, the activation bytes alive right after the last forward
+    (what autograd saved for backward), its peak, the bytes it sent in the last step, the payload
     of each collective and the median step time. Stage 2's buckets hold `bucket_cap_mb` MiB
     (default: about a quarter of the model)."""
     x, y = _data(rank, world_size, width, batch, classes)
@@ -121,7 +123,10 @@ def stage_report(rank: int, world_size: int, stages: list[int], width: int, dept
             for step in range(steps):
                 comm.reset()
                 start = now(_device())                                   # host-device sync
-                F.cross_entropy(net(x), y).backward()
+                loss = F.cross_entropy(net(x), y)
+                activations = t.breakdown("current")["activations"]
+                loss.backward()
+                del loss
                 after_backward = _gradient_bytes(net, opt)
                 sync()
                 opt.step()
@@ -135,6 +140,7 @@ def stage_report(rank: int, world_size: int, stages: list[int], width: int, dept
                         "params": kinds["parameters"], "grads": kinds["gradients"],
                         "optimizer_state": kinds["optimizer_state"], "peak": t.peak,
                         "grads_after_backward": after_backward,
+                        "activations_after_forward": activations,
                         "buckets": len(getattr(opt, "buckets", [])),
                         "sent_bytes": comm.traffic.sent_bytes, "payload": dict(comm.payload),
                         "seconds": statistics.median(seconds)})
@@ -219,7 +225,8 @@ def _storage_bytes(tensors) -> int:
 def fsdp_comparison(rank: int, world_size: int, width: int, depth: int, batch: int,
                     steps: int, classes: int = 16) -> dict:
     """Our FSDP against torch's FSDP2 (`fully_shard` on every Linear and the root), steps
-    interleaved: median seconds per step, model-state bytes, collective payload per step."""
+    interleaved in an order shuffled each step (the same on every rank): each step's seconds and
+    their median, model-state bytes, collective payload per step."""
     from torch.distributed.fsdp import fully_shard
 
     x, y = _data(rank, world_size, width, batch, classes)
@@ -234,7 +241,10 @@ def fsdp_comparison(rank: int, world_size: int, width: int, depth: int, batch: i
     seconds = {name: [] for name in runs}
     payload = {}
     for step in range(steps + 1):                                 # step 0 warms up
-        for name, (net, opt) in runs.items():
+        order = sorted(runs)
+        random.Random(step).shuffle(order)                        # the same order on every rank
+        for name in order:
+            net, opt = runs[name]
             with count_collectives() as counter:
                 dist.barrier()
                 start = now(_device())                                   # host-device sync
@@ -248,7 +258,8 @@ def fsdp_comparison(rank: int, world_size: int, width: int, depth: int, batch: i
                 payload[name] = dict(counter)
             if step < steps:
                 opt.zero_grad()                  # the last step's gradients stay, to be counted
-    return {name: {"seconds": statistics.median(seconds[name]), "payload": payload[name],
+    return {name: {"seconds": statistics.median(seconds[name]), "times": seconds[name],
+                   "payload": payload[name],
                    **state_bytes(list(net.parameters()), opt)}
             for name, (net, opt) in runs.items()}
 

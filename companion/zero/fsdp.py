@@ -110,8 +110,9 @@ class FSDP(nn.Module):
         reshard_after_forward: free each unit's gathered parameters after its forward (True) or
             keep them until its backward (False: no gather in backward, 2Ψ instead of 3Ψ per
             micro-batch, at the memory of all the full parameters). The root unit (the wrapped
-            module's own parameters) is never resharded after forward, as in FSDP2: backward
-            starts right after it.
+            module's own parameters) is never resharded after forward: backward starts right
+            after it. FSDP2 does so under its default None; in torch 2.13 an explicit True
+            reshards its root too (pytorch PRs #154704, #155319).
         prefetch: gather the next `prefetch` units asynchronously while one computes, in
             forward and in backward (`companion.zero.prefetch`); memory: 1 + prefetch units.
             The order is the previous forward's; the first forward guesses the order the

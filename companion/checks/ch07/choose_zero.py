@@ -13,12 +13,10 @@ __all__ = ["check_choose_zero"]
 _LEVELS = {"stage": (0, 1, 2, 3), "prefetch": (0, 1, 2)}
 
 
-# `cost.Speeds.for_gpu` prices one ring at one direction of NVLink: true inside one NVLink domain
-# (an HGX board's 8 GPUs), not for 16 or 64 GPUs, whose collectives cross the network card, nor
-# for cards whose NVLink is a bridge to one other card (`cost.gpus`: the H100 PCIe), so those
-# are not drawn. Without NVLink the ring runs at PCIe's speed, no faster than a network card.
-_NVLINK_DOMAIN = 8
-_BRIDGED = ("H100 PCIe",)
+# `cost.Speeds.for_gpu(gpu, world_size=N)` prices the ring for N GPUs (`cost.gpus.ring_link`):
+# NVLink inside one NVLink domain, PCIe inside a server otherwise (8 H100 PCIe: a bridge joins
+# pairs only), and across servers the slower of that and the server's network cards together.
+_SERVER = 8
 
 
 def _zero_case(seed: int) -> dict:
@@ -31,11 +29,11 @@ def _zero_case(seed: int) -> dict:
     shape = {"width": width, "depth": rng.choice([16, 24, 32, 40]), "heads": width // 128,
              "seq_len": rng.choice([1024, 2048, 4096]), "vocab": 50304}
     batch = rng.choice([4, 6, 8, 12, 16, 24])      # k divides it: 2, 3, 4 or 6 ways, not only 2**j
-    pcie = rng.random() < 0.5                       # half the cases without NVLink
+    pcie = rng.random() < 0.5                       # half the cases ring over PCIe in a server
     gpu = rng.choice([n for n, g in gpus.GPUS.items()
-                      if (g.nvlink_bandwidth is None) == pcie and g.bf16_flops
-                      and g.memory_bytes >= 24 * 2**30 and n not in _BRIDGED])
-    world = rng.choice([8, 16, 64] if pcie else [_NVLINK_DOMAIN])
+                      if (gpus.ring_link(g, _SERVER)[0] == "PCIe") == pcie and g.bf16_flops
+                      and g.memory_bytes >= 24 * 2**30])
+    world = rng.choice([_SERVER, 2 * _SERVER, 8 * _SERVER])     # one server, 2 or 8
     most = gpus.gpu(gpu).memory_bytes
     sizes = sorted(b for b in (plan_bytes(shape, batch, world, *p) for p in plans(batch))
                    if b <= most)
@@ -59,7 +57,7 @@ def _mistaken_plan(case: dict, *, gather_bytes: int = 2, blocks: bool = True) ->
 
     shape, batch, world = case["shape"], case["batch"], case["world"]
     C, L, T, V = (shape[x] for x in ("width", "depth", "seq_len", "vocab"))
-    speeds, timed = cost.Speeds.for_gpu(case["gpu"]), []
+    speeds, timed = cost.Speeds.for_gpu(case["gpu"], world_size=world), []
     for stage, k, prefetch in plans(batch):
         need = plan_bytes(shape, batch, world, stage, k, prefetch)
         if not blocks and stage == 3:
@@ -87,9 +85,9 @@ _FIXED_ZERO = [
     ({"shape": _gpt(4096, 40, 1024), "batch": 4, "gpu": "L40S", "world": 16,
       "limit": 32_570_814_706}, {"gather_bytes": 4}, _GATHER_HINT),
     ({"shape": _gpt(4096, 40, 2048), "batch": 8, "gpu": "L40S", "world": 8,
-      "limit": 39_639_869_698}, {"blocks": False}, _BLOCKS_HINT),
+      "limit": 41_322_019_586}, {"blocks": False}, _BLOCKS_HINT),
     ({"shape": _gpt(4096, 16, 1024), "batch": 4, "gpu": "L4", "world": 64,
-      "limit": 9_219_750_178}, {"blocks": False}, _BLOCKS_HINT),
+      "limit": 10_885_122_850}, {"blocks": False}, _BLOCKS_HINT),
 ]
 
 
@@ -108,10 +106,14 @@ _FIXED_ZERO = [
 # change) where 1- or 3-byte elementwise traffic picks a plan over 2% slower: 2.08% and 2.05%,
 # short sequences on the L4. The last, 24 sequences per rank (`_zero_case(1)`'s GPT at batch 24,
 # its limit the bytes of (1, 6, 0)), where a search over k in powers of two only takes (1, 8, 0),
-# 2.8% slower than (0, 12, 0).
+# 2.8% slower than (0, 12, 0). Since the root unit is counted (its limit moved by it), the first
+# case's plan is (3, 4, 1). The last two, found by searching the limits of GPTs of width
+# 1024-4096: 16 B200 on 2 servers, where a ring priced at NVLink (one server's) takes (3, 2, 1),
+# 5.7% slower than (2, 2, 0) across the network; 64 L40S, where 1-byte elementwise traffic takes
+# (2, 2, 0), 2.25% slower than (3, 2, 1) (the L4 cases above no longer tell it).
 _EDGE_ZERO = [
     {"shape": _gpt(1536, 16, 2048), "batch": 4, "gpu": "RTX 4090", "world": 16,
-     "limit": 4_344_938_625},
+     "limit": 4_975_870_593},
     {"shape": _gpt(2560, 16, 1024), "batch": 8, "gpu": "A10", "world": 8, "limit": 7_840_158_689},
     {"shape": _gpt(1024, 16, 4096), "batch": 4, "gpu": "L40S", "world": 64,
      "limit": 7_825_497_021},
@@ -127,6 +129,10 @@ _EDGE_ZERO = [
      "limit": 4_361_415_010},
     {"shape": _gpt(1536, 16, 2048), "batch": 24, "gpu": "RTX 4090", "world": 16,
      "limit": 16_730_048_098},
+    {"shape": _gpt(1024, 12, 2048), "batch": 4, "gpu": "B200", "world": 16,
+     "limit": 4_478_635_650},
+    {"shape": _gpt(1024, 12, 1024), "batch": 16, "gpu": "L40S", "world": 64,
+     "limit": 6_284_067_106},
 ]
 _FIXED_BEST: dict[int, tuple] = {}      # the fixed cases' best plans, found once per process
 
