@@ -635,6 +635,36 @@ def test_autocast_dtypes_follow_the_dtype_asked_for():
     assert {o.output for o in ops if o.op == "_log_softmax"} == {torch.float32}
 
 
+def test_autocast_dtypes_cache_casts_a_weight_once_per_region():
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    twice = lambda t: layer(layer(t))
+    casts = lambda **kw: sum(o.op == "_to_copy" for o in amp.autocast_dtypes(twice, x, **kw))
+    assert casts() == 3                          # x, weight, bias; the second call reuses them
+    assert casts(cache_enabled=False) == 5       # weight and bias cast again for the second call
+
+
+def test_autocast_ops_matches_what_autocast_does_on_the_cpu():
+    cpu, cuda = amp.autocast_ops("cpu"), amp.autocast_ops("cuda")
+    # the promote lists differ: CPU's cat, stack, index_copy; CUDA's out-of-place cross, index_put
+    assert {"aten::cat", "aten::stack", "aten::index_copy"} <= cpu
+    assert not {"aten::cat", "aten::stack", "aten::index_copy"} & cuda
+    assert {"aten::cross", "aten::index_put", "aten::dot", "aten::scatter_add"} <= cuda
+    assert not {"aten::linalg_cross", "aten::index_put_"} & (cpu | cuda)
+    assert {"aten::mm", "aten::addmm", "aten::mse_loss"} <= cpu & cuda
+    assert "aten::softmax.int" in cuda and "aten::softmax.int" not in cpu
+    # what the CPU registrations say, measured: index_copy is rescued, dot is not
+    a, b, idx = torch.randn(4), torch.randn(4, dtype=torch.bfloat16), torch.tensor([0, 1])
+    with pytest.raises(RuntimeError):
+        torch.index_copy(a, 0, idx, b[:2])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.index_copy(a, 0, idx, b[:2]).dtype == torch.float32
+        with pytest.raises(RuntimeError):
+            torch.dot(a, b)
+    with pytest.raises(ValueError, match="device_type is one of"):
+        amp.autocast_ops("tpu")
+
+
 def test_chapter_sizes_for_a_gpu_fit_an_80_gb_device_at_60_percent():
     from companion.device import _SIZES
     s = _SIZES["cuda"]

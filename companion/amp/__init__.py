@@ -15,7 +15,8 @@ Modules:
   rule over a recorded trace), `unscale_grads_`, `GradScaler`.
 - `sharded`: `ShardedGradScaler`, whose inf check every rank of a sharded model agrees on.
 - `master`: `MasterWeights`, the 16-bit model with an fp32 copy for the optimizer.
-- `autocast`: `autocast_dtypes`, which operators autocast ran in which dtype.
+- `autocast`: `autocast_dtypes`, which operators autocast ran in which dtype; `autocast_ops`,
+  which operators autocast wraps on a device type.
 - `syncs`: `host_reads`, how many values a step copies from the device to the host (GPU syncs).
 
 Example:
@@ -27,11 +28,11 @@ Example:
 
 Simplified vs PyTorch: see each module's docstring.
 """
-from companion.amp.autocast import OpDtype, autocast_dtypes
+from companion.amp.autocast import OpDtype, autocast_dtypes, autocast_ops
 from companion.amp.master import MasterWeights
 from companion.amp.scaler import GradScaler, replay_scale, unscale_grads_, update_scale
 from companion.amp.sharded import ShardedGradScaler
 from companion.amp.syncs import host_reads, step_counters
 
 __all__ = ["GradScaler", "ShardedGradScaler", "update_scale", "replay_scale", "unscale_grads_", "MasterWeights",
-           "OpDtype", "autocast_dtypes", "host_reads", "step_counters"]
+           "OpDtype", "autocast_dtypes", "autocast_ops", "host_reads", "step_counters"]

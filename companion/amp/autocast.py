@@ -7,6 +7,9 @@ Example:
     >>> ops = autocast_dtypes(gpt.loss, x, y)
     >>> {o.op: o.output for o in ops}["addmm"]     # torch.bfloat16
 
+`autocast_ops` reads which operators autocast wraps on a device type from the dispatcher's own
+registrations (`aten/src/ATen/autocast_mode.cpp`), which a CPU build holds for CUDA too.
+
 Simplified vs PyTorch: `torch.autocast` decides per operator from its lists ("Autocast Op
 Reference"); this only reads the outcome of one forward, it changes nothing.
 """
@@ -19,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["OpDtype", "autocast_dtypes"]
+__all__ = ["OpDtype", "autocast_dtypes", "autocast_ops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +58,8 @@ class _Dtypes(TorchDispatchMode):
 
 
 def autocast_dtypes(model: Callable, *inputs, device_type: str = "cpu",
-                    dtype: torch.dtype = torch.bfloat16) -> list[OpDtype]:
+                    dtype: torch.dtype = torch.bfloat16, cache_enabled: bool = True
+                    ) -> list[OpDtype]:
     """Run `model(*inputs)` once under `torch.autocast(device_type, dtype)` and list, per operator
     call in order, the dtypes it computed in. Casts autocast inserts show up as `_to_copy`.
     Views are left out; in-place operators (`relu_`) are listed.
@@ -68,8 +72,35 @@ def autocast_dtypes(model: Callable, *inputs, device_type: str = "cpu",
     Arguments:
         model: any callable (a module, or a bound method such as `gpt.loss`).
         inputs: passed to it positionally.
-        device_type, dtype: as for `torch.autocast`.
+        device_type, dtype, cache_enabled: as for `torch.autocast` (with the cache, a weight used
+            twice in the region is cast once).
     """
-    with torch.autocast(device_type, dtype=dtype), _Dtypes() as mode:
+    with torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled), _Dtypes() as mode:
         model(*inputs)
     return mode.calls
+
+
+def autocast_ops(device_type: str) -> frozenset[str]:
+    """The operators ("aten::name.overload") that `torch.autocast(device_type)` wraps in this build
+    of PyTorch: those with a kernel of their own at the AutocastCPU or AutocastCUDA dispatch key,
+    whichever list they are on (16-bit, fp32 or promote). Every other operator falls through and
+    runs on its inputs as they are. Read from the dispatcher (`torch._C._dispatch_dump_table`), so
+    a CPU build answers for "cuda" too; the list an operator is on is in PyTorch's Autocast Op
+    Reference, or measured with `autocast_dtypes` on the device itself.
+
+        >>> "aten::index_put" in autocast_ops("cuda"), "aten::index_put_" in autocast_ops("cuda")
+        (True, False)
+    """
+    keys = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU",
+            "mps": "AutocastMPS"}
+    if device_type not in keys:
+        raise ValueError(f"device_type is one of {sorted(keys)}, got {device_type!r}")
+    try:
+        names, dump = torch._C._dispatch_get_all_op_names, torch._C._dispatch_dump_table
+    except AttributeError as e:
+        raise RuntimeError("this PyTorch build does not expose its dispatcher's registrations "
+                           "(torch._C._dispatch_dump_table): read autocast's lists in its "
+                           "Autocast Op Reference instead") from e
+    prefix = keys[device_type] + ":"
+    return frozenset(name for name in names() for line in dump(name).splitlines()
+                     if line.startswith(prefix) and "fallthrough" not in line)
