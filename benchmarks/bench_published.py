@@ -244,7 +244,8 @@ def predict_run(run: dict, *, replay: bool = False) -> Case:
     in_step = sum(o.bytes for o in fit.lines if o.in_allocator and o.alive == "step")
     same_counter = {"allocated": peak + in_step, "reserved": fit.reserved,
                     "nvidia-smi": fit.total}.get(kind)
-    cost = CostModel.for_gpu(card.name, compiled="compile" in run["levers"])   # its factor
+    cost = CostModel.for_gpu(card.name, compiled="compile" in run["levers"],   # its factor,
+                             world_size=run["gpus"])                          # its ring's link
     seconds = predict_seconds(shape, cand, cost, world_size=world)
     compare_tps = run.get("compare_throughput", True)
     measured = measured_peak_bytes(run) if run.get("compare_peak", True) else None

@@ -155,7 +155,7 @@ def _run_named(args) -> int:
             raise ValueError(f"--allow: choose from {', '.join(_cli_names(TECHNIQUES))}")
         kwargs = {} if allow is None else {"allow": tuple(allow)}
         gpu = "H100 SXM" if args.gpu is None else args.gpu    # None only: "" is an error
-        cost = CostModel.for_gpu(gpu, host_adam_rate=None if
+        cost = CostModel.for_gpu(gpu, world_size=args.gpus, host_adam_rate=None if
                                  args.host_adam_rate is None else args.host_adam_rate * 1e9)
         result = plan_named(args.model, gpu=gpu, gpus=args.gpus, cost=cost,
                             seq_len=args.seq_len,

@@ -76,10 +76,12 @@ class CostModel:
 
     @classmethod
     def for_gpu(cls, name: str, *, compiled: bool = False,
-                host_adam_rate: float | None = None) -> "CostModel":
+                host_adam_rate: float | None = None, world_size: int = 8) -> "CostModel":
         """The speeds of a GPU in `companion.cost.gpus` (see the class docstring); `compiled`:
         torch.compile's factor; `host_adam_rate`: the host AdamW's bytes/s (28 B a parameter
-        read and written: fp32 weight, gradient, two moments), measured on yours."""
+        read and written: fp32 weight, gradient, two moments), measured on yours; `world_size`:
+        the GPUs a collective's ring spans, whose link `gpus.ring_link` gives (NVLink inside its
+        domain, PCIe inside a server, the servers' network cards across them)."""
         from companion.cost import gpus
 
         g = gpus.gpu(name)
@@ -87,7 +89,7 @@ class CostModel:
         dtype = "bf16" if g.bf16_flops else "fp16"
         factor, setup = gpus.step_efficiency(g, compiled=compiled)
         half = g.flops(dtype) * factor
-        link = g.nvlink_bandwidth / 2 if g.nvlink_bandwidth else g.pcie_bandwidth
+        over, link = gpus.ring_link(g, world_size)
         if host_adam_rate is not None and not host_adam_rate > 0:
             raise ValueError(f"host_adam_rate is bytes/s, a positive number; got {host_adam_rate!r}")
         host = (f"{host_adam_rate / 1e9:g} GB/s, given (--host-adam-rate)" if host_adam_rate
@@ -98,9 +100,11 @@ class CostModel:
                                         f"{g.flops(dtype) / 1e12:.1f} ({setup})"),
                    ("fp32 matmuls", f"{fp32 / 1e12:.1f} TFLOP/s ({fp32_source})"),
                    ("host AdamW", host),
-                   ("communication", "hidden behind compute where it can be (FSDP prefetches "
-                                     "one unit's all-gather; gradients reduced as backward makes "
-                                     "them); the rest is exposed"))
+                   ("communication", f"a ring of {world_size} over {over} at "
+                                     f"{link / 1e9:.0f} GB/s one way (gpus.ring_link); hidden "
+                                     "behind compute where it can be (FSDP prefetches one unit's "
+                                     "all-gather; gradients reduced as backward makes them); the "
+                                     "rest is exposed"))
         return cls(fp32, half / fp32, 10e-6, g.hbm_bandwidth, g.pcie_bandwidth, link,
                    host_adam_rate or 25e9, overlap=1.0, sources=sources)
 

@@ -345,7 +345,7 @@ def _plan(model: Formulas | Traced, batch: int, *, budget, device: torch.device,
     usable = int(budget_bytes * (1 - margin))
     host = parse_bytes(host_budget) if host_budget is not None else None
     card = _gpu(device, gpu)
-    cost = cost or (CostModel.for_gpu(card.name) if card is not None
+    cost = cost or (CostModel.for_gpu(card.name, world_size=world_size) if card is not None
                     else CostModel.for_device(device.type))
     cands = model.candidates(batch, world_size=world_size, allow=allow, lora_rank=lora_rank,
                              lora_targets=lora_targets)
