@@ -619,26 +619,37 @@ class Link:
             torch.cuda.current_stream(self.device).synchronize()    # host-device sync
 
 
-def schedule_groups(ready, down, step, up) -> dict[tuple[str, int], float]:
+def schedule_groups(ready, down, step, up, *, barrier: bool = False
+                    ) -> dict[tuple[str, int], float]:
     """Start times of the offloaded step's three stages for each parameter group g, as early as
     each resource allows: the copy down of g (on the device-to-host link, after backward made
     its gradients at `ready[g]`), its host step (on the CPU, once its copy has landed) and its
     copy up (on the host-to-device link, once its step is done). Groups go in the order given;
     each resource does one thing at a time; the two directions of the link are separate
-    (PCIe is full duplex). Returns {("down", g): start, ("step", g): start, ("up", g): start}.
+    (PCIe is full duplex). `barrier`: the step clips by the global gradient norm or checks for
+    inf/NaN (fp16 loss scaling), so no host step starts before the last copy down has landed
+    (DeepSpeed's ZeRO-Offload step). Returns {("down", g): start, ("step", g): start,
+    ("up", g): start}.
 
         >>> schedule_groups([0, 1], [1, 1], [2, 2], [1, 1])[("up", 1)]
-        5.0"""
+        5.0
+        >>> schedule_groups([0, 1], [1, 1], [2, 2], [1, 1], barrier=True)[("up", 1)]
+        6.0"""
     ready, stages = _durations("ready", ready), [_durations(n, v) for n, v in
                                                  (("down", down), ("step", step), ("up", up))]
     if any(len(v) != len(ready) for v in stages):
         raise ValueError("ready, down, step and up need one value per group each, got lengths "
                          f"{[len(ready)] + [len(v) for v in stages]}")
-    out, free = {}, [0.0, 0.0, 0.0]            # when each resource is next free
-    for g, at in enumerate(ready):
-        for r, (name, seconds) in enumerate(zip(("down", "step", "up"), stages)):
-            start = max(at, free[r])
-            out[(name, g)] = start
+    out, free, landed = {}, [0.0, 0.0, 0.0], []    # when each resource is next free
+    for g, at in enumerate(ready):                 # 1. the copies down, as backward makes them
+        out[("down", g)] = start = max(at, free[0])
+        free[0] = start + stages[0][g]
+        landed.append(free[0])
+    last = max(landed, default=0.0)
+    for g in range(len(ready)):                    # 2. each host step, then its copy up
+        at = last if barrier else landed[g]
+        for r, (name, seconds) in enumerate(zip(("step", "up"), stages[1:]), 1):
+            out[(name, g)] = start = max(at, free[r])
             at = free[r] = start + seconds[g]
     return out
 

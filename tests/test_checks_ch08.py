@@ -251,7 +251,7 @@ def test_offload_plan_with_seconds_that_are_not_a_number_fails_clearly():
 
 def test_offload_schedule_takes_numpy_floats():
     import numpy as np
-    check_offload_schedule(lambda *a: {k: np.float64(v) for k, v in _schedule(*a).items()})
+    check_offload_schedule(lambda *a, **kw: {k: np.float64(v) for k, v in _schedule(*a, **kw).items()})
 
 
 def test_offload_plan_that_never_says_none_fails():
@@ -263,48 +263,89 @@ def test_offload_plan_that_never_says_none_fails():
 
 # ---------------------------------------------------------------- exercise 3: the pipeline
 
-def _schedule(ready, down, step, up):
-    return offload.schedule_groups(ready, down, step, up)
+def _schedule(ready, down, step, up, barrier=False):
+    return offload.schedule_groups(ready, down, step, up, barrier=barrier)
 
 
-def _stage_by_stage(ready, down, step, up):
+def _stage_by_stage(ready, down, step, up, barrier=False):
     from companion.checks.ch08.pipeline import _stage_by_stage as mistake
     return mistake(ready, down, step, up)
 
 
-def _after_all_downs(ready, down, step, up):
+def _always_barrier(ready, down, step, up, barrier=False):
+    """Waits for every gradient even when nothing clips or checks for overflow."""
     from companion.checks.ch08.pipeline import _after_all_downs as mistake
     return mistake(ready, down, step, up)
 
 
-def _one_link(ready, down, step, up):
-    from companion.checks.ch08.pipeline import _one_link as mistake
-    return mistake(ready, down, step, up)
+def _ignores_barrier(ready, down, step, up, barrier=False):
+    """The pipeline without the barrier, whatever the flag says (the exercise before issue 56)."""
+    return _schedule(ready, down, step, up)
 
 
-def _no_wait(ready, down, step, up):
-    """Each host step starts with its copy down: it reads a buffer still in flight."""
+def _barrier_inverted(ready, down, step, up, barrier=False):
+    return _schedule(ready, down, step, up, barrier=not barrier)
+
+
+def _barrier_at_backward_end(ready, down, step, up, barrier=False):
+    """With the barrier, the host steps once backward has ended (the last gradient made), not
+    once it has landed on the host."""
     out = _schedule(ready, down, step, up)
+    if barrier:
+        host = max(ready)
+        for g in range(len(ready)):
+            out[("step", g)] = host = max(host, out[("down", g)] + down[g])
+            host += step[g]
+            out[("up", g)] = max(out[("up", g)], host, out[("up", g - 1)] + up[g - 1] if g else 0)
+    return out
+
+
+def _one_link(ready, down, step, up, barrier=False):
+    from companion.checks.ch08.pipeline import _one_link as mistake
+    return mistake(ready, down, step, up, barrier)
+
+
+def _no_wait(ready, down, step, up, barrier=False):
+    """Each host step starts with its copy down: it reads a buffer still in flight."""
+    out = _schedule(ready, down, step, up, barrier)
     for g in range(len(ready)):
         out[("step", g)] = out[("down", g)]
     return out
 
 
-def _up_with_step(ready, down, step, up):
-    out = _schedule(ready, down, step, up)
+def _up_with_step(ready, down, step, up, barrier=False):
+    out = _schedule(ready, down, step, up, barrier)
     for g in range(len(ready)):
         out[("up", g)] = out[("step", g)]
     return out
 
 
-def _ignores_ready(ready, down, step, up):
-    return _schedule([0.0] * len(ready), down, step, up)
+def _ignores_ready(ready, down, step, up, barrier=False):
+    return _schedule([0.0] * len(ready), down, step, up, barrier)
 
 
-def _all_ups_at_once(ready, down, step, up):
-    out = _schedule(ready, down, step, up)
+def _all_ups_at_once(ready, down, step, up, barrier=False):
+    out = _schedule(ready, down, step, up, barrier)
     last = max(out[("step", g)] + step[g] for g in range(len(ready)))
     out.update({("up", g): last for g in range(len(ready))})
+    return out
+
+
+def _johnson_after_barrier(ready, down, step, up, barrier=False):
+    """Right, and sometimes shorter than in order: after the barrier every group is ready for
+    the host at once, a two-machine flow shop (host, link up) that Johnson's rule orders."""
+    out = _schedule(ready, down, step, up, barrier)
+    if not barrier:
+        return out
+    n = len(ready)
+    first = sorted((g for g in range(n) if step[g] < up[g]), key=lambda g: step[g])
+    order = first + sorted((g for g in range(n) if step[g] >= up[g]), key=lambda g: -up[g])
+    host = link = max(out[("down", g)] + down[g] for g in range(n))
+    for g in order:
+        out[("step", g)] = host
+        host += step[g]
+        out[("up", g)] = link = max(link, host)
+        link += up[g]
     return out
 
 
@@ -312,10 +353,22 @@ def test_offload_schedule_reference_passes():
     check_offload_schedule(_schedule)
 
 
+def test_offload_schedule_passes_a_better_order_after_the_barrier():
+    check_offload_schedule(_johnson_after_barrier)
+    ready, down, step, up = [0.0, 0.0], [0.5, 0.5], [5.0, 1.0], [1.0, 5.0]
+    end = {k: max(t + {"down": down, "step": step, "up": up}[k[0]][k[1]]
+                  for k, t in f(ready, down, step, up, True).items())
+           for k, f in (("in order", _schedule), ("johnson", _johnson_after_barrier))}
+    assert end["johnson"] < end["in order"]
+
+
 def test_schedule_groups_by_hand():
     got = offload.schedule_groups([0, 1], [1, 1], [2, 2], [1, 1])
     assert got == {("down", 0): 0, ("step", 0): 1, ("up", 0): 3,
                    ("down", 1): 1, ("step", 1): 3, ("up", 1): 5}
+    got = offload.schedule_groups([0, 1], [1, 1], [2, 2], [1, 1], barrier=True)
+    assert got == {("down", 0): 0, ("step", 0): 2, ("up", 0): 4,
+                   ("down", 1): 1, ("step", 1): 4, ("up", 1): 6}
     with pytest.raises(ValueError, match="one value per group"):
         offload.schedule_groups([0], [1, 1], [1], [1])
     with pytest.raises(ValueError, match="non-negative"):
@@ -324,28 +377,41 @@ def test_schedule_groups_by_hand():
 
 @pytest.mark.parametrize("wrong, hint", [
     (_stage_by_stage, "the stages can overlap"),
-    (_after_all_downs, "DeepSpeed's step waits for every gradient"),
+    (_always_barrier, "with barrier=False nothing clips"),
+    (_ignores_barrier, "before the last gradient has landed"),
+    (_barrier_inverted, "with barrier=False nothing clips|before the last gradient has landed"),
+    (_barrier_at_backward_end, "before the last gradient has landed"),
     (_one_link, "full duplex"),
     (_no_wait, "reads its gradient buffer before"),
     (_up_with_step, "reads its updated weights before"),
     (_ignores_ready, r"before\s+backward made its gradients"),
     (_all_ups_at_once, "host-to-device link runs groups"),
-    (lambda *a: list(_schedule(*a).values()), "expected a dict"),
-    (lambda *a: {k: float("nan") for k in _schedule(*a)}, "finite"),
+    (lambda *a, **k: list(_schedule(*a, **k).values()), "expected a dict"),
+    (lambda *a, **k: {key: float("nan") for key in _schedule(*a, **k)}, "finite"),
 ])
 def test_offload_schedule_wrong_answers_fail(wrong, hint):
-    with pytest.raises(CheckFailed, match=hint):
-        check_offload_schedule(wrong)
+    for _ in range(5):
+        with pytest.raises(CheckFailed, match=hint):
+            check_offload_schedule(wrong)
+
+
+def test_offload_schedule_without_the_barrier_argument_fails_clearly():
+    with pytest.raises(CheckFailed, match="barrier"):
+        check_offload_schedule(lambda ready, down, step, up: _schedule(ready, down, step, up))
 
 
 def _schedule_with_links_free_from(down, step, up):
     """The notebook's solution with the link down, the CPU and the link up taken to be free
     only from the given times (bench_mutants' survivor, issue 54: the link up from 1.0)."""
-    def schedule(ready, down_s, step_s, up_s):
+    def schedule(ready, down_s, step_s, up_s, barrier):
         starts, free = {}, {"down": down, "step": step, "up": up}
         for g in range(len(ready)):
-            at = ready[g]
-            for stage, seconds in (("down", down_s), ("step", step_s), ("up", up_s)):
+            starts[("down", g)] = max(ready[g], free["down"])
+            free["down"] = starts[("down", g)] + down_s[g]
+        for g in range(len(ready)):
+            at = max(starts[("down", h)] + down_s[h] for h in range(len(ready))) if barrier \
+                else starts[("down", g)] + down_s[g]
+            for stage, seconds in (("step", step_s), ("up", up_s)):
                 starts[(stage, g)] = max(at, free[stage])
                 at = free[stage] = starts[(stage, g)] + seconds[g]
         return starts
