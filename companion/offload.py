@@ -201,7 +201,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     weights that compute a gradient are then one step staler than in exact training: the forward
     after step t uses the updates of steps up to t - 1. It costs a second set of landing buffers
     on the host for fp32 weights (4 bytes per parameter; none for 16-bit weights). Call
-    `synchronize()` before reading the weights (evaluation, a checkpoint).
+    `synchronize()` before reading the weights (evaluation, a checkpoint), or `host_weights()` to
+    read every update so far without changing what the next forward uses.
 
     Args: `params` (tensors or param groups, like any optimizer), `optimizer_cls` (run on the host;
     `fused=True` is chosen when it supports it, else `foreach=True`), `pin_memory` (default: when
@@ -529,6 +530,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._background is not None:
             self._finish_background()
             self._wait()
+
+    def host_weights(self) -> list[torch.Tensor]:
+        """The fp32 masters on the host once the host step in flight (delay=1) has ended: every
+        update so far. Unlike `synchronize()` nothing goes up, so training goes on as it would
+        have (with delay=1 the next forward still uses the weights one update older)."""
+        if self._background is not None:
+            self._background.result()              # the thread's host step is done
+        return list(self.master_params)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -512,6 +512,32 @@ def test_delayed_update_follows_its_documented_staleness(exact_steps):
     assert opt._background is None
 
 
+def test_host_weights_hold_every_update_and_leave_the_training_as_it_was():
+    """host_weights() waits for the host step in flight and returns the masters, which then hold
+    what synchronize() would put on the device; the device keeps its staler weights, so the run
+    trains exactly as one that never looked."""
+    looked, untouched = _gpt(), _gpt()
+    opt = CPUOffloadOptimizer(looked.parameters(), lr=3e-3, weight_decay=0.1, delay=1)
+    other = CPUOffloadOptimizer(untouched.parameters(), lr=3e-3, weight_decay=0.1, delay=1)
+    seen, losses = [], []
+    for step in range(4):
+        x, y = _data(seed=10 * step)
+        for model, o in ((looked, opt), (untouched, other)):
+            loss = model.loss(x, y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        seen = [w.clone() for w in opt.host_weights()]
+        assert opt._background is None or opt._background.done()
+    assert losses[0::2] == losses[1::2]                  # looking changed nothing
+    stale = [p.detach().clone() for p in looked.parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(stale, seen))   # the device is behind
+    opt.synchronize()
+    assert all(torch.equal(p, w) for p, w in zip(looked.parameters(), seen))
+    other.synchronize()
+
+
 def test_delay_0_is_exact_and_bad_delays_fail_clearly():
     plain, offloaded = _gpt(), _gpt()
     reference = torch.optim.AdamW(plain.parameters(), lr=3e-3, fused=True)
