@@ -19,7 +19,8 @@ The step models return a `StepTime`, whose parts a chart can stack:
 - `offload_step`: gradients to the host, AdamW there, weights back (ZeRO-Offload's schedule),
   optionally with its delayed parameter update; `offload_ladder` times every rung of
   `OFFLOAD_RUNGS` (optimizer state, gradients, parameters, NVMe), `offload_traffic` counts their
-  bytes and `offload_break_even` the tokens per step at which the offload hides behind compute.
+  bytes and `offload_break_even` the tokens (per micro-batch for the gradients' copy, per step
+  for the delayed update) at which the offload hides behind compute.
 
 Simplified vs a real run: one link per rank at one speed (the measured curve of each collective,
 or α–β), communication that does not slow the compute it overlaps (on a CPU the two share cores:
@@ -423,13 +424,14 @@ def offload_ladder(layers: Sequence[Layer], s: Speeds, *, k: int = 1, weight_byt
 
 def offload_break_even(flops: float, host_bandwidth: float, host_adam_rate: float, *,
                        weight_bytes: int = 2, grad_bytes: int = 2) -> dict[str, float]:
-    """Tokens per step (per GPU) above which ZeRO-Offload's costs hide behind compute. A model of
-    P parameters computes 6·P FLOPs per token (4·P of them in backward) at `flops` FLOP/s; P
+    """Tokens (per GPU) above which ZeRO-Offload's costs hide behind compute. A model of P
+    parameters computes 6·P FLOPs per token (4·P of them in backward) at `flops` FLOP/s; P
     cancels:
 
-        gradients down, during backward:  tokens ≥ flops · grad_bytes / (4 · bandwidth)
-        host step + copy up, beside the
-        next step's compute (delayed):    tokens ≥ flops · (1/rate + weight_bytes/bandwidth) / 6
+        gradients down, during each micro-batch's backward (tokens per micro-batch):
+                                          tokens ≥ flops · grad_bytes / (4 · bandwidth)
+        host step + copy up, beside the next step's compute (delayed; tokens per step):
+                                          tokens ≥ flops · (1/rate + weight_bytes/bandwidth) / 6
 
     Without the delayed update the host step and the copy up never hide: they add
     P · (1/rate + weight_bytes/bandwidth) seconds to every step, a share of the step that falls
