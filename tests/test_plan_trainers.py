@@ -18,7 +18,7 @@ from companion.__main__ import main
 from companion.checkpointing import checkpoint_sequential
 from companion.memory import track
 from companion.models import GPT
-from companion.plan import (Candidate, GPTShape, candidates, load_config, predict_memory,
+from companion.plan import (Candidate, GPTShape, candidates, load_config, plan, predict_memory,
                             predict_seconds, run_plan, simulate)
 from companion.plan.costmodel import CostModel
 from companion.plan.training import build
@@ -158,6 +158,37 @@ def test_lora_targets_predict_the_simulated_llama_step(llama, targets, nf4):
     assert predicted < everything
 
 
+@pytest.mark.parametrize("cand", [
+    Candidate(8, lora_rank=4, lora_targets=("qkv",)),
+    Candidate(8, precision="mixed", lora_rank=4, lora_targets=("qkv", "out")),
+    Candidate(8, precision="mixed", lora_rank=4, nf4_base=True, lora_targets=("qkv",)),
+    Candidate(8, precision="mixed", lora_rank=4, nf4_base=True, lora_targets=("qkv", "fc")),
+], ids=lambda c: c.describe())
+def test_lora_targets_predict_the_simulated_gpt_step(cand):
+    predicted = predict_memory(GPTShape.of(FUSED), cand).peak
+    assert abs(predicted / simulate(FUSED, cand).peak - 1) < 0.02
+
+
+def test_an_own_models_lora_targets_are_traced_and_simulated():
+    from companion.plan.known import Traced
+    from examples.models import llama as own
+
+    traced = Traced(own)
+    found = traced.candidates(4, world_size=1, allow=("lora",), lora_rank=4,
+                              lora_targets=["wq", "wv", "wq"])
+    adapted = [c for c in found if c.lora_rank]
+    assert adapted and all(c.lora_targets == ("wq", "wv") for c in adapted)
+    every = dataclasses.replace(adapted[0], lora_targets=())
+    some, whole = (traced.simulate(c, world_size=1, device_type="cpu").peak
+                   for c in (adapted[0], every))
+    assert some < whole            # wo, gate, up and down's inputs are not saved for adapters
+    seconds = [traced.predict(c, world_size=1, device_type="cpu",
+                              cost=CostModel.for_device("cpu"))[1] for c in (adapted[0], every)]
+    assert seconds[0]["total"] != seconds[1]["total"]
+    with pytest.raises(ValueError, match="no nn.Linear named 'q_proj'"):
+        traced.candidates(4, world_size=1, allow=("lora",), lora_rank=4, lora_targets=("q_proj",))
+
+
 def test_lora_targets_are_searched_as_given_and_refused_when_unknown():
     shape = GPTShape.of(SMALL)
     found = candidates(shape, 4, allow=("lora", "qlora", "mixed"), lora_rank=2,
@@ -170,6 +201,15 @@ def test_lora_targets_are_searched_as_given_and_refused_when_unknown():
         Candidate(4, lora_targets=("qkv",))
     with pytest.raises(ValueError, match="tuple of Linear names"):
         Candidate(4, lora_rank=2, lora_targets="qkv")
+    for bad in ("qkv", None, ("qkv", "")):
+        with pytest.raises(ValueError, match="tuple of Linear names"):
+            candidates(shape, 4, allow=("lora",), lora_targets=bad)
+    assert {c.lora_targets for c in candidates(shape, 4, allow=("lora",), lora_targets=[
+        "qkv", "qkv"]) if c.lora_rank} == {("qkv",)}
+    with pytest.raises(ValueError, match="twice"):
+        Candidate(4, lora_rank=2, lora_targets=("qkv", "qkv"))
+    with pytest.raises(ValueError, match="allow lora or qlora"):
+        plan(SMALL, 4, budget="64 MiB", device="cpu", lora_targets=("qkv",))
 
 
 def test_the_command_line_plans_lora_on_the_named_linears(capsys):
@@ -226,17 +266,77 @@ def test_kept_inputs_predict_the_simulated_llama_step(llama, k, targets):
                      nf4_keeps_inputs=True)
     predicted = predict_memory(shape, cand, device_type="cuda")
     simulated = simulate(fn, cand, device_type="cuda", shape=shape).peak
-    assert abs(predicted.peak / simulated - 1) < 0.005, (predicted, simulated)
+    assert abs(predicted.peak / simulated - 1) < 0.01, (predicted, simulated)
     if k > 1:          # the micro-batch before's inputs: 2 B x tokens x (3·C + I) x depth
         without = predict_memory(shape, dataclasses.replace(cand, nf4_keeps_inputs=False),
                                  device_type="cuda").peak
         every = 2 * 2 * 128 * (3 * 4096 + 11008) * 32
-        assert predicted.phase == "forward" and predicted.peak - without >= 0.9 * every
+        assert predicted.phase == "forward, the last output held"
+        assert predicted.peak - without >= 0.9 * every
 
 
 @pytest.mark.parametrize("fields", [dict(lora_rank=4, nf4_keeps_inputs=True),
                                     dict(lora_rank=4, nf4_base=True, segments=2,
-                                         nf4_keeps_inputs=True)])
+                                         nf4_keeps_inputs=True),
+                                    dict(lora_rank=4, nf4_base=True, activation_offload=True,
+                                         nf4_keeps_inputs=True),
+                                    dict(lora_rank=4, nf4_base=True, nf4_keeps_inputs="yes"),
+                                    dict(segments=2, checkpoint_last=1)])
 def test_kept_inputs_are_qloras_and_planned_without_checkpointing(fields):
-    with pytest.raises(ValueError, match="nf4_keeps_inputs"):
+    with pytest.raises(ValueError, match="nf4_keeps_inputs|checkpoint_last"):
         Candidate(4, **fields)
+
+
+@pytest.mark.parametrize("cand", [
+    Candidate(8, precision="mixed", lora_rank=4, nf4_base=True, nf4_keeps_inputs=True),
+    Candidate(4, 2, precision="mixed", lora_rank=4, nf4_base=True, nf4_keeps_inputs=True,
+              lora_targets=("qkv", "out")),
+    Candidate(4, 2, lora_rank=4, nf4_base=True, nf4_keeps_inputs=True),
+], ids=lambda c: c.describe())
+def test_kept_inputs_predict_the_simulated_gpt_step(cand):
+    predicted = predict_memory(GPTShape.of(FUSED), cand).peak
+    assert abs(predicted / simulate(FUSED, cand).peak - 1) < 0.015
+
+
+def test_the_loop_holds_the_last_output_through_the_step_and_the_next_forward():
+    """train_step as litgpt's loop: Setup.held keeps the last forward's output, graph and kept
+    inputs with it, through the optimizer step, until the next forward returns."""
+    cand = Candidate(4, precision="mixed", lora_rank=3, nf4_base=True, nf4_keeps_inputs=True)
+    setup = build(SMALL, cand)
+    x = torch.randint(96, (4, 32))
+    from companion.plan.training import train_step
+    seen = []
+    step = setup.optimizer.step
+
+    def watched():
+        seen.append(len(setup.held))
+        step()
+    setup.optimizer.step = watched
+    train_step(setup, x, x)
+    first = setup.held[0]
+    train_step(setup, x, x)
+    assert seen == [1, 1] and setup.held[0] is not first and first.grad_fn is not None
+
+
+def test_a_rank_0_qlora_linear_is_the_frozen_nf4_linear_alone():
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(128, 64)
+    frozen = lowbit.QLoRALinear.from_linear(dense, rank=0)
+    assert frozen.A is None and not list(frozen.parameters())
+    x = torch.randn(8, 128)
+    merged = frozen.merge()
+    assert torch.equal(merged(x), frozen(x)) or torch.allclose(merged(x), frozen(x), atol=1e-6)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    with pytest.raises(ValueError, match="adapts only quantized Linears"):
+        lowbit.apply_qlora(model, 2, targets=["0"], quantize=["1"])
+
+
+def test_time_terms_follow_the_targets_and_the_last_segment():
+    shape, cost = GPTShape.of(FUSED), CostModel.for_device("cpu")
+    qlora = Candidate(8, segments=4, precision="mixed", lora_rank=4, nf4_base=True)
+    once = predict_seconds(shape, qlora, cost)
+    every = predict_seconds(shape, dataclasses.replace(qlora, checkpoint_last=True), cost)
+    L = shape.depth                         # every base weight dequantized once more per block
+    assert every["dequantize"] / once["dequantize"] == pytest.approx((2 * L + L) / (2 * L + 3))
+    some = predict_seconds(shape, dataclasses.replace(qlora, lora_targets=("qkv",)), cost)
+    assert some["adapters"] < once["adapters"] and some["dequantize"] == once["dequantize"]

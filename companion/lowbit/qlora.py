@@ -46,8 +46,9 @@ class _FrozenNF4Linear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, base: NF4Tensor, bias: torch.Tensor | None,
                 keep_input: bool = False) -> torch.Tensor:
         ctx.base = base                                     # codes and scales only
-        if keep_input:                                      # bitsandbytes < 0.43.2's ctx.tensors:
-            ctx.kept = x                                    # never read, freed with the graph
+        if keep_input and ctx.needs_input_grad[0]:          # bitsandbytes < 0.43.2's ctx.tensors
+            ctx.kept = x                                    # (when an input needs a gradient):
+                                                            # never read, freed with the graph
         y = x.new_empty(x.shape[0], base.shape[0])          # (N, out)
         for r0, r1, w in nf4_row_blocks(base, x.dtype):     # w: (rows, in), reused buffers
             torch.mm(x, w.T, out=y[:, r0:r1])               # y's columns r0..r1

@@ -77,6 +77,6 @@ def plan_model(model_fn: Callable[[], nn.Module], batch: int, *, budget: int | s
     model = Traced(model_fn, step=step, seq_len=seq_len, vocab=vocab, optimizer=optimizer,
                    fallback=fallback)
     return _plan(model, batch, budget=budget, device=torch.device(device), world_size=1,
-                 allow=allow, lora_rank=lora_rank, lora_targets=tuple(lora_targets),
+                 allow=allow, lora_rank=lora_rank, lora_targets=lora_targets,
                  host_budget=None, margin=margin, cost=cost,
                  lr=1e-3, verify=verify, simulate_plain=True, gpu=gpu, context_bytes=None)

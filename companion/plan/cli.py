@@ -103,7 +103,7 @@ _positive, _count = _whole(1), _whole(0)
 
 def _names(text: str) -> tuple[str, ...]:
     """An argparse type: comma-separated names ("q_proj,v_proj"), none of them empty."""
-    names = tuple(n.strip() for n in text.split(","))
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",")))
     if not all(names) or not all(n.replace("_", "").replace(".", "").isalnum() for n in names):
         raise argparse.ArgumentTypeError(f"Linear names separated by commas, e.g. q_proj,v_proj; "
                                          f"got {text!r}")

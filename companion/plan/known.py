@@ -44,7 +44,7 @@ from companion.plan.costmodel import CostModel
 from companion.plan.predict import (ADAM8BIT_BYTES, Prediction, predict_memory,
                                     predict_seconds)
 from companion.plan.simulation import simulate
-from companion.plan.space import Candidate, GPTShape, candidates
+from companion.plan.space import Candidate, GPTShape, candidates, lora_target_names
 
 __all__ = ["GENERIC", "Formulas", "Traced", "describe"]
 
@@ -201,6 +201,7 @@ class Traced:
                      self._inert if "checkpointing" in allow and self._inert else self._already)
         self._micro = ([m for m in range(1, batch + 1) if batch % m == 0]
                        if "accumulation" in allow else [batch])
+        lora_targets = lora_target_names(lora_targets)
         if lora_targets and "lora" in allow:           # the names are the model's own
             _with_lora(self.model_fn, lora_rank, lora_targets)   # (raises, listing them)
         return [Candidate(m, batch // m, **combo,

@@ -95,7 +95,7 @@ def plan_named(model: str, *, gpu: str = "H100 SXM", gpus: int = 1, seq_len: int
     result = plan(config.model_fn(seq_len), sequences, budget=card.usable_bytes if budget is None else budget,
                   device="cuda", gpu=card.name, world_size=gpus, allow=allow,
                   host_budget=host_budget, verify=verify, simulate_plain=False, show=show,
-                  cost=cost, lora_rank=lora_rank, lora_targets=tuple(lora_targets))
+                  cost=cost, lora_rank=lora_rank, lora_targets=lora_targets)
     result.config = config
     return result
 

@@ -37,7 +37,7 @@ from companion.plan.report import NothingFits, nothing_fits, plot_waterfall, wat
 from companion.plan.predict import CostModel, Prediction
 from companion.plan.ranks import run_ranks
 from companion.plan.run import RunReport, run_plan
-from companion.plan.space import EXACT, Candidate, GPTShape
+from companion.plan.space import EXACT, Candidate, GPTShape, lora_target_names, technique_name
 
 __all__ = ["NothingFits", "Row", "Plan", "plan"]
 
@@ -318,7 +318,7 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
     model = describe(model_fn, step=step, seq_len=seq_len, vocab=vocab, optimizer=optimizer)
     return _plan(model, batch, budget=budget, device=device, world_size=world_size,
                  allow=model.allowed(allow), lora_rank=lora_rank,
-                 lora_targets=tuple(lora_targets), host_budget=host_budget,
+                 lora_targets=lora_targets, host_budget=host_budget,
                  margin=margin, cost=cost, lr=lr, verify=verify, simulate_plain=simulate_plain,
                  gpu=gpu, context_bytes=context_bytes, show=show)
 
@@ -347,6 +347,10 @@ def _plan(model: Formulas | Traced, batch: int, *, budget, device: torch.device,
     card = _gpu(device, gpu)
     cost = cost or (CostModel.for_gpu(card.name, world_size=world_size) if card is not None
                     else CostModel.for_device(device.type))
+    lora_targets = lora_target_names(lora_targets)
+    if lora_targets and not {"lora", "qlora"} & {technique_name(a) for a in allow}:
+        raise ValueError("lora_targets (--lora-targets) names the Linears LoRA adapts: allow "
+                         "lora or qlora too")
     cands = model.candidates(batch, world_size=world_size, allow=allow, lora_rank=lora_rank,
                              lora_targets=lora_targets)
     rows = _rows(model, cands, world_size, device.type, cost, usable, card, context_bytes)

@@ -260,14 +260,21 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
         phases.append(("last block's backward", max(G_before, made) + moving,   # activations
                        A - outside - e * N * I,        # but down_proj's input, gradients as in
                        3 * e * N * I + e * N * C))     # the first block's (a chunked loss's
-    if c.nf4_keeps_inputs:                             # bitsandbytes < 0.43.2: every NF4
-        e = 2 if low else 4                            # Linear's input kept to the graph's end
-        every = e * N * s.depth * sum(width for _, width in linear_inputs(s))   # (the step's,
-        unsaved = e * N * s.depth * unadapted_inputs(s, c)   # held loss), beyond what the
-        intact = ("backward", "QLoRA's dequantization", "last block's backward")  # blocks
-        phases = [(name, g, a + (unsaved + every * (c.accumulation > 1) if name == "forward"
-                                 else unsaved if name in intact else every), t)   # still save;
-                  for name, g, a, t in phases]         # the last micro-batch's in forward
+    if c.nf4_keeps_inputs:
+        # bitsandbytes < 0.43.2: every NF4 Linear's input that needs a gradient (all but the
+        # first block's q, k and v input, a frozen embedding's norm) kept to the graph's end,
+        # beyond what the blocks still save; the loop's variable holds the last forward's
+        # output with its graph (litgpt's `logits`) through the step and until the next
+        # forward returns: then the micro-batch before's inputs and output are alive too
+        e = 2 if low else 4
+        every = e * N * (s.depth * sum(width for _, width in linear_inputs(s)) - C)
+        unsaved = e * N * s.depth * unadapted_inputs(s, c)
+        intact = ("forward", "backward", "QLoRA's dequantization", "last block's backward")
+        held = e * N * (C if c.chunked_loss else V)    # the output, held through backward
+        phases = [(name, g, a + (unsaved if name in intact else every), t + held)
+                  for name, g, a, t in phases]
+        phases.append(("forward, the last output held", G_before,
+                       at_loss + unsaved + every, 2 * held + cached))
     phase, grads, acts, temp = max(phases, key=lambda p: p[1] + p[2] + p[3])   # peak, V small)
     disk = 12 * (s.lora_params(c.lora_rank, c.lora_targets) if c.lora_rank else s.n_params) \
         if c.nvme else 0

@@ -188,18 +188,19 @@ def simulate(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size:
                     optimizer_step(setup)
                 # 2. Gradients cleared, then what the earlier micro-batches left (accumulation).
                 setup.optimizer.zero_grad(set_to_none=True)
-                held = []                              # bitsandbytes < 0.43.2: the one before
-                if k > 1 and cand.nf4_keeps_inputs:    # it, its loss held (litgpt's loop)
-                    held.append(micro_step(setup, x[:batch[0]], y[:batch[0]], scale=1 / k,
-                                           hold=True))
+                held = [] if cand.nf4_keeps_inputs else None   # bitsandbytes < 0.43.2: the
+                if cand.nf4_keeps_inputs:              # micro-batch before, its output held
+                    micro_step(setup, x[:batch[0]], y[:batch[0]], scale=1 / k, held=held)
+                    if k == 1:                         # (litgpt's `logits`): the last step's,
+                        optimizer_step(setup)          # stepped and its gradients cleared
+                        setup.optimizer.zero_grad(set_to_none=True)
                 elif k > 1 and not cand.offload and cand.precision != "main_grad":  # (main_grad:
                     for p in _trainable(setup):                         # in its fp32 buffers)
                         p.grad = torch.zeros_like(p)
                 # 3. The last micro-batch's forward and backward, then the step.
-                last = micro_step(setup, x[-batch[0]:], y[-batch[0]:], scale=1 / k,
-                                  hold=cand.nf4_keeps_inputs, previous=held)
+                micro_step(setup, x[-batch[0]:], y[-batch[0]:], scale=1 / k, held=held)
                 optimizer_step(setup)
-                del last, held                         # (its loss held through the step)
+                del held                               # (its output held through the step)
             # Several ranks: two real steps (fake collectives), of 1 then min(k, 2) micro-batches.
             for count in ((1, min(k, 2)) if world_size > 1 else ()):
                 setup.optimizer.zero_grad(set_to_none=True)

@@ -33,7 +33,7 @@ from companion.models import GPT, Llama
 
 __all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "LORA_TARGETS",
            "LOSS_CHUNKS", "LLAMA_NOT_SEARCHED", "LLAMA_LORA_TARGETS", "technique_name",
-           "GPTShape", "Candidate", "candidates", "capstone_model"]
+           "GPTShape", "Candidate", "candidates", "capstone_model", "lora_target_names"]
 
 TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "main_grad", "zero",
               "offload", "activation_offload", "chunked_loss", "fused_attention", "nvme", "lora",
@@ -206,8 +206,9 @@ class Candidate:
                                  # names, e.g. ("q_proj", "v_proj"), PEFT's and litgpt's default
                                  # for a Llama); (): every Linear of a block
     nf4_keeps_inputs: bool = False  # QLoRA as with bitsandbytes < 0.43.2: each 4-bit Linear
-                                 # keeps its input until its graph is freed, and the loop holds
-                                 # the last micro-batch's loss through the next forward (litgpt's)
+                                 # keeps its input until its graph is freed, and the loop's
+                                 # variable holds the last forward's output with its graph until
+                                 # the next forward returns (litgpt's `logits`)
     checkpoint_last: bool = False  # the last segment checkpointed too: every block wrapped, as
                                  # torchtune, torchtitan's full AC and HF's gradient checkpointing
                                  # do (checkpoint_sequential runs the last segment plainly)
@@ -252,9 +253,16 @@ class Candidate:
         if self.lora_targets and not self.lora_rank:
             raise ValueError("Candidate.lora_targets names the Linears LoRA adapts: give it a "
                              "lora_rank >= 1")
-        if self.nf4_keeps_inputs and (not self.nf4_base or self.segments > 1):
+        for name in ("checkpoint_last", "nf4_keeps_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Candidate.{name} is True or False, got "
+                                 f"{getattr(self, name)!r}")
+        if len(set(self.lora_targets)) != len(self.lora_targets):
+            raise ValueError(f"Candidate.lora_targets names a Linear twice: {self.lora_targets}")
+        if self.nf4_keeps_inputs and (not self.nf4_base or self.segments > 1
+                                      or self.activation_offload):
             raise ValueError("Candidate.nf4_keeps_inputs is QLoRA's (nf4_base=True), planned "
-                             "without checkpointing")
+                             "without checkpointing and activation offload")
         if self.checkpoint_last and (self.segments == 1 or self.activation_offload):
             raise ValueError("Candidate.checkpoint_last checkpoints the last of the checkpoint "
                              "segments: it needs segments > 1, and is planned without "
@@ -332,6 +340,16 @@ class Candidate:
         return ", ".join(self.techniques()) or "plain (no technique)"
 
 
+def lora_target_names(targets) -> tuple[str, ...]:
+    """LoRA's target names as a tuple, each once, in their order: a list or tuple of strings
+    (a lone string or None is refused: say ("qkv",), or () for every Linear)."""
+    if isinstance(targets, str) or not isinstance(targets, (list, tuple)) \
+            or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"lora_targets is a tuple of Linear names, e.g. ('q_proj', 'v_proj'), "
+                         f"or () for every Linear; got {targets!r}")
+    return tuple(dict.fromkeys(targets))
+
+
 def technique_name(name: str) -> str:
     """A technique's internal name: "pure-bf16" (the CLI's) is "pure_bf16"."""
     return name.replace("-", "_") if isinstance(name, str) else name
@@ -367,7 +385,7 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
                             or not 1 <= lora_rank <= shape.width):
         raise ValueError(f"lora_rank must be an int from 1 to the width {shape.width}, "
                          f"got {lora_rank!r}")
-    lora_targets = tuple(lora_targets)
+    lora_targets = lora_target_names(lora_targets)
     shape.lora_linear_shapes(lora_targets)             # names a block's Linears, or raises
     per_rank = batch // world_size
     micro = [m for m in range(1, per_rank + 1) if per_rank % m == 0]

@@ -165,6 +165,8 @@ class Setup:
     net: nn.Module                # what forward calls: the GPT, or its DDP / FSDP wrapper
     optimizer: torch.optim.Optimizer | InBackward   # InBackward: stepped inside backward
     master: amp.MasterWeights | None = None   # bf16 weights: steps go through it
+    held: list | None = None      # the loop's variable holding the last forward's output, across
+                                  # micro-batches and steps (`Candidate.nf4_keeps_inputs`)
 
 
 def _optimizer(cand: Candidate, model: nn.Module, world_size: int, lr: float,
@@ -283,13 +285,14 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
 
 
 def micro_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, *, scale: float = 1.0,
-               sync: bool = True, hold: bool = False, previous: list | None = None
-               ) -> torch.Tensor:
+               sync: bool = True, held: list | None = None) -> torch.Tensor:
     """Forward and backward of one micro-batch, its mean loss times `scale` (1/k of k
     micro-batches), gradients added into .grad; `sync=False` skips DDP's all-reduce (no_sync).
-    `hold=True` returns the loss with its graph, not detached; `previous`: a list holding the
-    last micro-batch's such loss, emptied once this one's loss is made (a loop that rebinds its
-    `loss`, as litgpt's does: what a graph keeps outside backward's reach lives until then)."""
+    `held`: a list the loop keeps, as a variable of its own: once this forward has returned
+    it is emptied (the last micro-batch's output let go) and given this one's output (the logits,
+    or the hidden states with a chunked loss), its graph attached: litgpt's `logits =
+    model(...)`, which keeps what a graph holds outside backward's reach (bitsandbytes < 0.43.2's
+    kept inputs) until the next forward returns."""
     net, cand = setup.net, setup.candidate
     use_autocast = cand.precision == "autocast" and not isinstance(net, FSDP)
     skip = isinstance(net, ddp.DDP) and not sync
@@ -300,18 +303,24 @@ def micro_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, *, scale: float =
             if cand.chunked_loss:                      # no (b·T, vocab) logits kept: slices
                 with _head_off(setup.model) as head:
                     hidden = net(x)                                      # (b, T, C)
+                _hold(held, hidden)
                 loss = chunked_cross_entropy(hidden.flatten(0, 1), head.weight, y.flatten(),
                                              bias=head.bias, chunks=cand.chunked_loss) * scale
                 del hidden
             else:
                 logits = net(x)                                          # (b, T, vocab)
+                _hold(held, logits)
         if not cand.chunked_loss:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) * scale
-            del logits                                 # freed now, not after backward
-        if previous:
-            previous.clear()
+            del logits                     # freed now, not after backward (unless held)
         loss.backward()
-    return loss if hold else loss.detach()
+    return loss.detach()
+
+
+def _hold(held: list | None, output: torch.Tensor) -> None:
+    if held is not None:
+        held.clear()
+        held.append(output)
 
 
 @contextlib.contextmanager
@@ -354,16 +363,13 @@ def train_step(setup: Setup, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     # 2. k micro-batches of (micro_batch, T): forward, backward of loss / k; gradients add up.
     #    DDP all-reduces (a collective) only after the last one.
     #    bitsandbytes < 0.43.2 (`Candidate.nf4_keeps_inputs`): the loop holds each micro-batch's
-    #    loss until the next one's is made, and the last through the step, as litgpt's does.
-    total, held = torch.zeros((), device=x.device), []
-    hold = setup.candidate.nf4_keeps_inputs
+    #    output (its graph) until the next forward returns, through the step and into the next
+    #    step's first forward, as litgpt's `logits` variable does (`Setup.held`).
+    total = torch.zeros((), device=x.device)
+    if setup.candidate.nf4_keeps_inputs and setup.held is None:
+        setup.held = []
     for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k))):
-        loss = micro_step(setup, xb, yb, scale=1 / k, sync=i == k - 1, hold=hold, previous=held)
-        total += loss.detach()
-        if hold:
-            held.append(loss)
-        del loss
+        total += micro_step(setup, xb, yb, scale=1 / k, sync=i == k - 1, held=setup.held)
     # 3. One optimizer step for the whole batch.
     optimizer_step(setup)
-    del held
     return total
