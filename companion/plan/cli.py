@@ -226,7 +226,7 @@ def _run(args) -> int:
         model_fn = load_object(args.model)
         step = load_object(args.step) if args.step else None
         optimizer = load_object(args.optimizer) if args.optimizer else torch.optim.AdamW
-        cost = CostModel.for_gpu(args.gpu) if args.gpu is not None else None
+        cost = CostModel.for_gpu(args.gpu, world_size=1) if args.gpu is not None else None
         device = args.device or ("cuda" if args.gpu is not None or torch.cuda.is_available()
                                  else "cpu")
         result = plan_model(model_fn, args.batch, budget=args.budget, step=step,

@@ -100,11 +100,11 @@ class CostModel:
                                         f"{g.flops(dtype) / 1e12:.1f} ({setup})"),
                    ("fp32 matmuls", f"{fp32 / 1e12:.1f} TFLOP/s ({fp32_source})"),
                    ("host AdamW", host),
-                   ("communication", f"a ring of {world_size} over {over} at "
-                                     f"{link / 1e9:.0f} GB/s one way (gpus.ring_link); hidden "
-                                     "behind compute where it can be (FSDP prefetches one unit's "
-                                     "all-gather; gradients reduced as backward makes them); the "
-                                     "rest is exposed"))
+                   ("communication", "none: one GPU" if world_size == 1 else
+                    f"a ring of {world_size} over {over} at {link / 1e9:.0f} GB/s one way "
+                    "(gpus.ring_link); hidden behind compute where it can be (FSDP prefetches "
+                    "one unit's all-gather; gradients reduced as backward makes them); the rest "
+                    "is exposed"))
         return cls(fp32, half / fp32, 10e-6, g.hbm_bandwidth, g.pcie_bandwidth, link,
                    host_adam_rate or 25e9, overlap=1.0, sources=sources)
 
