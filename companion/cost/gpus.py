@@ -359,7 +359,9 @@ def ring_link(gpu: GPU | str, world_size: int = SERVER_GPUS, *,
     NVIDIA/nccl-tests#283). `network` (B/s one way, all of a server's cards) defaults to the
     card's DGX (`server_network`); for a card without one it is assumed to keep up with PCIe
     (cards moving one GPU's PCIe bandwidth: 256 Gb/s for PCIe 4.0, 512 Gb/s for 5.0): pass
-    yours where it is less (one 100 Gb/s card: 12.5e9)."""
+    yours where it is less (one 100 Gb/s card: 12.5e9). Every figure is a peak per direction:
+    an upper bound on the bus bandwidth NCCL reaches, most of all in a PCIe server whose ring
+    crosses its CPU sockets."""
     g = _as_gpu(gpu)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
