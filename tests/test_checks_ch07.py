@@ -3,6 +3,7 @@
 The reduce-scatter answers live at module level, so the gloo workers can import them by name.
 """
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -561,12 +562,14 @@ def test_choose_zero_review_answers_fail_20_of_20(answer, hint):
 
 def _choose(shape, batch, gpu, world_size, memory_limit, *, ks=None, prefetches=(0, 1, 2),
             block=lambda C: 12 * C * C + 13 * C, below_3=0, swap_params=False, dtype_bytes=2,
-            gather_bytes=2, ddp_optimizer="adamw", root=True, ring_for_world=True):
+            gather_bytes=2, ddp_optimizer="adamw", root=True, ring_for_world=True,
+            bridge_as_ring=False):
     """A learner's search as the notebook writes it, or with one mistake (the survivors of
     bench_mutants, issue 54): the micro-batch counts, the prefetch depths, the bytes of a gathered
     block or below stage 3, gpt_params' arguments, the elementwise dtype, the gathers' bytes or
-    DDP's optimizer, the root unit left out (`root=False`) or the ring priced for one server
-    (`ring_for_world=False`)."""
+    DDP's optimizer, the root unit left out (`root=False`), the ring priced for one server
+    (`ring_for_world=False`) or at NVLink's speed whenever a GPU has NVLink, the H100 PCIe's
+    bridge too (`bridge_as_ring=True`)."""
     from companion import cost, estimate
 
     C, L, T, V, h = (shape[key] for key in ("width", "depth", "seq_len", "vocab", "heads"))
@@ -574,6 +577,9 @@ def _choose(shape, batch, gpu, world_size, memory_limit, *, ks=None, prefetches=
     kept = n - L * (12 * C * C + 13 * C) if root else 0
     speeds = (cost.Speeds.for_gpu(gpu, world_size=world_size) if ring_for_world else
               cost.Speeds.for_gpu(gpu))
+    nvlink = cost.gpus.gpu(gpu).nvlink_bandwidth
+    if bridge_as_ring and nvlink:
+        speeds = dataclasses.replace(speeds, beta=2 / nvlink)
     timed = []
     for stage in range(4):
         for k in (k for k in (ks or range(1, batch + 1)) if batch % k == 0):
@@ -617,6 +623,7 @@ _ZERO_SURVIVORS = {           # bench_mutants' survivors (and lucky draws) of ch
     "k in powers of two only": dict(ks=(1, 2, 4, 8, 16, 32, 64)),   # review 54b: passed 5/5
     "the root unit left out": dict(root=False),
     "the ring priced for one server": dict(ring_for_world=False),
+    "the H100 PCIe's bridge priced as a ring": dict(bridge_as_ring=True),   # review 56: 4/5
 }
 
 
