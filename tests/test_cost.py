@@ -49,12 +49,26 @@ def test_statistics_reject_what_is_not_a_timing(bad):
         stats.compare(bad, [1.0, 2.0])
 
 
-def test_interleave_rotates_the_order_and_skips_the_warm_up():
+def test_interleave_shuffles_each_round_and_skips_the_warm_up():
     calls = []
-    out = stats.interleave({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
-                           rounds=3, warmup=1)
-    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
-    assert [len(v) for v in out.values()] == [3, 3]
+    out = stats.interleave({"a": lambda: calls.append("a"), "b": lambda: calls.append("b"),
+                            "c": lambda: calls.append("c")}, rounds=40, warmup=1)
+    rounds = [tuple(calls[i:i + 3]) for i in range(0, len(calls), 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)          # each once a round
+    assert [len(v) for v in out.values()] == [40, 40, 40]
+    # a rotation keeps "a" right after "c" in every round that does not start with "a"; a
+    # shuffle puts each contender after each other one
+    after = {(r[i - 1], r[i]) for r in rounds for i in (1, 2)}
+    assert after == {(x, y) for x in "abc" for y in "abc" if x != y}
+    assert len(set(rounds)) == 6                                       # every order turns up
+
+
+def test_round_order_is_the_same_on_every_rank():
+    assert stats.round_order(11, 3) == stats.round_order(11, 3)          # a rank recomputes it
+    assert sorted(stats.round_order(11, 3)) == list(range(11))
+    assert stats.round_order(11, 3) != stats.round_order(11, 4)
+    first = [stats.round_order(11, r)[0] for r in range(60)]
+    assert len(set(first)) > 5                                          # not a fixed start
 
 
 # ---------------------------------------------------------------- speeds and layers

@@ -88,7 +88,7 @@ def profile_segments(step: Callable[[int], object], counts: Sequence[int], *,
     Per count: one warm-up run (it also allocates the gradients, so later runs measure activations,
     not gradients) and one run under `companion.memory.track`. Then `repeats` rounds of timed runs
     without the tracker (it slows operators down), `companion.cost.stats.interleave`d: each round
-    runs every count once, from a rotated start, so that a moment when other work takes the
+    runs every count once, in a new random order, so that a moment when other work takes the
     machine slows all counts alike rather than one; the median of each count's runs is kept, with
     the fastest, the slowest and every run (`times`, for `companion.cost.stats.compare`).
     """

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from companion import collectives
 from companion.compat import all_gather_tensor, reduce_scatter_tensor
+from companion.cost import stats
 from companion.cost.clock import now
 from companion.launch import rank_device
 
@@ -166,8 +167,8 @@ def time_all_reduce_sizes(rank: int, world_size: int, impl: str, sizes: Sequence
                           repeats: int = 5, *, every: bool = False) -> list:
     """A worker for `launch.run`: per size (bytes of float32), the median seconds of `repeats`
     all-reduces after a warm-up, on the slowest rank. The sizes are interleaved: each round times
-    every size once, in a rotated order, so a slow moment of the machine spreads over all of
-    them. impl: "gloo" (dist.all_reduce), "ring" or "naive" (ours, `companion.collectives`).
+    every size once, in a new random order (`stats.round_order`), so a slow moment of the machine
+    spreads over all of them and no size always follows the same one. impl: "gloo" (dist.all_reduce), "ring" or "naive" (ours, `companion.collectives`).
     every=True: each size's list of `repeats` times (the slowest rank's per call) instead."""
     run = {"ring": collectives.ring_all_reduce, "naive": collectives.naive_all_reduce,
            "gloo": dist.all_reduce}[impl]
@@ -175,9 +176,7 @@ def time_all_reduce_sizes(rank: int, world_size: int, impl: str, sizes: Sequence
     tensors = [torch.ones(max(nbytes // 4, 1), device=device) for nbytes in sizes]
     times: list[list[float]] = [[] for _ in sizes]
     for r in range(repeats + 1):                                          # round 0: warm-up
-        order = list(range(len(sizes)))
-        order = order[r % len(order):] + order[:r % len(order)]
-        for k in order:
+        for k in stats.round_order(len(sizes), r):                        # same order on every rank
             dist.barrier()                                                # start together
             start = now(device)                                           # host-device sync
             run(tensors[k])                                               # collective
@@ -207,8 +206,7 @@ def time_collectives(rank: int, world_size: int, sizes: Sequence[int],
                                  "all_gather": lambda f=full, s=shard: gather(f, s)}[kind]))
     times = [[] for _ in calls]
     for r in range(repeats + 1):
-        order = list(range(len(calls)))
-        for i in order[r % len(order):] + order[:r % len(order)]:
+        for i in stats.round_order(len(calls), r):                        # same order on every rank
             dist.barrier()                                                # start together
             start = now(device)                                           # host-device sync
             calls[i][1]()                                                 # collective

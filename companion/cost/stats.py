@@ -4,8 +4,11 @@ interval for a ratio, and a rank test that says "faster", "slower" or "no differ
 A min–max range over five runs says little: one slow run (a page fault, another process) moves it,
 and two overlapping ranges do not mean "the same speed". Three tools replace it:
 
-- `interleave` times several functions in rounds, each round in a rotated order, so that a slow
-  minute of the machine lands on every contender rather than on one;
+- `interleave` times several functions in rounds, each round in a new random order
+  (`round_order`), so that a slow minute of the machine lands on every contender rather than on
+  one, and no contender always runs right after the same other one (a large transfer leaves the
+  caches and the transport's buffers in a state the next call pays for: a rotation keeps that
+  neighbour fixed, a shuffle spreads it);
 - `ratio_interval` is a bootstrap confidence interval of median(a) / median(b) (Efron &
   Tibshirani 1993, "An Introduction to the Bootstrap", ch. 13, the percentile interval);
 - `rank_test` is the Mann–Whitney U test (Mann & Whitney 1947), exact for the small samples a
@@ -31,7 +34,7 @@ import time
 from functools import lru_cache
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["interleave", "ratio_interval", "rank_test", "compare", "Comparison", "spread",
+__all__ = ["interleave", "round_order", "ratio_interval", "rank_test", "compare", "Comparison", "spread",
            "rankdata", "spearman"]
 
 
@@ -44,20 +47,30 @@ def _check(name: str, xs: Sequence[float]) -> list[float]:
     return xs
 
 
+def round_order(n: int, r: int, seed: int = 0) -> list[int]:
+    """The order of round `r` over `n` contenders: a permutation drawn from `seed` and `r` alone,
+    so every rank of a distributed run (each calling it with the same arguments) runs the same
+    collective at the same time."""
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + r).shuffle(order)
+    return order
+
+
 def interleave(fns: Mapping[str, Callable[[], object]], *, rounds: int = 5, warmup: int = 1,
-               clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
-    """Seconds of each call of each function, `rounds` rounds after `warmup` untimed ones; round
-    r runs the functions starting from the (r mod n)-th, so every one goes first as often."""
+               clock: Callable[[], float] = time.perf_counter,
+               seed: int = 0) -> dict[str, list[float]]:
+    """Seconds of each call of each function, `rounds` rounds after `warmup` untimed ones; each
+    round runs every function once, in the order `round_order(len(fns), r, seed)`."""
     if rounds < 1 or warmup < 0:
         raise ValueError("rounds must be at least 1 and warmup non-negative")
     names = list(fns)
     out: dict[str, list[float]] = {name: [] for name in names}
     for r in range(warmup + rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for i in round_order(len(names), r, seed):
             start = clock()
-            fns[name]()
+            fns[names[i]]()
             if r >= warmup:
-                out[name].append(clock() - start)
+                out[names[i]].append(clock() - start)
     return out
 
 

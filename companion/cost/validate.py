@@ -25,6 +25,7 @@ from torch import nn
 
 from companion.cost import step as model
 from companion.cost.step import Speeds, StepTime
+from companion.cost import stats
 from companion.cost.clock import now
 
 __all__ = ["CONFIGS", "predict", "measure", "validate"]
@@ -135,8 +136,7 @@ def measure(rank: int, world_size: int, configs: Sequence[dict], rounds: int = 7
     steps = [_build(_check(c)) for c in configs]
     times = [[0.0] * rounds for _ in configs]
     for r in range(rounds + 1):
-        order = list(range(len(configs)))
-        for i in order[r % len(order):] + order[:r % len(order)]:
+        for i in stats.round_order(len(configs), r):                   # same order on every rank
             dist.barrier()                                              # start together
             start = now("cpu")                  # the validation runs on CPU ranks (gloo)
             steps[i]()
