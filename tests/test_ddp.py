@@ -170,6 +170,26 @@ def test_profile_buckets_reports_every_cap():
     assert out["backward_seconds"] > 0
 
 
+def test_profile_buckets_interleaves_the_caps_and_backward_alone():
+    out = launch.run(ddp.profile_buckets, 2, 16, 4, 2, [0.0005, 0.002, 1.0], 3)[0]
+    assert [c["buckets"] for c in out["caps"].values()] == [4, 2, 1]
+    assert all(len(c["step_times"]) == len(c["backward_times"]) == 3 for c in out["caps"].values())
+    assert len(out["backward_alone"]) == 3
+
+
+def test_concurrent_all_reduces_report_both_sums_and_every_trial():
+    for out in launch.run(ddp.concurrent_all_reduces, 2, 2**16, 16, 3):
+        assert out["summed"] and out["trials"] == 3 and 0 <= out["overtaken"] <= 3
+        assert 0 < out["small_done"] <= out["large_done"]      # it waited for the small first
+
+
+def test_training_step_without_communication_sends_nothing():
+    for out in launch.run(ddp.time_training_step, 2, "none", 8, 2, 4, 2):
+        assert out["all_reduce_bytes"] is None and len(out["times"]) == 2
+    with pytest.raises(Exception, match="impl must be"):
+        launch.run(ddp.time_training_step, 1, "nccl", 8, 2, 4, 2)
+
+
 def _steps_leave_no_gradient(rank, world_size):
     from companion.ddp.experiments import _timed_steps
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))

@@ -9,7 +9,9 @@ Example (inside a rank started by `companion.launch.run`):
 """
 from companion.ddp.core import (DDP, BucketTimes, SyncStats, accumulation_step, average_gradients,
                                 broadcast_parameters)
-from companion.ddp.experiments import profile_buckets, step_memory, time_training_step
+from companion.ddp.experiments import (concurrent_all_reduces, profile_buckets, step_memory,
+                                      time_training_step)
 
 __all__ = ["DDP", "SyncStats", "BucketTimes", "average_gradients", "broadcast_parameters",
-           "accumulation_step", "time_training_step", "profile_buckets", "step_memory"]
+           "accumulation_step", "time_training_step", "profile_buckets", "step_memory",
+           "concurrent_all_reduces"]
