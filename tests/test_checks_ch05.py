@@ -169,136 +169,165 @@ def test_replay_loss_scale_failure_shows_the_skips():
         check_replay_loss_scale(_with(always_step=True))
 
 
-# ---------------------------------------------------------------- unscale and find infs
+# ---------------------------------------------------------------- unscale into the master, clipped
 
-def unscale_grads(grads, inv_scale, *, device=True):
+def unscale_grads(model_params, master_params, inv_scale, max_norm, *, device=True):
     """The notebook's solution; device=False makes the flag on the CPU whatever inv_scale's
-    device (bench_mutants' survivor: `device=` dropped)."""
+    device."""
     found_inf = torch.zeros((), device=inv_scale.device) if device else torch.zeros(())
+    for p, m in zip(model_params, master_params):
+        if p.grad is None:
+            continue
+        found_inf += (~torch.isfinite(p.grad)).any()
+        m.grad = p.grad.float().mul_(inv_scale)
+    with_grads = [m for m in master_params if m.grad is not None]
+    total_norm = torch.nn.utils.clip_grad_norm_(with_grads, max_norm)
+    return found_inf > 0, total_norm
+
+
+def _flag(model_params):
+    return any(not bool(torch.isfinite(p.grad).all()) for p in model_params if p.grad is not None)
+
+
+def _up(model_params, master_params, inv_scale, how=lambda g, inv: g.float() * inv):
+    for p, m in zip(model_params, master_params):
+        if p.grad is not None:
+            m.grad = how(p.grad, inv_scale)
+    return [m for m in master_params if m.grad is not None]
+
+
+def _by_hand(model_params, master_params, inv_scale, max_norm):
+    """Correct, without clip_grad_norm_: the norm in float64, the coefficient in Python."""
+    grads = [m.grad for m in _up(model_params, master_params, inv_scale)]
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).float()
     for g in grads:
-        found_inf += (~torch.isfinite(g)).any()
-        g.mul_(inv_scale)
-    return found_inf > 0
+        g.mul_(min(1.0, max_norm / (float(norm) + 1e-6)))
+    return _flag(model_params), norm
 
 
-def _isinf_only(grads, inv_scale):
-    found = any(bool(g.isinf().any()) for g in grads)
-    for g in grads:
-        g.mul_(inv_scale)
-    return found
+def _flag_from_the_norm(model_params, master_params, inv_scale, max_norm):
+    """Correct here: the fp32 norm of fp16 gradients times at most 2 is finite unless one is not."""
+    norm = torch.nn.utils.clip_grad_norm_(_up(model_params, master_params, inv_scale), max_norm)
+    return not bool(torch.isfinite(norm)), norm
 
 
-def _first_only(grads, inv_scale):
-    found = not bool(torch.isfinite(grads[0]).all())
-    for g in grads:
-        g.mul_(inv_scale)
-    return found
+def _in_fp16(model_params, master_params, inv_scale, max_norm):
+    live = _up(model_params, master_params, inv_scale, lambda g, inv: (g * inv.half()).float())
+    return _flag(model_params), torch.nn.utils.clip_grad_norm_(live, max_norm)
 
 
-def _copies(grads, inv_scale):
-    found = any(not bool(torch.isfinite(g).all()) for g in grads)
-    for i, g in enumerate(grads):
-        grads[i] = g * inv_scale                 # new tensors: p.grad never sees them
-    return found
+def _looks_after_an_fp16_product(model_params, master_params, inv_scale, max_norm):
+    found = any(not bool(torch.isfinite(p.grad * inv_scale.half()).all())
+                for p in model_params if p.grad is not None)
+    live = _up(model_params, master_params, inv_scale)
+    return found, torch.nn.utils.clip_grad_norm_(live, max_norm)
 
 
-def _divides(grads, inv_scale):
-    found = any(not bool(torch.isfinite(g).all()) for g in grads)
-    for g in grads:
-        g.div_(inv_scale)
-    return found
+def _fp16_sum(model_params, master_params, inv_scale, max_norm):
+    found = any(not bool(torch.isfinite(p.grad.sum())) for p in model_params if p.grad is not None)
+    return found, unscale_grads(model_params, master_params, inv_scale, max_norm)[1]
 
 
-def _multiplies_then_looks(grads, inv_scale):
-    for g in grads:
-        g.mul_(inv_scale)
-    return any(not bool(torch.isfinite(g).all()) for g in grads)
+def _clip_then_unscale(model_params, master_params, inv_scale, max_norm, *, scaled_max=False):
+    live = _up(model_params, master_params, inv_scale, lambda g, inv: g.float())
+    norm = torch.nn.utils.clip_grad_norm_(live, max_norm / inv_scale.item() if scaled_max
+                                          else max_norm)
+    for m in live:
+        m.grad.mul_(inv_scale)
+    return _flag(model_params), norm * inv_scale
 
 
-def test_looking_before_multiplying_is_what_torch_does():
-    """A finite gradient near the largest float, unscaled by 2: torch's kernel flags nothing (it
-    looks first), though the product is inf; the check's case rests on this."""
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        g, found = torch.tensor([torch.finfo(dtype).max / 1.5, 1.0], dtype=dtype), torch.zeros(1)
-        torch._amp_foreach_non_finite_check_and_unscale_([g], found, torch.tensor(2.0))
-        assert found.item() == 0.0 and g[0].isinf()
-        assert not bool(unscale_grads([g.new_tensor([torch.finfo(dtype).max / 1.5])],
-                                      torch.tensor(2.0)))
+def _no_clip(model_params, master_params, inv_scale, max_norm):
+    return unscale_grads(model_params, master_params, inv_scale, math.inf)
 
 
-def _sum_is_finite(grads, inv_scale):
-    found = not bool(torch.isfinite(sum(g.float().sum() for g in grads)))
-    for g in grads:
-        g.mul_(inv_scale)
-    return found
+def _scaled_norm(model_params, master_params, inv_scale, max_norm):
+    found, norm = unscale_grads(model_params, master_params, inv_scale, max_norm)
+    return found, norm / inv_scale
 
 
-def _sum_per_tensor(grads, inv_scale):
-    found = any(not bool(torch.isfinite(g.float().sum())) for g in grads)
-    for g in grads:
-        g.mul_(inv_scale)
-    return found
+def _norm_after_clipping(model_params, master_params, inv_scale, max_norm):
+    found, _ = unscale_grads(model_params, master_params, inv_scale, max_norm)
+    return found, torch.nn.utils.get_total_norm(
+        [m.grad for m in master_params if m.grad is not None])
 
 
-def _inf_sum_or_nan_element(grads, inv_scale):
-    found = any(bool(g.double().sum().isinf() or g.isnan().any()) for g in grads)  # no overflow
-    for g in grads:
-        g.mul_(inv_scale)
-    return found
+def _each_tensor_clipped(model_params, master_params, inv_scale, max_norm):
+    found, norm = unscale_grads(model_params, master_params, inv_scale, math.inf)
+    for m in master_params:
+        if m.grad is not None:
+            torch.nn.utils.clip_grad_norm_([m], max_norm)
+    return found, norm
 
 
-def _early_return(grads, inv_scale):
-    for g in grads:
-        if not bool(torch.isfinite(g).all()):
-            return True
-        g.mul_(inv_scale)
-    return False
+def _divides(model_params, master_params, inv_scale, max_norm):
+    live = _up(model_params, master_params, inv_scale, lambda g, inv: g.float() / inv)
+    return _flag(model_params), torch.nn.utils.clip_grad_norm_(live, max_norm)
 
 
-def _always(grads, inv_scale):
-    unscale_grads(grads, inv_scale)
-    return True
+def _isinf_only(model_params, master_params, inv_scale, max_norm):
+    found = any(bool(p.grad.isinf().any()) for p in model_params if p.grad is not None)
+    return found, unscale_grads(model_params, master_params, inv_scale, max_norm)[1]
+
+
+def _first_only(model_params, master_params, inv_scale, max_norm):
+    first = next(p.grad for p in model_params if p.grad is not None)
+    return (not bool(torch.isfinite(first).all()),
+            unscale_grads(model_params, master_params, inv_scale, max_norm)[1])
+
+
+def _zero_for_the_missing(model_params, master_params, inv_scale, max_norm):
+    for p in model_params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return unscale_grads(model_params, master_params, inv_scale, max_norm)
+
+
+def _new_tensors(model_params, master_params, inv_scale, max_norm):
+    grads = [p.grad.float() * inv_scale for p in model_params if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    return _flag(model_params), norm
 
 
 def test_unscale_grads_reference_passes():
-    from companion.amp import unscale_grads_
     check_unscale_grads(unscale_grads)
-    check_unscale_grads(unscale_grads_)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: on the CPU the "
-                    "flag's device is inv_scale's whichever way it is made")
+@pytest.mark.parametrize("answer", [_by_hand, _flag_from_the_norm])
+def test_unscale_grads_other_correct_answers_pass(answer):
+    check_unscale_grads(answer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_unscale_grads_fails_a_flag_made_on_the_cpu_every_time():
-    """`found_inf += (~torch.isfinite(g)).any()` into a CPU flag from CUDA gradients: a CPU output
-    beside a CUDA input (TensorIterator's compute_types: only an input may be a CPU scalar)."""
-    for _ in range(20):
+    """`found_inf += ...` into a CPU flag from CUDA gradients: a CPU output beside a CUDA input."""
+    for _ in range(5):
         with pytest.raises(CheckFailed):
-            check_unscale_grads(lambda grads, inv: unscale_grads(grads, inv, device=False))
-        check_unscale_grads(unscale_grads)
-
-
-def test_unscale_grads_flag_made_on_the_cpu_passes_on_the_cpu():
-    """Where every tensor is on the CPU the device-less flag is the same tensor: no case of a
-    CPU-only run can tell them apart (why bench_mutants keeps it as a survivor there)."""
-    check_unscale_grads(lambda grads, inv: unscale_grads(grads, inv, device=False))
+            check_unscale_grads(lambda *args: unscale_grads(*args, device=False))
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (_isinf_only, "isinf misses NaN"),
-    (_first_only, "every gradient tensor"),
-    (_copies, "in place"),
+    (_in_fp16, "unscale in fp32"),
+    (_looks_after_an_fp16_product, "before multiplying"),
+    (_fp16_sum, "a sum of finite gradients can overflow"),
+    (_clip_then_unscale, "clip the unscaled gradients"),
+    (lambda *args: _clip_then_unscale(*args, scaled_max=True), "clip with max_norm itself"),
+    (_no_clip, "clip to max_norm"),
+    (_each_tensor_clipped, "all the gradients together"),
+    (_scaled_norm, "the scaled one is scale times larger"),
+    (_norm_after_clipping, "before clipping"),
     (_divides, "multiply by inv_scale"),
-    (_always, "flag only inf and NaN"),
-    (_multiplies_then_looks, "look before you multiply"),
-    (_sum_is_finite, "sum of finite gradients can overflow"),
-    (_sum_per_tensor, "sum of finite gradients can overflow"),
-    (_inf_sum_or_nan_element, "inf \\+ \\(-inf\\) is NaN"),
-    (_early_return, "Do not return early"),
-    (lambda grads, inv_scale: None, "found_inf as a bool"),
+    (_isinf_only, "isinf misses NaN"),
+    (_first_only, "every element of every gradient"),
+    (_zero_for_the_missing, "keeps None"),
+    (_new_tensors, "set master.grad"),
+    (lambda *args: unscale_grads(*args)[0], r"\(found_inf, total_norm\)"),
+    (lambda *args: (None, unscale_grads(*args)[1]), "found_inf as a number"),
 ])
-def test_unscale_grads_wrong_answers_fail(wrong, hint):
-    with pytest.raises(CheckFailed, match=hint):
-        check_unscale_grads(wrong)
+def test_unscale_grads_wrong_answers_fail_every_time(wrong, hint):
+    for _ in range(3):                          # fresh seeds each time: no draw lets one through
+        with pytest.raises(CheckFailed, match=hint):
+            check_unscale_grads(wrong)
 
 
 # ---------------------------------------------------------------- which layout
@@ -407,47 +436,82 @@ def test_a_strict_fits_passes_every_run():
         check_bf16_layout(strict)
 
 
-# ---------------------------------------------------------------- a prediction
+# ---------------------------------------------------------------- from which batch autocast saves
 
-def autocast_activation_bytes(batch, d_in, width, depth, d_out):
-    input_copy = 2 * batch * d_in                                   # saved by the first Linear
-    weight_copies = 2 * ((depth - 1) * width * width + width * d_out)   # not the first's
-    relu_outputs = 2 * depth * batch * width
-    log_softmax = 4 * batch * d_out                                 # fp32: the loss's list
-    return input_copy + weight_copies + relu_outputs + log_softmax + 4
+def autocast_saves_from(d_in, width, depth, d_out):
+    per_example = 2 * depth * width - 2 * d_in
+    fixed = 2 * ((depth - 1) * width * width + width * d_out)
+    if per_example <= 0:
+        return None
+    return fixed // per_example + 1
 
 
-def test_autocast_activation_bytes_reference_passes():
-    check_autocast_activation_bytes(autocast_activation_bytes)
+def _from(fixed=lambda d, W, L, K: 2 * ((L - 1) * W * W + W * K),
+          per=lambda d, W, L, K: 2 * L * W - 2 * d, strict=True, never=True):
+    """The reference with one term changed: a known-wrong count."""
+    def answer(d, W, L, K):
+        f, p = fixed(d, W, L, K), per(d, W, L, K)
+        if p <= 0 and never:
+            return None
+        return f // p + 1 if strict else -(-f // p)
+    return answer
+
+
+def _by_search(d_in, width, depth, d_out):
+    """Correct, by walking the batch up with both counts written out (slow but right)."""
+    def fp32(B):
+        return 4 * depth * B * width + 4 * B * d_out + 4
+    def amp(B):
+        return (2 * B * d_in + 2 * ((depth - 1) * width**2 + width * d_out)
+                + 2 * depth * B * width + 4 * B * d_out + 4)
+    if 2 * depth * width <= 2 * d_in:
+        return None
+    B = 1
+    while amp(B) >= fp32(B):
+        B += 1
+    return B
+
+
+def test_autocast_saves_from_reference_passes():
+    check_autocast_activation_bytes(autocast_saves_from)
+    check_autocast_activation_bytes(_by_search)
+
+
+def test_the_pinned_shapes_break_even_where_track_says():
+    """The check's fixed shapes, measured: autocast keeps at least fp32's bytes one batch below
+    the answer and fewer at it (or at no batch up to 8 where the answer is None)."""
+    from companion.checks.ch05.autocast_bytes import _PINNED, _measure, _reference
+    for d_in, W, L, K in _PINNED:
+        b = _reference(d_in, W, L, K)
+        assert b == autocast_saves_from(d_in, W, L, K)
+        for B in ((b - 1, b) if b is not None else (1, 8)):
+            saves = _measure(B, d_in, W, L, K, True) < _measure(B, d_in, W, L, K, False)
+            assert saves == (b is not None and B == b), (d_in, W, L, K, B)
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (lambda B, d, W, L, K: 2 * (L * B * W + B * K + 1), "half of fp32"),
-    (lambda B, d, W, L, K: 4 * (L * B * W + B * K + 1), "ReLU outputs are 16-bit"),
-    (lambda B, d, W, L, K: 2 * B * d + 2 * L * B * W + 4 * B * K + 4, "weight matrix"),
-    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 2 * d * W, "first Linear's"),
-    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) - 2 * B * K, "fp32 list"),
-    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) - 2 * B * d, "input batch"),
-    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 2 * L * B * W,
-     "count it once"),
-    # the review's fp32 ReLU outputs: the same number as a ReLU output counted twice, so the hint
-    # names both
-    (lambda B, d, W, L, K: 2 * B * d + 2 * ((L - 1) * W * W + W * K) + 4 * L * B * W + 4 * B * K
-     + 4, r"count it once; \(2\) a ReLU after a 16-bit Linear: what dtype"),
-    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 2 * B * K,
-     "16-bit logits are not saved"),
-    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 2 * ((L - 1) * W + K),
-     "does not save its bias"),
-    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) - 2 * B * W,
-     r"depth ReLU outputs, depth \+ 1 Linears"),
-    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) - 4, "total weight, 4 bytes"),
-    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 1, None),
-    (lambda B, d, W, L, K: autocast_activation_bytes(B, d, W, L, K) + 0.25, None),
-    (lambda B, d, W, L, K: float(autocast_activation_bytes(B, d, W, L, K)), "return an int"),
+    (_from(fixed=lambda d, W, L, K: 0), "weight matrices are saved"),
+    (_from(fixed=lambda d, W, L, K: 2 * (L * W * W - W * W + W * K + d * W)), "first Linear's"),
+    (_from(per=lambda d, W, L, K: 2 * L * W), "copy of the input batch"),
+    (_from(per=lambda d, W, L, K: 2 * L * W - 2 * d + 2 * K), "fp32 list"),
+    (_from(per=lambda d, W, L, K: 2 * L * W - 2 * d - 2 * K), "16-bit logits are not saved"),
+    (lambda d, W, L, K: None, "2 bytes, not 4"),
+    (_from(per=lambda d, W, L, K: 4 * L * W - 2 * d), "count it once"),
+    (_from(per=lambda d, W, L, K: 2 * (L + 1) * W - 2 * d), r"depth \+ 1 Linears"),
+    (_from(fixed=lambda d, W, L, K: 2 * ((L - 1) * W * W + W * K + (L - 1) * W + K)), "bias"),
+    (_from(strict=False), "strict"),
+    (_from(fixed=lambda d, W, L, K: 2 * ((L - 1) * W * W + W * K) + 4), None),
+    (_from(fixed=lambda d, W, L, K: 2 * ((L - 1) * W * W + W * K) - 4), None),
+    (lambda d, W, L, K: 1 if 2 * L * W <= 2 * d else autocast_saves_from(d, W, L, K), "None"),
+    (lambda d, W, L, K: 0 if 2 * L * W <= 2 * d else autocast_saves_from(d, W, L, K), "None"),
+    (lambda d, W, L, K: 2 * ((L - 1) * W * W + W * K) // (2 * L * W - 2 * d) + 1, None),
+    (lambda d, W, L, K: (lambda b: None if b is None else float(b))(
+        autocast_saves_from(d, W, L, K)), "whole number"),
 ])
-def test_autocast_activation_bytes_wrong_answers_fail(wrong, hint):
-    with pytest.raises(CheckFailed, match=hint):
-        check_autocast_activation_bytes(wrong)
+def test_autocast_saves_from_wrong_answers_fail_every_time(wrong, hint):
+    for _ in range(3):
+        with pytest.raises(CheckFailed, match=hint):
+            check_autocast_activation_bytes(wrong)
 
 
 # ---------------------------------------------------------------- FP8 with a scale
