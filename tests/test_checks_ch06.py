@@ -501,8 +501,10 @@ def _arrival(case, rank, step, seed):
 def test_the_cases_tell_each_wrong_bucketing_from_the_right_one(seed, world):
     """The arrival order the check assumes is the one autograd makes; the buckets it wants differ
     from those of registration order, its reverse, another rank's first step, the second step's
-    order, the cap counted in elements and the cap rule with >=; in the second step a later
-    bucket is complete before an earlier one, and the tied model's first bucket is the largest."""
+    order and the cap counted in elements; the tied model's cap is filled exactly by a bucket (a
+    rule with >= splits it) and its first bucket is over 512 KiB; the branches' cap is one byte
+    short of a bucket (a bucket that may hold one byte more differs), and in their second step a
+    later bucket is complete before an earlier one."""
     rule = bucketed_hooks._buckets_by_cap
     for kind in bucketed_hooks._KINDS:
         case = bucketed_hooks._case(kind, seed, world)
@@ -518,10 +520,11 @@ def test_the_cases_tell_each_wrong_bucketing_from_the_right_one(seed, world):
             if not at_or_above or sum(sizes[j] for j in at_or_above[-1]) + sizes[k] >= cap:
                 at_or_above.append([])
             at_or_above[-1].append(k)
-        assert [tuple(b) for b in at_or_above] != want
         if kind == "tied":
+            assert [tuple(b) for b in at_or_above] != want
             assert sum(sizes[k] for k in want[0]) > 2**19
             continue
+        assert rule(sizes, first, cap + 1) != want and any(len(b) > 1 for b in want)
         for rank in range(1, world):
             assert rule(sizes, _arrival(bucketed_hooks._case(kind, seed, world), rank, 0, seed),
                         cap) != want

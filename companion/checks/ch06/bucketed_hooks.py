@@ -78,20 +78,21 @@ def _buckets_by_cap(sizes: list[int], order: list[int], cap: int) -> list[tuple[
     return [tuple(b) for b in buckets]
 
 
-def _exact_fill(sizes: list[int], buckets: list[tuple[int, ...]], cap: int) -> bool:
-    return any(len(b) > 1 and sum(sizes[k] for k in b) == cap for b in buckets)
-
-
-def _good_caps(sizes: list[int], first: list[int], others: list[list[int]]) -> list[int]:
-    """Caps (sums of runs of `first`'s sizes) that give 3+ buckets, one filled to the cap exactly,
-    and other buckets than every order in `others` (and than sizes counted in elements)."""
-    caps = sorted({sum(sizes[k] for k in first[i:j]) for i in range(len(first))
+def _good_caps(sizes: list[int], first: list[int], others: list[list[int]], *,
+               short: int = 0) -> list[int]:
+    """Caps, each `short` bytes under a sum of a run of `first`'s sizes, that give 3+ buckets,
+    other buckets than every order in `others` (and than sizes counted in elements), and a tie
+    at the boundary: with short=0 a bucket filled to the cap exactly (a rule with >= splits
+    it), with short=1 other buckets than at cap + 1 (a rule that lets a bucket hold one byte
+    more)."""
+    caps = sorted({sum(sizes[k] for k in first[i:j]) - short for i in range(len(first))
                    for j in range(i + 2, len(first) + 1)})
     good = []
     for cap in caps:
         want = _buckets_by_cap(sizes, first, cap)
-        if len(want) >= 3 and _exact_fill(sizes, want, cap) and \
-                want != _buckets_by_cap(sizes, first, 4 * cap) and \
+        tie = any(len(b) > 1 and sum(sizes[k] for k in b) == cap for b in want) if not short \
+            else want != _buckets_by_cap(sizes, first, cap + short)
+        if len(want) >= 3 and tie and want != _buckets_by_cap(sizes, first, 4 * cap) and \
                 all(want != _buckets_by_cap(sizes, o, cap) for o in others):
             good.append(cap)
     return good
@@ -100,8 +101,9 @@ def _good_caps(sizes: list[int], first: list[int], others: list[list[int]]) -> l
 def _case(kind: str, seed: int, world: int) -> dict:
     """One model, its cap, and the forward order of each (rank, step) for the branches. "tied":
     a tied-embedding LM, its gradients in a fixed order that is not the registration order, one
-    early bucket of about 1 MiB (still in flight on gloo when later small ones finish). "branches":
-    the order changes with the rank in the first step and again in the second."""
+    early bucket of about 1 MiB (still in flight on gloo when later small ones finish), a cap that
+    one bucket fills exactly. "branches": the order changes with the rank in the first step and
+    again in the second; a cap one byte short of a bucket's worth."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if kind == "tied":
@@ -123,11 +125,12 @@ def _case(kind: str, seed: int, world: int) -> dict:
         first = orders[0][0][::-1]
         others = [list(range(6)), list(range(6))[::-1], orders[0][1][::-1]] + \
                  [orders[r][0][::-1] for r in range(1, world)]
-        for cap in _good_caps(sizes, first, others):
+        for cap in _good_caps(sizes, first, others, short=1):
             want = _buckets_by_cap(sizes, first, cap)
             second = orders[0][1][::-1]                  # the second step's arrival order
             done = [max(second.index(k) for k in b) for b in want]
-            if any(done[i + 1] < done[i] for i in range(len(want) - 1)):   # out of bucket order
+            if any(done[i + 1] < done[i] for i in range(len(want) - 1)) and \
+                    any(len(b) > 1 for b in want):                   # out of bucket order
                 return dict(kind=kind, model=_Branches(widths), cap=cap, orders=orders,
                             sizes=sizes, arrival=first)
 
