@@ -398,14 +398,12 @@ def check_bucketed_hooks(answer, *, worker_timeout: float = 30.0) -> str:
     each bucket asynchronously from the hooks during backward. Run on 2 and 3 ranks, 3 steps,
     on a tied-embedding LM and on branches whose order changes with the rank and the step."""
     packed = _ranks.packed(answer)
-    shown = []
     for world, seed in zip((2, 3), fresh_seeds(2)):
         results = _run(packed, world, seed, worker_timeout)
         for c, kind in enumerate(_KINDS):
             case = _case(kind, seed, world)
             names = [n for n, _ in case["model"].named_parameters()]
             want = _buckets_by_cap(case["sizes"], case["arrival"], case["cap"])
-            shown.append(len(want))
             for step in range(_STEPS):
                 local = [_local_grads(kind, seed, world, r, step) for r in range(world)]
                 for rank in range(world):
@@ -420,6 +418,6 @@ def check_bucketed_hooks(answer, *, worker_timeout: float = 30.0) -> str:
                             "each rank still has its own gradient: write the averages into "
                             "param.grad in finish().": local[rank][i]})
     return (f"2 and 3 ranks, 3 steps, {' and '.join(_KINDS.values())}: buckets built once from "
-            f"rank 0's first-step order ({min(shown)} to {max(shown)} buckets), each all-reduced "
+            "rank 0's first-step order (3 or more each time), each all-reduced "
             "asynchronously from the hook that completed it while backward ran, waited for in "
             "finish(); every rank left with the average every step")
