@@ -534,6 +534,14 @@ def test_the_cases_tell_each_wrong_bucketing_from_the_right_one(seed, world):
         assert any(done[i + 1] < done[i] for i in range(len(want) - 1))
 
 
+def test_drawing_a_case_leaves_the_callers_random_state_alone():
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    bucketed_hooks._case("tied", 11, 2)
+    bucketed_hooks._case("branches", 11, 3)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_references_pass(capsys):
     ch06.check_ring_all_reduce(collectives.ring_all_reduce)
     ch06.check_bucketed_hooks(Averager)

@@ -103,11 +103,17 @@ def _case(kind: str, seed: int, world: int) -> dict:
     a tied-embedding LM, its gradients in a fixed order that is not the registration order, one
     early bucket of about 1 MiB (still in flight on gloo when later small ones finish), a cap that
     one bucket fills exactly. "branches": the order changes with the rank in the first step and
-    again in the second; a cap one byte short of a bucket's worth."""
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
+    again in the second; a cap one byte short of a bucket's worth. The caller's random state is
+    left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)                          # the models' initial weights
+        return _draw_case(kind, torch.Generator().manual_seed(seed), world)
+
+
+def _draw_case(kind: str, g: torch.Generator, world: int) -> dict:
     if kind == "tied":
-        vocab, dim = 64 + int(torch.randint(64, (), generator=g)), 192 + 64 * (seed % 2)
+        vocab, dim = 64 + int(torch.randint(64, (), generator=g)), 192 + 64 * int(
+            torch.randint(2, (), generator=g))
         model = _TiedLM(vocab, dim, 4 * dim + int(torch.randint(1, 64, (), generator=g)))
         sizes = [p.numel() * p.element_size() for p in model.parameters()]
         arrival = [0, 5, 4, 3, 2, 1]     # head_bias, down.{bias,weight}, up.{bias,weight}, embed
