@@ -1,4 +1,6 @@
-"""Chapter 06, exercise 1: a ring all-reduce of sends and receives, run on 2 and 3 gloo ranks."""
+"""Chapter 06, exercise 1: a ring all-reduce of sends and receives, run on 2, 3 and 4 gloo ranks,
+first on tensors that split into N chunks of nearly equal length, then on short and uneven ones
+(some chunks empty, or of different lengths)."""
 from __future__ import annotations
 
 import math
@@ -26,30 +28,43 @@ def _ring_worker(rank: int, world_size: int, packed: bytes, seed: int, lengths: 
     return results
 
 
-def _ring_on_ranks(world: int, packed: bytes, seed: int, lengths: list[int], timeout: float):
-    """The ring worker on `world` ranks; ranks that hang fail with what makes a ring hang."""
+_ORDER_HINT = ("a blocking dist.send returns only once the neighbour has posted the matching "
+               "dist.recv (gloo holds a send until its receiver is ready, and NCCL may): if every "
+               "rank sends first, or every rank receives first, each waits for a neighbour that is "
+               "doing the same. Find an order in which no rank waits on a call its neighbour "
+               "cannot reach yet.")
+_EMPTY_HINT = ("these tensors split unevenly over the ranks: when the tensor is shorter than N, "
+               "torch.tensor_split leaves some chunks empty (as do chunks of ceil(numel/N), and "
+               "torch.chunk returns fewer than N). A receive posted for an empty chunk that the "
+               "neighbour never sends takes the next message in its place (gloo aborts the "
+               "process: 'op.preamble.length <= op.nbytes'), and a send that the neighbour "
+               "never receives waits forever: both sides must agree on each chunk, empty or not.")
+
+
+def _ring_on_ranks(world: int, packed: bytes, seed: int, lengths: list[int], timeout: float,
+                   uneven: bool):
+    """The ring worker on `world` ranks; ranks that hang or die fail with what makes a ring hang
+    (`uneven`: the lengths that leave chunks empty or unequal, the likely cause then)."""
     try:
         return _ranks.on_ranks(_ring_worker, world, packed, seed, lengths, timeout=timeout)
     except CheckFailed as e:
+        if uneven:
+            raise CheckFailed(f"{e.summary} (on {world} ranks, tensors of {lengths} elements; "
+                              "the longer ones passed)", got=e.got, hint=_EMPTY_HINT) from None
         if "did not finish" not in e.summary:
             raise
-        raise CheckFailed(f"{e.summary} (on {world} ranks)", hint=(
-            "a blocking dist.send or dist.recv returns only once the neighbour has posted the "
-            "matching call (gloo holds a send until its receiver is ready, and NCCL may): if "
-            "every rank sends first, or every rank receives first, each waits for a neighbour "
-            "that is doing the same; if one side skips an empty chunk that the other still "
-            "sends or receives, that rank waits forever. Start each step's send without waiting "
-            "(dist.isend, wait() after the recv; or dist.batch_isend_irecv), or let even ranks "
-            "send first while odd ranks receive first.")) from None
+        raise CheckFailed(f"{e.summary} (on {world} ranks)", hint=_ORDER_HINT) from None
 
 
-def _chunk_hint(got: torch.Tensor, expected: torch.Tensor, own: torch.Tensor) -> str:
+def _chunk_hint(got: torch.Tensor, expected: torch.Tensor, own: torch.Tensor,
+                uneven: bool) -> str:
     if torch.allclose(got, own):
         return "the tensor is unchanged: write the sum into it in place (tensor.copy_(...))."
     right = float(torch.isclose(got, expected, rtol=1e-4, atol=1e-5).float().mean())
     return (f"{right:.0%} of the elements are right: chunks are sent too early or land in the "
-            "wrong slot. In step s of reduce-scatter, send chunk (rank - s) % N and add into chunk "
-            "(rank - s - 1) % N; in all-gather, send (rank + 1 - s) % N, receive (rank - s) % N.")
+            "wrong slot. After reduce-scatter each rank must hold the complete sum of one chunk, "
+            "which has passed through every rank once; trace, for N = 3, which chunk each rank "
+            "holds complete after each step." + (" " + _EMPTY_HINT if uneven else ""))
 
 
 def _judge_ring_traffic(sends: list[list[tuple[int, int]]], numel: int) -> None:
@@ -82,20 +97,23 @@ def _judge_ring_traffic(sends: list[list[tuple[int, int]]], numel: int) -> None:
 def check_ring_all_reduce(answer, *, worker_timeout: float = 20.0) -> str:
     """answer(tensor, group=None): sum `tensor` over all ranks in place, with a ring of sends."""
     packed, seed = _ranks.packed(answer), fresh_seeds(1)[0]
-    lengths = [1001, 12, 5, 2, 1]           # the long one first: its failure says most
-    for world in (2, 3):
-        per_rank = _ring_on_ranks(world, packed, seed, lengths, worker_timeout)
-        for i, numel in enumerate(lengths):
-            expected = sum(_ranks.rank_tensor(seed, r, numel) for r in range(world))
-            for rank in range(world):
-                got, sends, in_place = per_rank[rank][i]
-                compare(got, expected, name=f"rank {rank}'s tensor ({numel} elements, "
-                        f"{world} ranks)", hint=_chunk_hint(got, expected,
-                                                           _ranks.rank_tensor(seed, rank, numel)))
-                require(in_place, "return nothing (None): the result goes into the tensor itself")
-            _judge_ring_traffic([r[i][1] for r in per_rank], numel)
+    for world in (2, 3, 4):
+        for lengths, uneven in (([1001, 13], False), ([9, 6, 5, 4, 3, 2, 1], True)):
+            per_rank = _ring_on_ranks(world, packed, seed, lengths, worker_timeout, uneven)
+            for i, numel in enumerate(lengths):
+                expected = sum(_ranks.rank_tensor(seed, r, numel) for r in range(world))
+                for rank in range(world):
+                    got, sends, in_place = per_rank[rank][i]
+                    own = _ranks.rank_tensor(seed, rank, numel)
+                    compare(got, expected, name=f"rank {rank}'s tensor ({numel} elements, "
+                            f"{world} ranks)", hint=_chunk_hint(got, expected, own, uneven))
+                    require(in_place, "return nothing (None): the result goes into the tensor "
+                            "itself")
+                _judge_ring_traffic([r[i][1] for r in per_rank], numel)
+            if not uneven and world == 3:
+                sent = sum(b for _, b in per_rank[0][0][1])
     s = 1001 * 4
-    return (f"matches the sum on 2 and 3 ranks for {len(lengths)} lengths; each of 3 ranks sent "
-            f"{sum(b for _, b in per_rank[0][0][1])} bytes for a {s}-byte tensor (2(N-1)/N·S = "
+    return (f"matches the sum on 2, 3 and 4 ranks for 9 lengths, 1 to 1001 (chunks empty or "
+            f"unequal); each of 3 ranks sent {sent} bytes for a {s}-byte tensor (2(N-1)/N·S = "
             f"{collectives.ring_bytes_per_rank(s, 3):.0f}; the naive root sends "
             f"{collectives.naive_root_bytes(s, 3)})")
