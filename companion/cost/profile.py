@@ -23,7 +23,21 @@
   it), and the bytes/s activation offload's copies reach in that block's step
   (`activation_offload`: its saved-tensor hooks' bytes down and up over the time they add);
 - α and β of a gloo process group of 2 ranks (the `launch` module's workers), one fit per round,
-  and each collective's curve (seconds against bytes);
+  and each collective's curve (seconds against bytes), on 2 ranks and on 1 (a gloo group of one
+  rank still hands every collective to a worker thread: DDP on one rank pays it per bucket);
+- collectives at once (`collective_lanes`, `link_sharing`): gloo runs each collective on one of
+  its worker threads (2 by default), so an all-reduce started while another is in flight runs
+  beside it; two all-reduces started together against one alone, at 1, 4 and 16 MiB, give the
+  share of their transfers that queue on the link (the fixed cost, the curve's smallest time,
+  overlaps; 2 ranks here: 0.55 to 0.9, so the transfers mostly share the link);
+- on a CPU, what gradients allocated afresh cost (`first_touch`): `zero_grad()` sets them to None,
+  the memory goes back to the system once enough is free at once (glibc trims its heap), and the
+  next backward faults it in page by page. A backward with freed gradients against one with kept
+  ones, 8 to 64 MiB of them (measured here: nothing up to 16 MiB, 4-8 ms at 32 MiB, 20-30 ms at
+  64 MiB beyond the kept backward's accumulation);
+- on a CPU, torch's for-loop SGD and AdamW in parameters per second out of cache
+  (`optimizer_rates`: AdamW's passes and temporaries ran 3-6x the time of its 28 bytes a
+  parameter at copy bandwidth here);
 - how 2 ranks share the machine: a training step with both ranks stepping against one alone
   (`shared_compute`: CPU ranks share caches and memory bandwidth), and the share of an all-reduce
   that hides behind a step running at the same time (`overlap`: on a CPU the two compete for the
@@ -97,6 +111,11 @@ class DeviceProfile:
     collectives: dict[str, list[tuple[int, Measured]]] | None = None  # kind -> [(bytes, s)]
     shared_compute: Measured | None = None            # a step with 2 ranks at once over alone
     overlap: Measured | None = None                   # share of an all-reduce hidden by compute
+    collectives_one: dict[str, list[tuple[int, Measured]]] | None = None  # the same, on 1 rank
+    collective_lanes: int = 1                         # collectives in flight at once (gloo: 2)
+    link_sharing: Measured | None = None              # share of concurrent transfers that queue
+    first_touch: list[tuple[int, Measured]] | None = None   # CPU: (gradient bytes, extra s)
+    optimizer_rates: dict[str, Measured] | None = None     # CPU: "sgd"/"adamw" -> params/s
     autocast: dict[str, Measured] | None = None       # CPU: dtype -> a block's training step,
                                                       # fp32 seconds over autocast's (>1: faster)
     step_flops: Measured | None = None                # CPU: that block's fp32 step, FLOP/s
@@ -121,7 +140,9 @@ class DeviceProfile:
         """The step models' `Speeds`: peak matmul FLOP/s in `dtype` (and the grids), copy
         bandwidth, the cost of an operator and a layer, α–β and each collective's curve, how
         ranks share the machine (`shared_compute`, `overlap`: measured, else 1 and full
-        overlap; pass overlap= to override), pinned host bandwidth and the host AdamW rate."""
+        overlap; pass overlap= to override), pinned host bandwidth and the host AdamW rate; on a
+        CPU, gloo's collectives at once (`collective_lanes`, `link_sharing`), the cost of
+        gradients allocated afresh and the for-loop optimizers' rates."""
         host = (self.host_to_device or {}).get("pinned")
         rate = self.adamw.get(adamw)
         if rate is None:
@@ -144,8 +165,17 @@ class DeviceProfile:
                       shared_compute=max(1.0, self.shared_compute.median)
                       if self.shared_compute else 1.0,
                       collective_table=tuple(
-                          (kind, self.world_size, _fitted([(n, m.median) for n, m in rows]))
-                          for kind, rows in (self.collectives or {}).items()))
+                          (kind, world, _fitted([(n, m.median) for n, m in rows]))
+                          for world, curves in ((self.world_size, self.collectives),
+                                                (1, self.collectives_one))
+                          for kind, rows in (curves or {}).items()),
+                      concurrent_collectives=self.collective_lanes,
+                      link_sharing=min(1.0, max(0.0, self.link_sharing.median))
+                      if self.link_sharing else 1.0,
+                      first_touch=tuple((n, max(0.0, m.median))
+                                        for n, m in (self.first_touch or ())),
+                      optimizer_rates=tuple((k, m.median)
+                                            for k, m in (self.optimizer_rates or {}).items()))
 
     def to_json(self) -> str:
         """The profile as JSON (a recorded GPU run keeps it; `from_json` reads it back)."""
@@ -156,6 +186,8 @@ class DeviceProfile:
         d = json.loads(text)
         m = lambda v: None if v is None else Measured(**v)
         md = lambda v: None if v is None else {k: Measured(**x) for k, x in v.items()}
+        curves = lambda v: None if v is None else {
+            k: [(n, Measured(**x)) for n, x in rows] for k, rows in v.items()}
         return cls(device=d["device"], name=d["name"], threads=d["threads"],
                    matmul={k: [(n, Measured(**x)) for n, x in rows]
                            for k, rows in d["matmul"].items()},
@@ -174,9 +206,13 @@ class DeviceProfile:
                    adapter_seconds=m(d.get("adapter_seconds")), adam8bit=m(d.get("adam8bit")),
                    adam8bit_tensor=m(d.get("adam8bit_tensor")),
                    activation_offload=m(d.get("activation_offload")),
-                   collectives=None if d["collectives"] is None else {
-                       k: [(n, Measured(**x)) for n, x in rows]
-                       for k, rows in d["collectives"].items()})
+                   collectives=curves(d["collectives"]),
+                   collectives_one=curves(d.get("collectives_one")),
+                   collective_lanes=d.get("collective_lanes", 1),
+                   link_sharing=m(d.get("link_sharing")),
+                   first_touch=None if d.get("first_touch") is None else [
+                       (n, Measured(**x)) for n, x in d["first_touch"]],
+                   optimizer_rates=md(d.get("optimizer_rates")))
 
 
 def _fitted(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -352,6 +388,74 @@ def _adamw_rates(repeats: int) -> dict[str, Measured]:
     return out
 
 
+def _optimizer_rates(repeats: int, op_seconds: float) -> dict[str, Measured]:
+    """Parameters per second of torch's for-loop SGD and AdamW (what `torch.optim` runs on CPU
+    tensors by default, and `validate` asks for) over 2^22 parameters in 16 tensors with their
+    gradients and state (80 MiB for AdamW: out of cache, as a model's are), each step's seconds
+    less its operators per tensor at `op_seconds` (the step models add those per tensor)."""
+    from companion.cost.step import _OPTIMIZER_OPS
+
+    out = {}
+    for name, make in (("sgd", lambda ps: torch.optim.SGD(ps, lr=1e-3, foreach=False)),
+                       ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False))):
+        params = [torch.zeros(2**18, requires_grad=True) for _ in range(16)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        fixed = 16 * _OPTIMIZER_OPS[name] * op_seconds
+        out[name] = Measured.of([2**22 / max(t - fixed, t / 2) for t in _times(
+            make(params).step, torch.device("cpu"), repeats)])
+    return out
+
+
+def _first_touch(device: torch.device, repeats: int,
+                 sizes_mib: Sequence[int] = (8, 16, 32, 64)) -> list[tuple[int, Measured]]:
+    """Per size, the seconds a backward pays beyond a kept-gradient one when its gradients were
+    freed (`zero_grad(set_to_none=True)`, torch's default): MLPs of Linear(512, 512) layers
+    without bias (1 MiB of weight gradient each) on 8 rows, one freeing its gradients after each
+    backward and one zeroing them in place, timed in interleaved rounds. The kept backward adds
+    each new gradient into the old one (3 passes over its bytes at copy bandwidth), which the
+    step models do not count: that is added back. Seconds per round, its median per size."""
+    from torch import nn
+
+    x = torch.randn(8, 512, device=device)
+    big = torch.empty(8 * 2**20, device=device)
+    copy = torch.empty_like(big)
+    bandwidth = statistics.median(2 * big.numel() * 4 / t for t in _times(
+        lambda: copy.copy_(big), device, repeats))
+    del big, copy
+
+    def net(mib: int) -> nn.Module:
+        return nn.Sequential(*[m for _ in range(mib) for m in
+                               (nn.Linear(512, 512, bias=False), nn.ReLU())]).to(device)
+
+    def backward(model: nn.Module, fresh: bool) -> float:
+        loss = model(x).square().mean()
+        start = now(device)                                         # host-device sync
+        loss.backward()
+        seconds = now(device) - start                               # host-device sync
+        for p in model.parameters():
+            if fresh:
+                p.grad = None
+            else:
+                p.grad.zero_()
+        return seconds
+    pairs = {mib: (net(mib), net(mib)) for mib in sizes_mib}
+    for fresh, kept in pairs.values():
+        backward(fresh, True), backward(kept, False)               # warm-up: gradients exist
+    extra: dict[int, list[float]] = {mib: [] for mib in sizes_mib}
+    for _ in range(repeats):
+        for mib, (fresh, kept) in pairs.items():
+            accumulate = 3 * mib * 2**20 / bandwidth
+            extra[mib].append(backward(fresh, True) - backward(kept, False) + accumulate)
+    return [(mib * 2**20, Measured.of(extra[mib])) for mib in sizes_mib]
+
+
+def _first_touch_worker(rank: int, world_size: int, repeats: int) -> list[tuple[int, Measured]]:
+    """A worker for `launch.run`: `_first_touch` in a fresh process, whose heap starts as a
+    training rank's does (the calibrating process has already allocated and freed much)."""
+    return _first_touch(torch.device("cpu"), repeats)
+
+
 def _adam8bit_rate(repeats: int) -> tuple[Measured, Measured]:
     """`lowbit.Adam8bit`'s step (AdamW's decay, as the planner runs it) on the host: parameters
     per second and seconds per tensor (its unfused operators cost per tensor too), from 2^20
@@ -520,6 +624,56 @@ def _alpha_beta(repeats: int) -> tuple[Measured, Measured, dict]:
     return Measured.of([a for a, _ in ring]), Measured.of([b for _, b in ring]), curves
 
 
+def _concurrency_worker(rank: int, world_size: int, sizes: Sequence[int],
+                        repeats: int) -> tuple[int, list[list[tuple[float, float]]]]:
+    """A worker for `launch.run`: the collectives this backend runs at once (gloo: its worker
+    threads, `ProcessGroupGloo::Options::threads`, 2 unless set; NCCL: 1, one stream), and per
+    size (bytes of float32) and round, (one all-reduce alone, two started together and both
+    waited for), the slowest rank's, in interleaved rounds after a warm-up."""
+    import torch.distributed as dist
+
+    from companion.cost import stats
+    from companion.launch import rank_device
+
+    lanes, device = 1, rank_device()
+    if dist.get_backend() == "gloo":
+        lanes = int(getattr(dist.ProcessGroupGloo._Options(), "_threads", 2))
+    pairs = [(torch.ones(n // 4, device=device), torch.ones(n // 4, device=device))
+             for n in sizes]
+
+    def one(a, b):
+        dist.all_reduce(a)                                               # collective
+
+    def both(a, b):
+        first = dist.all_reduce(a, async_op=True)                        # collective, async
+        second = dist.all_reduce(b, async_op=True)                       # beside the first
+        first.wait(), second.wait()                                      # sync point
+    calls = [(i, fn) for i in range(len(sizes)) for fn in (one, both)]
+    times = [[] for _ in calls]
+    for r in range(repeats + 1):
+        for c in stats.round_order(len(calls), r):                      # same order everywhere
+            i, fn = calls[c]
+            dist.barrier()                                               # start together
+            start = now(device)                                          # host-device sync
+            fn(*pairs[i])
+            if r:
+                times[c].append(now(device) - start)                     # host-device sync
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)                       # collective
+    rows = slowest.tolist()
+    return lanes, [list(zip(rows[2 * i], rows[2 * i + 1])) for i in range(len(sizes))]
+
+
+def _link_sharing(rounds: list[list[tuple[float, float]]], latency: float) -> Measured:
+    """The share of two concurrent transfers that queue on the link, from (one, two at once)
+    per size and round: one = latency + transfer, and two started together take
+    latency + (1 + sharing)·transfer (`network.link_schedule`), so
+    sharing = (two - latency) / (one - latency) - 1, clipped to [0, 1]."""
+    values = [min(1.0, max(0.0, (two - latency) / (one - latency) - 1))
+              for row in rounds for one, two in row if one > 2 * latency]
+    return Measured.of(values if len(values) >= 2 else [1.0, 1.0])
+
+
 def _sharing_worker(rank: int, world_size: int, repeats: int) -> tuple[list, list]:
     """A worker for `launch.run`: in interleaved rounds, rank 0 times an MLP's training step
     alone (the others wait), with every rank stepping at once, an all-reduce of 16 MiB alone, and
@@ -587,12 +741,14 @@ def _per_rank(device: torch.device, dtypes: Sequence[str], repeats: int) -> dict
            "adamw": _adamw_rates(repeats), "host_to_device": None, "device_to_host": None,
            "step_flops": None, "autocast": None, "adapter_bandwidth": None, "adapter_seconds": None,
            "adam8bit": None,
-           "adam8bit_tensor": None, "activation_offload": None}
+           "adam8bit_tensor": None, "activation_offload": None, "optimizer_rates": None,
+           "first_touch": None}
     if not cuda:
         out["step_flops"], out["autocast"] = _block_steps(device, dtypes, repeats)
         out["adapter_bandwidth"], out["adapter_seconds"] = _adapters(device, repeats)
         out["adam8bit"], out["adam8bit_tensor"] = _adam8bit_rate(repeats)
         out["activation_offload"] = _activation_offload(device, repeats)
+        out["optimizer_rates"] = _optimizer_rates(repeats, out["op_seconds"].median)
     if cuda:
         out["host_to_device"], out["device_to_host"] = _host_copies(device, repeats)
     return out
@@ -641,16 +797,31 @@ def calibrate(device: torch.device | str | None = None, *, threads: int | None =
         else:
             parts = _per_rank(device, dtypes, repeats)
             threads_used = torch.get_num_threads()
-        alpha = beta = curves = shared = overlap = None
+        alpha = beta = curves = shared = overlap = one_rank = sharing = None
+        lanes = 1
         if process_group:
             alpha, beta, curves = _alpha_beta(repeats)
             from companion import launch
 
             ratios, hidden = launch.run(_sharing_worker, 2, repeats, timeout=120)[0]
             shared, overlap = Measured.of(ratios), Measured.of(hidden)
+            sizes = [4**k for k in range(4, 13)]
+            one_rank = {kind: [(n, Measured.of(row)) for n, row in zip(sizes, rows)] for
+                        kind, rows in launch.run(network.time_collectives, 1, sizes,
+                                                 max(repeats, 9), timeout=120)[0].items()}
+            lanes, pairs = launch.run(_concurrency_worker, 2, [2**20, 2**22, 2**24],
+                                      max(repeats, 9), timeout=120)[0]
+            latency = min(_fitted([(n, m.median) for n, m in curves["all_reduce"]]))[1]
+            sharing = _link_sharing(pairs, latency)
+        if device.type == "cpu":                    # the differences scatter: more rounds
+            from companion import launch
+
+            parts["first_touch"] = launch.run(_first_touch_worker, 1, repeats + 4,
+                                              timeout=120)[0]
         return DeviceProfile(device=str(device), name=str(describe(device).get("name")),
                              threads=threads_used, alpha=alpha, beta=beta, collectives=curves,
-                             shared_compute=shared, overlap=overlap,
+                             shared_compute=shared, overlap=overlap, collectives_one=one_rank,
+                             collective_lanes=lanes, link_sharing=sharing,
                              seconds=time.perf_counter() - start,  # host clock
                              **parts)
     finally:
