@@ -276,3 +276,32 @@ def test_a_profile_recorded_before_the_lanes_reads_back_as_one_lane(monkeypatch)
     assert again == old
     s = again.speeds()
     assert s.concurrent_collectives == 1 and s.link_sharing == 1.0 and not s.first_touch
+
+
+def _bare_profile(device: str = "cpu") -> "profile.DeviceProfile":
+    m = profile.Measured(1.0, 1.0, 1.0, 3)
+    return profile.DeviceProfile(device=device, name="bare", threads=1,
+                                 matmul={"float32": [(256, profile.Measured(1e9, 1e9, 1e9, 3))]},
+                                 grid={}, linear={}, copy_bandwidth=profile.Measured(1e9, 1e9, 1e9, 3),
+                                 op_seconds=profile.Measured(1e-6, 1e-6, 1e-6, 3),
+                                 layer_seconds=m, adamw={"for-loop": profile.Measured(1e8, 1e8, 1e8, 3)})
+
+
+def test_a_units_cost_is_what_the_model_leaves_per_unit_added():
+    bare = _bare_profile()
+    s = bare.speeds()
+
+    def priced(depth):
+        t = model.zero_step(model.mlp_layers(32, depth, 8, bias=False), s, 1, 3)
+        return t.total - t.optimizer
+    # 4 units then 20: the 16 added cost what the model says plus 0.5 ms each
+    rounds = [[0.010] * 3, [0.010 + priced(20) - priced(4) + 16 * 0.5 * MS] * 3]
+    assert profile._unit_seconds(bare, rounds).median == pytest.approx(0.5 * MS)
+    # in the step model: 0.5 ms per unit per micro-batch, slowed as compute by sharing cores
+    u = dataclasses.replace(s, unit_seconds=0.5 * MS, shared_compute=2.0)
+    layers = model.mlp_layers(32, 6, 8, bias=False)
+    plain = model.zero_step(layers, dataclasses.replace(u, unit_seconds=0.0), 2, 3, k=2)
+    assert model.zero_step(layers, u, 2, 3, k=2).compute - plain.compute == \
+        pytest.approx(2 * 6 * 2 * 0.5 * MS)
+    assert model.zero_step(layers, u, 2, 2).compute == \
+        model.zero_step(layers, dataclasses.replace(u, unit_seconds=0.0), 2, 2).compute

@@ -35,6 +35,9 @@
   next backward faults it in page by page. A backward with freed gradients against one with kept
   ones, 8 to 64 MiB of them (measured here: nothing up to 16 MiB, 4-8 ms at 32 MiB, 20-30 ms at
   64 MiB beyond the kept backward's accumulation);
+- on a CPU, what a unit of the course's FSDP costs beyond the model's price of its compute and
+  collectives (`unit_seconds`: hooks, saved-tensor packing), on one rank, from a narrow MLP at
+  two depths;
 - on a CPU, torch's for-loop SGD and AdamW in parameters per second out of cache
   (`optimizer_rates`: AdamW's passes and temporaries ran 3-6x the time of its 28 bytes a
   parameter at copy bandwidth here);
@@ -116,6 +119,8 @@ class DeviceProfile:
     link_sharing: Measured | None = None              # share of concurrent transfers that queue
     first_touch: list[tuple[int, Measured]] | None = None   # CPU: (gradient bytes, extra s)
     optimizer_rates: dict[str, Measured] | None = None     # CPU: "sgd"/"adamw" -> params/s
+    unit_seconds: Measured | None = None              # a ZeRO-3 unit beyond the model's price,
+                                                      # on one rank
     autocast: dict[str, Measured] | None = None       # CPU: dtype -> a block's training step,
                                                       # fp32 seconds over autocast's (>1: faster)
     step_flops: Measured | None = None                # CPU: that block's fp32 step, FLOP/s
@@ -175,7 +180,9 @@ class DeviceProfile:
                       first_touch=tuple((n, max(0.0, m.median))
                                         for n, m in (self.first_touch or ())),
                       optimizer_rates=tuple((k, m.median)
-                                            for k, m in (self.optimizer_rates or {}).items()))
+                                            for k, m in (self.optimizer_rates or {}).items()),
+                      unit_seconds=max(0.0, self.unit_seconds.median) if self.unit_seconds
+                      else 0.0)
 
     def to_json(self) -> str:
         """The profile as JSON (a recorded GPU run keeps it; `from_json` reads it back)."""
@@ -212,7 +219,8 @@ class DeviceProfile:
                    link_sharing=m(d.get("link_sharing")),
                    first_touch=None if d.get("first_touch") is None else [
                        (n, Measured(**x)) for n, x in d["first_touch"]],
-                   optimizer_rates=md(d.get("optimizer_rates")))
+                   optimizer_rates=md(d.get("optimizer_rates")),
+                   unit_seconds=m(d.get("unit_seconds")))
 
 
 def _fitted(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -412,10 +420,13 @@ def _first_touch(device: torch.device, repeats: int,
     """Per size, the seconds a backward pays beyond a kept-gradient one when its gradients were
     freed (`zero_grad(set_to_none=True)`, torch's default): MLPs of Linear(512, 512) layers
     without bias (1 MiB of weight gradient each) on 8 rows, one freeing its gradients after each
-    backward and one zeroing them in place, timed in interleaved rounds. The kept backward adds
+    backward and one zeroing them in place, timed in rounds of a new order each (the heap's
+    state, and so what is faulted in again, depends on what ran before). The kept backward adds
     each new gradient into the old one (3 passes over its bytes at copy bandwidth), which the
     step models do not count: that is added back. Seconds per round, its median per size."""
     from torch import nn
+
+    from companion.cost.stats import round_order
 
     x = torch.randn(8, 512, device=device)
     big = torch.empty(8 * 2**20, device=device)
@@ -439,21 +450,27 @@ def _first_touch(device: torch.device, repeats: int,
             else:
                 p.grad.zero_()
         return seconds
-    pairs = {mib: (net(mib), net(mib)) for mib in sizes_mib}
-    for fresh, kept in pairs.values():
-        backward(fresh, True), backward(kept, False)               # warm-up: gradients exist
-    extra: dict[int, list[float]] = {mib: [] for mib in sizes_mib}
-    for _ in range(repeats):
-        for mib, (fresh, kept) in pairs.items():
-            accumulate = 3 * mib * 2**20 / bandwidth
-            extra[mib].append(backward(fresh, True) - backward(kept, False) + accumulate)
+    calls = [(mib, fresh, net(mib)) for mib in sizes_mib for fresh in (True, False)]
+    times: dict[tuple[int, bool], list[float]] = {(mib, f): [] for mib, f, _ in calls}
+    for r in range(repeats + 1):            # round 0: warm-up (gradients exist); each round in
+        for i in round_order(len(calls), r):    # a new order, as `validate` runs its steps
+            mib, fresh, model = calls[i]
+            seconds = backward(model, fresh)
+            if r:
+                times[mib, fresh].append(seconds)
+    extra = {mib: [f - k + 3 * mib * 2**20 / bandwidth for f, k in
+                   zip(times[mib, True], times[mib, False])] for mib in sizes_mib}
     return [(mib * 2**20, Measured.of(extra[mib])) for mib in sizes_mib]
 
 
-def _first_touch_worker(rank: int, world_size: int, repeats: int) -> list[tuple[int, Measured]]:
-    """A worker for `launch.run`: `_first_touch` in a fresh process, whose heap starts as a
-    training rank's does (the calibrating process has already allocated and freed much)."""
-    return _first_touch(torch.device("cpu"), repeats)
+def _one_rank_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: int) -> tuple:
+    """A worker for `launch.run` on one rank: the gloo group's own collectives
+    (`network.time_collectives`), `_first_touch` in a fresh process (whose heap starts as a
+    training rank's does; the calibrating one has already allocated and freed much) and
+    `_unit_worker`'s steps."""
+    return (network.time_collectives(rank, world_size, sizes, repeats),
+            _first_touch(torch.device("cpu"), repeats),
+            _unit_worker(rank, world_size, 32, [4, 20], repeats))
 
 
 def _adam8bit_rate(repeats: int) -> tuple[Measured, Measured]:
@@ -674,6 +691,71 @@ def _link_sharing(rounds: list[list[tuple[float, float]]], latency: float) -> Me
     return Measured.of(values if len(values) >= 2 else [1.0, 1.0])
 
 
+def _unit_worker(rank: int, world_size: int, width: int, depths: Sequence[int],
+                 repeats: int) -> list[list[float]]:
+    """A worker for `launch.run`: per depth, the seconds of a training step (forward, backward,
+    finish; no optimizer) of the course's FSDP over an MLP of `depth` Linear(width, width) units
+    without bias on 8 rows, each round interleaved, the slowest rank's."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from companion.zero import FSDP
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, width), torch.randn(8, width)
+
+    def step_of(depth: int):
+        model = FSDP(nn.Sequential(*[m for _ in range(depth) for m in
+                                     (nn.Linear(width, width, bias=False), nn.ReLU())]))
+
+        def step():
+            nn.functional.mse_loss(model(x), y).backward()
+            model.finish_gradient_synchronization()
+            for p in model.parameters():
+                p.grad = None
+        return step
+    steps = [step_of(d) for d in depths]
+    times = [[] for _ in depths]
+    for r in range(repeats + 1):
+        for i, step in enumerate(steps):
+            dist.barrier()                                               # start together
+            start = now("cpu")                                           # gloo ranks on CPU
+            step()
+            if r:
+                times[i].append(now("cpu") - start)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)                       # collective
+    return slowest.tolist()
+
+
+def _unit_seconds(profile: "DeviceProfile", rounds: list[list[float]], width: int = 32,
+                  depths: tuple[int, int] = (4, 20)) -> Measured:
+    """What one ZeRO-3 unit costs per micro-batch beyond what `zero_step` prices (its layer's
+    compute and its collectives, from `profile`), on one rank: a narrow MLP (width 32, nearly
+    nothing to compute or send) trained by the course's FSDP at two depths; per round, the
+    measured difference between them less the model's (its layers and, on one rank, the gloo
+    group's own collectives: two gathers and a reduce-scatter per unit), over the units added.
+    It holds the hooks, the saved tensors packed and unpacked and the gather's autograd
+    function: Python on the compute thread (measured here: about 0.5 ms per unit, 30 times a
+    plain layer's bookkeeping). On 2 ranks a unit measured 3 ms more than the curves price
+    (blocking collectives whose hand-offs between the ranks' threads cost more than the
+    barrier-started ones timed for the curves); that part is not priced."""
+    from companion.cost.speeds import mlp_layers
+    from companion.cost.step import zero_step
+
+    speeds = profile.speeds()
+    nbytes = width * width * 4
+    per_unit = (2 * speeds.collective_seconds("all_gather", nbytes, 1)
+                + speeds.collective_seconds("reduce_scatter", nbytes, 1))
+
+    def priced(depth: int) -> float:
+        t = zero_step(mlp_layers(width, depth, 8, bias=False), speeds, 1, 3)
+        return t.total - t.optimizer + depth * per_unit
+    model = priced(depths[1]) - priced(depths[0])
+    units = depths[1] - depths[0]
+    return Measured.of([(big - small - model) / units for small, big in zip(*rounds)])
+
+
 def _sharing_worker(rank: int, world_size: int, repeats: int) -> tuple[list, list]:
     """A worker for `launch.run`: in interleaved rounds, rank 0 times an MLP's training step
     alone (the others wait), with every rank stepping at once, an all-reduce of 16 MiB alone, and
@@ -805,24 +887,24 @@ def calibrate(device: torch.device | str | None = None, *, threads: int | None =
 
             ratios, hidden = launch.run(_sharing_worker, 2, repeats, timeout=120)[0]
             shared, overlap = Measured.of(ratios), Measured.of(hidden)
-            sizes = [4**k for k in range(4, 13)]
-            one_rank = {kind: [(n, Measured.of(row)) for n, row in zip(sizes, rows)] for
-                        kind, rows in launch.run(network.time_collectives, 1, sizes,
-                                                 max(repeats, 9), timeout=120)[0].items()}
             lanes, pairs = launch.run(_concurrency_worker, 2, [2**20, 2**22, 2**24],
                                       max(repeats, 9), timeout=120)[0]
             latency = min(_fitted([(n, m.median) for n, m in curves["all_reduce"]]))[1]
             sharing = _link_sharing(pairs, latency)
-        if device.type == "cpu":                    # the differences scatter: more rounds
-            from companion import launch
-
-            parts["first_touch"] = launch.run(_first_touch_worker, 1, repeats + 4,
-                                              timeout=120)[0]
-        return DeviceProfile(device=str(device), name=str(describe(device).get("name")),
-                             threads=threads_used, alpha=alpha, beta=beta, collectives=curves,
-                             shared_compute=shared, overlap=overlap, collectives_one=one_rank,
-                             collective_lanes=lanes, link_sharing=sharing,
-                             seconds=time.perf_counter() - start,  # host clock
-                             **parts)
+        units = None
+        if process_group and device.type == "cpu":  # the differences scatter: more rounds
+            sizes = [4**k for k in range(4, 13)]
+            alone, parts["first_touch"], units = launch.run(
+                _one_rank_worker, 1, sizes, repeats + 4, timeout=120)[0]
+            one_rank = {kind: [(n, Measured.of(row)) for n, row in zip(sizes, rows)]
+                        for kind, rows in alone.items()}
+        measured = DeviceProfile(device=str(device), name=str(describe(device).get("name")),
+                                 threads=threads_used, alpha=alpha, beta=beta,
+                                 collectives=curves, shared_compute=shared, overlap=overlap,
+                                 collectives_one=one_rank, collective_lanes=lanes,
+                                 link_sharing=sharing, **parts)
+        if units is not None:
+            measured = dataclasses.replace(measured, unit_seconds=_unit_seconds(measured, units))
+        return dataclasses.replace(measured, seconds=time.perf_counter() - start)  # host clock
     finally:
         torch.set_num_threads(old_threads)

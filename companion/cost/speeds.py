@@ -53,6 +53,9 @@ class Speeds:
                                   # freed (zero_grad's set_to_none) pays to allocate them afresh
     optimizer_rates: tuple = ()   # (("sgd" | "adamw", parameters/s), ...) of torch's for-loop
                                   # optimizers out of cache, measured (else bytes / bandwidth)
+    unit_seconds: float = 0.0     # a ZeRO-3 unit's fixed cost per micro-batch beyond its compute
+                                  # and collectives (the course's FSDP: hooks, saved-tensor
+                                  # packing), measured on one rank
 
     def linear_seconds(self, m: int, k: int, n: int) -> tuple[float, float]:
         """(forward, backward) seconds of a Linear on (m, k) inputs with n outputs: interpolated
@@ -117,7 +120,7 @@ class Speeds:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"Speeds.{name} must be positive, got {value!r}")
-        for name in ("op_seconds", "alpha", "beta", "layer_seconds"):
+        for name in ("op_seconds", "alpha", "beta", "layer_seconds", "unit_seconds"):
             value = getattr(self, name)
             if not value >= 0 or math.isinf(value):
                 raise ValueError(f"Speeds.{name} must be finite and non-negative, got {value!r}")
@@ -138,7 +141,8 @@ class Speeds:
             raise ValueError(f"Speeds.shared_compute must be at least 1, got {self.shared_compute!r}")
 
     def ranks(self, world_size: int) -> "Speeds":
-        """These speeds for one of `world_size` ranks running at once: compute slowed by
+        """These speeds for one of `world_size` ranks running at once: compute (and what runs on
+        the compute thread: first touches, the optimizer, a unit's bookkeeping) slowed by
         `shared_compute` when there is more than one (the link's speeds were measured so)."""
         if world_size == 1 or self.shared_compute == 1:
             return self
@@ -146,7 +150,7 @@ class Speeds:
         return dataclasses.replace(
             self, shared_compute=1.0, matmul_flops=self.matmul_flops / f,
             memory_bandwidth=self.memory_bandwidth / f, op_seconds=self.op_seconds * f,
-            layer_seconds=self.layer_seconds * f,
+            layer_seconds=self.layer_seconds * f, unit_seconds=self.unit_seconds * f,
             matmul_table=tuple((mkn, v / f) for mkn, v in self.matmul_table),
             linear_table=tuple((mkn, a * f, b * f) for mkn, a, b in self.linear_table),
             first_touch=tuple((n, t * f) for n, t in self.first_touch),

@@ -8,9 +8,9 @@ ops · op_seconds, and its backward the matmuls' gradients and twice the rest.
 
 The step models return a `StepTime`, whose parts a chart can stack:
 - `single_step`: k micro-batches on one device, the optimizer after them;
-- `ddp_step`: buckets all-reduced as backward completes them, one at a time on the link
-  (PyTorch DDP's design: Li et al. 2020, "PyTorch Distributed", VLDB 13(12)), so only what is
-  left when backward ends is exposed; with `no_sync` accumulation, only the last micro-batch
+- `ddp_step`: buckets all-reduced as backward completes them, on the link's lanes (PyTorch
+  DDP's design: Li et al. 2020, "PyTorch Distributed", VLDB 13(12)), so only what is left when
+  backward ends is exposed; with `no_sync` accumulation, only the last micro-batch
   communicates;
 - `zero_step`: ZeRO-1 (reduce-scatter after backward, all-gather after the step), ZeRO-2 (bucketed
   reduce-scatters during every micro-batch's backward), ZeRO-3 (each unit gathered before its
@@ -23,13 +23,16 @@ The step models return a `StepTime`, whose parts a chart can stack:
   for the delayed update) at which the offload hides behind compute.
 
 Simplified vs a real run: one link per rank at one speed (the measured curve of each collective,
-or α–β), communication that does not slow the compute it overlaps (on a CPU the two share cores:
-`Speeds.overlap` says how much of the link's time can hide), ranks that do not slow each other's
-compute (on a CPU they share caches and memory bandwidth), no Python overhead beyond the measured
-per-layer and per-operator costs, and no allocator effects: on a CPU, a gradient allocated afresh
-each step (zero_grad's set_to_none) can pay page faults inside the matmul that first writes it
-(an MLP of 4 MiB weights measured here: its backward's matmuls 1.5x slower with fresh gradients
-than with kept ones), which CUDA's caching allocator avoids.
+or α–β), carrying `Speeds.concurrent_collectives` collectives at once (NCCL: one after another
+on its stream; gloo: one per worker thread, 2 by default, their fixed costs overlapping and their
+transfers sharing the link as `Speeds.link_sharing` says), communication that does not slow the
+compute it overlaps (on a CPU the two share cores: `Speeds.overlap` says how much of the link's
+time can hide), ranks that slow each other's compute by one measured factor
+(`Speeds.shared_compute`), no Python overhead beyond the measured per-layer, per-operator and
+per-ZeRO-3-unit costs, and of the allocator only what `Speeds.first_touch` measures: on a CPU,
+gradients freed by zero_grad (set_to_none) are given back to the system once enough is free,
+and the next backward faults them in again page by page (here nothing up to 16 MiB of them,
+tens of ms at 32-64 MiB, more on a busy machine); CUDA's caching allocator keeps its blocks.
 How far that carries is measured, not assumed: `companion.cost.validate` runs each model against
 real gloo ranks and `benchmarks/bench_cost.py` reports the errors.
 """
@@ -260,8 +263,11 @@ def zero_step(layers: Sequence[Layer], s: Speeds, world_size: int, stage: int, *
     units = [i for i, l in enumerate(layers)]
     gather = [ag(l.params * gather_bytes_per_param) for l in layers]
     scatter = [rs(l.params * grad_bytes) if l.trainable else 0.0 for l in layers]
-    fwd = [l.forward_seconds(s) for l in layers]
-    bwd = [l.backward_seconds(s) for l in layers]
+    # each unit's fixed cost beyond its compute and collectives (`Speeds.unit_seconds`), a third
+    # in forward and two in backward as a layer's (`Layer.forward_seconds`)
+    fwd = [l.forward_seconds(s) + s.unit_seconds / 3 for l in layers]
+    bwd = [l.backward_seconds(s) + 2 * s.unit_seconds / 3 for l in layers]
+    base = dataclasses.replace(base, compute=base.compute + k * len(layers) * s.unit_seconds)
     lanes = dict(lanes=s.concurrent_collectives, sharing=s.link_sharing,
                  one_after=s.concurrent_collectives > 1)
     exposed_total = 0.0
