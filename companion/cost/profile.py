@@ -420,7 +420,8 @@ def _first_touch(device: torch.device, repeats: int,
     """Per size, the seconds a backward pays beyond a kept-gradient one when its gradients were
     freed (`zero_grad(set_to_none=True)`, torch's default): MLPs of Linear(512, 512) layers
     without bias (1 MiB of weight gradient each) on 8 rows, one freeing its gradients after each
-    backward and one zeroing them in place, timed in rounds of a new order each (the heap's
+    backward (timed with it) and one zeroing them in place (not timed: the step models count no
+    zeroing), timed in rounds of a new order each (the heap's
     state, and so what is faulted in again, depends on what ran before). The kept backward adds
     each new gradient into the old one (3 passes over its bytes at copy bandwidth), which the
     step models do not count: that is added back. Seconds per round, its median per size."""
@@ -443,11 +444,12 @@ def _first_touch(device: torch.device, repeats: int,
         loss = model(x).square().mean()
         start = now(device)                                         # host-device sync
         loss.backward()
-        seconds = now(device) - start                               # host-device sync
-        for p in model.parameters():
-            if fresh:
+        if fresh:                                   # freeing them is part of the cost
+            for p in model.parameters():
                 p.grad = None
-            else:
+        seconds = now(device) - start                               # host-device sync
+        if not fresh:
+            for p in model.parameters():
                 p.grad.zero_()
         return seconds
     calls = [(mib, fresh, net(mib)) for mib in sizes_mib for fresh in (True, False)]
