@@ -421,13 +421,11 @@ def _first_touch(device: torch.device, repeats: int,
     freed (`zero_grad(set_to_none=True)`, torch's default): MLPs of Linear(512, 512) layers
     without bias (1 MiB of weight gradient each) on 8 rows, one freeing its gradients after each
     backward (timed with it) and one zeroing them in place (not timed: the step models count no
-    zeroing), timed in rounds of a new order each (the heap's
-    state, and so what is faulted in again, depends on what ran before). The kept backward adds
+    zeroing), alternating, in rounds, the sizes one after another from the smallest (what is
+    faulted in again depends on the heap's state, which a larger free changes). The kept one adds
     each new gradient into the old one (3 passes over its bytes at copy bandwidth), which the
     step models do not count: that is added back. Seconds per round, its median per size."""
     from torch import nn
-
-    from companion.cost.stats import round_order
 
     x = torch.randn(8, 512, device=device)
     big = torch.empty(8 * 2**20, device=device)
@@ -452,17 +450,19 @@ def _first_touch(device: torch.device, repeats: int,
             for p in model.parameters():
                 p.grad.zero_()
         return seconds
-    calls = [(mib, fresh, net(mib)) for mib in sizes_mib for fresh in (True, False)]
-    times: dict[tuple[int, bool], list[float]] = {(mib, f): [] for mib, f, _ in calls}
-    for r in range(repeats + 1):            # round 0: warm-up (gradients exist); each round in
-        for i in round_order(len(calls), r):    # a new order, as `validate` runs its steps
-            mib, fresh, model = calls[i]
-            seconds = backward(model, fresh)
-            if r:
-                times[mib, fresh].append(seconds)
-    extra = {mib: [f - k + 3 * mib * 2**20 / bandwidth for f, k in
-                   zip(times[mib, True], times[mib, False])] for mib in sizes_mib}
-    return [(mib * 2**20, Measured.of(extra[mib])) for mib in sizes_mib]
+    extra: dict[int, list[float]] = {}
+    for mib in sorted(sizes_mib):           # the smaller first: a larger free changes the heap
+        pair = {True: net(mib), False: net(mib)}
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(repeats + 1):        # round 0: warm-up (the kept gradients exist)
+            for fresh in (True, False) if r % 2 else (False, True):
+                seconds = backward(pair[fresh], fresh)
+                if r:
+                    times[fresh].append(seconds)
+        extra[mib] = [f - k + 3 * mib * 2**20 / bandwidth
+                      for f, k in zip(times[True], times[False])]
+        del pair
+    return [(mib * 2**20, Measured.of(extra[mib])) for mib in sorted(sizes_mib)]
 
 
 def _one_rank_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: int) -> tuple:
