@@ -887,7 +887,7 @@ def calibrate(device: torch.device | str | None = None, *, threads: int | None =
             alpha, beta, curves = _alpha_beta(repeats)
             from companion import launch
 
-            ratios, hidden = launch.run(_sharing_worker, 2, repeats, timeout=120)[0]
+            ratios, hidden = launch.run(_sharing_worker, 2, max(repeats, 9), timeout=120)[0]
             shared, overlap = Measured.of(ratios), Measured.of(hidden)
             lanes, pairs = launch.run(_concurrency_worker, 2, [2**20, 2**22, 2**24],
                                       max(repeats, 9), timeout=120)[0]
