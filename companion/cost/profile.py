@@ -29,12 +29,15 @@
   its worker threads (2 by default), so an all-reduce started while another is in flight runs
   beside it; two all-reduces started together against one alone, at 1, 4 and 16 MiB, give the
   share of their transfers that queue on the link (the fixed cost, the curve's smallest time,
-  overlaps; 2 ranks here: 0.55 to 0.9, so the transfers mostly share the link);
+  overlaps; 2 ranks here: a median of 0.58 in one calibration, 0.99 in another, so the
+  transfers mostly share the link; on a busy machine a collective whose peer thread is not
+  running waits a scheduler slice, which neither this nor the curves capture);
 - on a CPU, what gradients allocated afresh cost (`first_touch`): `zero_grad()` sets them to None,
   the memory goes back to the system once enough is free at once (glibc trims its heap), and the
   next backward faults it in page by page. A backward with freed gradients against one with kept
-  ones, 8 to 64 MiB of them (measured here: nothing up to 16 MiB, 4-8 ms at 32 MiB, 20-30 ms at
-  64 MiB beyond the kept backward's accumulation);
+  ones, 8 to 64 MiB of them (measured here on a quiet machine: nothing up to 16 MiB, 4-8 ms at
+  32 MiB, 20-30 ms at 64 MiB beyond the kept backward's accumulation; about twice that at a load
+  of 3-4, and it moves from one calibration to the next with the heap's and the VM's state);
 - on a CPU, what a unit of the course's FSDP costs beyond the model's price of its compute and
   collectives (`unit_seconds`: hooks, saved-tensor packing), on one rank, from a narrow MLP at
   two depths;
