@@ -139,15 +139,14 @@ def _backward_ends(layers: Sequence[Layer], s: Speeds) -> list[float]:
     return ends
 
 
-def _link(messages: Sequence[tuple[float, float, float]], s: Speeds, lanes: int | None = None,
-          start: float = 0.0) -> float:
-    """When the link finishes messages (ready, latency, transfer) issued in that order, after
-    `start`: up to `lanes` at once (default `Speeds.concurrent_collectives`), their transfers
-    sharing the link (`network.link_schedule`)."""
+def _link(messages: Sequence[tuple[float, float, float]], s: Speeds,
+          lanes: int | None = None) -> float:
+    """When the link finishes messages (ready, latency, transfer) issued in that order: up to
+    `lanes` at once (default `Speeds.concurrent_collectives`), their transfers sharing the link
+    (`network.link_schedule`)."""
     lanes = s.concurrent_collectives if lanes is None else lanes
-    ends = network.link_schedule([(max(at, start), a, b) for at, a, b in messages], lanes=lanes,
-                                 sharing=s.link_sharing)
-    return max(ends, default=start)
+    ends = network.link_schedule(messages, lanes=lanes, sharing=s.link_sharing)
+    return max(ends, default=0.0)
 
 
 def _exposed(link_end: float, compute_end: float, s: Speeds, link_busy: float) -> float:
