@@ -10,7 +10,12 @@ of Collective Communication Operations in MPICH", for the ring's cost):
 - naive all-reduce: the root receives and then sends N-1 whole messages, 2(N-1)·(α + S·β);
 - b buckets instead of one message: b times the latency, the same bandwidth term;
 - and, with backward producing the gradients while buckets are sent, how much communication is
-  left after backward ends (`exposed_seconds`), which picks the best bucket size.
+  left after backward ends (`exposed_seconds`), which picks the best bucket size;
+- collectives in flight at once (`link_schedule`): NCCL runs a communicator's collectives one
+  after another on its stream (one lane); gloo hands each to one of its worker threads, 2 by
+  default (`ProcessGroupGloo::Options::threads`, `torch.distributed.ProcessGroupGloo._Options()
+  ._threads` reads 2 in torch 2.13), so two run at once: their fixed costs overlap and their
+  transfers share the link.
 
 Example:
     >>> alpha, beta = fit_alpha_beta([1e3, 1e6, 1e7], [60e-6, 0.9e-3, 8.5e-3])   # one message
@@ -23,7 +28,8 @@ size, which is what a chapter should show beside the fitted line.
 
 Simplified vs real networks: one link per rank at one speed, no contention between links, no
 pipelining inside a step (NCCL and gloo split big messages), and no tree algorithms (which trade
-bandwidth for a log(N) latency term at small messages).
+bandwidth for a log(N) latency term at small messages), and transfers in flight at once that
+share the link evenly (`link_schedule`'s `sharing`).
 """
 from __future__ import annotations
 
@@ -41,8 +47,8 @@ from companion.launch import rank_device
 
 __all__ = ["fit_alpha_beta", "fit_all_reduce", "residuals", "all_reduce_seconds",
            "reduce_scatter_seconds", "all_gather_seconds", "exposed_seconds", "best_bucket_count",
-           "buckets", "bucketed_exposed", "time_all_reduce_sizes", "time_collectives",
-           "COLLECTIVES"]
+           "buckets", "bucketed_exposed", "link_schedule", "time_all_reduce_sizes",
+           "time_collectives", "COLLECTIVES"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -137,23 +143,66 @@ def buckets(nbytes: Sequence[float], cap_bytes: float) -> list[tuple[int, float]
 
 def bucketed_exposed(grad_bytes: Sequence[float], backward_seconds: Sequence[float],
                      world_size: int, *, alpha: float, beta: float, cap_bytes: float,
-                     seconds=None) -> float:
+                     seconds=None, lanes: int = 1, sharing: float = 1.0) -> float:
     """Communication left after backward ends when gradient i (in backward order) of
     grad_bytes[i] is ready once backward_seconds[0..i] have passed, buckets of at most
     `cap_bytes` are all-reduced as soon as they are complete, one at a time on the link.
-    `seconds(nbytes)`: one bucket's time, default the ring all-reduce at α and β."""
+    `seconds(nbytes)`: one bucket's time, default the ring all-reduce at α and β.
+    lanes > 1: up to `lanes` buckets in flight at once (gloo's worker threads), each bucket's
+    latency 2(N-1)·α overlapping the others' and its transfer sharing the link (`link_schedule`);
+    with `seconds` given, its whole time is transfer."""
     if len(grad_bytes) != len(backward_seconds) or not grad_bytes:
         raise ValueError("bucketed_exposed needs one backward time per gradient")
+    fixed = 0.0 if seconds is not None else 2 * (world_size - 1) * alpha if world_size > 1 else 0.0
     if seconds is None:
         seconds = lambda n: all_reduce_seconds(n, world_size, alpha=alpha, beta=beta)
     ready, t = [], 0.0
     for dt in backward_seconds:
         t += dt
         ready.append(t)
-    end = 0.0
+    messages = []
     for last, size in buckets(grad_bytes, cap_bytes):
-        end = max(end, ready[last]) + seconds(size)       # waits for the link, then goes
+        total = seconds(size)
+        messages.append((ready[last], min(fixed, total), total - min(fixed, total)))
+    end = max(link_schedule(messages, lanes=lanes, sharing=sharing))
     return max(0.0, end - ready[-1])
+
+
+def link_schedule(messages: Sequence[tuple[float, float, float]], *, lanes: int = 1,
+                  sharing: float = 1.0) -> list[float]:
+    """When each message ends, for messages (ready, latency, transfer) in issue order. A message
+    starts once it is ready and a lane is free (in issue order), pays `latency` seconds beside
+    whatever else runs, then `transfer` seconds of the link at its full rate; k transfers at once
+    each move at 1 / (1 + sharing·(k-1)) of that rate (sharing 1: they split the link; 0: each
+    lane is a link of its own). lanes=1 is one message at a time:
+    end = max(previous end, ready) + latency + transfer."""
+    if not isinstance(lanes, int) or lanes < 1:
+        raise ValueError(f"lanes must be a positive int, got {lanes!r}")
+    if not 0 <= sharing <= 1:
+        raise ValueError(f"sharing must lie in [0, 1], got {sharing!r}")
+    if any(min(m) < 0 for m in messages):
+        raise ValueError("ready times, latencies and transfers must be non-negative")
+    ends: list[float] = [0.0] * len(messages)
+    active: dict[int, list[float]] = {}                 # message -> [latency ends, transfer left]
+    nxt, t = 0, 0.0
+    while nxt < len(messages) or active:
+        while nxt < len(messages) and len(active) < lanes and messages[nxt][0] <= t:
+            active[nxt] = [t + messages[nxt][1], messages[nxt][2]]           # it starts now
+            nxt += 1
+        moving = [i for i, (paid, _) in active.items() if paid <= t]
+        rate = 1 / (1 + sharing * (len(moving) - 1)) if moving else 0.0
+        finish = {i: t + active[i][1] / rate for i in moving}
+        events = list(finish.values()) + [paid for paid, _ in active.values() if paid > t]
+        if nxt < len(messages) and len(active) < lanes:
+            events.append(messages[nxt][0])
+        t_next = min(events)
+        for i in moving:
+            active[i][1] = 0.0 if finish[i] <= t_next else active[i][1] - (t_next - t) * rate
+        t = t_next
+        for i in [i for i, (paid, left) in active.items() if paid <= t and left == 0.0]:
+            ends[i] = t
+            del active[i]
+    return ends
 
 
 def best_bucket_count(backward_seconds: float, nbytes: float, world_size: int, *, alpha: float,

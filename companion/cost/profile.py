@@ -23,7 +23,27 @@
   it), and the bytes/s activation offload's copies reach in that block's step
   (`activation_offload`: its saved-tensor hooks' bytes down and up over the time they add);
 - α and β of a gloo process group of 2 ranks (the `launch` module's workers), one fit per round,
-  and each collective's curve (seconds against bytes);
+  and each collective's curve (seconds against bytes), on 2 ranks and on 1 (a gloo group of one
+  rank still hands every collective to a worker thread: DDP on one rank pays it per bucket);
+- collectives at once (`collective_lanes`, `link_sharing`): gloo runs each collective on one of
+  its worker threads (2 by default), so an all-reduce started while another is in flight runs
+  beside it; two all-reduces started together against one alone, at 1, 4 and 16 MiB, give the
+  share of their transfers that queue on the link (the fixed cost, the curve's smallest time,
+  overlaps; 2 ranks here: a median of 0.58 in one calibration, 0.99 in another, so the
+  transfers mostly share the link; on a busy machine a collective whose peer thread is not
+  running waits a scheduler slice, which neither this nor the curves capture);
+- on a CPU, what gradients allocated afresh cost (`first_touch`): `zero_grad()` sets them to None,
+  the memory goes back to the system once enough is free at once (glibc trims its heap), and the
+  next backward faults it in page by page. A backward with freed gradients against one with kept
+  ones, 8 to 64 MiB of them (measured here on a quiet machine: nothing up to 16 MiB, 4-8 ms at
+  32 MiB, 20-30 ms at 64 MiB beyond the kept backward's accumulation; about twice that at a load
+  of 3-4, and it moves from one calibration to the next with the heap's and the VM's state);
+- on a CPU, what a unit of the course's FSDP costs beyond the model's price of its compute and
+  collectives (`unit_seconds`: hooks, saved-tensor packing), on one rank, from a narrow MLP at
+  two depths;
+- on a CPU, torch's for-loop SGD and AdamW in parameters per second out of cache
+  (`optimizer_rates`: AdamW's passes and temporaries ran 3-6x the time of its 28 bytes a
+  parameter at copy bandwidth here);
 - how 2 ranks share the machine: a training step with both ranks stepping against one alone
   (`shared_compute`: CPU ranks share caches and memory bandwidth), and the share of an all-reduce
   that hides behind a step running at the same time (`overlap`: on a CPU the two compete for the
@@ -97,6 +117,13 @@ class DeviceProfile:
     collectives: dict[str, list[tuple[int, Measured]]] | None = None  # kind -> [(bytes, s)]
     shared_compute: Measured | None = None            # a step with 2 ranks at once over alone
     overlap: Measured | None = None                   # share of an all-reduce hidden by compute
+    collectives_one: dict[str, list[tuple[int, Measured]]] | None = None  # the same, on 1 rank
+    collective_lanes: int = 1                         # collectives in flight at once (gloo: 2)
+    link_sharing: Measured | None = None              # share of concurrent transfers that queue
+    first_touch: list[tuple[int, Measured]] | None = None   # CPU: (gradient bytes, extra s)
+    optimizer_rates: dict[str, Measured] | None = None     # CPU: "sgd"/"adamw" -> params/s
+    unit_seconds: Measured | None = None              # a ZeRO-3 unit beyond the model's price,
+                                                      # on one rank
     autocast: dict[str, Measured] | None = None       # CPU: dtype -> a block's training step,
                                                       # fp32 seconds over autocast's (>1: faster)
     step_flops: Measured | None = None                # CPU: that block's fp32 step, FLOP/s
@@ -121,7 +148,9 @@ class DeviceProfile:
         """The step models' `Speeds`: peak matmul FLOP/s in `dtype` (and the grids), copy
         bandwidth, the cost of an operator and a layer, α–β and each collective's curve, how
         ranks share the machine (`shared_compute`, `overlap`: measured, else 1 and full
-        overlap; pass overlap= to override), pinned host bandwidth and the host AdamW rate."""
+        overlap; pass overlap= to override), pinned host bandwidth and the host AdamW rate; on a
+        CPU, gloo's collectives at once (`collective_lanes`, `link_sharing`), the cost of
+        gradients allocated afresh and the for-loop optimizers' rates."""
         host = (self.host_to_device or {}).get("pinned")
         rate = self.adamw.get(adamw)
         if rate is None:
@@ -144,8 +173,19 @@ class DeviceProfile:
                       shared_compute=max(1.0, self.shared_compute.median)
                       if self.shared_compute else 1.0,
                       collective_table=tuple(
-                          (kind, self.world_size, _fitted([(n, m.median) for n, m in rows]))
-                          for kind, rows in (self.collectives or {}).items()))
+                          (kind, world, _fitted([(n, m.median) for n, m in rows]))
+                          for world, curves in ((self.world_size, self.collectives),
+                                                (1, self.collectives_one))
+                          for kind, rows in (curves or {}).items()),
+                      concurrent_collectives=self.collective_lanes,
+                      link_sharing=min(1.0, max(0.0, self.link_sharing.median))
+                      if self.link_sharing else 1.0,
+                      first_touch=tuple((n, max(0.0, m.median))
+                                        for n, m in (self.first_touch or ())),
+                      optimizer_rates=tuple((k, m.median)
+                                            for k, m in (self.optimizer_rates or {}).items()),
+                      unit_seconds=max(0.0, self.unit_seconds.median) if self.unit_seconds
+                      else 0.0)
 
     def to_json(self) -> str:
         """The profile as JSON (a recorded GPU run keeps it; `from_json` reads it back)."""
@@ -156,6 +196,8 @@ class DeviceProfile:
         d = json.loads(text)
         m = lambda v: None if v is None else Measured(**v)
         md = lambda v: None if v is None else {k: Measured(**x) for k, x in v.items()}
+        curves = lambda v: None if v is None else {
+            k: [(n, Measured(**x)) for n, x in rows] for k, rows in v.items()}
         return cls(device=d["device"], name=d["name"], threads=d["threads"],
                    matmul={k: [(n, Measured(**x)) for n, x in rows]
                            for k, rows in d["matmul"].items()},
@@ -174,9 +216,14 @@ class DeviceProfile:
                    adapter_seconds=m(d.get("adapter_seconds")), adam8bit=m(d.get("adam8bit")),
                    adam8bit_tensor=m(d.get("adam8bit_tensor")),
                    activation_offload=m(d.get("activation_offload")),
-                   collectives=None if d["collectives"] is None else {
-                       k: [(n, Measured(**x)) for n, x in rows]
-                       for k, rows in d["collectives"].items()})
+                   collectives=curves(d["collectives"]),
+                   collectives_one=curves(d.get("collectives_one")),
+                   collective_lanes=d.get("collective_lanes", 1),
+                   link_sharing=m(d.get("link_sharing")),
+                   first_touch=None if d.get("first_touch") is None else [
+                       (n, Measured(**x)) for n, x in d["first_touch"]],
+                   optimizer_rates=md(d.get("optimizer_rates")),
+                   unit_seconds=m(d.get("unit_seconds")))
 
 
 def _fitted(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -352,6 +399,85 @@ def _adamw_rates(repeats: int) -> dict[str, Measured]:
     return out
 
 
+def _optimizer_rates(repeats: int, op_seconds: float) -> dict[str, Measured]:
+    """Parameters per second of torch's for-loop SGD and AdamW (what `torch.optim` runs on CPU
+    tensors by default, and `validate` asks for) over 2^22 parameters in 16 tensors with their
+    gradients and state (80 MiB for AdamW: out of cache, as a model's are), each step's seconds
+    less its operators per tensor at `op_seconds` (the step models add those per tensor)."""
+    from companion.cost.step import _OPTIMIZER_OPS
+
+    out = {}
+    for name, make in (("sgd", lambda ps: torch.optim.SGD(ps, lr=1e-3, foreach=False)),
+                       ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False))):
+        params = [torch.zeros(2**18, requires_grad=True) for _ in range(16)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        fixed = 16 * _OPTIMIZER_OPS[name] * op_seconds
+        out[name] = Measured.of([2**22 / max(t - fixed, t / 2) for t in _times(
+            make(params).step, torch.device("cpu"), repeats)])
+    return out
+
+
+def _first_touch(device: torch.device, repeats: int,
+                 sizes_mib: Sequence[int] = (8, 16, 32, 64)) -> list[tuple[int, Measured]]:
+    """Per size, the seconds a backward pays beyond a kept-gradient one when its gradients were
+    freed (`zero_grad(set_to_none=True)`, torch's default): MLPs of Linear(512, 512) layers
+    without bias (1 MiB of weight gradient each) on 8 rows, one freeing its gradients after each
+    backward (timed with it) and one zeroing them in place (not timed: the step models count no
+    zeroing), alternating, in rounds, the sizes one after another from the smallest (what is
+    faulted in again depends on the heap's state, which a larger free changes). The kept one adds
+    each new gradient into the old one (3 passes over its bytes at copy bandwidth), which the
+    step models do not count: that is added back. Seconds per round, its median per size."""
+    from torch import nn
+
+    x = torch.randn(8, 512, device=device)
+    big = torch.empty(8 * 2**20, device=device)
+    copy = torch.empty_like(big)
+    bandwidth = statistics.median(2 * big.numel() * 4 / t for t in _times(
+        lambda: copy.copy_(big), device, repeats))
+    del big, copy
+
+    def net(mib: int) -> nn.Module:
+        return nn.Sequential(*[m for _ in range(mib) for m in
+                               (nn.Linear(512, 512, bias=False), nn.ReLU())]).to(device)
+
+    def backward(model: nn.Module, fresh: bool) -> float:
+        loss = model(x).square().mean()
+        start = now(device)                                         # host-device sync
+        loss.backward()
+        if fresh:                                   # freeing them is part of the cost
+            for p in model.parameters():
+                p.grad = None
+        seconds = now(device) - start                               # host-device sync
+        if not fresh:
+            for p in model.parameters():
+                p.grad.zero_()
+        return seconds
+    extra: dict[int, list[float]] = {}
+    for mib in sorted(sizes_mib):           # the smaller first: a larger free changes the heap
+        pair = {True: net(mib), False: net(mib)}
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(repeats + 1):        # round 0: warm-up (the kept gradients exist)
+            for fresh in (True, False) if r % 2 else (False, True):
+                seconds = backward(pair[fresh], fresh)
+                if r:
+                    times[fresh].append(seconds)
+        extra[mib] = [f - k + 3 * mib * 2**20 / bandwidth
+                      for f, k in zip(times[True], times[False])]
+        del pair
+    return [(mib * 2**20, Measured.of(extra[mib])) for mib in sorted(sizes_mib)]
+
+
+def _one_rank_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: int) -> tuple:
+    """A worker for `launch.run` on one rank: the gloo group's own collectives
+    (`network.time_collectives`), `_first_touch` in a fresh process (whose heap starts as a
+    training rank's does; the calibrating one has already allocated and freed much) and
+    `_unit_worker`'s steps."""
+    return (network.time_collectives(rank, world_size, sizes, repeats),
+            _first_touch(torch.device("cpu"), repeats),
+            _unit_worker(rank, world_size, 32, [4, 20], repeats))
+
+
 def _adam8bit_rate(repeats: int) -> tuple[Measured, Measured]:
     """`lowbit.Adam8bit`'s step (AdamW's decay, as the planner runs it) on the host: parameters
     per second and seconds per tensor (its unfused operators cost per tensor too), from 2^20
@@ -520,6 +646,121 @@ def _alpha_beta(repeats: int) -> tuple[Measured, Measured, dict]:
     return Measured.of([a for a, _ in ring]), Measured.of([b for _, b in ring]), curves
 
 
+def _concurrency_worker(rank: int, world_size: int, sizes: Sequence[int],
+                        repeats: int) -> tuple[int, list[list[tuple[float, float]]]]:
+    """A worker for `launch.run`: the collectives this backend runs at once (gloo: its worker
+    threads, `ProcessGroupGloo::Options::threads`, 2 unless set; NCCL: 1, one stream), and per
+    size (bytes of float32) and round, (one all-reduce alone, two started together and both
+    waited for), the slowest rank's, in interleaved rounds after a warm-up."""
+    import torch.distributed as dist
+
+    from companion.cost import stats
+    from companion.launch import rank_device
+
+    lanes, device = 1, rank_device()
+    if dist.get_backend() == "gloo":
+        lanes = int(getattr(dist.ProcessGroupGloo._Options(), "_threads", 2))
+    pairs = [(torch.ones(n // 4, device=device), torch.ones(n // 4, device=device))
+             for n in sizes]
+
+    def one(a, b):
+        dist.all_reduce(a)                                               # collective
+
+    def both(a, b):
+        first = dist.all_reduce(a, async_op=True)                        # collective, async
+        second = dist.all_reduce(b, async_op=True)                       # beside the first
+        first.wait(), second.wait()                                      # sync point
+    calls = [(i, fn) for i in range(len(sizes)) for fn in (one, both)]
+    times = [[] for _ in calls]
+    for r in range(repeats + 1):
+        for c in stats.round_order(len(calls), r):                      # same order everywhere
+            i, fn = calls[c]
+            dist.barrier()                                               # start together
+            start = now(device)                                          # host-device sync
+            fn(*pairs[i])
+            if r:
+                times[c].append(now(device) - start)                     # host-device sync
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)                       # collective
+    rows = slowest.tolist()
+    return lanes, [list(zip(rows[2 * i], rows[2 * i + 1])) for i in range(len(sizes))]
+
+
+def _link_sharing(rounds: list[list[tuple[float, float]]], latency: float) -> Measured:
+    """The share of two concurrent transfers that queue on the link, from (one, two at once)
+    per size and round: one = latency + transfer, and two started together take
+    latency + (1 + sharing)·transfer (`network.link_schedule`), so
+    sharing = (two - latency) / (one - latency) - 1, clipped to [0, 1]."""
+    values = [min(1.0, max(0.0, (two - latency) / (one - latency) - 1))
+              for row in rounds for one, two in row if one > 2 * latency]
+    return Measured.of(values if len(values) >= 2 else [1.0, 1.0])
+
+
+def _unit_worker(rank: int, world_size: int, width: int, depths: Sequence[int],
+                 repeats: int) -> list[list[float]]:
+    """A worker for `launch.run`: per depth, the seconds of a training step (forward, backward,
+    finish; no optimizer) of the course's FSDP over an MLP of `depth` Linear(width, width) units
+    without bias on 8 rows, each round interleaved, the slowest rank's."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from companion.zero import FSDP
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, width), torch.randn(8, width)
+
+    def step_of(depth: int):
+        model = FSDP(nn.Sequential(*[m for _ in range(depth) for m in
+                                     (nn.Linear(width, width, bias=False), nn.ReLU())]))
+
+        def step():
+            nn.functional.mse_loss(model(x), y).backward()
+            model.finish_gradient_synchronization()
+            for p in model.parameters():
+                p.grad = None
+        return step
+    steps = [step_of(d) for d in depths]
+    times = [[] for _ in depths]
+    for r in range(repeats + 1):
+        for i, step in enumerate(steps):
+            dist.barrier()                                               # start together
+            start = now("cpu")                                           # gloo ranks on CPU
+            step()
+            if r:
+                times[i].append(now("cpu") - start)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)                       # collective
+    return slowest.tolist()
+
+
+def _unit_seconds(profile: "DeviceProfile", rounds: list[list[float]], width: int = 32,
+                  depths: tuple[int, int] = (4, 20)) -> Measured:
+    """What one ZeRO-3 unit costs per micro-batch beyond what `zero_step` prices (its layer's
+    compute and its collectives, from `profile`), on one rank: a narrow MLP (width 32, nearly
+    nothing to compute or send) trained by the course's FSDP at two depths; per round, the
+    measured difference between them less the model's (its layers and, on one rank, the gloo
+    group's own collectives: two gathers and a reduce-scatter per unit), over the units added.
+    It holds the hooks, the saved tensors packed and unpacked and the gather's autograd
+    function: Python on the compute thread (measured here: about 0.5 ms per unit, 30 times a
+    plain layer's bookkeeping). On 2 ranks a unit measured 3 ms more than the curves price
+    (blocking collectives whose hand-offs between the ranks' threads cost more than the
+    barrier-started ones timed for the curves); that part is not priced."""
+    from companion.cost.speeds import mlp_layers
+    from companion.cost.step import zero_step
+
+    speeds = profile.speeds()
+    nbytes = width * width * 4
+    per_unit = (2 * speeds.collective_seconds("all_gather", nbytes, 1)
+                + speeds.collective_seconds("reduce_scatter", nbytes, 1))
+
+    def priced(depth: int) -> float:
+        t = zero_step(mlp_layers(width, depth, 8, bias=False), speeds, 1, 3)
+        return t.total - t.optimizer + depth * per_unit
+    model = priced(depths[1]) - priced(depths[0])
+    units = depths[1] - depths[0]
+    return Measured.of([(big - small - model) / units for small, big in zip(*rounds)])
+
+
 def _sharing_worker(rank: int, world_size: int, repeats: int) -> tuple[list, list]:
     """A worker for `launch.run`: in interleaved rounds, rank 0 times an MLP's training step
     alone (the others wait), with every rank stepping at once, an all-reduce of 16 MiB alone, and
@@ -587,12 +828,14 @@ def _per_rank(device: torch.device, dtypes: Sequence[str], repeats: int) -> dict
            "adamw": _adamw_rates(repeats), "host_to_device": None, "device_to_host": None,
            "step_flops": None, "autocast": None, "adapter_bandwidth": None, "adapter_seconds": None,
            "adam8bit": None,
-           "adam8bit_tensor": None, "activation_offload": None}
+           "adam8bit_tensor": None, "activation_offload": None, "optimizer_rates": None,
+           "first_touch": None}
     if not cuda:
         out["step_flops"], out["autocast"] = _block_steps(device, dtypes, repeats)
         out["adapter_bandwidth"], out["adapter_seconds"] = _adapters(device, repeats)
         out["adam8bit"], out["adam8bit_tensor"] = _adam8bit_rate(repeats)
         out["activation_offload"] = _activation_offload(device, repeats)
+        out["optimizer_rates"] = _optimizer_rates(repeats, out["op_seconds"].median)
     if cuda:
         out["host_to_device"], out["device_to_host"] = _host_copies(device, repeats)
     return out
@@ -641,17 +884,32 @@ def calibrate(device: torch.device | str | None = None, *, threads: int | None =
         else:
             parts = _per_rank(device, dtypes, repeats)
             threads_used = torch.get_num_threads()
-        alpha = beta = curves = shared = overlap = None
+        alpha = beta = curves = shared = overlap = one_rank = sharing = None
+        lanes = 1
         if process_group:
             alpha, beta, curves = _alpha_beta(repeats)
             from companion import launch
 
-            ratios, hidden = launch.run(_sharing_worker, 2, repeats, timeout=120)[0]
+            ratios, hidden = launch.run(_sharing_worker, 2, max(repeats, 9), timeout=120)[0]
             shared, overlap = Measured.of(ratios), Measured.of(hidden)
-        return DeviceProfile(device=str(device), name=str(describe(device).get("name")),
-                             threads=threads_used, alpha=alpha, beta=beta, collectives=curves,
-                             shared_compute=shared, overlap=overlap,
-                             seconds=time.perf_counter() - start,  # host clock
-                             **parts)
+            lanes, pairs = launch.run(_concurrency_worker, 2, [2**20, 2**22, 2**24],
+                                      max(repeats, 9), timeout=120)[0]
+            latency = min(_fitted([(n, m.median) for n, m in curves["all_reduce"]]))[1]
+            sharing = _link_sharing(pairs, latency)
+        units = None
+        if process_group and device.type == "cpu":  # the differences scatter: more rounds
+            sizes = [4**k for k in range(4, 13)]
+            alone, parts["first_touch"], units = launch.run(
+                _one_rank_worker, 1, sizes, repeats + 4, timeout=120)[0]
+            one_rank = {kind: [(n, Measured.of(row)) for n, row in zip(sizes, rows)]
+                        for kind, rows in alone.items()}
+        measured = DeviceProfile(device=str(device), name=str(describe(device).get("name")),
+                                 threads=threads_used, alpha=alpha, beta=beta,
+                                 collectives=curves, shared_compute=shared, overlap=overlap,
+                                 collectives_one=one_rank, collective_lanes=lanes,
+                                 link_sharing=sharing, **parts)
+        if units is not None:
+            measured = dataclasses.replace(measured, unit_seconds=_unit_seconds(measured, units))
+        return dataclasses.replace(measured, seconds=time.perf_counter() - start)  # host clock
     finally:
         torch.set_num_threads(old_threads)

@@ -45,6 +45,17 @@ class Speeds:
                                   # alone (CPU ranks share caches and memory; 1 on own GPUs)
     collective_table: tuple = ()  # (kind, world size, ((bytes, seconds), ...)), measured
     linear_table: tuple = ()      # ((m, k, n), forward s, backward s) of F.linear, measured
+    concurrent_collectives: int = 1   # collectives in flight at once: NCCL runs a communicator's
+                                  # one after another (1); gloo one per worker thread (2)
+    link_sharing: float = 1.0     # share of concurrent transfers that queue on the link (1: two
+                                  # take twice one; 0: each lane a link of its own), measured
+    first_touch: tuple = ()       # ((bytes, seconds), ...): what a backward whose gradients were
+                                  # freed (zero_grad's set_to_none) pays to allocate them afresh
+    optimizer_rates: tuple = ()   # (("sgd" | "adamw", parameters/s), ...) of torch's for-loop
+                                  # optimizers out of cache, measured (else bytes / bandwidth)
+    unit_seconds: float = 0.0     # a ZeRO-3 unit's fixed cost per micro-batch beyond its compute
+                                  # and collectives (the course's FSDP: hooks, saved-tensor
+                                  # packing), measured on one rank
 
     def linear_seconds(self, m: int, k: int, n: int) -> tuple[float, float]:
         """(forward, backward) seconds of a Linear on (m, k) inputs with n outputs: interpolated
@@ -63,13 +74,14 @@ class Speeds:
     def collective_seconds(self, kind: str, nbytes: float, world_size: int) -> float:
         """Seconds of one collective ("all_reduce", "reduce_scatter", "all_gather") of a whole
         tensor of `nbytes` on `world_size` ranks: the measured curve of that collective at that
-        world size when there is one (interpolated in log-log, extended by its last slope),
-        else the ring formula at α and β."""
-        if world_size == 1:
-            return 0.0
+        world size when there is one (interpolated in log-log, extended by its last slope; a
+        gloo group of one rank still hands each collective to a worker thread), else the ring
+        formula at α and β (nothing on one rank)."""
         for k, world, curve in self.collective_table:
             if k == kind and world == world_size:
                 return _along(curve, nbytes)
+        if world_size == 1:
+            return 0.0
         ring = {"all_reduce": network.all_reduce_seconds,
                 "reduce_scatter": network.reduce_scatter_seconds,
                 "all_gather": network.all_gather_seconds}
@@ -77,22 +89,60 @@ class Speeds:
             raise ValueError(f"kind must be one of {sorted(ring)}, got {kind!r}")
         return ring[kind](nbytes, world_size, alpha=self.alpha, beta=self.beta)
 
+    def collective_parts(self, kind: str, nbytes: float, world_size: int) -> tuple[float, float]:
+        """(latency, transfer) of `collective_seconds`: the fixed cost every message pays (the
+        measured curve's value at its smallest size, or the ring's steps of α), which overlaps
+        with other collectives in flight, and the rest, which shares the link with them."""
+        total = self.collective_seconds(kind, nbytes, world_size)
+        fixed = next((min(curve)[1] for k, world, curve in self.collective_table
+                      if k == kind and world == world_size), None)
+        if fixed is None:
+            steps = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}.get(kind, 1)
+            fixed = steps * (world_size - 1) * self.alpha
+        return min(fixed, total), total - min(fixed, total)
+
+    def fresh_seconds(self, nbytes: float) -> float:
+        """Seconds a backward pays beyond its compute when `nbytes` of gradients held from one
+        step to the next were freed and are allocated again (`first_touch`, measured:
+        interpolated in bytes, 0 below its first point, its last rate per byte beyond it)."""
+        pts = sorted(self.first_touch)
+        if not pts or nbytes <= 0:
+            return 0.0
+        if nbytes >= pts[-1][0]:
+            return pts[-1][1] * nbytes / pts[-1][0]
+        for (x0, y0), (x1, y1) in zip([(0.0, 0.0)] + pts, pts):
+            if x0 <= nbytes <= x1:
+                return y0 + (nbytes - x0) * (y1 - y0) / (x1 - x0)
+        raise AssertionError("unreachable")
+
     def __post_init__(self):
         for name in ("matmul_flops", "memory_bandwidth", "host_bandwidth", "host_adam_rate"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"Speeds.{name} must be positive, got {value!r}")
-        for name in ("op_seconds", "alpha", "beta", "layer_seconds"):
+        for name in ("op_seconds", "alpha", "beta", "layer_seconds", "unit_seconds"):
             value = getattr(self, name)
             if not value >= 0 or math.isinf(value):
                 raise ValueError(f"Speeds.{name} must be finite and non-negative, got {value!r}")
         if not 0 <= self.overlap <= 1:
             raise ValueError(f"Speeds.overlap must lie in [0, 1], got {self.overlap!r}")
+        if not isinstance(self.concurrent_collectives, int) or self.concurrent_collectives < 1:
+            raise ValueError(f"Speeds.concurrent_collectives must be a positive int, got "
+                             f"{self.concurrent_collectives!r}")
+        if not 0 <= self.link_sharing <= 1:
+            raise ValueError(f"Speeds.link_sharing must lie in [0, 1], got {self.link_sharing!r}")
+        if any(not (b > 0 and t >= 0) for b, t in self.first_touch):
+            raise ValueError(f"Speeds.first_touch needs (bytes > 0, seconds >= 0) points, got "
+                             f"{self.first_touch!r}")
+        if any(not r > 0 for _, r in self.optimizer_rates):
+            raise ValueError(f"Speeds.optimizer_rates must be positive, got "
+                             f"{self.optimizer_rates!r}")
         if not 1 <= self.shared_compute < math.inf:
             raise ValueError(f"Speeds.shared_compute must be at least 1, got {self.shared_compute!r}")
 
     def ranks(self, world_size: int) -> "Speeds":
-        """These speeds for one of `world_size` ranks running at once: compute slowed by
+        """These speeds for one of `world_size` ranks running at once: compute (and what runs on
+        the compute thread: first touches, the optimizer, a unit's bookkeeping) slowed by
         `shared_compute` when there is more than one (the link's speeds were measured so)."""
         if world_size == 1 or self.shared_compute == 1:
             return self
@@ -100,9 +150,11 @@ class Speeds:
         return dataclasses.replace(
             self, shared_compute=1.0, matmul_flops=self.matmul_flops / f,
             memory_bandwidth=self.memory_bandwidth / f, op_seconds=self.op_seconds * f,
-            layer_seconds=self.layer_seconds * f,
+            layer_seconds=self.layer_seconds * f, unit_seconds=self.unit_seconds * f,
             matmul_table=tuple((mkn, v / f) for mkn, v in self.matmul_table),
-            linear_table=tuple((mkn, a * f, b * f) for mkn, a, b in self.linear_table))
+            linear_table=tuple((mkn, a * f, b * f) for mkn, a, b in self.linear_table),
+            first_touch=tuple((n, t * f) for n, t in self.first_touch),
+            optimizer_rates=tuple((name, r / f) for name, r in self.optimizer_rates))
 
     @classmethod
     def for_gpu(cls, name: str, dtype: str = "bf16", *, world_size: int = 8,

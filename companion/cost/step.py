@@ -8,9 +8,9 @@ ops · op_seconds, and its backward the matmuls' gradients and twice the rest.
 
 The step models return a `StepTime`, whose parts a chart can stack:
 - `single_step`: k micro-batches on one device, the optimizer after them;
-- `ddp_step`: buckets all-reduced as backward completes them, one at a time on the link
-  (PyTorch DDP's design: Li et al. 2020, "PyTorch Distributed", VLDB 13(12)), so only what is
-  left when backward ends is exposed; with `no_sync` accumulation, only the last micro-batch
+- `ddp_step`: buckets all-reduced as backward completes them, on the link's lanes (PyTorch
+  DDP's design: Li et al. 2020, "PyTorch Distributed", VLDB 13(12)), so only what is left when
+  backward ends is exposed; with `no_sync` accumulation, only the last micro-batch
   communicates;
 - `zero_step`: ZeRO-1 (reduce-scatter after backward, all-gather after the step), ZeRO-2 (bucketed
   reduce-scatters during every micro-batch's backward), ZeRO-3 (each unit gathered before its
@@ -23,13 +23,16 @@ The step models return a `StepTime`, whose parts a chart can stack:
   for the delayed update) at which the offload hides behind compute.
 
 Simplified vs a real run: one link per rank at one speed (the measured curve of each collective,
-or α–β), communication that does not slow the compute it overlaps (on a CPU the two share cores:
-`Speeds.overlap` says how much of the link's time can hide), ranks that do not slow each other's
-compute (on a CPU they share caches and memory bandwidth), no Python overhead beyond the measured
-per-layer and per-operator costs, and no allocator effects: on a CPU, a gradient allocated afresh
-each step (zero_grad's set_to_none) can pay page faults inside the matmul that first writes it
-(an MLP of 4 MiB weights measured here: its backward's matmuls 1.5x slower with fresh gradients
-than with kept ones), which CUDA's caching allocator avoids.
+or α–β), carrying `Speeds.concurrent_collectives` collectives at once (NCCL: one after another
+on its stream; gloo: one per worker thread, 2 by default, their fixed costs overlapping and their
+transfers sharing the link as `Speeds.link_sharing` says), communication that does not slow the
+compute it overlaps (on a CPU the two share cores: `Speeds.overlap` says how much of the link's
+time can hide), ranks that slow each other's compute by one measured factor
+(`Speeds.shared_compute`), no Python overhead beyond the measured per-layer, per-operator and
+per-ZeRO-3-unit costs, and of the allocator only what `Speeds.first_touch` measures: on a CPU,
+gradients freed by zero_grad (set_to_none) are given back to the system once enough is free,
+and the next backward faults them in again page by page (here nothing up to 16 MiB of them,
+tens of ms at 32-64 MiB, more on a busy machine); CUDA's caching allocator keeps its blocks.
 How far that carries is measured, not assumed: `companion.cost.validate` runs each model against
 real gloo ranks and `benchmarks/bench_cost.py` reports the errors.
 """
@@ -65,17 +68,18 @@ class StepTime:
     host_step: float = 0.0        # the optimizer on the host (offload)
     optimizer: float = 0.0        # the optimizer on the device
     bucketing: float = 0.0        # gradients copied into and out of communication buffers
+    first_touch: float = 0.0      # gradients allocated afresh each step (`Speeds.first_touch`)
     traffic: float = 0.0          # bytes this rank sent (not a time: a record of the volume)
 
     @property
     def total(self) -> float:
         return (self.compute + self.recompute + self.communication + self.transfers
-                + self.host_step + self.optimizer + self.bucketing)
+                + self.host_step + self.optimizer + self.bucketing + self.first_touch)
 
     def parts(self) -> dict[str, float]:
         """{part: seconds} of the non-zero parts, for a stacked bar."""
         names = ("compute", "recompute", "communication", "transfers", "host_step", "optimizer",
-                 "bucketing")
+                 "bucketing", "first_touch")
         return {n: getattr(self, n) for n in names if getattr(self, n)}
 
 
@@ -88,26 +92,34 @@ def _check_ranks(world_size: int, k: int) -> None:
 
 def _optimizer_seconds(layers: Sequence[Layer], s: Speeds, optimizer: str, share: float,
                        tensors: int | None = None) -> float:
-    """The optimizer's bytes at memory bandwidth plus its operators per tensor: every parameter
-    tensor (share 1), or `tensors` flat shards (ZeRO steps one flat tensor per bucket or unit)."""
+    """The optimizer's bytes at memory bandwidth, or its parameters at the rate measured for it
+    (`Speeds.optimizer_rates`: torch's for-loop AdamW makes several passes and temporaries where
+    28 bytes a parameter count one), plus its operators per tensor: every parameter tensor
+    (share 1), or `tensors` flat shards (ZeRO steps one flat tensor per bucket or unit)."""
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_BYTES)}, got {optimizer!r}")
     params = sum(l.params for l in layers if l.trainable) * share
     if tensors is None:
         tensors = sum(l.tensors for l in layers if l.trainable)
-    return OPTIMIZER_BYTES[optimizer] * params / s.memory_bandwidth + \
-        _OPTIMIZER_OPS[optimizer] * tensors * s.op_seconds
+    rate = dict(s.optimizer_rates).get(optimizer)       # measured on this machine, if it was
+    stream = params / rate if rate else OPTIMIZER_BYTES[optimizer] * params / s.memory_bandwidth
+    return stream + _OPTIMIZER_OPS[optimizer] * tensors * s.op_seconds
 
 
 def single_step(layers: Sequence[Layer], s: Speeds, *, k: int = 1, optimizer: str = "sgd",
-                recompute: float = 0.0) -> StepTime:
+                recompute: float = 0.0, fresh_gradients: float = 1.0,
+                grad_bytes: int = 4) -> StepTime:
     """One device, k micro-batches, then the optimizer. `recompute`: the share of the forward
-    run again in backward (checkpointing: (segments-1)/segments of the blocks)."""
+    run again in backward (checkpointing: (segments-1)/segments of the blocks).
+    `fresh_gradients`: the share of the gradients that `zero_grad()` frees (set_to_none, its
+    default) and the first backward allocates again, priced by `Speeds.fresh_seconds`."""
     _check_ranks(1, k)
     forward = sum(l.forward_seconds(s) for l in layers)
     backward = sum(l.backward_seconds(s) for l in layers)
+    fresh = fresh_gradients * sum(l.params for l in layers if l.trainable) * grad_bytes
     return StepTime(compute=k * (forward + backward), recompute=k * recompute * forward,
-                    optimizer=_optimizer_seconds(layers, s, optimizer, 1.0))
+                    optimizer=_optimizer_seconds(layers, s, optimizer, 1.0),
+                    first_touch=s.fresh_seconds(fresh))
 
 
 def _buckets(layers: Sequence[Layer], cap_bytes: float, grad_bytes: int) -> list[tuple[int, float]]:
@@ -127,13 +139,14 @@ def _backward_ends(layers: Sequence[Layer], s: Speeds) -> list[float]:
     return ends
 
 
-def _link(ready: Sequence[tuple[float, float]], start: float = 0.0) -> float:
-    """When the link finishes messages that become ready at `ready[i][0]` and take `ready[i][1]`
-    seconds, sent one at a time in that order."""
-    end = start
-    for at, seconds in ready:
-        end = max(end, at) + seconds
-    return end
+def _link(messages: Sequence[tuple[float, float, float]], s: Speeds,
+          lanes: int | None = None) -> float:
+    """When the link finishes messages (ready, latency, transfer) issued in that order: up to
+    `lanes` at once (default `Speeds.concurrent_collectives`), their transfers sharing the link
+    (`network.link_schedule`)."""
+    lanes = s.concurrent_collectives if lanes is None else lanes
+    ends = network.link_schedule(messages, lanes=lanes, sharing=s.link_sharing)
+    return max(ends, default=0.0)
 
 
 def _exposed(link_end: float, compute_end: float, s: Speeds, link_busy: float) -> float:
@@ -160,18 +173,20 @@ def ddp_step(layers: Sequence[Layer], s: Speeds, world_size: int, *, bucket_byte
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes!r}")
     s = s.ranks(world_size)
-    base = single_step(layers, s, k=k, optimizer=optimizer)
+    base = single_step(layers, s, k=k, optimizer=optimizer, grad_bytes=grad_bytes)
     syncing = 1 if no_sync else k
     # each synchronised backward copies the gradients into the buckets, divides them by N and
     # copies the averages back (`companion.ddp.DDP` without gradient_as_bucket_view)
     base = dataclasses.replace(base, bucketing=syncing * _copies(layers, s, grad_bytes, 3))
-    if world_size == 1:
-        return base
     ends = _backward_ends(layers, s)
     buckets = _buckets(layers, bucket_bytes, grad_bytes)
-    messages = [(ends[i], s.collective_seconds("all_reduce", b, world_size)) for i, b in buckets]
-    busy = sum(t for _, t in messages)
-    exposed = _exposed(_link(messages), ends[0], s, busy)
+    # every bucket's all-reduce (asynchronous), up to `concurrent_collectives` at once; on one
+    # rank a gloo group still runs each (a measured curve of world size 1, else nothing)
+    messages = [(ends[i], *s.collective_parts("all_reduce", b, world_size)) for i, b in buckets]
+    busy = sum(a + b for _, a, b in messages)
+    if busy == 0:
+        return base
+    exposed = _exposed(_link(messages, s), ends[0], s, busy)
     sent = 2 * (world_size - 1) / world_size * sum(b for _, b in buckets)
     return dataclasses.replace(base, communication=syncing * exposed, traffic=syncing * sent)
 
@@ -211,7 +226,10 @@ def zero_step(layers: Sequence[Layer], s: Speeds, world_size: int, stage: int, *
     N = world_size
     shard = 1.0 / N
     s = s.ranks(world_size)
-    base = single_step(layers, s, k=k, optimizer=optimizer)
+    # stage 1 keeps its flat gradient buffer; stages 2 and 3 free the full gradients as soon as
+    # they are reduced, and zero_grad frees the shards' (1/N of them)
+    base = single_step(layers, s, k=k, optimizer=optimizer, grad_bytes=grad_bytes,
+                       fresh_gradients=0.0 if stage == 1 else shard)
     flat = (len(_buckets(layers, bucket_bytes, grad_bytes)) if stage in (1, 2)
             else sum(l.trainable for l in layers))      # one flat shard per bucket or unit
     base = dataclasses.replace(base, optimizer=_optimizer_seconds(layers, s, optimizer, shard,
@@ -219,23 +237,24 @@ def zero_step(layers: Sequence[Layer], s: Speeds, world_size: int, stage: int, *
     if N == 1:
         return base
     psi = sum(l.params for l in layers if l.trainable) * grad_bytes
-    rs = lambda nbytes: s.collective_seconds("reduce_scatter", nbytes, N)
-    ag = lambda nbytes: s.collective_seconds("all_gather", nbytes, N)
+    rs = lambda nbytes: s.collective_parts("reduce_scatter", nbytes, N)     # (latency, transfer)
+    ag = lambda nbytes: s.collective_parts("all_gather", nbytes, N)
     ends = _backward_ends(layers, s)
     buckets = _buckets(layers, bucket_bytes, grad_bytes)
-    gather_after_step = sum(ag(size) for _, size in buckets)
+    # after the step every bucket's all-gather is started at once, then waited for
+    gather_after_step = _link([(0.0, *ag(size)) for _, size in buckets], s)
     traffic = zero_traffic(stage, k, N, psi, reshard_after_forward=reshard_after_forward,
                            gather_bytes=psi / grad_bytes * gather_bytes_per_param)
     if stage in (1, 2):                 # gradients into flat buckets (2: every micro-batch)
         base = dataclasses.replace(base, bucketing=_copies(layers, s, grad_bytes,
                                                            2 * (k if stage == 2 else 1)))
-    if stage == 1:
-        return dataclasses.replace(base, traffic=traffic, communication=sum(
-            rs(size) for _, size in buckets) + gather_after_step)
-    if stage == 2:
-        messages = [(ends[i], rs(size)) for i, size in buckets]
-        busy = sum(t for _, t in messages)
-        per_micro = _exposed(_link(messages), ends[0], s, busy)
+    if stage == 1:                      # every reduce-scatter started at once, after backward
+        return dataclasses.replace(base, traffic=traffic, communication=_link(
+            [(0.0, *rs(size)) for _, size in buckets], s) + gather_after_step)
+    if stage == 2:                      # the course's ShardedOptimizer: one in flight
+        messages = [(ends[i], *rs(size)) for i, size in buckets]
+        busy = sum(a + b for _, a, b in messages)
+        per_micro = _exposed(_link(messages, s, lanes=1), ends[0], s, busy)
         return dataclasses.replace(base, traffic=traffic,
                                    communication=k * per_micro + gather_after_step)
     if stage != 3:
@@ -243,14 +262,20 @@ def zero_step(layers: Sequence[Layer], s: Speeds, world_size: int, stage: int, *
     units = [i for i, l in enumerate(layers)]
     gather = [ag(l.params * gather_bytes_per_param) for l in layers]
     scatter = [rs(l.params * grad_bytes) if l.trainable else 0.0 for l in layers]
-    fwd = [l.forward_seconds(s) for l in layers]
-    bwd = [l.backward_seconds(s) for l in layers]
+    # each unit's fixed cost beyond its compute and collectives (`Speeds.unit_seconds`), a third
+    # in forward and two in backward as a layer's (`Layer.forward_seconds`)
+    fwd = [l.forward_seconds(s) + s.unit_seconds / 3 for l in layers]
+    bwd = [l.backward_seconds(s) + 2 * s.unit_seconds / 3 for l in layers]
+    base = dataclasses.replace(base, compute=base.compute + k * len(layers) * s.unit_seconds)
+    lanes = dict(lanes=s.concurrent_collectives, sharing=s.link_sharing,
+                 one_after=s.concurrent_collectives > 1)
     exposed_total = 0.0
     for _ in range(k):
-        exposed_total += exposed_link(units, gather, fwd, prefetch, s.overlap)   # forward
+        exposed_total += exposed_link(units, gather, fwd, prefetch, s.overlap, **lanes)
         order = list(reversed(units))
         again = gather if reshard_after_forward else [0.0] * len(layers)
-        exposed_total += exposed_link(order, again, bwd, prefetch, s.overlap, after=scatter)
+        exposed_total += exposed_link(order, again, bwd, prefetch, s.overlap, after=scatter,
+                                      **lanes)
     # each gather copies the shards into the full flat buffer and hands out views of it; each
     # unit's gradients are flattened for the reduce-scatter: passes over the bytes, per micro-batch
     gathered = (2 if reshard_after_forward else 1) * gather_bytes_per_param / grad_bytes
@@ -258,9 +283,9 @@ def zero_step(layers: Sequence[Layer], s: Speeds, world_size: int, stage: int, *
                                bucketing=_copies(layers, s, grad_bytes, k * (gathered + 1)))
 
 
-def exposed_link(order: Sequence[int], gather: Sequence[float], compute: Sequence[float],
-                 prefetch: int, overlap: float = 1.0,
-                 after: Sequence[float] | None = None) -> float:
+def exposed_link(order: Sequence[int], gather: Sequence, compute: Sequence[float],
+                 prefetch: int, overlap: float = 1.0, after: Sequence | None = None, *,
+                 lanes: int = 1, sharing: float = 1.0, one_after: bool = False) -> float:
     """Exposed link time of running units in `order`, unit i needing gather[i] first: with
     prefetch d, the gather of the unit d ahead is issued when a unit starts computing. One link:
     gathers and (in backward) each unit's reduce-scatter (`after`) queue on it in issue order.
@@ -268,26 +293,38 @@ def exposed_link(order: Sequence[int], gather: Sequence[float], compute: Sequenc
     the link time that hid (`Speeds.overlap`: 1 where the link runs beside the compute, as NCCL
     on its own stream; 0 where each collective blocks it). The planner's `predict_seconds`
     prices ZeRO-3's gathers (FSDP's prefetch of one unit) and every stage's gradient
-    reductions with it."""
-    link = clock = busy = 0.0
-    done: dict[int, float] = {}
-    issued = 0
+    reductions with it.
 
-    def issue(j: int, at: float) -> None:
-        nonlocal link, busy
-        link = max(link, at) + gather[order[j]]
-        busy += gather[order[j]]
-        done[j] = link
+    A time in `gather` or `after` is seconds, or (latency, transfer); `lanes` > 1 lets that many
+    run at once (gloo: a gather beside the last reduce-scatter), latencies overlapping and
+    transfers sharing the link (`network.link_schedule`). `one_after`: a unit's reduce-scatter
+    waits, holding up the compute, until the previous one is done (the course's FSDP keeps one
+    in flight)."""
+    messages: list[tuple[float, float, float]] = []
+    issued_as: dict[int, int] = {}                      # unit's place in order -> its gather
+    last_after = None
+    clock, issued = 0.0, 0
+
+    def send(at: float, cost) -> int:
+        latency, transfer = cost if isinstance(cost, tuple) else (0.0, cost)
+        messages.append((at, latency, transfer))
+        return len(messages) - 1
+
+    def ends() -> list[float]:      # later messages are issued after the time asked about
+        return network.link_schedule(messages, lanes=lanes, sharing=sharing)
 
     for j, unit in enumerate(order):
         while issued <= min(j + prefetch, len(order) - 1):
-            issue(issued, clock)
+            issued_as[issued] = send(clock, gather[order[issued]])
             issued += 1
-        start = max(clock, done[j])                     # wait for this unit's weights
+        start = max(clock, ends()[issued_as[j]])         # wait for this unit's weights
         clock = start + compute[unit]
         if after is not None and after[unit]:           # its gradient leaves when it is done
-            link = max(link, clock) + after[unit]
-            busy += after[unit]
+            if one_after and last_after is not None:
+                clock = max(clock, ends()[last_after])  # the previous one must finish first
+            last_after = send(clock, after[unit])
+    link = max(ends(), default=0.0)
+    busy = sum(a + b for _, a, b in messages)
     compute_only = sum(compute[u] for u in order)
     waited = clock - compute_only                       # time the compute stream stood still
     tail = max(0.0, link - clock)                       # the last reduce-scatter, after compute
@@ -310,7 +347,7 @@ def offload_step(layers: Sequence[Layer], s: Speeds, *, k: int = 1, weight_bytes
     _check_ranks(1, k)
     if delay not in (0, 1):
         raise ValueError(f"delay must be 0 (exact) or 1 (delayed parameter update), got {delay!r}")
-    base = single_step(layers, s, k=k, optimizer="sgd")
+    base = single_step(layers, s, k=k, optimizer="sgd", fresh_gradients=0.0)
     trainable = [l for l in layers if l.trainable]
     params = sum(l.params for l in trainable)
     ends = _backward_ends(layers, s)
@@ -321,7 +358,8 @@ def offload_step(layers: Sequence[Layer], s: Speeds, *, k: int = 1, weight_bytes
               for j in range(k) for i, l in reversed(list(enumerate(layers))) if l.trainable]
     busy = sum(t for _, t in copies)
     if overlap_copies:
-        down = _exposed(_link(copies), k * micro, dataclasses.replace(s, overlap=1.0), busy)
+        down = _exposed(_link([(at, 0.0, t) for at, t in copies], s, lanes=1), k * micro,
+                        dataclasses.replace(s, overlap=1.0), busy)
     else:                                       # accumulated on the device, sent once after
         down = busy / k
     host = params / s.host_adam_rate
@@ -393,12 +431,12 @@ def offload_ladder(layers: Sequence[Layer], s: Speeds, *, k: int = 1, weight_byt
     _check_ranks(1, k)
     trainable = [l for l in layers if l.trainable]
     P = sum(l.params for l in trainable)
-    out = {"none": single_step(layers, s, k=k, optimizer="adamw")}
+    out = {"none": single_step(layers, s, k=k, optimizer="adamw", fresh_gradients=0.0)}
     out["optimizer"] = offload_step(layers, s, k=k, weight_bytes=weight_bytes,
                                     grad_bytes=grad_bytes, overlap_copies=False, delay=delay)
     out["gradients"] = offload_step(layers, s, k=k, weight_bytes=weight_bytes,
                                     grad_bytes=grad_bytes, delay=delay)
-    base = single_step(layers, s, k=k, optimizer="sgd")
+    base = single_step(layers, s, k=k, optimizer="sgd", fresh_gradients=0.0)
     moved = offload_traffic(P, "parameters", k=k, weight_bytes=weight_bytes,
                             grad_bytes=grad_bytes)
     forward = sum(l.forward_seconds(s) for l in layers)
