@@ -50,6 +50,7 @@ def test_comm_hooks_bytes_and_errors():
     assert fp32["bytes"] == 4 * params and fp32["error"] < 1e-6
     assert bf16["bytes"] == fp16["bytes"] == 2 * params
     assert 1e-4 < bf16["error"] < 2**-7 and fp16["error"] < bf16["error"]    # 8 against 11 bits
+    assert 0 <= fp32["below_fp16_normal"] <= 1
     for rank in (1, 4):
         p = out[f"PowerSGD rank {rank}"]
         assert p["bytes"] < fp32["bytes"] / 2 and p["error"] > bf16["error"]

@@ -126,7 +126,8 @@ def comm_hooks(rank: int, world_size: int, width: int, depth: int, batch: int,
     """A worker: per hook, torch's DDP on the same MLP (with biases), `steps` steps of SGD on each
     rank's own batch; at the last step, the bytes handed to all-reduce per rank and the relative
     error (||g - exact|| / ||exact||, all parameters) of the gradients DDP leaves against the exact
-    fp32 average of the ranks' gradients. PowerSGD
+    fp32 average of the ranks' gradients, and the share of that average's entries below fp16's
+    smallest normal number (2^-14, where fp16 keeps fewer bits). PowerSGD
     all-reduces plainly for its first 2 steps (`start_powerSGD_iter=2`), then compresses."""
     if steps < 3:
         raise ValueError(f"steps must be at least 3 (PowerSGD compresses from its third), got {steps}")
@@ -138,7 +139,7 @@ def comm_hooks(rank: int, world_size: int, width: int, depth: int, batch: int,
         _register(model, name)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(1000 + rank)
-        sent, error = [], float("nan")
+        sent, error, subnormal = [], float("nan"), float("nan")
         for step in range(steps):
             x = torch.randn(batch, width, generator=gen).to(device)
             last = step == steps - 1
@@ -159,9 +160,12 @@ def comm_hooks(rank: int, world_size: int, width: int, depth: int, batch: int,
                           zip(model.parameters(), exact))
                 den = sum(g.float().square().sum() for g in exact)
                 error = float((num / den).sqrt())
+                flat = torch.cat([g.flatten() for g in exact]).abs()
+                subnormal = float((flat < torch.finfo(torch.float16).tiny).float().mean())
             opt.step()
             opt.zero_grad(set_to_none=True)
-        out[name] = {"bytes": sum(sent), "messages": len(sent), "error": error}
+        out[name] = {"bytes": sum(sent), "messages": len(sent), "error": error,
+                     "below_fp16_normal": subnormal}
     out["parameters"] = sum(p.numel() for p in _mlp(width, depth, bias=True).parameters())
     return out
 

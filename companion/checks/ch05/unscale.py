@@ -188,7 +188,9 @@ def check_unscale_grads(answer) -> str:
         compare([g for g in got if g is not None], [g for g in want if g is not None],
                 name=f"the master gradients ({setting})", rtol=1e-6 if clip else 0.0,
                 atol=0.0, known_wrong=wrong,
-                hint="up to fp32, multiply by inv_scale, then clip the unscaled gradients.")
+                hint="up to fp32, multiply by inv_scale, then clip the unscaled gradients as "
+                     "clip_grad_norm_ does (its coefficient is max_norm / (norm + 1e-6), at most "
+                     "1: the 1e-6 counts when you clip by hand).")
         compare(_number(result[1], "total_norm"), float(want_norm),
                 name=f"total_norm ({setting})", rtol=1e-6, atol=0.0, known_wrong={
                     "the norm of the unscaled gradients, before clipping: the scaled one is scale "
