@@ -32,7 +32,7 @@ _ORDER_HINT = ("a blocking dist.send returns only once the neighbour has posted 
                "dist.recv (gloo holds a send until its receiver is ready, and NCCL may): if every "
                "rank sends first, or every rank receives first, each waits for a neighbour that is "
                "doing the same. Find an order in which no rank waits on a call its neighbour "
-               "cannot reach yet. A request from dist.isend or dist.irecv must be waited on "
+               "cannot reach yet. A request from a non-blocking call must be waited on "
                "before its buffer is read or sent again, and before the function returns.")
 _EMPTY_HINT = ("these tensors split unevenly over the ranks: when the tensor is shorter than N, "
                "torch.tensor_split leaves some chunks empty (as do chunks of ceil(numel/N), and "
