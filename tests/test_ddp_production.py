@@ -67,5 +67,5 @@ def test_the_torchrun_script_trains_identical_replicas():
                          capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "weights after training are identical" in run.stdout
-    rows = [line for line in run.stdout.splitlines() if "epoch 0" in line]
-    assert len(rows) == 2 and "RANK=0" in run.stdout and "RANK=1" in run.stdout
+    assert run.stdout.count("epoch 0:") == 2 and run.stdout.count("epoch 1:") == 2
+    assert "[RANK=0 " in run.stdout and "[RANK=1 " in run.stdout

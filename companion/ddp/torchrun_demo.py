@@ -11,6 +11,7 @@ GPU of its own (LOCAL_RANK picks it)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,8 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
             rows = [int(v) for v in x.flatten().tolist()]
-            print(f"[{env}] epoch {epoch}: rows {rows}, loss {loss.item():.2f}", flush=True)
+            sys.stdout.write(f"[{env}] epoch {epoch}: rows {rows}, loss {loss.item():.2f}\n")
+            sys.stdout.flush()                          # one write: ranks' lines stay whole
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     gathered = [torch.empty_like(weights) for _ in range(world)]
     dist.all_gather(gathered, weights)

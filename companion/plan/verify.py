@@ -3,8 +3,8 @@
 The planner keeps the fastest plan that fits, so what its cost model must get right is the
 *order* of the candidates' step times, not their seconds. `rank_check` builds each plan once
 (`training.build`), times one optimizer step of each (`training.train_step`) in interleaved
-rounds (`companion.cost.stats.interleave`: round r starts from the r-th plan, so a slow minute of
-a shared machine lands on every plan), and sets the median of each plan's steps beside
+rounds (`companion.cost.stats.interleave`: each round in a new random order, so a slow minute of
+a shared machine lands on every plan and no plan always follows the same one), and sets the median of each plan's steps beside
 `predict_seconds(...)["total"]`. Two figures sum it up:
 
   Spearman's ρ   the rank correlation of predicted and measured (1: the same order; one swap of
@@ -18,8 +18,7 @@ a shared machine lands on every plan), and sets the median of each plan's steps 
 steps resampled, its median taken again): how far the scatter within this run moves ρ. It does not
 see what changes from one run to the next (another load on a shared machine, other builds): for
 that, time the plans again in an independent check and rank one run's medians against the other's
-(`RankCheck.agreement`). `shuffle=seed` orders each round at random instead of rotating it, so
-that no plan always follows the same one. `default_plans`
+(`RankCheck.agreement`). `shuffle=seed` draws other round orders (a second run). `default_plans`
 picks ten plans that pull different levers (on the course's CPU their steps take 1x to 7.5x the
 plain step's); `with_cost` ranks the same timings by another cost model, `subset` some of the
 plans (the fp32 ones, say).
@@ -226,8 +225,8 @@ def rank_check(model_fn: Callable[..., nn.Module], batch: int, cands: Sequence[C
     """Time one optimizer step of each plan in `cands` (each training `batch` sequences of the
     course's tokens) in `rounds` interleaved rounds after `warmup` untimed ones, and compare
     their medians with `predict_seconds(shape, cand, cost)["total"]` (`cost`: default
-    `CostModel.for_device(device.type)`). Each round runs every plan once, in an order rotated
-    by one plan a round, or, with `shuffle=seed`, shuffled by `random.Random(seed)`.
+    `CostModel.for_device(device.type)`). Each round runs every plan once, in the order
+    `stats.round_order(len(cands), r, shuffle)` (seed 0 when `shuffle` is None).
     `progress=True` draws a tqdm bar; `clock`: seconds now (default `clock.now(device)`, which
     waits for the device; a test passes a fake one)."""
     cands = _check_plans(cands, batch)
@@ -236,7 +235,7 @@ def rank_check(model_fn: Callable[..., nn.Module], batch: int, cands: Sequence[C
                          f"step's noise), got {rounds!r}")
     if shuffle is not None and (isinstance(shuffle, bool) or not isinstance(shuffle, int)):
         raise ValueError(f"shuffle is a seed (an int) for each round's random order, or None for "
-                         f"rotated rounds, got {shuffle!r}")
+                         f"seed 0, got {shuffle!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a non-negative int (untimed rounds), got {warmup!r}")
     device = torch.device(device)
@@ -259,10 +258,8 @@ def rank_check(model_fn: Callable[..., nn.Module], batch: int, cands: Sequence[C
                 bar.update()
         steps[i] = step
     try:
-        if shuffle is None:
-            times = stats.interleave(steps, rounds=rounds, warmup=warmup, clock=clock)
-        else:
-            times = _shuffled(steps, rounds, warmup, clock, random.Random(shuffle))
+        times = stats.interleave(steps, rounds=rounds, warmup=warmup, clock=clock,
+                                 seed=0 if shuffle is None else shuffle)
     finally:
         if bar is not None:
             bar.close()
@@ -272,21 +269,6 @@ def rank_check(model_fn: Callable[..., nn.Module], batch: int, cands: Sequence[C
         rows.append(PlanTiming(cand, predict_seconds(shape, cand, cost)["total"], median, low,
                                high, tuple(times[i])))
     return RankCheck(tuple(rows), shape, cost, rounds)
-
-
-def _shuffled(steps: dict, rounds: int, warmup: int, clock: Callable[[], float],
-              rng: random.Random) -> dict[int, list[float]]:
-    """Seconds of each step function, `rounds` rounds after `warmup`, each round in a new order."""
-    times: dict[int, list[float]] = {i: [] for i in steps}
-    for r in range(warmup + rounds):
-        order = list(steps)
-        rng.shuffle(order)
-        for i in order:
-            start = clock()
-            steps[i]()
-            if r >= warmup:
-                times[i].append(clock() - start)
-    return times
 
 
 def default_plans(shape: GPTShape, batch: int, *, lora_rank: int = 8) -> list[Candidate]:
