@@ -16,9 +16,22 @@ Example:
     ...                              bias=model.head.bias, chunks=8)
     >>> loss.backward()
 
-Simplified vs PyTorch and others: PyTorch has no chunked loss; Liger-Kernel's fused linear
-cross-entropy goes further, computing the gradients of each chunk during the forward so nothing is
-recomputed.
+`fused_linear_cross_entropy` goes further, as Liger-Kernel's fused linear cross-entropy does: the
+forward computes each chunk's gradients for the head's input and weight at once (the softmax minus
+the one-hot target is the gradient of the logits), keeps them, and drops the chunk's logits.
+Backward only scales the kept gradients: the head's matmul is not run again. Memory: no logits at
+any time beyond one chunk's (chunk_size·V·4 bytes), plus the gradients themselves, held from the
+forward on (N·C for the input, V·C for the weight). Cost: one head matmul in forward and two for the
+gradients, against the chunked loss's four (two forward, then its backward's two).
+
+Example:
+    >>> loss = fused_linear_cross_entropy(hidden.flatten(0, 1), model.head.weight, y.flatten(),
+    ...                                   chunk_size=1024)
+
+Simplified vs PyTorch and others: PyTorch has no chunked loss. Liger-Kernel fuses the softmax and
+its gradient into one Triton kernel that writes the gradient over the logits in place; here each
+step is a PyTorch call. A backward that receives a gradient other than a scalar's one scales the
+kept gradients (the loss is linear in nothing else), as Liger does.
 """
 from __future__ import annotations
 
@@ -26,13 +39,22 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["chunked_cross_entropy"]
+__all__ = ["chunked_cross_entropy", "fused_linear_cross_entropy"]
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias)                 # (n, V): one slice's logits only
     return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+
+
+def _check_tokens(hidden: torch.Tensor, targets: torch.Tensor) -> None:
+    if not isinstance(hidden, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        raise TypeError(f"hidden and targets must be tensors, got {type(hidden).__name__} and "
+                        f"{type(targets).__name__}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be (N, C) and targets (N,); got {tuple(hidden.shape)} and "
+                         f"{tuple(targets.shape)}: flatten the batch and sequence dimensions")
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -44,9 +66,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 
     hidden (N, C), weight (V, C), targets (N,) class indices; tokens whose target is
     `ignore_index` count neither in the sum nor in the mean."""
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden must be (N, C) and targets (N,); got {tuple(hidden.shape)} and "
-                         f"{tuple(targets.shape)}: flatten the batch and sequence dimensions")
+    _check_tokens(hidden, targets)
     if not 1 <= chunks <= len(hidden):
         raise ValueError(f"chunks must be between 1 and the number of tokens {len(hidden)}, "
                          f"got {chunks}")
@@ -57,3 +77,65 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         total = total + checkpoint(_chunk_loss, h, weight, bias, t, ignore_index,
                                    use_reentrant=False)
     return total / counted
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """The loss and, in the same pass, the gradients of hidden, weight and bias, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, ignore_index):
+        counted = (targets != ignore_index).sum().clamp(min=1)      # tokens in the mean
+        grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None       # (N, C)
+        grad_weight = torch.zeros_like(weight) if weight.requires_grad else None       # (V, C)
+        grad_bias = (torch.zeros_like(bias) if bias is not None and bias.requires_grad
+                     else None)
+        exact = torch.promote_types(hidden.dtype, torch.float32)   # fp32, or fp64 for fp64
+        total = hidden.new_zeros((), dtype=exact)
+        for start in range(0, len(hidden), chunk_size):
+            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+            # 1. one chunk's logits, fp32: (n, V) -> n·V·4 bytes, the only logits that exist
+            logits = F.linear(h, weight, bias).to(exact)
+            total += F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="sum")
+            # 2. d(sum of losses)/d(logits) = softmax - one_hot(target); 0 on ignored rows
+            grad = logits.softmax(-1)                              # reuses nothing: logits die
+            kept = t != ignore_index
+            grad[kept.nonzero().squeeze(1), t[kept]] -= 1
+            grad[~kept] = 0
+            grad = (grad / counted).to(hidden.dtype)               # the mean's 1/N folded in
+            # 3. the chunk's share of each gradient: two matmuls, no logits kept
+            if grad_hidden is not None:
+                grad_hidden[start:start + chunk_size] = grad @ weight          # (n, C)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.T, h)                                  # (V, C) += (V, n)(n, C)
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        if (targets == ignore_index).all():
+            return total.new_tensor(float("nan"))                  # a mean over no token, as torch
+        return total / counted
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
+        return (*scaled, None, None, None)
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                               *, chunk_size: int, bias: torch.Tensor | None = None,
+                               ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of `F.linear(hidden, weight, bias)` against `targets`, in fp32 (fp64 for
+    fp64 inputs), equal to `F.cross_entropy(F.linear(hidden, weight, bias).float(), targets)`,
+    with the gradients of
+    hidden, weight and bias computed during the forward, `chunk_size` tokens at a time, so that
+    neither forward nor backward ever holds more than one chunk's logits.
+
+    hidden (N, C), weight (V, C), targets (N,) class indices; tokens whose target is
+    `ignore_index` count neither in the sum nor in the mean."""
+    _check_tokens(hidden, targets)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk), got "
+                         f"{chunk_size!r}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be (V, C) with C = {hidden.shape[1]} as hidden's, got "
+                         f"{tuple(weight.shape)}")
+    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_size, ignore_index)
