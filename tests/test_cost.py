@@ -505,3 +505,17 @@ def test_validation_configurations_take_zero3_prefetch():
         V.predict({"kind": "zero2", "width": 4, "depth": 1, "batch": 1, "prefetch": 1}, speeds, 2)
     with pytest.raises(ValueError, match="prefetch"):
         V.predict({**config, "prefetch": -1}, speeds, 2)
+
+
+def test_ddp_with_bucket_views_copies_nothing_and_allocates_no_gradient():
+    layers = _two_layers()
+    s = _speeds(alpha=1e-4, beta=1e-10, first_touch=((8e6, 5e-3), (16e6, 1e-2)))
+    copied, viewed = (model.ddp_step(layers, s, 2, bucket_bytes=4e6, bucket_view=v)
+                      for v in (False, True))
+    one_pass = 2 * 8e6 / 1e11                               # read and write 8 MB of gradients
+    assert copied.bucketing == pytest.approx(3 * one_pass)  # in, divide, out
+    assert viewed.bucketing == pytest.approx(1.5 * one_pass)   # divide, then zeros once a step
+    assert copied.first_touch == pytest.approx(5e-3) and viewed.first_touch == 0
+    assert viewed.communication == copied.communication
+    k4 = model.ddp_step(layers, s, 2, k=4, no_sync=False, bucket_view=True)
+    assert k4.bucketing == pytest.approx((4 + 0.5) * one_pass)

@@ -165,19 +165,25 @@ def _copies(layers: Sequence[Layer], s: Speeds, grad_bytes: int, passes: float) 
 
 def ddp_step(layers: Sequence[Layer], s: Speeds, world_size: int, *, bucket_bytes: float = 25 * 2**20,
              k: int = 1, no_sync: bool = True, optimizer: str = "sgd",
-             grad_bytes: int = 4) -> StepTime:
+             grad_bytes: int = 4, bucket_view: bool = False) -> StepTime:
     """DDP: each bucket (cap `bucket_bytes`, filled in backward order) all-reduced as soon as its
     last gradient is ready and the previous bucket is done. With no_sync, micro-batches 1..k-1
-    only accumulate; without it, every micro-batch all-reduces."""
+    only accumulate; without it, every micro-batch all-reduces. `bucket_view`
+    (`gradient_as_bucket_view=True`): the gradients are views of buckets that live from step to
+    step, so no copy in or out and no gradient allocated afresh; the buckets are divided by N
+    and, after `zero_grad()`, zeroed at the next forward."""
     _check_ranks(world_size, k)
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes!r}")
     s = s.ranks(world_size)
-    base = single_step(layers, s, k=k, optimizer=optimizer, grad_bytes=grad_bytes)
+    base = single_step(layers, s, k=k, optimizer=optimizer, grad_bytes=grad_bytes,
+                       fresh_gradients=0.0 if bucket_view else 1.0)
     syncing = 1 if no_sync else k
     # each synchronised backward copies the gradients into the buckets, divides them by N and
-    # copies the averages back (`companion.ddp.DDP` without gradient_as_bucket_view)
-    base = dataclasses.replace(base, bucketing=syncing * _copies(layers, s, grad_bytes, 3))
+    # copies the averages back (`companion.ddp.DDP`); with bucket views only the division is
+    # left, and a write of zeros (half a read-and-write pass) once a step
+    passes = syncing * (1 if bucket_view else 3) + (0.5 if bucket_view else 0)
+    base = dataclasses.replace(base, bucketing=_copies(layers, s, grad_bytes, passes))
     ends = _backward_ends(layers, s)
     buckets = _buckets(layers, bucket_bytes, grad_bytes)
     # every bucket's all-reduce (asynchronous), up to `concurrent_collectives` at once; on one
