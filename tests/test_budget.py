@@ -1,7 +1,9 @@
-"""The activation-budget solver (companion.checkpointing.budget): the operators' bytes against
-what torch's own selective checkpointing keeps, measured to the byte; the knapsack against brute
-force. Each check also fails a known-wrong variant (a solver that ignores bytes or one that
-recomputes everything)."""
+"""The activation-budget solver (companion.checkpointing.budget, budget_run): the operators'
+bytes against what torch's own selective checkpointing keeps, measured to the byte; the knapsack
+against brute force; the plan's policy run through torch.utils.checkpoint, offload included,
+equal to the plain block; fit measured under its budget. Each check also fails a known-wrong
+variant (a solver that ignores bytes or one that recomputes everything, a policy that saves
+nothing)."""
 import dataclasses
 import functools
 import itertools
@@ -9,9 +11,11 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from companion.checkpointing import RegionOp, activation_bytes, region_ops, solve
+from companion.checkpointing import (RegionOp, RematPlan, activation_bytes, checkpoint_with_plan,
+                                     fit, held_bytes, plan_policy, region_ops, solve)
 from companion.memory import track
 from companion.models import GPT, Llama
 
@@ -196,3 +200,136 @@ def test_an_impossible_budget_names_the_least_feasible_one():
         solve(region, 10**6, seconds_per_flop=-1.0, seconds_per_byte=0.0)
     with pytest.raises(TypeError, match="budget_bytes"):
         solve(region, "1 MiB", **RATES)
+
+
+# 3. plan_policy and checkpoint_with_plan -------------------------------------------------------
+
+def _same_as_plain(block, x, run):
+    y = run(block, x)
+    grads = torch.autograd.grad(y.sum(), [x, *block.parameters()])
+    y0 = block(x)
+    torch.testing.assert_close(y, y0)
+    for got, want in zip(grads, torch.autograd.grad(y0.sum(), [x, *block.parameters()])):
+        torch.testing.assert_close(got, want)
+
+
+def _check_policy(make_policy, block, x, plan):
+    """The policy saves exactly the plan's kept operators: SAC's held bytes are the plan's."""
+    chosen = []
+
+    def recording(ctx, op, *args, **kwargs):
+        choice = policy(ctx, op, *args, **kwargs)
+        if choice == CheckpointPolicy.MUST_SAVE:
+            chosen.append(len(calls))
+        calls.append(op)
+        return choice
+
+    calls, policy = [], make_policy(plan)
+    assert _sac_held(block, x, recording) == plan.kept_bytes
+    assert set(chosen) == plan.indices("keep")
+
+
+@pytest.mark.parametrize("make", [_gpt, _llama], ids=["gpt", "llama"])
+def test_the_plans_policy_keeps_exactly_its_operators(make):
+    block, x = make(), _x()
+    region = region_ops(block, x)
+    everything = sum(op.nbytes for op in region.ops if not op.output and op.can_keep)
+    plan = solve(region, region.input_bytes + everything // 3, **RATES)
+    assert region.input_bytes < plan.kept_bytes <= region.input_bytes + everything // 3
+    _check_policy(plan_policy, block, x, plan)
+    with pytest.raises(AssertionError):                          # a policy that saves nothing
+        _check_policy(lambda p: lambda *a, **k: CheckpointPolicy.PREFER_RECOMPUTE, block, x, plan)
+    _same_as_plain(block, x, lambda b, t: checkpoint_with_plan(b, t, plan=plan))
+
+
+def test_a_plan_for_another_region_is_refused():
+    plan = solve(region_ops(_gpt(), _x()), 10**6, **RATES)
+    with pytest.raises(RuntimeError, match="region_ops"):
+        checkpoint_with_plan(_llama(), _x(), plan=plan)
+    offloading = solve(region_ops(_gpt(), _x()), 0 + 2048 * 2, host_seconds_per_byte=HOST,
+                       **RATES)
+    assert offloading.offloaded_bytes > 0
+    with pytest.raises(ValueError, match="checkpoint_with_plan"):
+        plan_policy(offloading)
+
+
+@pytest.mark.parametrize("make", [_gpt, _llama], ids=["gpt", "llama"])
+def test_offload_moves_bytes_to_the_host_and_gives_the_plain_gradients(make):
+    block, x = make(), _x()
+    region = region_ops(block, x)
+    plan = solve(region, region.input_bytes + 4096, host_seconds_per_byte=HOST, **RATES)
+    assert plan.offloaded_bytes > 0
+    device, host, _ = held_bytes(block, (x,), plan)
+    assert (device, host) == (plan.kept_bytes, plan.offloaded_bytes)
+    # the same plan keeping what it offloads holds those bytes on the device instead
+    keeps = dataclasses.replace(plan, choices=tuple(
+        "keep" if c == "offload" and op.can_keep else c for op, c in zip(plan.ops, plan.choices)))
+    moved = sum(op.nbytes for op, c in zip(plan.ops, plan.choices)
+                if c == "offload" and op.can_keep)
+    assert moved > 0
+    assert held_bytes(block, (x,), keeps)[:2] == (device + moved, host - moved)
+    _same_as_plain(block, x, lambda b, t: checkpoint_with_plan(b, t, plan=plan))
+    # backward runs again the recomputed operators, not the offloaded ones
+    forward_only = ("aten.addmm.default",
+                    "aten._scaled_dot_product_flash_attention_for_cpu.default")
+    redone = [op.name for op, c in zip(plan.ops, plan.choices) if c == "recompute"]
+    offloaded = [op.name for op, c in zip(plan.ops, plan.choices) if c == "offload"]
+    assert any(name in forward_only for name in offloaded)
+    y = checkpoint_with_plan(block, x, plan=plan)
+    with _InBackward() as ran:
+        y.sum().backward()
+    assert [n for n in ran.names if n in forward_only] == [n for n in redone if n in forward_only]
+
+
+class _InBackward(TorchDispatchMode):
+    """The operators that run inside backward, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# 4. fit ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [_gpt, _llama], ids=["gpt", "llama"])
+@pytest.mark.parametrize("share", [0.25, 0.6])
+def test_fit_measures_under_its_budget_and_gives_the_plain_gradients(make, share):
+    block, x = make(), _x(1)
+    region = region_ops(block, x)
+    everything = sum(op.nbytes for op in region.ops if not op.output and op.can_keep)
+    budget = region.input_bytes + int(share * everything)
+    fitted = fit(block, (x,), budget, **RATES)
+    assert fitted.measured_bytes == fitted.plan.kept_bytes <= budget
+    assert fitted.tries == ((budget, fitted.measured_bytes),)
+    assert fitted.plan.recompute_flops < sum(op.flops for op in region.ops)
+    _same_as_plain(block, x, lambda b, t: checkpoint_with_plan(b, t, plan=fitted.plan))
+    assert all(p.grad is None for p in block.parameters())        # fit changed no .grad
+
+
+def test_fit_lowers_the_budget_by_what_it_measured_over_and_refuses_what_cannot_fit():
+    held, w = [], torch.randn(32, 32)
+    free_bytes = dict(seconds_per_flop=1e-9, seconds_per_byte=0.0)   # element-wise ops cost 0
+
+    def leaky(x):
+        h = x @ w                                    # (2, 16, 32): worth keeping
+        held.append(h.sin())                         # held outside anything checkpointing sees
+        return h.tanh()
+
+    x = _x()
+    extra = x.untyped_storage().nbytes()             # the sin's (2, 16, 32)
+    region = region_ops(leaky, x)
+    budget = region.input_bytes + extra              # room for h, not for h and the leak
+    fitted = fit(leaky, (x,), budget, **free_bytes)
+    assert fitted.tries == ((budget, budget + extra), (budget - extra, budget))
+    assert fitted.measured_bytes == budget
+    assert fitted.plan.recompute_flops == 2 * 32 * 32 * 32      # h: kept first, then redone
+    with pytest.raises(ValueError, match=f"tightest measured held {budget} bytes after 2"):
+        fit(leaky, (x,), budget - extra // 2, **free_bytes)
+    with pytest.raises(ValueError, match="least feasible"):
+        fit(leaky, (x,), 16, **free_bytes)
+    with pytest.raises(TypeError, match="tuple"):
+        fit(leaky, x, budget, **free_bytes)
