@@ -200,6 +200,8 @@ def test_an_impossible_budget_names_the_least_feasible_one():
         solve(region, 10**6, seconds_per_flop=-1.0, seconds_per_byte=0.0)
     with pytest.raises(TypeError, match="budget_bytes"):
         solve(region, "1 MiB", **RATES)
+    with pytest.raises(TypeError, match="region_ops"):
+        solve([4096, 8192], 10**6, **RATES)
 
 
 # 3. plan_policy and checkpoint_with_plan -------------------------------------------------------
@@ -308,6 +310,8 @@ def test_fit_measures_under_its_budget_and_gives_the_plain_gradients(make, share
     assert fitted.plan.recompute_flops < sum(op.flops for op in region.ops)
     _same_as_plain(block, x, lambda b, t: checkpoint_with_plan(b, t, plan=fitted.plan))
     assert all(p.grad is None for p in block.parameters())        # fit changed no .grad
+    if share == 0.25:                                # rates by default: CostModel's CPU ones
+        assert fit(block, (x,), budget).plan == fitted.plan
 
 
 def test_fit_lowers_the_budget_by_what_it_measured_over_and_refuses_what_cannot_fit():
@@ -333,3 +337,5 @@ def test_fit_lowers_the_budget_by_what_it_measured_over_and_refuses_what_cannot_
         fit(leaky, (x,), 16, **free_bytes)
     with pytest.raises(TypeError, match="tuple"):
         fit(leaky, x, budget, **free_bytes)
+    with pytest.raises(ValueError, match="rounds"):
+        fit(leaky, (x,), budget, rounds=0, **free_bytes)

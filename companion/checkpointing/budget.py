@@ -5,9 +5,10 @@ list is chosen for a budget: `region_ops` runs a region (a block) once and lists
 operator it runs, with the bytes its output would hold if kept, the FLOPs and bytes moved to
 recompute it, and whether backward saves it; `solve` picks, per operator, keep / recompute /
 offload so that the bytes kept stay within the budget for the least added time, a knapsack
-(torchtitan's memory-budget solver and Checkmate, Jain et al., MLSys 2020, solve the same
-trade); `budget_run` turns the choice into a policy for PyTorch's selective checkpointing, runs
-it, and measures it until it fits.
+(`torch.compile`'s partitioner solves one under `activation_memory_budget`:
+torch/_functorch/_activation_checkpointing/knapsack.py, `dp_knapsack`; Checkmate, Jain et al.,
+MLSys 2020, an integer program over the whole graph); `budget_run` turns the choice into a
+policy for PyTorch's selective checkpointing, runs it, and measures it until it fits.
 
 The model of time is SAC's: backward replays the region once, running again every operator that
 was not kept, so recomputing operator i costs its own FLOPs·s/FLOP + bytes moved·s/byte whatever
@@ -21,12 +22,12 @@ Example:
     >>> plan = solve(region, 2**20, seconds_per_flop=1 / 26e9, seconds_per_byte=1 / 15e9)
     >>> plan.kept_bytes, plan.seconds, plan.recompute_flops
 
-Simplified vs torchtitan/PyTorch: torchtitan's solver and `torch.compile`'s partitioner (its
-`activation_memory_budget`) work on the graph and recompute only what backward needs; SAC's
-eager replay runs every operator not kept, so here each operator is priced alone and ones that
-backward does not need are priced too. SAC's early stop (recompute ends once backward has what
-it needs) is not modelled: the predicted time is an upper bound by the operators after the last
-one backward needs.
+Simplified vs PyTorch: `torch.compile`'s partitioner works on the joint graph and recomputes
+only what backward needs; SAC's eager replay runs every operator not kept, so here each operator
+is priced alone, and ones that backward does not need are priced too. SAC's early stop
+(recompute ends once backward has what it needs) is not modelled: the predicted time may count
+operators after the last one backward needs. torch's `dp_knapsack` rounds each weight to the
+nearest step; here they round up, so a plan never holds more than it was allowed.
 """
 from __future__ import annotations
 
@@ -138,8 +139,8 @@ def region_ops(fn: Callable, *args) -> Region:
     tensor arguments that are not parameters) and of the output.
 
     Example:
-        >>> region = region_ops(block, x)
-        >>> [op.name for op in region.ops if op.flops]   # the four Linear layers' addmm, ...
+        >>> region = region_ops(block, x)                 # a GPT Block, written attention
+        >>> [op.name for op in region.ops if op.flops]    # its Linears' addmm, the core's bmm
 
     Simplified vs torch.utils.flop_counter: one region, no module tree; causal attention
     counted in full as FlopCounterMode does.
@@ -227,14 +228,17 @@ def solve(ops: Region | Sequence[RegionOp], budget_bytes: int, *, seconds_per_fl
     Example:
         >>> plan = solve(region_ops(block, x), 3 * 2**20, seconds_per_flop=1 / 26e9,
         ...              seconds_per_byte=1 / 15e9)
-        >>> plan.choices[:4]                    # ('keep', 'recompute', 'recompute', 'keep')
+        >>> plan.kept_bytes <= 3 * 2**20, plan.indices("keep"), plan.recompute_flops
 
     Raises ValueError below the least feasible budget, the region's inputs: checkpointing
     keeps them to recompute from, and every operator can be recomputed.
-    Simplified vs torchtitan: no graph (each operator priced alone, as SAC's replay runs it).
+    Simplified vs PyTorch's `dp_knapsack`: no graph (each operator priced alone, as SAC's
+    eager replay runs it), and weights rounded up rather than to the nearest step.
     """
     region = ops if isinstance(ops, Region) else None
     ops = tuple(region.ops if region else ops)
+    if not all(isinstance(op, RegionOp) for op in ops):
+        raise TypeError("ops are what region_ops(fn, *args) returns (a Region, or its .ops)")
     base = (region.input_bytes if region else 0) if input_bytes is None else input_bytes
     spf, spb = _rate("seconds_per_flop", seconds_per_flop), _rate("seconds_per_byte",
                                                                   seconds_per_byte)

@@ -6,14 +6,15 @@ recompute apart, as `selective.alternate_matmuls` counts). `checkpoint_with_plan
 under it, offload included; `held_bytes` measures what the region holds between forward and
 backward; `fit` solves, measures, and solves again for less until the measurement fits.
 
-Offload, and why not through SAC alone: torch 2.13's `CheckpointPolicy` has MUST_CPU_OFFLOAD,
-but only `torch.compile` acts on it; eagerly SAC either keeps an output on the device (MUST_SAVE
-and PREFER_SAVE) or drops it (anything else), and its cache cannot be swapped from outside. So
+Offload, and why not through SAC alone: torch 2.13's `CheckpointPolicy` lists MUST_CPU_OFFLOAD,
+but eager SAC either keeps an output on the device (MUST_SAVE and PREFER_SAVE) or drops it
+(anything else, that one included: `_CachingTorchDispatchMode` in torch/utils/checkpoint.py), and
+its cache cannot be swapped from outside. So
 an offloaded operator is PREFER_RECOMPUTE to SAC, and two pieces of our own do the offload,
 through SAC's public hooks: the policy, which sees each output in forward (`ctx.op_output`),
-copies it to the host, strides kept; and a dispatch mode entered beneath SAC's
-recompute mode, which receives exactly the operators SAC runs again, in run order, and answers
-an offloaded one with its host copy brought back instead of running it.
+copies it to the host, strides kept; and a dispatch mode entered beneath SAC's recompute mode,
+which receives exactly the operators SAC runs again, in run order, and answers an offloaded one
+with its host copy brought back instead of running it.
 
 Example:
     >>> plan = solve(region_ops(block, x), budget, seconds_per_flop=1 / 26e9,
@@ -21,8 +22,10 @@ Example:
     >>> y = checkpoint_with_plan(block, x, plan=plan)     # same output and gradients
     >>> fitted = fit(block, (x,), budget)                 # measured until it fits
 
-Simplified vs torchtitan: one region, solved alone (torchtitan solves per distinct block and
-shares the plan); copies on the current stream, none overlapped with compute.
+Simplified vs PyTorch: one region solved and run at a time (a model of equal blocks would solve
+once and reuse the plan; a plan is tied to its input shapes); offload copies on the current
+stream, none overlapped with compute (torch.compile has an offload pass of its own that can
+copy asynchronously: functorch's `enable_activation_offloading`).
 """
 from __future__ import annotations
 
@@ -45,9 +48,9 @@ __all__ = ["plan_policy", "checkpoint_with_plan", "held_bytes", "Fitted", "fit"]
 
 
 def _down(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of `t` with its strides (pinned on a GPU machine). `to_host` would make it
-    contiguous, and the operators after it would then run otherwise: a transpose that was a
-    view of SDPA's output would need a copy, which SAC's replay does not expect."""
+    """A host copy of `t` with its strides (pinned on a GPU machine). `activation_offload.to_host`
+    would make it contiguous, and the operators after it would then run otherwise: a transpose
+    that was a view of SDPA's output would need a copy, which SAC's replay does not expect."""
     with on_host():
         host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu",
                                    pin_memory=t.is_cuda and can_pin())
@@ -156,8 +159,8 @@ def checkpoint_with_plan(fn: Callable, *args, plan: RematPlan):
         >>> y = checkpoint_with_plan(block, x, plan=plan)
         >>> y.sum().backward()
 
-    Simplified vs torchtitan/PyTorch: offload copies on the current stream (no side stream, no
-    prefetch), and a region's plan is not shared between equal blocks."""
+    Simplified vs PyTorch's `save_on_cpu`: the same copies (current stream, no side stream, no
+    prefetch), but only of the operators the plan offloads, not every saved tensor."""
     if not isinstance(plan, RematPlan):
         raise TypeError(f"plan must be a RematPlan (from solve or fit), got {type(plan).__name__}")
 
@@ -178,7 +181,8 @@ def held_bytes(fn: Callable, args: tuple, plan: RematPlan) -> tuple[int, int, in
     """(device bytes, host bytes, step peak) of one forward and backward of the plan, measured
     by `companion.memory.track`. Device bytes: what stays alive after forward, the inputs
     counted (the checkpoint) and the output not (the caller holds it), as `plan.kept_bytes`
-    predicts; host bytes: the offloaded copies; step peak: the most bytes the step allocated.
+    predicts (on CUDA the caching allocator's count, blocks rounded up to 512 bytes, so a little
+    more); host bytes: the offloaded copies; step peak: the most bytes the step allocated.
     Backward runs through `torch.autograd.grad`, so no `.grad` is changed."""
     wrt = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
     if isinstance(fn, torch.nn.Module):
@@ -223,10 +227,13 @@ def fit(fn: Callable, args: tuple, budget_bytes: int, *, seconds_per_flop: float
         >>> fitted.measured_bytes <= 3 * 2**20, fitted.plan.recompute_flops
 
     Raises ValueError when no try fits: the message gives the tightest bytes measured.
-    Simplified vs torchtitan: the adjustment is the measured excess, no model of why."""
+    Simplified: the adjustment is the measured excess, with no model of where it came from
+    (bytes held outside what SAC caches, or a grid coarser than the operators' bytes)."""
     if not isinstance(args, tuple):
         raise TypeError("args is the tuple of fn's arguments, e.g. (x,); got "
                         f"{type(args).__name__}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds is how many plans to try, an int >= 1; got {rounds!r}")
     if seconds_per_flop is None or seconds_per_byte is None:
         from companion.plan.costmodel import CostModel
         device = next((t.device.type for t in tree_leaves(args) if isinstance(t, torch.Tensor)),
