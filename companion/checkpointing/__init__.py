@@ -16,7 +16,9 @@ Two designs, as in PyTorch's `torch.utils.checkpoint`:
   selective policy that keeps some operators' outputs.
 `saved` lists what autograd saves; `segments` predicts and measures the √n trade-off, and plans
 uneven segments for a budget and measures a plan's peak; `selective` is Korthikanti et al.'s
-selective recomputation (only the attention core).
+selective recomputation (only the attention core); `budget` lists a region's operators and
+chooses per operator keep, recompute or offload for a byte budget, and `budget_run` runs that
+choice through PyTorch's selective checkpointing and measures it until it fits.
 
 Example:
     >>> layers = [torch.nn.Linear(64, 64) for _ in range(16)]
@@ -31,6 +33,10 @@ from companion.checkpointing.segments import (SegmentRun, predicted_activation_b
                                               predicted_activation_units, predicted_time_ratio,
                                               profile_segments, segments_for_budget, sqrt_segments,
                                               plan_cost, checkpoint_plan, UnevenLayer, measure_plan)
+from companion.checkpointing.budget import (CHOICES, Region, RegionOp, RematPlan, region_ops,
+                                            solve)
+from companion.checkpointing.budget_run import (Fitted, checkpoint_with_plan, fit, held_bytes,
+                                                plan_policy)
 from companion.checkpointing.selective import (attention_core, attention_core_policy,
                                                block_activation_bytes, megatron_activation_bytes,
                                                selective_block)
@@ -61,4 +67,15 @@ __all__ = [
     "attention_core_policy",
     "block_activation_bytes",
     "megatron_activation_bytes",
+    "CHOICES",
+    "RegionOp",
+    "Region",
+    "RematPlan",
+    "region_ops",
+    "solve",
+    "plan_policy",
+    "checkpoint_with_plan",
+    "held_bytes",
+    "Fitted",
+    "fit",
 ]
