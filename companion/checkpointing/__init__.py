@@ -18,7 +18,8 @@ Two designs, as in PyTorch's `torch.utils.checkpoint`:
 uneven segments for a budget and measures a plan's peak; `selective` is Korthikanti et al.'s
 selective recomputation (only the attention core); `budget` lists a region's operators and
 chooses per operator keep, recompute or offload for a byte budget, and `budget_run` runs that
-choice through PyTorch's selective checkpointing and measures it until it fits.
+choice through PyTorch's selective checkpointing and measures it until it fits; `compiled` is
+torch.compile's own choice under `activation_memory_budget`, measured, and its curve over budgets.
 
 Example:
     >>> layers = [torch.nn.Linear(64, 64) for _ in range(16)]
@@ -37,6 +38,8 @@ from companion.checkpointing.budget import (CHOICES, Region, RegionOp, RematPlan
                                             solve)
 from companion.checkpointing.budget_run import (Fitted, checkpoint_with_plan, fit, held_bytes,
                                                 plan_policy)
+from companion.checkpointing.compiled import (TRACKED_BACKENDS, BudgetCurve, BudgetPoint,
+                                              CompiledSaved, budget_curve, compiled_saved)
 from companion.checkpointing.selective import (attention_core, attention_core_policy,
                                                block_activation_bytes, megatron_activation_bytes,
                                                selective_block)
@@ -78,4 +81,10 @@ __all__ = [
     "held_bytes",
     "Fitted",
     "fit",
+    "TRACKED_BACKENDS",
+    "CompiledSaved",
+    "compiled_saved",
+    "BudgetPoint",
+    "BudgetCurve",
+    "budget_curve",
 ]
