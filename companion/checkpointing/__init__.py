@@ -19,7 +19,9 @@ uneven segments for a budget and measures a plan's peak; `selective` is Korthika
 selective recomputation (only the attention core); `budget` lists a region's operators and
 chooses per operator keep, recompute or offload for a byte budget, and `budget_run` runs that
 choice through PyTorch's selective checkpointing and measures it until it fits; `compiled` is
-torch.compile's own choice under `activation_memory_budget`, measured, and its curve over budgets.
+torch.compile's own choice under `activation_memory_budget`, measured, and its curve over budgets;
+`offload_inputs` checkpoints layer by layer with each checkpoint's input on the host, fetched back
+one layer ahead of backward, and shows where the step's peak is with and without it.
 
 Example:
     >>> layers = [torch.nn.Linear(64, 64) for _ in range(16)]
@@ -40,6 +42,9 @@ from companion.checkpointing.budget_run import (Fitted, checkpoint_with_plan, fi
                                                 plan_policy)
 from companion.checkpointing.compiled import (TRACKED_BACKENDS, BudgetCurve, BudgetPoint,
                                               CompiledSaved, budget_curve, compiled_saved)
+from companion.checkpointing.offload_inputs import (InputOffload, Overlap, PeakRow,
+                                                    checkpoint_offloaded, transfer_hides,
+                                                    where_is_the_peak)
 from companion.checkpointing.selective import (attention_core, attention_core_policy,
                                                block_activation_bytes, megatron_activation_bytes,
                                                selective_block)
@@ -70,6 +75,12 @@ __all__ = [
     "attention_core_policy",
     "block_activation_bytes",
     "megatron_activation_bytes",
+    "InputOffload",
+    "checkpoint_offloaded",
+    "where_is_the_peak",
+    "PeakRow",
+    "transfer_hides",
+    "Overlap",
     "CHOICES",
     "RegionOp",
     "Region",
