@@ -182,6 +182,12 @@ def link_schedule(messages: Sequence[tuple[float, float, float]], *, lanes: int 
         raise ValueError(f"sharing must lie in [0, 1], got {sharing!r}")
     if any(min(m) < 0 for m in messages):
         raise ValueError("ready times, latencies and transfers must be non-negative")
+    if lanes == 1:                                      # one at a time: a running sum
+        ends, end = [], 0.0
+        for ready, latency, transfer in messages:
+            end = max(end, ready) + latency + transfer
+            ends.append(end)
+        return ends
     ends: list[float] = [0.0] * len(messages)
     active: dict[int, list[float]] = {}                 # message -> [latency ends, transfer left]
     nxt, t = 0, 0.0

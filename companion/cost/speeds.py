@@ -56,11 +56,18 @@ class Speeds:
     unit_seconds: float = 0.0     # a ZeRO-3 unit's fixed cost per micro-batch beyond its compute
                                   # and collectives (the course's FSDP: hooks, saved-tensor
                                   # packing), measured on one rank
+    # seconds already worked out for a shape: a step model asks for the same layers many times
+    _memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def linear_seconds(self, m: int, k: int, n: int) -> tuple[float, float]:
         """(forward, backward) seconds of a Linear on (m, k) inputs with n outputs: interpolated
         in log-size between the shapes of `linear_table` (as FLOP/s), or, without a table, the
         matmuls' times: (m, k) @ (k, n) forward, (m, n) @ (n, k) and (k, m) @ (m, n) backward."""
+        if ("linear", m, k, n) not in self._memo:
+            self._memo["linear", m, k, n] = self._linear_seconds(m, k, n)
+        return self._memo["linear", m, k, n]
+
+    def _linear_seconds(self, m: int, k: int, n: int) -> tuple[float, float]:
         if not self.linear_table:
             return (self.matmul_seconds(m, k, n),
                     self.matmul_seconds(m, n, k) + self.matmul_seconds(k, m, n))
@@ -188,10 +195,15 @@ class Speeds:
     def matmul_seconds(self, m: int, k: int, n: int) -> float:
         """Seconds of an (m, k) @ (k, n) matmul: measured FLOP/s interpolated in log-size between
         the shapes of `matmul_table`, or the roofline when there is no table."""
+        if ("matmul", m, k, n) in self._memo:
+            return self._memo["matmul", m, k, n]
         flops = 2 * m * k * n
         if not self.matmul_table:
-            return flops / self.attainable(_matmul_intensity(m, k, n, self.dtype_bytes))
-        return flops / _interpolate(self.matmul_table, (m, k, n))
+            seconds = flops / self.attainable(_matmul_intensity(m, k, n, self.dtype_bytes))
+        else:
+            seconds = flops / _interpolate(self.matmul_table, (m, k, n))
+        self._memo["matmul", m, k, n] = seconds
+        return seconds
 
 
 def _along(curve, x: float) -> float:

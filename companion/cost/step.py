@@ -275,13 +275,11 @@ def zero_step(layers: Sequence[Layer], s: Speeds, world_size: int, stage: int, *
     base = dataclasses.replace(base, compute=base.compute + k * len(layers) * s.unit_seconds)
     lanes = dict(lanes=s.concurrent_collectives, sharing=s.link_sharing,
                  one_after=s.concurrent_collectives > 1)
-    exposed_total = 0.0
-    for _ in range(k):
-        exposed_total += exposed_link(units, gather, fwd, prefetch, s.overlap, **lanes)
-        order = list(reversed(units))
-        again = gather if reshard_after_forward else [0.0] * len(layers)
-        exposed_total += exposed_link(order, again, bwd, prefetch, s.overlap, after=scatter,
-                                      **lanes)
+    again = gather if reshard_after_forward else [0.0] * len(layers)
+    # every micro-batch's forward and backward are scheduled alike
+    exposed_total = k * (exposed_link(units, gather, fwd, prefetch, s.overlap, **lanes)
+                         + exposed_link(list(reversed(units)), again, bwd, prefetch, s.overlap,
+                                        after=scatter, **lanes))
     # each gather copies the shards into the full flat buffer and hands out views of it; each
     # unit's gradients are flattened for the reduce-scatter: passes over the bytes, per micro-batch
     gathered = (2 if reshard_after_forward else 1) * gather_bytes_per_param / grad_bytes
@@ -316,8 +314,14 @@ def exposed_link(order: Sequence[int], gather: Sequence, compute: Sequence[float
         messages.append((at, latency, transfer))
         return len(messages) - 1
 
+    done: list[float] = []
+
     def ends() -> list[float]:      # later messages are issued after the time asked about
-        return network.link_schedule(messages, lanes=lanes, sharing=sharing)
+        if lanes > 1:
+            return network.link_schedule(messages, lanes=lanes, sharing=sharing)
+        for ready, latency, transfer in messages[len(done):]:      # one at a time: extend
+            done.append(max(done[-1] if done else 0.0, ready) + latency + transfer)
+        return done
 
     for j, unit in enumerate(order):
         while issued <= min(j + prefetch, len(order) - 1):
