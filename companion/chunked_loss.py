@@ -96,12 +96,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # 1. one chunk's logits, fp32: (n, V) -> n·V·4 bytes, the only logits that exist
             logits = F.linear(h, weight, bias).to(exact)
             total += F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="sum")
-            # 2. d(sum of losses)/d(logits) = softmax - one_hot(target); 0 on ignored rows
-            grad = logits.softmax(-1)                              # reuses nothing: logits die
-            kept = t != ignore_index
-            grad[kept.nonzero().squeeze(1), t[kept]] -= 1
-            grad[~kept] = 0
-            grad = (grad / counted).to(hidden.dtype)               # the mean's 1/N folded in
+            # 2. d(sum of losses)/d(logits) = softmax - one_hot(target); 0 on ignored rows. No
+            #    data-dependent shape (no host-device sync; fake tensors can run it)
+            grad = logits.softmax(-1)                              # (n, V) fp32
+            del logits                                             # the chunk's logits die
+            kept = (t != ignore_index)[:, None]                    # (n, 1)
+            grad.scatter_add_(1, t[:, None].where(kept, 0), -kept.to(grad.dtype))
+            grad = grad.mul_(kept.to(grad.dtype) / counted).to(hidden.dtype)   # the mean's 1/N
             # 3. the chunk's share of each gradient: two matmuls, no logits kept
             if grad_hidden is not None:
                 grad_hidden[start:start + chunk_size] = grad @ weight          # (n, C)
@@ -109,10 +110,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 grad_weight.addmm_(grad.T, h)                                  # (V, C) += (V, n)(n, C)
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
+            del grad
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        if (targets == ignore_index).all():
-            return total.new_tensor(float("nan"))                  # a mean over no token, as torch
-        return total / counted
+        return total / (targets != ignore_index).sum()             # no token: 0/0, NaN, as torch
 
     @staticmethod
     def backward(ctx, grad_loss):

@@ -94,6 +94,11 @@ class InputOffload(torch.autograd.graph.saved_tensors_hooks):
         super().__enter__()
         return self
 
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)                 # the graph holds the hooks from here on: drop
+        self.pack_hook = self.unpack_hook = None   # self's own (bound to self, a cycle that kept
+                                               # every step's host copies until gc ran)
+
 
 def _on(stream) -> contextlib.AbstractContextManager:
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -111,8 +111,10 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _cli_names(names) -> list[str]:
-    """Techniques as --allow spells them: issue 52's levers with hyphens ("pure-bf16")."""
-    new = ("selective_checkpointing", "pure_bf16", "optimizer_in_backward", "paged_adam8bit")
+    """Techniques as --allow spells them: issue 52's and 59's levers with hyphens
+    ("pure-bf16", "fused-loss")."""
+    new = ("selective_checkpointing", "pure_bf16", "optimizer_in_backward", "paged_adam8bit",
+           "fused_loss", "offload_checkpoints")
     return [n.replace("_", "-") if n in new else n for n in names]
 
 
@@ -322,7 +324,7 @@ def add_parser(sub) -> None:
                         "adam8bit (default accumulation checkpointing); for a named model any "
                         "of companion.plan.TECHNIQUES (default the exact ones and bf16), among "
                         "them selective-checkpointing pure-bf16 optimizer-in-backward "
-                        "paged-adam8bit")
+                        "paged-adam8bit fused-loss offload-checkpoints")
     p.add_argument("--lora-rank", type=_positive, default=8)
     p.add_argument("--lora-targets", type=_names, default=(),
                    help="the Linears LoRA and QLoRA adapt, by name, comma-separated (e.g. "

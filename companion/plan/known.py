@@ -98,10 +98,10 @@ class Formulas:
 
     def largest_request(self, cand: Candidate) -> int:
         """The largest single allocation: an fp32 copy of the largest weight, or the logits of
-        one micro-batch (of one slice with the chunked loss)."""
+        one micro-batch (of one slice with the chunked or the fused loss)."""
         tokens = cand.micro_batch * self.shape.seq_len
-        return 4 * max(self.shape.largest,
-                       tokens * self.shape.vocab // max(cand.chunked_loss, 1))
+        return 4 * max(self.shape.largest, tokens * self.shape.vocab
+                       // max(cand.chunked_loss, cand.fused_loss, 1))
 
     def traced(self, cand: Candidate) -> MemoryTracker | None:
         return None                                    # nothing simulated while predicting

@@ -16,7 +16,7 @@ from companion.plan.space import Candidate, GPTShape
 __all__ = ["BUCKET_BYTES", "activation_bytes", "bf16_weights", "segment_sizes", "state_bytes",
            "selective_block_bytes", "selective_recompute_flops", "paged_state_bytes",
            "STEP_TEMPORARIES", "PAGE", "qlora_build_bytes", "qlora_dequantize_bytes",
-           "offloaded_twice"]
+           "offloaded_twice", "offloaded_checkpoints", "head_gradient_bytes"]
 
 BUCKET_BYTES = 25 * 2**20      # ShardedOptimizer's and DDP's default bucket (bucket_cap_mb=25)
 # fp32 temporaries of one tensor's step, bytes per value of the largest trainable tensor, counted
@@ -34,7 +34,9 @@ def activation_bytes(s: GPTShape, c: Candidate,
                      device_type: str) -> tuple[int, int, int, int, int]:
     """(bytes one micro-batch saves for backward, of them per block, one checkpoint (a block's
     input), the bf16 weight copies autocast caches beyond them until the forward ends, of the
-    saved bytes those outside the blocks (embeddings, final norm, loss))."""
+    saved bytes those outside the blocks (embeddings, final norm, loss)). The fused loss keeps
+    what the chunked one does (the head's input's size: its gradient), the head's own gradient
+    apart (`head_gradient_bytes`); offloaded checkpoints are not among the saved bytes."""
     B, T, C, L, V, h = c.micro_batch, s.seq_len, s.width, s.depth, s.vocab, s.heads
     precision = {"fp32": "fp32", "autocast": "autocast", "mixed": "bf16",
                  "main_grad": "bf16", "bf16": "bf16"}[c.precision]
@@ -65,11 +67,12 @@ def activation_bytes(s: GPTShape, c: Candidate,
         per_block -= unadapted_inputs(s, c) * B * T * (2 if c.precision != "fp32" else 4)
     if c.nf4_base and precision == "autocast":         # the base is dequantized again in
         per_block -= 24 * C * C                        # backward: no 16-bit weight copies saved
-    if c.chunked_loss:                                 # no logits kept: their fp32 log-softmax
+    if c.chunked_loss or c.fused_loss:                 # no logits kept: their fp32 log-softmax
         outside -= loss if s.llama else 4 * B * T * V + (2 * C * V if precision == "autocast"
                                                          else 0)   # and the head's
     checkpoint = (2 if bf16_weights(c) else 4) * B * T * C    # bf16 weight copy go
     blocks = predicted_activation_bytes(L, c.segments, per_block, checkpoint)
+    blocks -= (c.segments - 1) * checkpoint * c.offload_checkpoints   # on the host
     if c.selective:                                    # each block keeps its input and what
         blocks = L * selective_block_bytes(s, c)       # the policy saves (per_block: all of
                                                        # it, back while its backward runs)
@@ -77,6 +80,21 @@ def activation_bytes(s: GPTShape, c: Candidate,
     if precision == "autocast" and c.segments > 1 and not c.lora_rank:
         cached = (L - segment_sizes(L, c.segments)[1]) * 24 * C * C
     return outside + blocks, per_block, checkpoint, cached, outside
+
+
+def offloaded_checkpoints(s: GPTShape, c: Candidate) -> int:
+    """Checkpointed segments' inputs a micro-batch keeps on the host (`offload_checkpoints`):
+    every checkpointed segment's, the last one's too with checkpoint_last."""
+    return (c.segments - 1 + c.checkpoint_last) * c.offload_checkpoints
+
+
+def head_gradient_bytes(s: GPTShape, c: Candidate) -> int:
+    """Bytes of the head's weight and bias gradients the fused loss makes in forward and keeps
+    until backward (its weight's dtype; none when LoRA freezes the head; the GPT's head has a
+    bias unless tied to the embedding, the Llama's none)."""
+    if c.lora_rank:
+        return 0
+    return (2 if bf16_weights(c) else 4) * s.vocab * (s.width + (not s.llama and not s.tied))
 
 
 def unadapted_inputs(s: GPTShape, c: Candidate) -> int:

@@ -288,7 +288,8 @@ def plan(model_fn: Callable[..., nn.Module], batch: int, *, budget: int | str,
             moments in 8 bits; "qlora": LoRA on a base frozen in NF4) must be asked for:
             allow=EXACT + LOW_PRECISION + ("lora",) + FEWER_BITS. Issue 52's levers:
             "selective_checkpointing" and "optimizer_in_backward" (exact), "pure_bf16" and
-            "paged_adam8bit" (in FEWER_BITS); hyphens ("pure-bf16") are accepted. A single
+            "paged_adam8bit" (in FEWER_BITS); issue 59's: "fused_loss" and
+            "offload_checkpoints" (exact); hyphens ("pure-bf16") are accepted. A single
             name may be passed alone.
         host_budget: bytes of host memory for offload (None: no limit).
         verify: at most this many candidates are simulated before giving up; 0 simulates

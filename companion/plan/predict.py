@@ -41,6 +41,25 @@ page of 2^20 values stepped at a time; time: a bound, every page out and back ov
 link ("paging"). Within 1.2% of the simulated step for each on a GPT and a Llama, 6% for all
 four together (tests/test_plan_practitioners.py).
 
+Issue 59's levers. The fused loss (`chunked_loss.fused_linear_cross_entropy`, `fused_loss`
+slices): no logits kept, as the chunked loss; in its forward the hidden state, one slice's fp32
+logits and softmax (8·n·V bytes), the head input's gradient (the size of the input the chunked
+loss keeps) and the head's weight and bias gradients (`parts.head_gradient_bytes`: V·C + V in
+the weights' dtype, none under LoRA), made there and kept to backward: extra bytes either way,
+before the head's .grad exists (one micro-batch) or beside it (accumulation, which adds them to
+it); backward scales them, the kept and the scaled copies alive together for a moment. Time: the plain loss's (its two
+gradient matmuls move into forward), no head matmul recomputed as the chunked loss does.
+Offloaded checkpoint inputs (`offload_checkpoints`, `checkpointing.InputOffload` around the
+checkpointed segments): (segments - 1) inputs (every segment's with checkpoint_last) leave the
+device for the host until backward, which fetches them one segment ahead; backward through the
+first segment is unchanged, so the peak falls only where the inputs were part of it (the loss's
+phase, many tokens: `checkpointing.where_is_the_peak`). Time: each input down and up at the
+rate saved tensors move, less what the segment's compute beside it hides (`_checkpoint_copies`).
+On the GPT in fp32 both land within 0.01% of the simulated step (a real one: 8 B more), the
+host's bytes exact; elsewhere they miss by what the levers they join miss by: a Llama in bf16
+-1.4% to -2.4% (the chunked loss -1.7% to -2.9%), LoRA +1.2%, checkpointing a small Llama -0.8%,
+activation offload's first block +12% (tests/test_plan_loss_and_inputs.py).
+
 The Llama (`companion.models.Llama`: Llama, Mistral, Qwen2 shapes). Its activations are
 `llama_activations` (RMSNorm, rotary q and k, GQA's narrower k and v, SwiGLU's four (N, I)
 tensors; always SDPA, so no (T, T) term and fused attention is no lever), on "cuda" with the
@@ -99,9 +118,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from companion.checkpointing import Overlap
 from companion.plan.costmodel import CostModel
 from companion.plan.parts import (BUCKET_BYTES, PAGE, STEP_TEMPORARIES, activation_bytes,
-                                  bf16_weights, linear_inputs, offloaded_twice, paged_state_bytes,
+                                  bf16_weights, head_gradient_bytes, linear_inputs,
+                                  offloaded_checkpoints, offloaded_twice, paged_state_bytes,
                                   qlora_build_bytes, qlora_dequantize_bytes, segment_sizes,
                                   selective_block_bytes, selective_recompute_flops,
                                   state_bytes, unadapted_inputs)
@@ -188,11 +209,20 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
     if c.chunked_loss:                                 # one slice's at a time, and the hidden
         logits = logits // c.chunked_loss              # (its recompute, log-softmax, gradients)
         loss_grads = (16 + 2 * low) * N * V // c.chunked_loss + 4 * N * C
+    head = head_gradient_bytes(s, c) if c.fused_loss else 0   # the fused loss's head
+    if c.fused_loss:                                   # gradients, made in forward (its input's
+        e = 2 if bf16_weights(c) else 4                # gradient among the activations; made
+        back = e * N * C * c.activation_offload        # here, then on the host with offload);
+        logits = (e * N * C + back + head + 8 * -(-N // c.fused_loss) * V   # the hidden, one
+                  + 2 * C * V * (c.precision == "autocast" and not c.lora_rank))   # slice's
+        loss_grads = 2 * head + e * N * C + back       # fp32 logits and softmax, autocast's
+    #   cached bf16 head; backward: the kept gradients and their scaled copies, no matmul
+    sliced = c.chunked_loss or c.fused_loss
     host_acts = 0
-    if c.activation_offload and not c.chunked_loss:    # the log-softmax back from the host
+    if c.activation_offload and not sliced:            # the log-softmax back from the host
         loss_grads += 4 * N * V
     if c.activation_offload:                           # saved tensors wait on the host; backward
-        host_acts = A + 4 * N * V * (not c.chunked_loss) + offloaded_twice(s, c, device_type)
+        host_acts = A + 4 * N * V * (not sliced) + head + offloaded_twice(s, c, device_type)
         A = 0                                          # a segment's back at a time;
         # the log-softmax is saved twice (log_softmax, nll_loss) and crosses twice
         early_acts_back = per_block * (segment_sizes(s.depth, c.segments)[0]
@@ -224,7 +254,8 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
         else step_temp
     at_loss = A                                        # the last segment checkpointed too:
     if c.checkpoint_last:                              # only its input kept until its backward
-        at_loss = A - segment_sizes(s.depth, c.segments)[1] * per_block + checkpoint
+        at_loss = A - segment_sizes(s.depth, c.segments)[1] * per_block \
+            + checkpoint * (not c.offload_checkpoints)  # (offloaded: on the host)
     phases = [("forward", G_before, at_loss, logits + cached),
               ("backward", G_before + moving, at_loss, loss_grads),
               ("first block's backward", max(G_before, early) + early_moving, early_acts,
@@ -278,7 +309,8 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
     phase, grads, acts, temp = max(phases, key=lambda p: p[1] + p[2] + p[3])   # peak, V small)
     disk = 12 * (s.lora_params(c.lora_rank, c.lora_targets) if c.lora_rank else s.n_params) \
         if c.nvme else 0
-    step = Prediction(P, grads, O, acts, temp, phase, host + host_acts, disk)
+    moved = offloaded_checkpoints(s, c) * checkpoint   # checkpointed segments' inputs
+    step = Prediction(P, grads, O, acts, temp, phase, host + host_acts + moved, disk)
     if c.nf4_base and device_type == "cpu":            # QLoRA's build, in the same memory
         weights, quantizing = qlora_build_bytes(s, c)
         if weights + quantizing > step.peak:
@@ -317,6 +349,23 @@ def _exposed_communication(s: GPTShape, c: Candidate, cost: CostModel, world_siz
                             after=[reduce * block] * L) + reduce * rest
     gather_after = 4 * trainable * per_byte if c.zero_stage in (1, 2) else 0.0
     return syncs * backward + gather_after
+
+
+def _checkpoint_copies(s: GPTShape, c: Candidate, cost: CostModel, forward_per_block: float
+                       ) -> float:
+    """Seconds one micro-batch's offloaded checkpoint inputs add (`offload_checkpoints`): each
+    input down beside its segment's forward and up beside the next segment's recompute and
+    backward (three forwards), at the rate saved tensors move; the part of a copy shorter than
+    the compute beside it hides (`checkpointing.transfer_hides`' rule, `Overlap.hides`), where
+    the device overlaps copies at all (`cost.overlap`), the rest is exposed."""
+    nbytes = activation_bytes(s, c, "cuda")[2]        # a block's input, (B, T, C)
+    forward = segment_sizes(s.depth, c.segments)[0] * (forward_per_block
+                                                       + cost.layer_seconds / 3)
+    o = Overlap(nbytes, nbytes / (cost.activation_bandwidth or cost.host_bandwidth), forward,
+                3 * forward)
+    exposed = sum(o.copy_seconds - cost.overlap * min(o.copy_seconds, beside)
+                  for beside in (o.forward_seconds, o.backward_seconds))
+    return offloaded_checkpoints(s, c) * exposed
 
 
 def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
@@ -387,6 +436,9 @@ def predict_seconds(shape: GPTShape, cand: Candidate, cost: CostModel, *,
                                if c.activation_offload else 0.0),
         "disk": (2 * 12 * trainable / cost.disk_bandwidth + 3 * s.trainable_tensors(
             c.lora_rank, c.lora_targets) * cost.disk_sync_seconds) if c.nvme else 0.0,
+        # checkpointed segments' inputs over the host link, where the compute does not hide them
+        "checkpoint offload": c.accumulation * _checkpoint_copies(
+            s, c, cost, c.micro_batch * T * block / speed) if c.offload_checkpoints else 0.0,
         # selective checkpointing's element-wise recompute: what the policy does not keep,
         # written again and read by backward, at the device's memory speed
         "selective recompute": 2 * recomputed / cost.memory_bandwidth,

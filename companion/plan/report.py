@@ -26,7 +26,8 @@ _LEVERS = {"micro-batches": ("micro_batch", "accumulation"), "checkpointing": ("
            "precision": ("precision",), "ZeRO": ("zero_stage",), "offload": ("offload", "nvme"),
            "activation offload": ("activation_offload",), "chunked loss": ("chunked_loss",),
            "fused attention": ("fused_attention",), "LoRA": ("lora_rank", "nf4_base"),
-           "8-bit states": ("state_bits",)}
+           "8-bit states": ("state_bits",), "fused loss": ("fused_loss",),
+           "checkpoint inputs on the host": ("offload_checkpoints",)}
 
 
 class NothingFits(ValueError):

@@ -7,9 +7,11 @@ A plan (`Candidate`) sets one value per lever of the course:
   10), LoRA adapters (09), 8-bit Adam states and QLoRA's NF4 base (11); and practitioners'
   levers (issue 52): selective checkpointing (torch's `create_selective_checkpoint_contexts`),
   pure bf16 with stochastic rounding (11), the optimizer step inside backward (03), paged 8-bit
-  AdamW states (bitsandbytes' paged optimizers). Their CLI names have hyphens
-  ("selective-checkpointing"), the internal ones underscores: `technique_name` maps one to the
-  other, and `allow` takes both.
+  AdamW states (bitsandbytes' paged optimizers); and issue 59's: the fused linear cross-entropy
+  (`chunked_loss.fused_linear_cross_entropy`: the head's gradients made in forward, slice by
+  slice) and checkpointed segments' inputs on the host (`checkpointing.InputOffload`). Their
+  CLI names have hyphens ("selective-checkpointing"), the internal ones underscores:
+  `technique_name` maps one to the other, and `allow` takes both.
 `candidates` lists every combination that can run together; `GPTShape.of` reads the sizes the
 predictions need off the model, built under FakeTensorMode (no memory allocated).
 
@@ -17,7 +19,8 @@ Simplified vs real planners: two model families (`companion.models.GPT`, and `Ll
 the levers `LLAMA_NOT_SEARCHED` names), AdamW only, LoRA on every Linear of each block (the
 GPT's four, the Llama's seven) at one rank, checkpointing by `checkpoint_sequential` segments
 or one selective policy over every block, and ZeRO, offload, LoRA and 8-bit states not combined
-with each other (nor the step in backward with accumulation, ZeRO, offload or LoRA).
+with each other (nor the step in backward with accumulation, ZeRO, offload or LoRA; the fused loss
+and offloaded checkpoints are planned on one process).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ __all__ = ["TECHNIQUES", "EXACT", "LOW_PRECISION", "FEWER_BITS", "PRECISIONS", "
 TECHNIQUES = ("accumulation", "checkpointing", "autocast", "mixed", "main_grad", "zero",
               "offload", "activation_offload", "chunked_loss", "fused_attention", "nvme", "lora",
               "adam8bit", "qlora", "selective_checkpointing", "pure_bf16", "optimizer_in_backward",
-              "paged_adam8bit")
+              "paged_adam8bit", "fused_loss", "offload_checkpoints")
 EXACT = ("accumulation", "checkpointing", "zero", "offload", "activation_offload",
          "chunked_loss", "fused_attention", "nvme")     # fp32 training, to rounding
 LOW_PRECISION = ("autocast", "mixed", "main_grad")  # bf16 compute: the capstone's losses moved
@@ -50,7 +53,7 @@ FEWER_BITS = ("adam8bit", "qlora", "pure_bf16", "paged_adam8bit")   # chapter 11
 PRECISIONS = ("fp32", "autocast", "mixed", "main_grad", "bf16")   # "main_grad": bf16 weights,
                                                # fp32 gradients (Megatron's 18 B with Adam);
                                                # "bf16": pure bf16, no master (torchtune's 8 B)
-LOSS_CHUNKS = 8                                # slices of the chunked cross-entropy
+LOSS_CHUNKS = 8                                # slices of the chunked (or fused) cross-entropy
 LORA_TARGETS = ("qkv", "proj", "fc", "out")    # the Linear layers of each GPT block
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LLAMA_NOT_SEARCHED = (                         # for a Llama, and why
@@ -212,6 +215,10 @@ class Candidate:
     checkpoint_last: bool = False  # the last segment checkpointed too: every block wrapped, as
                                  # torchtune, torchtitan's full AC and HF's gradient checkpointing
                                  # do (checkpoint_sequential runs the last segment plainly)
+    fused_loss: int = 0          # slices of `fused_linear_cross_entropy` (0: off): the head's
+                                 # gradients made in forward, its matmul not run again
+    offload_checkpoints: bool = False  # each checkpointed segment's input on the host
+                                 # (`checkpointing.InputOffload`), fetched one segment ahead
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accumulation", "segments"):
@@ -242,6 +249,7 @@ class Candidate:
             raise ValueError(f"Candidate.chunked_loss is a number of slices (0: off), got "
                              f"{self.chunked_loss!r}")
         self._check_new_levers()
+        self._check_loss_and_input_levers()
 
     def _check_new_levers(self) -> None:
         """Selective checkpointing, pure bf16, the step in backward, paged 8-bit states: the
@@ -285,6 +293,26 @@ class Candidate:
                              "own optimizer (fp32, autocast or pure bf16): not with ZeRO, "
                              "offload, LoRA or fp32 masters")
 
+    def _check_loss_and_input_levers(self) -> None:
+        """The fused loss and offloaded checkpoint inputs (issue 59): the combinations planned."""
+        if isinstance(self.fused_loss, bool) or not isinstance(self.fused_loss, int) \
+                or self.fused_loss < 0:
+            raise ValueError(f"Candidate.fused_loss is a number of slices (0: off), got "
+                             f"{self.fused_loss!r}")
+        if self.fused_loss and (self.chunked_loss or self.zero_stage or self.in_backward
+                                or self.nf4_keeps_inputs):
+            raise ValueError("Candidate.fused_loss replaces the chunked loss (chunked_loss=0) "
+                             "and is planned on one device, without ZeRO, the step in backward "
+                             "and nf4_keeps_inputs")
+        if not isinstance(self.offload_checkpoints, bool):
+            raise ValueError(f"Candidate.offload_checkpoints is True or False, got "
+                             f"{self.offload_checkpoints!r}")
+        if self.offload_checkpoints and (self.segments == 1 or self.activation_offload
+                                         or self.zero_stage):
+            raise ValueError("Candidate.offload_checkpoints moves the checkpointed segments' "
+                             "inputs to the host: it needs segments > 1, and is planned on one "
+                             "device without activation offload (which moves them already)")
+
     def recomputed_blocks(self, depth: int) -> int:
         """Blocks whose forward runs again in backward: every checkpointed segment's (the last
         one's too with checkpoint_last; checkpoint_sequential sizes them depth // segments and
@@ -317,8 +345,12 @@ class Candidate:
             out.append("fused attention")
         if self.activation_offload:
             out.append("activation offload")
+        if self.offload_checkpoints:
+            out.append("checkpoint inputs on the host")
         if self.chunked_loss:
             out.append(f"chunked loss ({self.chunked_loss} slices)")
+        if self.fused_loss:
+            out.append(f"fused loss ({self.fused_loss} slices)")
         if self.zero_stage:
             out.append(f"ZeRO-{self.zero_stage}")
         if self.offload:
@@ -406,13 +438,15 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
     in_backward = [False, True] if "optimizer_in_backward" in allow and one else [False]
     bases = [False, True] if "qlora" in allow and not several else [False]
     acts = [False, True] if "activation_offload" in allow and one else [False]
-    chunks = [0, LOSS_CHUNKS] if "chunked_loss" in allow and one else [0]
+    chunks = [(0, 0)] + [(LOSS_CHUNKS, 0)] * ("chunked_loss" in allow and one) + [
+        (0, LOSS_CHUNKS)] * ("fused_loss" in allow and one)   # (chunked, fused) slices
+    inputs_out = [False, True] if "offload_checkpoints" in allow and one else [False]
     fused = [False, True] if "fused_attention" in allow and not shape.fused_attention else [False]
     disks = [False, True] if "nvme" in allow and one else [False]
     out = []
-    for m, s, p, z, off, r, b, nf4, a, ch, f, d, pg, sel, ib in itertools.product(
+    for m, s, p, z, off, r, b, nf4, a, (ch, fl), f, d, pg, sel, ib, io in itertools.product(
             micro, segments, precisions, stages, offloads, ranks, bits, bases, acts, chunks,
-            fused, disks, pages, selective, in_backward):
+            fused, disks, pages, selective, in_backward, inputs_out):
         if pg and b != 8 or b == 8 and not pg and "adam8bit" not in allow:
             continue                           # paging is of 8-bit states
         if sel and (s > 1 or a or r) or ib and (m != per_rank or off or r or p in (
@@ -420,8 +454,10 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
             continue                           # `Candidate._check_new_levers` says why; the
         if several and p in ("mixed", "main_grad", "bf16"):   # step in backward: no micro-batches
             continue                       # ZeRO here: fp32 shards, bf16 compute via autocast
-        if d and not off or ch > m * shape.seq_len:
+        if d and not off or max(ch, fl) > m * shape.seq_len:
             continue                       # NVMe is offload's last tier; a slice per token
+        if fl and ib or io and (s == 1 or a):
+            continue                       # `Candidate._check_loss_and_input_levers` says why
         if p == "main_grad" and (off or r):
             continue                       # its fp32 gradients live beside trained weights
         if (off or b == 8) and r or off and b == 8:
@@ -432,5 +468,6 @@ def candidates(shape: GPTShape, batch: int, *, world_size: int = 1,
             continue                       # LLAMA_NOT_SEARCHED says why
         out.append(Candidate(m, per_rank // m, s, p, z, off, r, b, nf4, a, ch, f, d,
                              selective=sel, in_backward=ib, paged=pg,
-                             lora_targets=lora_targets if r else ()))
+                             lora_targets=lora_targets if r else (),
+                             fused_loss=fl, offload_checkpoints=io))
     return out

@@ -7,10 +7,12 @@ lever: `checkpoint_sequential` (hooks design, which restores autocast) over the 
 `checkpointing.selective_checkpoint` on every block, `lowbit.BF16AdamW` (pure bf16, stochastic
 rounding; with 8-bit states `Adam8bit(stochastic_round=True)`), `optim.optimizer_in_backward`
 (`InBackward`), and paged 8-bit states (`PagedAdam8bit`: Adam8bit a page at a time; on the
-CPU nothing to page). `train_step` runs one optimizer step over the micro-batches. The same code runs in `simulation.simulate`, under
-`FakeTensorMode` (every tensor is shape and dtype only: a 7B model's step costs no memory and a
-few seconds), measured by `companion.memory.track`; several ranks are simulated as rank 0 of a
-"fake" process group, whose collectives do nothing.
+CPU nothing to page); issue 59's: `chunked_loss.fused_linear_cross_entropy` and
+`checkpointing.checkpoint_offloaded` over the checkpointed segments (`CheckpointedBlocks`).
+`train_step` runs one optimizer step over the micro-batches. The same code runs in
+`simulation.simulate`, under `FakeTensorMode` (every tensor is shape and dtype only: a 7B model's
+step costs no memory and a few seconds), measured by `companion.memory.track`; several ranks are
+simulated as rank 0 of a "fake" process group, whose collectives do nothing.
 
 Example:
     >>> setup = build(partial(GPT, 128, 64, 64, 4, 4), Candidate(4, 4, segments=2), lr=1e-3)
@@ -36,12 +38,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from companion import amp, ddp, lora, lowbit
-from companion.checkpointing import checkpoint_sequential
+from companion.checkpointing import InputOffload, checkpoint_offloaded, checkpoint_sequential
 from companion.checkpointing.selective import selective_checkpoint
 from companion.optim import optimizer_in_backward
 from companion.placement import on_host
 from companion.activation_offload import OffloadActivations
-from companion.chunked_loss import chunked_cross_entropy
+from companion.chunked_loss import chunked_cross_entropy, fused_linear_cross_entropy
 from companion.nvme import NVMeOffloadOptimizer
 from companion.offload import CPUOffloadOptimizer
 from companion.models import Llama
@@ -59,15 +61,24 @@ class CheckpointedBlocks(nn.Module):
     With `last=True` the last segment is checkpointed too, the same way, as trainers that wrap
     every block do (torchtune's `set_activation_checkpointing`, torchtitan's full AC, HF's
     `gradient_checkpointing_enable`). The hooks design replays autocast in the recompute (the
-    reentrant one would not)."""
+    reentrant one would not). `offload=True`: the checkpointed segments run under torch's
+    non-reentrant checkpoint inside `InputOffload`'s hooks (`checkpoint_offloaded`), each
+    segment's input on the host until backward fetches it, one segment ahead."""
 
-    def __init__(self, blocks: nn.Sequential, segments: int, last: bool = False):
+    def __init__(self, blocks: nn.Sequential, segments: int, last: bool = False,
+                 offload: bool = False):
         super().__init__()
-        self.blocks, self.segments, self.last = blocks, segments, last
+        self.blocks, self.segments, self.last, self.offload = blocks, segments, last, offload
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint_sequential(list(self.blocks), self.segments, x, use_reentrant=False,
-                                     last=self.last)
+        if not self.offload:
+            return checkpoint_sequential(list(self.blocks), self.segments, x,
+                                         use_reentrant=False, last=self.last)
+        size = len(self.blocks) // self.segments       # checkpoint_sequential's segments:
+        cuts = [i * size for i in range(self.segments)] + [len(self.blocks)]   # the last
+        parts = [self.blocks[a:b] for a, b in zip(cuts, cuts[1:])]            # the rest
+        x = checkpoint_offloaded(parts if self.last else parts[:-1], x, offload=InputOffload())
+        return x if self.last else parts[-1](x)        # (B, T, C); the last segment plainly
 
 
 class SelectiveBlocks(nn.Module):
@@ -277,7 +288,8 @@ def build(model_fn: Callable[..., nn.Module], cand: Candidate, *, world_size: in
     if cand.lora_rank and not cand.nf4_base:
         lora.apply_lora(model, cand.lora_rank, targets=_lora_targets(model, cand))   # base frozen
     if cand.segments > 1:
-        model.blocks = CheckpointedBlocks(model.blocks, cand.segments, cand.checkpoint_last)
+        model.blocks = CheckpointedBlocks(model.blocks, cand.segments, cand.checkpoint_last,
+                                          cand.offload_checkpoints)
     if cand.selective:
         model.blocks = SelectiveBlocks(model.blocks)
     net, optimizer, master = _optimizer(cand, model, world_size, lr, paged_to_host)
@@ -300,21 +312,31 @@ def micro_step(setup: Setup, x: torch.Tensor, y: torch.Tensor, *, scale: float =
             OffloadActivations(min_bytes=0) if cand.activation_offload
             else contextlib.nullcontext()):
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=use_autocast):
-            if cand.chunked_loss:                      # no (b·T, vocab) logits kept: slices
+            if cand.chunked_loss or cand.fused_loss:   # no (b·T, vocab) logits kept: slices
                 with _head_off(setup.model) as head:
                     hidden = net(x)                                      # (b, T, C)
                 _hold(held, hidden)
-                loss = chunked_cross_entropy(hidden.flatten(0, 1), head.weight, y.flatten(),
-                                             bias=head.bias, chunks=cand.chunked_loss) * scale
+                loss = _sliced_loss(cand, hidden.flatten(0, 1), head, y.flatten()) * scale
                 del hidden
             else:
                 logits = net(x)                                          # (b, T, vocab)
                 _hold(held, logits)
-        if not cand.chunked_loss:
+        if not (cand.chunked_loss or cand.fused_loss):
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) * scale
             del logits                     # freed now, not after backward (unless held)
         loss.backward()
     return loss.detach()
+
+
+def _sliced_loss(cand: Candidate, hidden: torch.Tensor, head: nn.Linear,
+                 targets: torch.Tensor) -> torch.Tensor:
+    """The chunked loss (each slice's logits recomputed in backward) or the fused one (the
+    head's gradients made in forward, slice by slice), over (N, C) hidden states."""
+    if cand.chunked_loss:
+        return chunked_cross_entropy(hidden, head.weight, targets, bias=head.bias,
+                                     chunks=cand.chunked_loss)
+    return fused_linear_cross_entropy(hidden, head.weight, targets, bias=head.bias,
+                                      chunk_size=-(-len(hidden) // cand.fused_loss))
 
 
 def _hold(held: list | None, output: torch.Tensor) -> None:
