@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from typing import Callable, Sequence
 
 import torch
@@ -119,14 +118,14 @@ def _compile(block, x, budget: float, backend: str) -> tuple[CompiledSaved, Call
         with torch._functorch.config.patch(activation_memory_budget=float(budget),
                                            enable_autograd_cache=False), \
                 torch._inductor.config.patch(fx_graph_cache=False):
-            start = time.perf_counter()
+            start = now(x.device)                                     # host-device sync
             y = torch.compile(block, backend=capture, fullgraph=True)(x)
             outs = [t for t in _tensors(y) if t.requires_grad]
             if not outs:
                 raise ValueError("the block's output does not require grad: backward saves "
                                  "nothing; return a tensor computed from x or the parameters")
             grads = _grads(outs, wrt)                                 # backward compiles here
-            seconds = time.perf_counter() - start
+            seconds = now(x.device) - start                           # host-device sync
     except torch._dynamo.exc.Unsupported as error:
         raise RuntimeError(f"the block does not compile as one graph (fullgraph=True), so no "
                            f"one partition holds it; remove the graph break: {error}") from error
