@@ -27,12 +27,7 @@ FUSED = dict(fused_loss=8)
 INPUTS = dict(offload_checkpoints=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")           # tests/conftest.py
 
 
 def _error(fn, cand) -> float:
