@@ -178,6 +178,43 @@ def test_the_brute_force_check_fails_known_wrong_solvers(wrong):
         _check_solver(wrong)
 
 
+def test_the_replay_stops_at_the_last_operator_backward_needs():
+    # A GPT block ends with the MLP's second matmul and the residual add: backward needs neither
+    # output, so SAC's early stop never runs them again, and a plan prices them at nothing.
+    block, x = _gpt(), _x()
+    region = region_ops(block, x)
+    last = max(op.index for op in region.ops if op.needed)
+    assert [op.replayed for op in region.ops] == [op.index <= last for op in region.ops]
+    assert region.ops[-1].output and not region.ops[-1].replayed
+    assert any(op.flops and not op.replayed for op in region.ops)          # the last matmul
+    plan = solve(region, region.input_bytes, **RATES)
+    counted = _recomputed_flops(block, x, plan)
+    assert counted == plan.recompute_flops < sum(op.flops for op in region.ops)
+
+
+def _recomputed_flops(block, x, plan):
+    """FLOPs backward runs beyond a plain backward's, counted by flop_counter's formulas."""
+    from companion.checkpointing.budget import _flops
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Count.n += _flops(func, args, kwargs or {}, out)
+            return out
+
+    def backward_flops(run):
+        y = run()
+        Count.n = 0
+        with Count():
+            y.backward(torch.ones_like(y))
+        return Count.n
+
+    plain = backward_flops(lambda: block(x))
+    return backward_flops(lambda: checkpoint_with_plan(block, x, plan=plan)) - plain
+
+
 def test_a_coarse_grid_still_fits_and_never_beats_the_exact_plan():
     rng = random.Random(7)
     for _ in range(20):
@@ -194,8 +231,9 @@ def test_an_impossible_budget_names_the_least_feasible_one():
     with pytest.raises(ValueError, match=f"least feasible budget is {region.input_bytes} bytes"):
         solve(region, region.input_bytes - 1, **RATES)
     plan = solve(region, region.input_bytes, **RATES)            # the inputs alone: every
-    assert plan.kept_bytes == region.input_bytes                 # operator recomputed but the
-    assert plan.indices("keep") == {len(region.ops) - 1}         # output, held by the caller
+    assert plan.kept_bytes == region.input_bytes                 # operator recomputed; the
+    assert plan.indices("keep") == set()                         # output, past the early stop,
+    assert not region.ops[-1].replayed                           # costs nothing either way
     with pytest.raises(ValueError, match="seconds_per_flop"):
         solve(region, 10**6, seconds_per_flop=-1.0, seconds_per_byte=0.0)
     with pytest.raises(TypeError, match="budget_bytes"):
@@ -274,7 +312,8 @@ def test_offload_moves_bytes_to_the_host_and_gives_the_plain_gradients(make):
     # backward runs again the recomputed operators, not the offloaded ones
     forward_only = ("aten.addmm.default",
                     "aten._scaled_dot_product_flash_attention_for_cpu.default")
-    redone = [op.name for op, c in zip(plan.ops, plan.choices) if c == "recompute"]
+    redone = [op.name for op, c in zip(plan.ops, plan.choices)
+              if c == "recompute" and op.replayed]
     offloaded = [op.name for op, c in zip(plan.ops, plan.choices) if c == "offload"]
     assert any(name in forward_only for name in offloaded)
     y = checkpoint_with_plan(block, x, plan=plan)

@@ -11,11 +11,14 @@ MLSys 2020, an integer program over the whole graph); `budget_run` turns the cho
 policy for PyTorch's selective checkpointing, runs it, and measures it until it fits.
 
 The model of time is SAC's: backward replays the region once, running again every operator that
-was not kept, so recomputing operator i costs its own FLOPs·s/FLOP + bytes moved·s/byte whatever
-else is chosen, and offloading it costs its bytes crossing the host link twice (down in forward,
-up in backward), none of it hidden behind compute. Memory: what the region holds between forward
-and backward is its inputs (the checkpoint) plus the kept outputs; the recomputed and offloaded
-ones hold no device bytes until backward brings them back.
+was not kept, up to the last one whose output backward needs (SAC's early stop, on by default in
+torch 2.13: `torch.utils.checkpoint.set_checkpoint_early_stop`); so recomputing operator i costs
+its own FLOPs·s/FLOP + bytes moved·s/byte whatever else is chosen, and nothing when it comes after
+that last one (a block's final matmul and residual add: `RegionOp.replayed`). Offloading it costs
+its bytes crossing the host link twice (down in forward, up in backward), none of it hidden behind
+compute. Memory: what the region holds between forward and backward is its inputs (the
+checkpoint) plus the kept outputs; the recomputed and offloaded ones hold no device bytes until
+backward brings them back.
 
 Example:
     >>> region = region_ops(block, x)                     # one plain forward, ops listed
@@ -24,9 +27,8 @@ Example:
 
 Simplified vs PyTorch: `torch.compile`'s partitioner works on the joint graph and recomputes
 only what backward needs; SAC's eager replay runs every operator not kept, so here each operator
-is priced alone, and ones that backward does not need are priced too. SAC's early stop
-(recompute ends once backward has what it needs) is not modelled: the predicted time may count
-operators after the last one backward needs. torch's `dp_knapsack` rounds each weight to the
+is priced alone, and ones that backward does not need are priced too (up to the early stop).
+torch's `dp_knapsack` rounds each weight to the
 nearest step; here they round up, so a plan never holds more than it was allowed.
 """
 from __future__ import annotations
@@ -63,6 +65,7 @@ class RegionOp:
     needed: bool          # backward saves a tensor on a storage this operator made
     can_keep: bool        # False for views, in-place ops and outputs changed in place later
     output: bool = False  # it made the region's output, which the caller holds anyway
+    replayed: bool = True  # at or before the last operator backward needs: a recompute runs it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +167,9 @@ def region_ops(fn: Callable, *args) -> Region:
         recorder.rows[recorder.owner[key]]["output"] = True
     inputs = {_storage(t): t.untyped_storage().nbytes() for t in tree_leaves(args)
               if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)}
+    last = max((row["index"] for row in recorder.rows if row["needed"]), default=-1)
+    for row in recorder.rows:                           # SAC's early stop: the replay ends here
+        row["replayed"] = row["index"] <= last
     return Region(tuple(RegionOp(**row) for row in recorder.rows), sum(inputs.values()),
                   sum(outputs.values()))
 
@@ -181,8 +187,9 @@ class RematPlan:
 
     @property
     def recompute_flops(self) -> int:
-        """FLOPs that backward runs again."""
-        return sum(op.flops for op, c in zip(self.ops, self.choices) if c == "recompute")
+        """FLOPs that backward runs again (the recomputed operators up to SAC's early stop)."""
+        return sum(op.flops for op, c in zip(self.ops, self.choices)
+                   if c == "recompute" and op.replayed)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -197,7 +204,7 @@ class RematPlan:
 def _options(op: RegionOp, spf: float, spb: float, host: float | None) -> list[tuple]:
     """(choice, bytes kept, added seconds) open to one operator: recompute first, so that a
     tie goes to the choice that keeps nothing."""
-    options = [("recompute", 0, op.flops * spf + op.moved_bytes * spb)]
+    options = [("recompute", 0, (op.flops * spf + op.moved_bytes * spb) if op.replayed else 0.0)]
     if host is not None and op.nbytes > 0:
         options.append(("offload", 0, 2 * op.nbytes * host))       # down, then up: exposed
     if op.can_keep:
