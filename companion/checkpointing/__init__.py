@@ -21,7 +21,8 @@ chooses per operator keep, recompute or offload for a byte budget, and `budget_r
 choice through PyTorch's selective checkpointing and measures it until it fits; `compiled` is
 torch.compile's own choice under `activation_memory_budget`, measured, and its curve over budgets;
 `offload_inputs` checkpoints layer by layer with each checkpoint's input on the host, fetched back
-one layer ahead of backward, and shows where the step's peak is with and without it.
+one layer ahead of backward, and shows where the step's peak is with and without it; `tiled`
+runs a per-token MLP a tile of tokens at a time, so that its wide intermediate never exists whole.
 
 Example:
     >>> layers = [torch.nn.Linear(64, 64) for _ in range(16)]
@@ -48,6 +49,7 @@ from companion.checkpointing.offload_inputs import (InputOffload, Overlap, PeakR
 from companion.checkpointing.selective import (attention_core, attention_core_policy,
                                                block_activation_bytes, megatron_activation_bytes,
                                                selective_block)
+from companion.checkpointing.tiled import tiled_mlp
 
 __all__ = [
     "Checkpoint",
@@ -98,4 +100,5 @@ __all__ = [
     "BudgetPoint",
     "BudgetCurve",
     "budget_curve",
+    "tiled_mlp",
 ]

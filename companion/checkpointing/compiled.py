@@ -135,8 +135,9 @@ def _compile(block, x, budget: float, backend: str) -> tuple[CompiledSaved, Call
     try:
         torch.testing.assert_close(y, block(x))
         for got, want in zip(grads, _grads(_tensors(block(x)), wrt)):
-            if want is not None or got is not None:
-                torch.testing.assert_close(got, want)
+            if want is not None or got is not None:     # sums over the batch, reordered by the
+                scale = float(want.abs().max()) if want is not None else 1.0   # decompositions:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * max(scale, 1.0))
     except AssertionError as error:
         raise AssertionError(f"the compiled block (budget {budget}, {backend}) differs from "
                              "eager. A block that draws random numbers (dropout) draws "
