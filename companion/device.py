@@ -124,6 +124,12 @@ class Sizes:
     attn_naive_max_len: int = 4096   # the longest T the written-out attention runs
     attn_gpt_len: int = 512   # the longest sequence of the course GPT (gpt_width, gpt_depth,
     attn_gpt_batch: int = 4   # vocab) whose step chapter 10 measures, and its batch
+    remat_batch: int = 8      # chapter 12: sequences (seq_len) through one block of gpt_width
+    loss_tokens: int = 256    # tokens whose loss over loss_vocab classes chapter 12 computes
+    loss_vocab: int = 131072  # (a 128k vocabulary: Llama 3's is 128,256)
+    tiled_tokens: int = 16384  # tokens through the course GPT block's MLP, plain and tiled
+    offload_depth_long: int = 8  # blocks of the long-sequence GPT whose checkpoint inputs
+                                 # chapter 12 offloads (4·seq_len tokens, width gpt_width / 4)
 
 
 _SIZES = {
@@ -137,7 +143,8 @@ _SIZES = {
                   amp_steps=500, amp_matmul=8192, anatomy_gpt_batch=8, token_rows=2,
                   cap_width=1024, cap_depth=12, cap_batch=16, cap_budget=4 * 2**30,
                   attn_batch=4, attn_heads=16, attn_head_dim=64, attn_max_len=32768,
-                  attn_gpt_len=4096, attn_gpt_batch=1),
+                  attn_gpt_len=4096, attn_gpt_batch=1, remat_batch=4, loss_tokens=4096,
+                  tiled_tokens=131072, offload_depth_long=16),
 }
 
 
@@ -154,7 +161,7 @@ _GPU_CLASSES[24] = _R(_GPU_CLASSES[40], width=2048, anatomy_gpt_batch=2, amp_gpt
 _GPU_CLASSES[16] = _R(_GPU_CLASSES[24], depth=16, gpt_depth=8, anatomy_gpt_batch=1,
                       amp_gpt_batch=1, act_offload_batch=1, ckpt_gpt_batch=1, ckpt_gpt_depth=8,
                       ckpt_depth=32, ckpt_batch=2048, offload_width=768, cap_batch=2,
-                      cap_budget=3 * 2**30)
+                      cap_budget=3 * 2**30, tiled_tokens=65536)
 GPU_CLASSES_GB = tuple(sorted(_GPU_CLASSES))
 
 

@@ -45,8 +45,8 @@ from companion.cost.clock import now
 from companion.cost.stats import interleave
 from companion.memory import track
 
-__all__ = ["TRACKED_BACKENDS", "CompiledSaved", "compiled_saved", "BudgetPoint", "BudgetCurve",
-           "budget_curve"]
+__all__ = ["TRACKED_BACKENDS", "CompiledSaved", "compiled_saved", "compiled_step", "BudgetPoint",
+           "BudgetCurve", "budget_curve"]
 
 # Backends whose compiled code allocates through the dispatcher, so that `track` counts it.
 TRACKED_BACKENDS = ("aot_eager", "aot_eager_decomp_partition")
@@ -178,6 +178,16 @@ def compiled_saved(block: Callable, x: torch.Tensor, *, budget: float,
 
     Raises AssertionError when the compiled outputs or gradients differ from eager's."""
     return _compile(block, x, budget, backend)[0]
+
+
+def compiled_step(block: Callable, x: torch.Tensor, *, budget: float,
+                  backend: str = "aot_eager_decomp_partition") -> tuple[CompiledSaved, Callable]:
+    """`compiled_saved`'s measurement and a step to time: a function that runs the compiled
+    forward and backward once and returns the gradients (of x and the parameters).
+
+        >>> run, step = compiled_step(block, x, budget=0.5)
+        >>> times = interleave({"compiled": step, "eager": ...})"""
+    return _compile(block, x, budget, backend)
 
 
 @dataclasses.dataclass(frozen=True)

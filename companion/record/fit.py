@@ -76,7 +76,23 @@ def predicted_peaks(s) -> dict[str, dict[str, int]]:
     return {"00": _anatomy(s), "01": _gradient_descent(s), "02": _float_formats(s),
             "03": _accumulation(s), "04": _checkpointing(s), "05": _mixed_precision(s),
             "06": _data_parallel(s), "07": _zero(s), "08": _offload(s), "09": _capstone(s),
-            "10": _attention(s), "11": _fewer_bits(s)}
+            "10": _attention(s), "11": _fewer_bits(s), "12": _activations_budget(s)}
+
+
+def _activations_budget(s) -> dict[str, int]:
+    # The GPT block with every output kept (its most): six fp32 (B, H, T, T) tensors (scores,
+    # scaled, masked, softmax, and in backward two gradients) and some forty (B, T, C) ones. The
+    # plain loss: logits, log-softmax and their gradient, N·V each, and the head with its
+    # gradient. The plain MLP: fc's and GELU's outputs and their gradients, four (N, 4C), and a
+    # few (N, C).
+    tt = 6 * s.remat_batch * s.gpt_heads * s.seq_len ** 2 * 4
+    btc = 40 * s.remat_batch * s.seq_len * s.gpt_width * 4
+    return {"block, every output kept": tt + btc,
+            "plain loss": 3 * s.loss_tokens * s.loss_vocab * 4 + 2 * s.loss_vocab * s.gpt_width * 4,
+            "plain mlp": (4 * 4 + 4) * s.tiled_tokens * s.gpt_width * 4,
+            # where_is_the_peak's many-token GPT, plain: some twenty (2, 4T, C/4) per block
+            "offload, many tokens": 20 * s.offload_depth_long * 2 * 4 * s.seq_len
+            * (s.gpt_width // 4) * 4}
 
 
 def _fewer_bits(s) -> dict[str, int]:
