@@ -1,4 +1,4 @@
-"""Run a selective-checkpointing policy on a region and measure it beside what `region_ops` predicts.
+"""Run a selective-checkpointing policy on a region; measure it beside `region_ops`' prediction.
 
 A policy for `torch.utils.checkpoint.create_selective_checkpoint_contexts` answers, for each
 operator the region runs, MUST_SAVE / PREFER_SAVE (keep its output) or MUST_RECOMPUTE /

@@ -27,8 +27,8 @@ from companion.cost.clock import now
 from companion.cost.stats import interleave
 from companion.memory import track
 
-__all__ = ["blocks", "POLICIES", "policy_rows", "budget_rows", "method_rows", "loss_rows", "tiled_rows",
-           "peak_rows", "figures", "activations_budget"]
+__all__ = ["blocks", "POLICIES", "policy_rows", "budget_rows", "method_rows", "loss_rows",
+           "tiled_rows", "peak_rows", "figures", "activations_budget"]
 
 
 def blocks(S, device) -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:
