@@ -228,9 +228,16 @@ def _ms(times: list[float]) -> float:
     return round(1e3 * statistics.median(times), 3)
 
 
-def figures(policies: dict, curve, loss: dict, tiled: dict, peaks: dict) -> tuple[dict, dict]:
-    """(measured, predicted) as the recorder writes them, from the five sections' rows."""
+def figures(policies: dict, curve, loss: dict, tiled: dict, peaks: dict,
+            methods: dict | None = None) -> tuple[dict, dict]:
+    """(measured, predicted) as the recorder writes them, from the sections' rows."""
     measured, predicted = {}, {}
+    for name, row in (methods or {"rows": {}})["rows"].items():
+        key = name.replace(" ", "_").replace("-", "_")
+        measured[f"method_held_{key}"] = row["held"]
+        if "predicted" in row:
+            predicted[f"method_held_{key}"] = row["predicted"]
+        measured[f"method_ms_{key}"] = _ms(methods["times"][name])
     for name, by_kind in policies.items():
         for kind, run in by_kind.items():
             if run is not None:
@@ -264,7 +271,7 @@ def activations_budget(S, device: torch.device, *, repeats: int = 5) -> dict:
     curve = budget_rows(S, device, rounds=repeats)
     loss = loss_rows(S, device, rounds=repeats)
     measured, predicted = figures(policies, curve, loss, tiled_rows(S, device),
-                                  peak_rows(S, device))
+                                  peak_rows(S, device), method_rows(S, device, rounds=repeats))
     return {"experiment": "SAC policies, torch.compile's memory budget beside our solver, "
                           "plain / chunked / fused loss, a tiled MLP, and offloaded checkpoint "
                           "inputs, on one GPT block and one Llama block",
