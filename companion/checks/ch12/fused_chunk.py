@@ -62,20 +62,18 @@ def _case(rng: random.Random, dtype: torch.dtype, large: bool) -> tuple:
     targets[torch.rand(N, generator=g) < 0.2] = -100
     cuts = sorted(rng.sample(range(1, N), rng.randrange(2, 5)))
     sizes = [b - a for a, b in zip([0] + cuts, cuts + [N])]
-    ignored = rng.randrange(len(sizes))                  # one chunk of ignored tokens only
+    ignored = sizes.index(min(sizes))                    # one chunk of ignored tokens only
     start = sum(sizes[:ignored])
     targets[start:start + sizes[ignored]] = -100
-    if int((targets != -100).sum()) == 0:
-        targets[0 if ignored else N - 1] = 0
     return hidden.to(dtype), weight.to(dtype), targets, sizes
 
 
 def _known_wrong(want, n_tokens: int, counted: int) -> dict:
     return {
-        "the loss and gradients are n_tokens times too large: this chunk's share is its tokens' "
-        "summed losses over the tokens of the whole batch.": tuple(x * n_tokens for x in want),
-        "each chunk's sum is divided by the whole batch's count of tokens, not the chunk's own "
-        "count: summed over chunks, the shares must give the batch's mean.":
+        "the loss and gradients are n_tokens times too large: a chunk's share is its tokens' "
+        "summed losses divided by the count of the whole batch.": tuple(x * n_tokens for x in want),
+        "this chunk is divided by its own count of tokens: summed over the chunks, the shares "
+        "must give the mean over the whole batch.":
             tuple(x * n_tokens / max(counted, 1) for x in want),
         "the gradients point the wrong way: which of the two terms grows when the loss "
         "grows?": (want[0], -want[1], -want[2]),
@@ -103,8 +101,10 @@ def check_fused_chunk(answer) -> str:
                                 "torch.no_grad() on tensors that do not require grad: autograd "
                                 "cannot give them here; write them from the loss's formula.")
             raise
-        tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4,
-                                                                               atol=1e-5)
+        # tolerances on each gradient's scale over the whole batch: a chunk whose tokens the
+        # head predicts with margins of hundreds has gradients near 0 (float32's last bits)
+        rel = 1e-10 if dtype == torch.float64 else 5e-4
+        scales = [max(float(w[j].abs().max()) for w in want) or 1.0 for j in range(3)]
         label = (f"{dtype} hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
                  f"{n_tokens} tokens counted" + (", logits up to 1000" if large else ""))
         start = 0
@@ -117,10 +117,12 @@ def check_fused_chunk(answer) -> str:
                     f"{chunk}: expected (loss, grad_h, grad_weight), got {type(mine).__name__}")
             _finite(mine, chunk, large)
             _ignored_rows(mine[1], t, chunk)
-            compare(tuple(mine), right, name=f"{chunk}: (loss, grad_h, grad_weight)",
-                    known_wrong=_known_wrong(right, n_tokens, int((t != -100).sum())),
-                    hint="compare one token's numbers with F.cross_entropy and autograd on a "
-                         "tiny batch.", **tol)
+            wrong = _known_wrong(right, n_tokens, int((t != -100).sum()))
+            for j, what in enumerate(("loss", "grad_h", "grad_weight")):
+                compare(mine[j], right[j], name=f"{chunk}: {what}", rtol=rel,
+                        atol=rel * scales[j], known_wrong={k: v[j] for k, v in wrong.items()},
+                        hint="compare one token's numbers with F.cross_entropy and autograd "
+                             "on a tiny batch.")
     return ("each chunk's loss share and gradients match F.cross_entropy and autograd, in "
             "float64 and float32, with ignored tokens, a chunk of ignored tokens only and "
             "logits up to 1000")

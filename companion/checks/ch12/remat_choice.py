@@ -80,7 +80,7 @@ def check_choose_remat(answer) -> str:
     rng = random.Random(fresh_seeds(1)[0])
     cases = _crafted(rng) + _drawn(rng)
     for label, tensors, budget, rate, window in cases:
-        want, _ = _best(tensors, budget, rate, window)
+        want, best = _best(tensors, budget, rate, window)
         got = call(answer, list(tensors), budget, rate, window)
         where = (f"{label} ({len(tensors)} tensors, budget {budget:,} bytes, "
                  f"{rate / 1e9:.3g} GB/s, window {window * 1e3:.3g} ms)")
@@ -98,19 +98,21 @@ def check_choose_remat(answer) -> str:
         if mine > want * (1 + 1e-9) + 1e-15:
             raise CheckFailed(f"{where}: your choice adds {mine * 1e3:.6g} ms; another within "
                               f"the budget adds {want * 1e3:.6g} ms",
-                              expected=want, got=mine, hint=_hint(tensors, got, rate, window))
+                              expected=want, got=mine, hint=_hint(tensors, got, best, rate, window))
     return (f"{len(cases)} cases, from a window of 0 (every copy exposed) to one that hides "
             "them all: each choice fits and adds the least time")
 
 
-def _hint(tensors, got, rate: float, window: float) -> str:
-    offloaded = sum(b for (b, _), c in zip(tensors, got) if c == "offload")
-    if "offload" not in got:
-        return ("you offload nothing here" + (f", though {window * 1e3:.3g} ms of compute can "
-                "hide copies in each direction" if window > 0 else "") + ": price a copy "
-                "against recomputing the tensor.")
-    if offloaded / rate > window:
+def _hint(tensors, got, best, rate: float, window: float) -> str:
+    """What the answer's choice did differently from a best one."""
+    offloaded = [sum(b for (b, _), c in zip(tensors, choice) if c == "offload")
+                 for choice in (got, best)]
+    hides = f", and {window * 1e3:.3g} ms of compute can hide copies in each direction"
+    if offloaded[0] / rate > window and offloaded[0] > offloaded[1]:
         return ("the copies beyond the window are exposed: down in forward, and up again in "
                 "backward.")
+    if offloaded[0] < offloaded[1]:
+        return (f"your copies take {offloaded[0] / rate * 1e3:.3g} ms each way"
+                + (hides if window > 0 else "") + ": price a copy against recomputing.")
     return ("compare every way to split the tensors: keeping one large tensor can leave out "
             "two smaller ones worth more together.")
