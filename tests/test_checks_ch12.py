@@ -51,10 +51,31 @@ def _policy(keep):
 
 
 def budget_policy(region, budget_bytes):
-    """The solution cell (SOLUTIONS.md), in the test's words."""
+    """A fresh SAC policy that holds `region` within `budget_bytes`."""
     items = [op for op in region.ops if op.can_keep and op.flops > 0 and not op.output]
-    keep = _most_flops(items, budget_bytes - region.input_bytes)
-    return _policy(keep | {op.index for op in region.ops if op.output and op.can_keep})
+    unit = math.gcd(*(op.nbytes for op in items)) or 1        # bytes per cell: exact
+    cells = max(0, budget_bytes - region.input_bytes) // unit
+    best = np.zeros(cells + 1)               # best[c]: the most FLOPs kept within c cells
+    took = np.zeros((len(items), cells + 1), dtype=bool)
+    for i, op in enumerate(items):
+        w = op.nbytes // unit
+        if w <= cells:
+            candidate = np.full(cells + 1, -1.0)
+            candidate[w:] = best[:cells + 1 - w] + op.flops
+            took[i] = candidate > best
+            best = np.maximum(best, candidate)
+    keep, c = {op.index for op in region.ops if op.output and op.can_keep}, cells
+    for i in reversed(range(len(items))):    # walk back from the whole budget
+        if took[i, c]:
+            keep.add(items[i].index)
+            c -= items[i].nbytes // unit
+    counts = {False: 0, True: 0}             # forward and recompute, each in run order
+
+    def policy(ctx, op, *args, **kwargs):
+        i = counts[ctx.is_recompute]
+        counts[ctx.is_recompute] += 1
+        return CheckpointPolicy.MUST_SAVE if i in keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -211,17 +232,17 @@ def test_budget_policy_a_policy_that_never_returns_fails_within_its_limit():
 # ---------------------------------------------------------------- exercise 2
 
 def fused_chunk(h, weight, targets, n_tokens):
-    """The solution cell (SOLUTIONS.md)."""
+    """One chunk's share of the mean cross-entropy of h @ weight.T, and its gradients."""
     exact = torch.promote_types(h.dtype, torch.float32)
-    logits = (h @ weight.T).to(exact)
-    counted = targets != -100
-    safe = targets.where(counted, 0)
-    logp = logits.log_softmax(-1)
+    logits = (h @ weight.T).to(exact)                         # (c, V): this chunk's only
+    counted = targets != -100                                 # (c,)
+    safe = targets.where(counted, 0)                          # an index even where ignored
+    logp = logits.log_softmax(-1)                             # the max is taken out inside
     loss = -(logp.gather(1, safe[:, None])[:, 0] * counted).sum() / n_tokens
-    grad = logp.exp()
-    grad[torch.arange(len(targets)), safe] -= 1.0
-    grad = (grad * counted[:, None] / n_tokens).to(h.dtype)
-    return loss.to(h.dtype), grad @ weight, grad.T @ h
+    grad = logp.exp()                                         # softmax
+    grad[torch.arange(len(targets)), safe] -= 1.0             # minus the one-hot target
+    grad = (grad * counted[:, None] / n_tokens).to(h.dtype)   # (c, V): d loss / d logits
+    return loss.to(h.dtype), grad @ weight, grad.T @ h        # (), (c, d), (V, d)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -303,17 +324,18 @@ def test_fused_chunk_bad_answers_fail_cleanly(answer, match):
 # ---------------------------------------------------------------- exercise 3
 
 def choose_remat(tensors, budget_bytes, host_bytes_per_second, window_seconds):
-    """The solution cell (SOLUTIONS.md)."""
+    """Keep, recompute or offload each (nbytes, recompute_seconds), within the budget."""
     best, choice = float("inf"), None
     for option in itertools.product(("keep", "recompute", "offload"), repeat=len(tensors)):
-        kept = sum(b for (b, _), c in zip(tensors, option) if c == "keep")
-        if kept > budget_bytes:
+        total = {"keep": 0, "recompute": 0.0, "offload": 0}
+        for (nbytes, seconds), c in zip(tensors, option):
+            total[c] += seconds if c == "recompute" else nbytes
+        if total["keep"] > budget_bytes:
             continue
-        recompute = sum(s for (_, s), c in zip(tensors, option) if c == "recompute")
-        down = sum(b for (b, _), c in zip(tensors, option) if c == "offload") / host_bytes_per_second
-        seconds = recompute + 2 * max(0.0, down - window_seconds)
-        if seconds < best:
-            best, choice = seconds, list(option)
+        exposed = max(0.0, total["offload"] / host_bytes_per_second - window_seconds)
+        added = total["recompute"] + 2 * exposed              # down in forward, up in backward
+        if added < best:
+            best, choice = added, list(option)
     return choice
 
 

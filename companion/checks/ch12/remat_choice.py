@@ -84,9 +84,10 @@ def check_choose_remat(answer) -> str:
         got = call(answer, list(tensors), budget, rate, window)
         where = (f"{label} ({len(tensors)} tensors, budget {budget:,} bytes, "
                  f"{rate / 1e9:.3g} GB/s, window {window * 1e3:.3g} ms)")
-        require(isinstance(got, (list, tuple)) and len(got) == len(tensors),
-                f"{where}: expected a list of {len(tensors)} choices, one per tensor, got "
-                f"{type(got).__name__}{f' of {len(got)}' if isinstance(got, (list, tuple)) else ''}")
+        sized = isinstance(got, (list, tuple))
+        require(sized and len(got) == len(tensors), f"{where}: expected a list of "
+                f"{len(tensors)} choices, one per tensor, got {type(got).__name__}"
+                + (f" of {len(got)}" if sized else ""))
         bad = [c for c in got if c not in WORDS]
         require(not bad, f"{where}: each choice is 'keep', 'recompute' or 'offload'; got "
                          f"{bad[:1]!r}")
