@@ -11,7 +11,9 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from companion.checks.ch12 import check_budget_policy, check_choose_remat, check_fused_chunk
-from companion.checks.core import CheckFailed, seeded
+from companion.checks.core import CheckFailed, evaluate, seeded
+from companion.grader import wire
+from elsewhere import Elsewhere
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,6 +111,16 @@ def _greedy(region, budget_bytes, *, stop):
     return _policy(keep)
 
 
+def _greedy_skipping(region, budget_bytes):
+    """By FLOPs per byte, skipping what does not fit and going on."""
+    return _greedy(region, budget_bytes, stop=False)
+
+
+def _greedy_stopping(region, budget_bytes):
+    """By FLOPs per byte, until the first that does not fit."""
+    return _greedy(region, budget_bytes, stop=True)
+
+
 def _by_name(region, budget_bytes):
     """Every matmul's output, whatever the budget."""
     return _policy({op.index for op in region.ops if op.flops and op.can_keep})
@@ -150,8 +162,8 @@ def _shared_count(region, budget_bytes):
 @pytest.mark.parametrize("wrong, hint", [
     (_keep_all, "keeps every output it can"),
     (_recompute_all, "keeps no output that costs FLOPs"),
-    (functools.partial(_greedy, stop=False), "order of FLOPs per byte"),
-    (functools.partial(_greedy, stop=True), "order of FLOPs per byte"),
+    (_greedy_skipping, "order of FLOPs per byte"),
+    (_greedy_stopping, "order of FLOPs per byte"),
     (_by_name, "every operator that has FLOPs whatever the budget"),
     (_inputs_ignored, "what else does a checkpointed region hold"),
     (_output_counted, "you counted the region's output against the budget"),
@@ -391,3 +403,32 @@ def _greedy_remat(tensors, budget, rate, window):
 def test_choose_remat_wrong_answers_fail_with_their_hint(wrong, hint, seed):
     with seeded(seed), pytest.raises(CheckFailed, match=hint):
         check_choose_remat(wrong)
+
+
+# ---------------------------------------------------------------- as the grader runs them
+
+class _OverTheWire(Elsewhere):
+    """The answer in "another process": arguments pickled, results sent as the sandbox sends
+    them (wire.encode, then decoded as the grader decodes them: plain data only)."""
+
+    def call(self, args, kwargs):
+        return _wire(super().call(args, kwargs))
+
+    def run_harness(self, fn, args, kwargs):
+        return _wire(super().run_harness(fn, args, kwargs))
+
+
+def _wire(value):
+    return wire.decode(wire.dumps({"value": wire.encode(value)}))["value"]
+
+
+@pytest.mark.parametrize("name, right, wrong, hint", [
+    ("check_budget_policy", budget_policy, _greedy_skipping, "order of FLOPs per byte"),
+    ("check_fused_chunk", fused_chunk, _autograd, "autograd cannot give them here"),
+    ("check_choose_remat", choose_remat, _greedy_remat, "two smaller ones"),
+])
+def test_each_check_gives_its_verdicts_through_a_remote(name, right, wrong, hint):
+    with seeded(0):
+        assert evaluate(name, _OverTheWire(right))
+    with seeded(0), pytest.raises(CheckFailed, match=hint):
+        evaluate(name, _OverTheWire(wrong))

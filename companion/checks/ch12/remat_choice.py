@@ -115,5 +115,5 @@ def _hint(tensors, got, best, rate: float, window: float) -> str:
     if offloaded[0] < offloaded[1]:
         return (f"your copies take {offloaded[0] / rate * 1e3:.3g} ms each way"
                 + (hides if window > 0 else "") + ": price a copy against recomputing.")
-    return ("compare every way to split the tensors: keeping one large tensor can leave out "
-            "two smaller ones worth more together.")
+    return ("keeping one large tensor can leave out two smaller ones worth more together: a "
+            "choice made tensor by tensor can miss the best set.")
