@@ -186,6 +186,44 @@ def test_budget_policy_a_count_left_from_an_earlier_check_fails():
             check_budget_policy(_shared_count)
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_the_mlp_case_separates_each_mistake_at_every_size_the_check_draws(m):
+    """At the MLP's first budget, for every rows and m the check draws: the optimum beats
+    both greedy orders, keeping everything with FLOPs, ignoring the inputs (over budget) and
+    counting the output (more FLOPs), so no draw lets one of them pass."""
+    from companion.checkpointing import region_ops, solve
+    from companion.checks.ch12.budget_policy import _build
+    for rows in range(3, 10):
+        region = region_ops(*_build(("mlp", 0, rows, m)))
+        budget = region.input_bytes + 4 * rows * 17 * m
+        best = solve(region, budget, seconds_per_flop=1.0, seconds_per_byte=0.0, grid=1)
+
+        def recomputed(keep):
+            return sum(op.flops for op in region.ops if op.index not in keep and not op.output)
+
+        def held(keep):
+            return region.input_bytes + sum(op.nbytes for op in region.ops
+                                            if op.index in keep and not op.output)
+        greedy = [{i for i, k in enumerate(_run_keeps(wrong, region, budget)) if k}
+                  for wrong in (_greedy_skipping, _greedy_stopping)]
+        assert all(recomputed(k) > best.recompute_flops for k in greedy)
+        assert held(best.indices("keep")) <= budget
+        assert held({op.index for op in region.ops if op.flops}) > budget
+        ignored = _most_flops([op for op in region.ops if op.flops and not op.output], budget)
+        assert held(ignored) > budget
+        counted = _most_flops([op for op in region.ops if op.flops], budget - region.input_bytes)
+        assert sum(op.flops for op in region.ops if op.index not in counted) > \
+            best.recompute_flops
+
+
+def _run_keeps(answer, region, budget):
+    """What a policy keeps, asked once per operator in run order (these policies read only
+    the count)."""
+    policy = answer(region, budget)
+    ctx = torch.utils.checkpoint.SelectiveCheckpointContext(is_recompute=False)
+    return [policy(ctx, op) == CheckpointPolicy.MUST_SAVE for op in region.ops]
+
+
 def test_one_counter_for_forward_and_recompute_is_not_a_mistake_in_this_torch():
     """torch 2.13's SAC asks the policy in forward only (`is_recompute` is deprecated, always
     False): a policy that counts forward and recompute together keeps what the reference keeps."""
