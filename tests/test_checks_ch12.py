@@ -54,7 +54,8 @@ def _policy(keep):
 
 def budget_policy(region, budget_bytes):
     """A fresh SAC policy that holds `region` within `budget_bytes`."""
-    items = [op for op in region.ops if op.can_keep and op.flops > 0 and not op.output]
+    items = [op for op in region.ops
+             if op.can_keep and op.flops > 0 and op.replayed and not op.output]
     unit = math.gcd(*(op.nbytes for op in items)) or 1        # bytes per cell: exact
     cells = max(0, budget_bytes - region.input_bytes) // unit
     best = np.zeros(cells + 1)               # best[c]: the most FLOPs kept within c cells
@@ -102,7 +103,8 @@ def _recompute_all(region, budget_bytes):
 
 def _greedy(region, budget_bytes, *, stop):
     room, keep = budget_bytes - region.input_bytes, {op.index for op in region.ops if op.output}
-    for op in sorted((op for op in region.ops if op.can_keep and op.flops and not op.output),
+    for op in sorted((op for op in region.ops
+                      if op.can_keep and op.flops and op.replayed and not op.output),
                      key=lambda op: -op.flops / op.nbytes):
         if op.nbytes <= room:
             room, keep = room - op.nbytes, keep | {op.index}
@@ -127,13 +129,17 @@ def _by_name(region, budget_bytes):
 
 
 def _inputs_ignored(region, budget_bytes):
-    items = [op for op in region.ops if op.can_keep and op.flops > 0 and not op.output]
+    items = [op for op in region.ops
+             if op.can_keep and op.flops > 0 and op.replayed and not op.output]
     return _policy(_most_flops(items, budget_bytes) | {op.index for op in region.ops if op.output})
 
 
 def _output_counted(region, budget_bytes):
-    items = [op for op in region.ops if op.can_keep and op.flops > 0]
-    return _policy(_most_flops(items, budget_bytes - region.input_bytes))
+    """The region's output counted as held by the checkpoint, against the budget."""
+    items = [op for op in region.ops
+             if op.can_keep and op.flops > 0 and op.replayed and not op.output]
+    output = sum(op.nbytes for op in region.ops if op.output)
+    return _policy(_most_flops(items, budget_bytes - region.input_bytes - output))
 
 
 @functools.lru_cache
@@ -148,7 +154,8 @@ _SHARED = {False: 0, True: 0}
 def _shared_count(region, budget_bytes):
     """A count that lives outside budget_policy: the second policy starts where the first
     stopped."""
-    items = [op for op in region.ops if op.can_keep and op.flops > 0 and not op.output]
+    items = [op for op in region.ops
+             if op.can_keep and op.flops > 0 and op.replayed and not op.output]
     keep = _most_flops(items, budget_bytes - region.input_bytes) | \
         {op.index for op in region.ops if op.output}
 
@@ -199,7 +206,7 @@ def test_the_mlp_case_separates_each_mistake_at_every_size_the_check_draws(m):
         best = solve(region, budget, seconds_per_flop=1.0, seconds_per_byte=0.0, grid=1)
 
         def recomputed(keep):
-            return sum(op.flops for op in region.ops if op.index not in keep and not op.output)
+            return sum(op.flops for op in region.ops if op.index not in keep and op.replayed)
 
         def held(keep):
             return region.input_bytes + sum(op.nbytes for op in region.ops
@@ -211,9 +218,10 @@ def test_the_mlp_case_separates_each_mistake_at_every_size_the_check_draws(m):
         assert held({op.index for op in region.ops if op.flops}) > budget
         ignored = _most_flops([op for op in region.ops if op.flops and not op.output], budget)
         assert held(ignored) > budget
-        counted = _most_flops([op for op in region.ops if op.flops], budget - region.input_bytes)
-        assert sum(op.flops for op in region.ops if op.index not in counted) > \
-            best.recompute_flops
+        output = sum(op.nbytes for op in region.ops if op.output)
+        counted = _most_flops([op for op in region.ops if op.flops and op.replayed],
+                              budget - region.input_bytes - output)
+        assert recomputed(counted) > best.recompute_flops
 
 
 def _run_keeps(answer, region, budget):
@@ -229,7 +237,7 @@ def test_one_counter_for_forward_and_recompute_is_not_a_mistake_in_this_torch():
     False): a policy that counts forward and recompute together keeps what the reference keeps."""
     def one_counter(region, budget_bytes):
         keep = _most_flops([op for op in region.ops if op.can_keep and op.flops > 0
-                            and not op.output], budget_bytes - region.input_bytes)
+                            and op.replayed and not op.output], budget_bytes - region.input_bytes)
         keep |= {op.index for op in region.ops if op.output}
         count = [0]
 

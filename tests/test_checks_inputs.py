@@ -144,7 +144,7 @@ IN_PLACE = {"check_adam_step", "check_accumulation_step", "check_token_normalize
             "check_offloaded_step", "check_train_within_budget"}
 ELSEWHERE = {"check_ring_all_reduce", "check_bucketed_hooks", "check_ring_reduce_scatter",
              "check_triton_forward"}
-CHAPTERS = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11"]
+CHAPTERS = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12"]
 
 
 def _vandalise(value, depth: int = 0) -> None:

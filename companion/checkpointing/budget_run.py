@@ -1,8 +1,9 @@
 """Run a `budget.RematPlan` with PyTorch's selective checkpointing, measure it, fit it.
 
 `plan_policy(plan)` is a policy for `torch.utils.checkpoint.create_selective_checkpoint_contexts`
-that makes MUST_SAVE exactly the operators the plan keeps, counted in run order (forward and
-recompute apart, as `selective.alternate_matmuls` counts). `checkpoint_with_plan` runs a region
+that makes MUST_SAVE exactly the operators the plan keeps, counted in run order (torch 2.13 asks
+only in forward and replays the answers by index; older versions ask again in the recompute, so
+the two are counted apart, as `selective.alternate_matmuls` counts). `checkpoint_with_plan` runs a region
 under it, offload included; `held_bytes` measures what the region holds between forward and
 backward; `fit` solves, measures, and solves again for less until the measurement fits.
 

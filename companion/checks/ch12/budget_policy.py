@@ -2,7 +2,6 @@
 budget with the least recompute FLOPs."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
 
@@ -168,17 +167,17 @@ def check_budget_policy(answer) -> str:
 def _verdict(region, budget: int, run: dict, plain: list, label: str) -> None:
     kept = {i for i, k in enumerate(run["keep"]) if k}
     kept_bytes = sum(op.nbytes for op in region.ops if op.index in kept and not op.output)
-    if run["held"] > budget:
-        raise CheckFailed(f"{label}: the region held {run['held']:,} bytes between forward and "
-                          f"backward, over the budget", expected=budget, got=run["held"],
-                          hint=_bytes_hint(region, kept, kept_bytes, budget))
     if run["error"] is not None:
         raise CheckFailed(f"{label}: backward through your policy failed: {run['error'][:300]}",
                           hint="an output that a later operator changes in place cannot be "
                                "kept: see RegionOp.can_keep." if "mutated" in run["error"] else
                                "keep only what region_ops says can be kept.")
+    if run["held"] > budget:
+        raise CheckFailed(f"{label}: the region held {run['held']:,} bytes between forward and "
+                          f"backward, over the budget", expected=budget, got=run["held"],
+                          hint=_bytes_hint(region, kept, kept_bytes, budget))
     compare(run["grads"], plain, name=f"{label}: gradients (input, then parameters)")
-    flops = sum(op.flops for op in region.ops if op.index not in kept)
+    flops = _replayed_flops(region, kept)
     best = solve(region, budget, seconds_per_flop=1.0, seconds_per_byte=0.0, grid=1)
     if flops != best.recompute_flops:
         raise CheckFailed(f"{label}: your policy recomputes {flops:,} FLOPs; another choice "
@@ -201,17 +200,22 @@ def _bytes_hint(region, kept: set, kept_bytes: int, budget: int) -> str:
             "compare with the budget.")
 
 
-def _greedy(region, budget: int, *, stop: bool) -> int:
-    """Recompute FLOPs of outputs taken by FLOPs per byte while they fit (`stop`: until the
-    first that does not)."""
+def _replayed_flops(region, kept: set) -> int:
+    """FLOPs backward runs again: the dropped operators' up to the replay's early stop."""
+    return sum(op.flops for op in region.ops if op.index not in kept and op.replayed)
+
+
+def _greedy(region, budget: int, *, stop: bool) -> set[int]:
+    """The outputs taken by FLOPs per byte while they fit (`stop`: until the first that does
+    not)."""
     room, kept = budget - region.input_bytes, set()
-    for op in sorted((op for op in region.ops if op.can_keep and op.flops and not op.output),
-                     key=lambda op: -op.flops / op.nbytes):
+    for op in sorted((op for op in region.ops if op.can_keep and op.flops and op.replayed
+                      and not op.output), key=lambda op: -op.flops / op.nbytes):
         if op.nbytes <= room:
             room, kept = room - op.nbytes, kept | {op.index}
         elif stop:
             break
-    return sum(op.flops for op in region.ops if op.index not in kept and not op.output)
+    return kept
 
 
 def _flops_hint(region, kept: set, flops: int, budget: int) -> str:
@@ -219,16 +223,20 @@ def _flops_hint(region, kept: set, flops: int, budget: int) -> str:
         return ("your policy keeps no output that costs FLOPs to recompute, though some fit "
                 "within the budget (if it counts operators: is its count at 0 when the region "
                 "starts?).")
-    if flops in (_greedy(region, budget, stop=True), _greedy(region, budget, stop=False)):
-        return ("taking outputs in order of FLOPs per byte is not the least recompute here: "
-                "another set of outputs fits the budget and saves more.")
-    output = [op for op in region.ops if op.output and op.flops]
-    if output and output[0].index not in kept:
-        ops = [dataclasses.replace(op, output=False) for op in region.ops]
-        counted = solve(ops, budget, seconds_per_flop=1.0, seconds_per_byte=0.0, grid=1,
-                        input_bytes=region.input_bytes)
-        if counted.recompute_flops == flops:
-            return ("you counted the region's output against the budget: the caller holds that "
-                    "tensor anyway, so keeping it costs nothing.")
+    costly = {i for i in kept if region.ops[i].flops and region.ops[i].replayed}
+    greedy = costly in (_greedy(region, budget, stop=True), _greedy(region, budget, stop=False))
+    output = sum(op.nbytes for op in region.ops if op.output)
+    counted = output and budget >= region.input_bytes + output and solve(
+        region.ops, budget, seconds_per_flop=1.0, seconds_per_byte=0.0, grid=1,
+        input_bytes=region.input_bytes + output).recompute_flops == flops
+    hints = []
+    if greedy:
+        hints.append("taking outputs in order of FLOPs per byte is not the least recompute here: "
+                     "another set of outputs fits the budget and saves more")
+    if counted:
+        hints.append("if you counted the region's output against the budget: the caller holds "
+                     "that tensor anyway, and the budget is for what the checkpoint holds")
+    if hints:
+        return "; or, ".join(hints) + "."
     return ("weigh what each output holds in bytes against the FLOPs it saves, over the "
             "choices that fit the budget, not one order of preference.")
