@@ -52,6 +52,14 @@ def _crafted(rng: random.Random) -> list[tuple]:
          5 * U / S, 1.0 * S),
         ("a budget that holds everything", scaled(spread), sum(b for b, _ in spread) * U, U / S,
          0.0),
+        ("a budget one byte short of a tensor", scaled([(4, 9), (1, 0.5)]), 4 * U - 1,
+         U / (3 * S), 0.0),
+        # a window hides half of a copy, and copy and recompute lie one byte's transfer apart:
+        # a count of copied bytes off by one picks the wrong one
+        ("a copy that beats recompute by one byte's time", scaled([(2, 2 + 1 / U), (1, 9)]),
+         U, U / S, 1.0 * S),
+        ("a recompute that beats the copy by one byte's time", scaled([(2, 2 - 1 / U), (1, 9)]),
+         U, U / S, 1.0 * S),
     ]
 
 
