@@ -19,9 +19,11 @@ Example:
 `fused_linear_cross_entropy` goes further, as Liger-Kernel's fused linear cross-entropy does: the
 forward computes each chunk's gradients for the head's input and weight at once (the softmax minus
 the one-hot target is the gradient of the logits), keeps them, and drops the chunk's logits.
-Backward only scales the kept gradients: the head's matmul is not run again. Memory: no logits at
-any time beyond one chunk's (chunk_size·V·4 bytes), plus the gradients themselves, held from the
-forward on (N·C for the input, V·C for the weight). Cost: one head matmul in forward and two for the
+Backward only scales the kept gradients, in place: the head's matmul is not run again. Memory: no
+logits at any time beyond one chunk's (chunk_size·V·4 bytes: the log-softmax, the loss and the
+gradient are each made in the logits' place), plus the gradients themselves, held from the forward
+on (N·C for the input, V·C for the weight); the chunked loss's backward instead sums the head's
+weight gradient slice by slice (the running sum, one slice's gradient and their sum: 3·V·C). Cost: one head matmul in forward and two for the
 gradients, against the chunked loss's four (two forward, then its backward's two).
 
 Example:
@@ -93,19 +95,24 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         total = hidden.new_zeros((), dtype=exact)
         for start in range(0, len(hidden), chunk_size):
             h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
-            # 1. one chunk's logits, fp32: (n, V) -> n·V·4 bytes, the only logits that exist
-            logits = F.linear(h, weight, bias).to(exact)
-            total += F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="sum")
+            # 1. one chunk's logits, fp32: (n, V) -> n·V·4 bytes, the only (n, V) tensor: the
+            #    log-softmax, the loss and the gradient are each made in its place
+            grad = F.linear(h, weight, bias).to(exact)             # (n, V) logits
+            kept = (t != ignore_index)[:, None]                    # (n, 1)
+            safe = t[:, None].where(kept, 0)                       # an index even where ignored
+            target = grad.gather(1, safe)                          # (n, 1) the targets' logits
+            top = grad.amax(-1, keepdim=True)                      # (n, 1)
+            sums = grad.sub_(top).exp_().sum(-1, keepdim=True)     # exp in place: no overflow
+            # loss of a row: log Σ exp(logit) - logit[target] = log(sums) + top - target
+            total += ((sums.log() + top - target) * kept).sum()
             # 2. d(sum of losses)/d(logits) = softmax - one_hot(target); 0 on ignored rows. No
             #    data-dependent shape (no host-device sync; fake tensors can run it)
-            grad = logits.softmax(-1)                              # (n, V) fp32
-            del logits                                             # the chunk's logits die
-            kept = (t != ignore_index)[:, None]                    # (n, 1)
-            grad.scatter_add_(1, t[:, None].where(kept, 0), -kept.to(grad.dtype))
+            grad.div_(sums)                                        # softmax, in place
+            grad.scatter_add_(1, safe, -kept.to(grad.dtype))
             grad = grad.mul_(kept.to(grad.dtype) / counted).to(hidden.dtype)   # the mean's 1/N
             # 3. the chunk's share of each gradient: two matmuls, no logits kept
-            if grad_hidden is not None:
-                grad_hidden[start:start + chunk_size] = grad @ weight          # (n, C)
+            if grad_hidden is not None:                                        # (n, C), into
+                torch.mm(grad, weight, out=grad_hidden[start:start + chunk_size])  # its place
             if grad_weight is not None:
                 grad_weight.addmm_(grad.T, h)                                  # (V, C) += (V, n)(n, C)
             if grad_bias is not None:
@@ -116,7 +123,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
+        if getattr(ctx, "used", False):
+            raise RuntimeError("fused_linear_cross_entropy's backward scales the gradients it "
+                               "kept in place, so it runs once: compute the loss again for a "
+                               "second backward (retain_graph=True cannot reuse it)")
+        ctx.used = True                   # scaled in place: no second (V, C) and (N, C) copy
+        scaled = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors]
         return (*scaled, None, None, None)
 
 

@@ -117,6 +117,19 @@ def test_fused_loss_runs_no_matmul_in_backward_and_keeps_no_logits():
     logits = N * V * 4
     assert counted["fused"][2] < logits / 2                      # no whole logits, ever
     assert counted["fused"][1] >= (N * C + V * C) * 4            # the gradients kept from forward
+    # the peak: the kept gradients and one chunk's (n, V), the log-softmax, loss and softmax made
+    # in its place, backward scaling in place; a few (n, 1) row statistics beside them
+    one_chunk = size * V * 4
+    assert 0 <= counted["fused"][2] - ((N * C + V * C) * 4 + one_chunk) <= 128 * size
+
+
+def test_fused_loss_backward_runs_once():
+    hidden, weight, _, targets = _problem(64, 8, 32, ignored=0)
+    h = hidden.detach().clone().requires_grad_()
+    loss = fused_linear_cross_entropy(h, weight, targets, chunk_size=16)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        loss.backward()
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

@@ -50,7 +50,7 @@ def _error(fn, cand) -> float:
     (BIG_VOCAB, Candidate(4, 2, segments=2, **FUSED, **INPUTS), 1e-4),
     (LLAMA, Candidate(4, **FUSED), 0.002),
     (LLAMA, Candidate(4, precision="mixed", **FUSED), 0.02),   # the chunked loss's: -1.7%
-    (LLAMA, Candidate(4, precision="bf16", **FUSED), 0.03),    # and -2.9%
+    (LLAMA, Candidate(4, precision="bf16", **FUSED), 0.031),   # and -2.9% (fused: -3.0%)
     (LLAMA, Candidate(4, lora_rank=4, nf4_base=True, **FUSED), 0.002),
     (LLAMA, Candidate(4, segments=3, **INPUTS), 0.01),          # plain checkpointing's -0.8%
     (LLAMA, Candidate(4, segments=3, precision="mixed", **FUSED, **INPUTS), 0.01),
@@ -76,10 +76,12 @@ def test_the_fused_loss_keeps_the_heads_gradients_instead_of_the_logits():
                              for kw in ({}, {"chunked_loss": 8}, FUSED))
     assert fused < chunked < 0.65 * plain
     predicted = predict_memory(shape, Candidate(8, **FUSED))
-    assert predicted.phase == "forward"    # one slice's logits and softmax beside the head's
-    assert predicted.temporaries == 4 * N * C + 4 * V * (C + 1) + 8 * (N // 8) * V  # gradients
+    assert predicted.phase == "forward"    # one slice's fp32 logits (softmax made in their
+    n = N // 8                             # place), its bias gradient's sum and row statistics,
+    one_slice = 4 * n * V + 4 * V + 24 * n                            # beside the head's gradients
+    assert predicted.temporaries == 4 * N * C + 4 * V * (C + 1) + one_slice
     lora = predict_memory(shape, Candidate(8, lora_rank=4, **FUSED))   # a frozen head: no
-    assert lora.temporaries == 4 * N * C + 8 * (N // 8) * V           # weight gradient kept
+    assert lora.temporaries == 4 * N * C + 4 * n * V + 24 * n         # weight gradient kept
 
 
 def test_offloaded_inputs_lower_the_peak_only_where_they_were_part_of_it():

@@ -43,12 +43,13 @@ four together (tests/test_plan_practitioners.py).
 
 Issue 59's levers. The fused loss (`chunked_loss.fused_linear_cross_entropy`, `fused_loss`
 slices): no logits kept, as the chunked loss; in its forward the hidden state, one slice's fp32
-logits and softmax (8·n·V bytes), the head input's gradient (the size of the input the chunked
+logits (4·n·V bytes; 16-bit logits and their fp32 copy, 6·n·V: the log-softmax, loss and
+softmax are made in their place), the head input's gradient (the size of the input the chunked
 loss keeps) and the head's weight and bias gradients (`parts.head_gradient_bytes`: V·C + V in
 the weights' dtype, none under LoRA), made there and kept to backward: extra bytes either way,
 before the head's .grad exists (one micro-batch) or beside it (accumulation, which adds them to
-it); backward scales them, the kept and the scaled copies alive together for a moment. Time: the plain loss's (its two
-gradient matmuls move into forward), no head matmul recomputed as the chunked loss does.
+it); backward scales them in place and autograd takes them as they are. Time: the plain loss's
+(its two gradient matmuls move into forward), no head matmul recomputed as the chunked loss does.
 Offloaded checkpoint inputs (`offload_checkpoints`, `checkpointing.InputOffload` around the
 checkpointed segments): (segments - 1) inputs (every segment's with checkpoint_last) leave the
 device for the host until backward, which fetches them one segment ahead; backward through the
@@ -57,7 +58,7 @@ phase, many tokens: `checkpointing.where_is_the_peak`). Time: each input down an
 rate saved tensors move, less what the segment's compute beside it hides (`_checkpoint_copies`).
 On the GPT in fp32 both land within 0.01% of the simulated step (a real one: 8 B more), the
 host's bytes exact; elsewhere they miss by what the levers they join miss by: a Llama in bf16
--1.4% to -2.4% (the chunked loss -1.7% to -2.9%), LoRA +1.2%, checkpointing a small Llama -0.8%,
+-1.7% to -3.0% (the chunked loss -1.7% to -2.9%), LoRA -1.0%, checkpointing a small Llama -0.8%,
 activation offload's first block +12% (tests/test_plan_loss_and_inputs.py).
 
 The Llama (`companion.models.Llama`: Llama, Mistral, Qwen2 shapes). Its activations are
@@ -213,10 +214,13 @@ def predict_memory(shape: GPTShape, cand: Candidate, *, world_size: int = 1,
     if c.fused_loss:                                   # gradients, made in forward (its input's
         e = 2 if bf16_weights(c) else 4                # gradient among the activations; made
         back = e * N * C * c.activation_offload        # here, then on the host with offload);
-        logits = (e * N * C + back + head + 8 * -(-N // c.fused_loss) * V   # the hidden, one
-                  + 2 * C * V * (c.precision == "autocast" and not c.lora_rank))   # slice's
-        loss_grads = 2 * head + e * N * C + back       # fp32 logits and softmax, autocast's
-    #   cached bf16 head; backward: the kept gradients and their scaled copies, no matmul
+        n = -(-N // c.fused_loss)                      # tokens a slice; its bias gradient's
+        bias = e * V * (not s.llama and not s.tied and not c.lora_rank)   # sum, row statistics
+        slice_peak = max((4 + 2 * low) * n * V, 4 * n * V + bias) + 24 * n   # one slice's
+        logits = (e * N * C + back + head + slice_peak       # logits in fp32 (a 16-bit one
+                  + 2 * C * V * (c.precision == "autocast" and not c.lora_rank))   # first),
+        loss_grads = head + e * N * C + back           # autocast's cached bf16 head; backward:
+    #   the kept gradients, scaled in place, no matmul
     sliced = c.chunked_loss or c.fused_loss
     host_acts = 0
     if c.activation_offload and not sliced:            # the log-softmax back from the host
