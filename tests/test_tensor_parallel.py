@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from companion import launch, memory, models
+from companion import checkpointing as ck, launch, memory, models
 from companion import tensor_parallel as tp
 
 
@@ -68,3 +68,50 @@ def test_split_block_equals_the_whole_block(world, sequence_parallel, attention)
         assert len(grads_r) == len(grads)
         for name, g in grads_r.items():
             torch.testing.assert_close(g, _expected_shard(name, grads, rank, world), **close)
+
+
+@pytest.mark.parametrize("world, sequence_parallel", [(1, False), (2, False), (2, True),
+                                                       (4, False), (4, True)])
+def test_bytes_sent_and_kept_per_rank_equal_the_formulas(world, sequence_parallel):
+    batch, seq, width, heads = 2, 12, 24, 4
+    block, x, grad_out = _case(batch, seq, width, heads, torch.float32, seed=1)
+    results = launch.run(_split_block, world, block, x, grad_out, sequence_parallel)
+    sent = tp.tp_bytes_per_layer(batch, seq, width, world, sequence_parallel=sequence_parallel)
+    kept = tp.tp_activation_bytes(batch, seq, width, heads, world,
+                                  sequence_parallel=sequence_parallel)
+    for *_, kept_r, forward_r, backward_r in results:
+        assert (forward_r, backward_r) == (sent["forward"], sent["backward"])
+        assert kept_r == kept
+
+
+def test_formulas_at_one_rank_are_the_whole_blocks_and_shrink_as_the_paper_says():
+    b, s, h, a = 2, 16, 48, 4
+    assert tp.tp_activation_bytes(b, s, h, a, 1) == ck.block_activation_bytes(b, s, h, a)
+    assert tp.tp_activation_bytes(b, s, h, a, 1, sequence_parallel=True) == \
+        ck.block_activation_bytes(b, s, h, a)
+    assert tp.tp_bytes_per_layer(b, s, h, 1) == {"forward": 0, "backward": 0}
+    for t in (2, 4):
+        plain = tp.tp_activation_bytes(b, s, h, a, t)
+        sp = tp.tp_activation_bytes(b, s, h, a, t, sequence_parallel=True)
+        # the part sequence parallelism shards: LayerNorm and column inputs 4·sbh, statistics 4·sb
+        assert plain - sp == 4 * (4 * s * b * h + 4 * s * b) * (t - 1) // t
+        # an all-reduce is a reduce-scatter and an all-gather: the forward bytes do not change
+        S = 4 * b * s * h
+        assert tp.tp_bytes_per_layer(b, s, h, t)["forward"] == 2 * 2 * (t - 1) / t * S
+        assert tp.tp_bytes_per_layer(b, s, h, t, sequence_parallel=True)["forward"] == \
+            2 * 2 * (t - 1) / t * S
+
+
+def test_bad_splits_say_what_to_change():
+    with pytest.raises(ValueError, match="heads .6. is not divisible .* t=4"):
+        tp.TensorParallelBlock(models.Block(24, 6), 0, 4)
+    with pytest.raises(ValueError, match="not divisible"):
+        tp.ColumnParallelLinear(nn.Linear(8, 6), 0, 4)
+    with pytest.raises(ValueError, match="in_features .6. is not divisible"):
+        tp.RowParallelLinear(nn.Linear(6, 8), 0, 4)
+    with pytest.raises(ValueError, match="sequence length .10. is not divisible"):
+        tp.sequence_shard(torch.zeros(2, 10, 8), 0, 4)
+    with pytest.raises(ValueError, match="rank must be in"):
+        tp.TensorParallelBlock(models.Block(24, 4), 4, 4)
+    with pytest.raises(ValueError, match="divisible"):
+        tp.tp_activation_bytes(2, 10, 24, 4, 4, sequence_parallel=True)
