@@ -28,6 +28,16 @@ def _split_block(rank, world, block, x, grad_out, sequence_parallel):
     return y.detach(), x.grad, grads, kept, forward, backward
 
 
+def _pair(rank, world, name, xs, grads):
+    """A worker: one conjugate pair on this rank's input; its output, input gradient, bytes."""
+    comm = tp.TPComm()
+    x = xs[rank].clone().requires_grad_()
+    y = getattr(tp, name)(x, comm)
+    forward = comm.traffic.sent_bytes
+    y.backward(grads[rank])
+    return y.detach(), x.grad, forward, comm.traffic.sent_bytes - forward
+
+
 def _whole(block, x, grad_out):
     x = x.clone().requires_grad_()
     y = block(x)
@@ -52,6 +62,31 @@ def _case(batch, seq, width, heads, dtype, seed=0, attention=None):
     block = models.Block(width, heads, dtype=dtype, attention=attention)
     x = torch.randn(batch, seq, width, dtype=dtype)
     return block, x, torch.randn(batch, seq, width, dtype=dtype)
+
+
+@pytest.mark.parametrize("name", ["copy_to_tp", "reduce_from_tp", "gather_from_sp",
+                                  "scatter_to_sp"])
+def test_conjugate_pairs_do_what_their_names_say_each_way(name):
+    world, (B, T, C) = 2, (2, 6, 5)
+    torch.manual_seed(3)
+    gathers = name == "gather_from_sp"                      # (B, T/t, C) in, (B, T, C) out
+    shape_in, shape_out = ((B, T // world, C), (B, T, C)) if gathers else \
+        ((B, T, C), (B, T // world, C)) if name == "scatter_to_sp" else ((B, T, C), (B, T, C))
+    xs = [torch.randn(shape_in, dtype=torch.float64) for _ in range(world)]
+    grads = [torch.randn(shape_out, dtype=torch.float64) for _ in range(world)]
+    S = 8 * B * T * C                                       # one whole (B, T, C) in bytes
+    whole, gathered = sum(xs), torch.cat(xs, dim=1)
+    for rank, (y, x_grad, forward, backward) in enumerate(launch.run(_pair, world, name, xs,
+                                                                    grads)):
+        expected = {"copy_to_tp": lambda: (xs[rank], sum(grads), 0, S),
+                    "reduce_from_tp": lambda: (whole, grads[rank], S, 0),
+                    "gather_from_sp": lambda: (gathered, tp.sequence_shard(sum(grads), rank,
+                                                                           world), S / 2, S / 2),
+                    "scatter_to_sp": lambda: (tp.sequence_shard(whole, rank, world),
+                                              torch.cat(grads, dim=1), S / 2, S / 2)}[name]()
+        torch.testing.assert_close(y, expected[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x_grad, expected[1], rtol=1e-12, atol=1e-12)
+        assert (forward, backward) == expected[2:]      # a ring of 2: (t-1)/t·S each half
 
 
 @pytest.mark.parametrize("world, sequence_parallel, attention", [
