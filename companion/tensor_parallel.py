@@ -353,7 +353,9 @@ def tp_activation_bytes(batch: int, seq: int, width: int, heads: int, world: int
     - whole on every rank without SP, s/t tokens each with SP: the two LayerNorm inputs 2·sbh and
       the qkv and fc inputs 2·sbh (4·sbh, or 4·sbh/t), the LayerNorms' mean and 1/std 4·sb;
     - the (s, s) bool causal mask, s² bytes, built whole by every rank.
-    In 16 bits with dropout's masks this is their sbh(10 + 24/t + 5as/(ht)) and sbh(34/t + 5as/(ht)).
+    At e = 2, with Megatron's dropouts added (two sbh-byte masks; on the attention weights a mask
+    and an output, 3·a·s²·b/t) and the statistics and the mask left out, this is Korthikanti et
+    al.'s sbh(10 + 24/t + 5as/(ht)) without SP and sbh(34/t + 5as/(ht)) with it (masks sharded).
     """
     e = torch.empty((), dtype=dtype).element_size()
     s, b, h, a, t = seq, batch, width, heads, world

@@ -137,6 +137,18 @@ def test_formulas_at_one_rank_are_the_whole_blocks_and_shrink_as_the_paper_says(
             2 * 2 * (t - 1) / t * S
 
 
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_formulas_are_korthikantis_without_dropout_in_16_bits(t):
+    b, s, h, a = 2, 64, 48, 4
+    theirs = {False: s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t,       # arXiv:2205.05198
+              True: s * b * h * 34 / t + 5 * a * s * s * b / t}              # §4.2.1 and §4.2.2
+    for sp in (False, True):
+        ours = tp.tp_activation_bytes(b, s, h, a, t, sequence_parallel=sp, dtype=torch.bfloat16)
+        dropout_masks = 2 * s * b * h / (t if sp else 1) + 3 * a * s * s * b / t
+        statistics = 4 * s * b * 2 / (t if sp else 1)
+        assert ours == theirs[sp] - dropout_masks + statistics + s * s   # + the bool causal mask
+
+
 def test_bad_splits_say_what_to_change():
     with pytest.raises(ValueError, match="heads .6. is not divisible .* t=4"):
         tp.TensorParallelBlock(models.Block(24, 6), 0, 4)
