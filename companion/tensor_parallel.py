@@ -52,8 +52,8 @@ from companion.models.gpt import Block
 
 __all__ = ["TPComm", "copy_to_tp", "reduce_from_tp", "gather_from_sp", "scatter_to_sp",
            "column_shard", "row_shard", "sequence_shard", "ColumnParallelLinear",
-           "RowParallelLinear", "tp_mlp", "TensorParallelBlock", "all_reduce_sequence_parallel_grads", "tp_bytes_per_layer",
-           "tp_activation_bytes"]
+           "RowParallelLinear", "tp_mlp", "TensorParallelBlock",
+           "all_reduce_sequence_parallel_grads", "tp_bytes_per_layer", "tp_activation_bytes"]
 
 
 @dataclasses.dataclass
@@ -226,8 +226,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, rank: int, world: int, *, comm: TPComm | None = None,
                  parts: int = 1, sequence_parallel: bool = False):
         super().__init__()
-        _check_split(f"{full.out_features // parts} outputs per part", full.out_features // parts,
-                     world, rank)
+        if full.out_features % parts:
+            raise ValueError(f"out_features ({full.out_features}) is not {parts} equal parts")
+        _check_split("out_features" if parts == 1 else f"out_features/{parts}",
+                     full.out_features // parts, world, rank)
         self.comm, self.sequence_parallel = comm or TPComm(), sequence_parallel
         self.weight = nn.Parameter(column_shard(full.weight.detach(), rank, world, parts))
         self.bias = None if full.bias is None else nn.Parameter(

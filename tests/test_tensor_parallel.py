@@ -152,8 +152,10 @@ def test_formulas_are_korthikantis_without_dropout_in_16_bits(t):
 def test_bad_splits_say_what_to_change():
     with pytest.raises(ValueError, match="heads .6. is not divisible .* t=4"):
         tp.TensorParallelBlock(models.Block(24, 6), 0, 4)
-    with pytest.raises(ValueError, match="not divisible"):
+    with pytest.raises(ValueError, match="out_features .6. is not divisible .* t=4"):
         tp.ColumnParallelLinear(nn.Linear(8, 6), 0, 4)
+    with pytest.raises(ValueError, match="out_features/3 .2. is not divisible .* t=4"):
+        tp.ColumnParallelLinear(nn.Linear(8, 6), 0, 4, parts=3)
     with pytest.raises(ValueError, match="in_features .6. is not divisible"):
         tp.RowParallelLinear(nn.Linear(6, 8), 0, 4)
     with pytest.raises(ValueError, match="sequence length .10. is not divisible"):
