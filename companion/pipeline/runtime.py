@@ -1,0 +1,141 @@
+"""Run a pipeline schedule for real: one stage per rank, activations forward, gradients back.
+
+Each rank holds its slice of the model (`split` cuts an `nn.Sequential`), takes its action list
+from a schedule (`companion.pipeline.schedules`) and runs it: a forward receives the previous
+stage's activations (`recv`), runs the slice and sends its output on (`isend`); a backward
+receives the gradient of that output, runs autograd through the slice and sends the gradient of
+its input back. The last stage computes the loss, divided by m so that the gradients are the
+accumulated gradients of the whole batch (chapter 03). Memory: a stage keeps what autograd saved
+for every micro-batch whose forward ran and backward did not, which is the number the simulator
+counts (`Timeline.peak_in_flight`); each such micro-batch costs `saved_bytes` of it.
+
+Example:
+    >>> stages = split(MLP(16, 32, 4, 5).net, 4)
+    >>> xs, ys = torch.randn(8, 4, 16).unbind(), torch.randint(5, (8, 4)).unbind()
+    >>> out = launch.run(run_pipeline, 4, stages, one_f_one_b(4, 8), xs, ys)   # doctest: +SKIP
+    >>> out[0]["peak_activation_bytes"] == 4 * saved_bytes(stages[0], xs[0])
+
+Simplified vs PyTorch (torch.distributed.pipelining) / Megatron: PyTorch traces the model into
+stages and infers the shapes it sends with a meta-device pass, as here, but also overlaps sends with
+compute, supports several inputs and outputs per stage and zero-bubble schedules; Megatron
+additionally scatters activations across tensor-parallel ranks and can deallocate a stage's
+output after sending it. Here every message is one tensor, sends are asynchronous, receives block.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from companion.cost.clock import now
+from companion.launch import rank_device
+from companion.memory import track
+from companion.pipeline.schedules import _chunks, _parse, validate
+
+__all__ = ["split", "saved_bytes", "run_pipeline"]
+
+
+def split(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
+    """Cut an `nn.Sequential` into `parts` consecutive slices of (nearly) equal layer counts."""
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"split cuts an nn.Sequential (e.g. MLP(...).net), got {type(model).__name__}")
+    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= len(model):
+        raise ValueError(f"parts must be an int from 1 to the {len(model)} layers, got {parts!r}")
+    bounds = [round(k * len(model) / parts) for k in range(parts + 1)]
+    return [model[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def saved_bytes(stage: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of tensors autograd saves for one forward of `stage` on `x`: what one in-flight
+    micro-batch costs the first stage. x itself, made by the caller, is not counted (on later
+    stages the received input is one more x when the first layer saves it)."""
+    with track(x.device) as tracker:
+        out = stage(x)
+        held = tracker.breakdown("current")["activations"]
+        del out
+    return held
+
+
+def _shapes(stages: Sequence[nn.Module], x: torch.Tensor) -> list[tuple]:
+    """(shape, dtype) of each virtual stage's output for input x, from a pass on the meta device."""
+    out, x = [], x.to("meta")
+    for stage in stages:
+        x = copy.deepcopy(stage).to("meta")(x)
+        out.append((x.shape, x.dtype))
+    return out
+
+
+def run_pipeline(rank: int, world_size: int, stages: Sequence[nn.Module], schedule,
+                 micro_batches: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+                 loss_fn: Callable = F.cross_entropy) -> dict:
+    """Worker: run rank `rank`'s actions of `schedule` (start it with `launch.run`).
+
+    `stages` lists the p·v virtual stages in model order (rank s holds s, s + p, ...);
+    `micro_batches[i]` and `targets[i]` are micro-batch i. Returns a dict: `timeline`
+    [(action, start, end)] in seconds from a common barrier, `peak_activation_bytes` (the most
+    bytes saved for backward live at once), `peak_bytes` (everything the run allocated),
+    `gradients` {"k.name": grad} of this rank's virtual stages k, and `losses` {i: loss} (last rank).
+    """
+    p, m, v = world_size, len(micro_batches), _chunks(schedule)
+    if len(stages) != p * v:
+        raise ValueError(f"the schedule has {v} chunk(s) per stage on {p} ranks: pass p·v = "
+                         f"{p * v} stages, got {len(stages)}")
+    if len(targets) != m:
+        raise ValueError(f"{m} micro-batches but {len(targets)} targets: one target per micro-batch")
+    validate(schedule, p, m)
+    device, last = rank_device(), p * v - 1
+    mine = {c: stages[c * p + rank].to(device) for c in range(v)}
+    shapes = [_shapes(stages, x) for x in micro_batches]        # shapes[i][k]: output of stage k
+    inputs, outputs, losses, sent, rows = {}, {}, {}, {}, []
+
+    def tag(i: int, k: int, backward: bool) -> int:             # one slot per message
+        return 2 * (i * (p * v) + k) + backward
+
+    dist.barrier()                                              # collective: a common start
+    t0 = now(device)
+    with track(device, external=list(mine.values())) as tracker:
+        for action in schedule[rank]:
+            op, i, c = _parse(action, rank, m, v)
+            k = c * p + rank                                    # the virtual stage
+            if op == "F":
+                if k == 0:
+                    x = micro_batches[i].to(device)
+                else:                                           # 1. activations from stage k-1
+                    shape, dtype = shapes[i][k - 1]
+                    x = torch.empty(shape, dtype=dtype, device=device)
+                    dist.recv(x, src=(k - 1) % p, tag=tag(i, k - 1, False))
+                    x.requires_grad_()
+                start = now(device)
+                out = mine[c](x)                                # 2. this slice's forward
+                if k == last:
+                    out = loss_fn(out, targets[i].to(device)) / m
+                    losses[i] = out.item()
+                else:                                           # 3. send on, do not wait
+                    sent["F", i, c] = dist.isend(out.detach(), dst=(k + 1) % p,
+                                                 tag=tag(i, k, False))
+                inputs[i, c], outputs[i, c] = x, out
+                del x, out                                      # the dicts hold them until B
+            else:
+                grad = None
+                if k != last:                                   # 1. gradient from stage k+1
+                    sent.pop(("F", i, c)).wait()                # stage k+1 has the output: let go
+                    grad = torch.empty(shapes[i][k][0], dtype=shapes[i][k][1], device=device)
+                    dist.recv(grad, src=(k + 1) % p, tag=tag(i, k, True))
+                start = now(device)
+                torch.autograd.backward(outputs.pop((i, c)), grad)  # 2. frees what F saved
+                x = inputs.pop((i, c))
+                if k > 0:                                       # 3. input gradient back
+                    sent["B", i, c] = dist.isend(x.grad, dst=(k - 1) % p, tag=tag(i, k - 1, True))
+                del x, grad
+            rows.append((action, start - t0, now(device) - t0))
+        for work in sent.values():
+            work.wait()
+        activations = max(tracker.timeline()["activations"], default=0)
+    gradients = {f"{c * p + rank}.{name}": param.grad.clone()
+                 for c, chunk in mine.items() for name, param in chunk.named_parameters()}
+    return {"timeline": rows, "peak_activation_bytes": activations, "peak_bytes": tracker.peak,
+            "gradients": gradients, "losses": losses}
