@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from companion import launch
 from companion.models.mlp import MLP
-from companion.pipeline import (gpipe, interleaved_1f1b, one_f_one_b, run_pipeline, saved_bytes,
-                                simulate, split, validate)
+from companion.pipeline import (gpipe, interleaved_1f1b, one_f_one_b, peak_held_bytes,
+                                run_pipeline, saved_bytes, simulate, split, validate)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,12 +162,39 @@ def test_gpipe_and_1f1b_on_gloo_equal_one_process_and_1f1b_holds_less(p):
     assert peaks["gpipe"] == m * per_micro_batch and peaks["1f1b"] == p * per_micro_batch
 
 
-def test_interleaved_on_gloo_equals_one_process():
+def test_peak_held_bytes_weighs_each_chunk():
+    for p, m in [(4, 8), (3, 2)]:
+        for schedule in (gpipe(p, m), one_f_one_b(p, m)):
+            peaks = simulate(schedule).peak_in_flight
+            assert [peak_held_bytes(schedule, s, [7]) for s in range(p)] == [7 * n for n in peaks]
+    schedule = interleaved_1f1b(2, 2, 2)              # stage 0: F0 F1 of chunk 0, then chunk 1
+    assert schedule[0][:4] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1)]
+    assert peak_held_bytes(schedule, 0, [10, 1]) == 22
+    with pytest.raises(ValueError, match="one byte count per chunk"):
+        peak_held_bytes(schedule, 0, [10])
+
+
+def _chunk_inputs(stages, x):
+    """Each virtual stage's input for micro-batch x."""
+    inputs = []
+    with torch.no_grad():
+        for stage in stages:
+            inputs.append(x)
+            x = stage(x)
+    return inputs
+
+
+def test_interleaved_on_gloo_equals_one_process_and_its_bytes_are_predicted():
     p, m, v = 2, 4, 2
     model, xs, ys = _case(p, m, v)
     expected = _reference_gradients(model, xs, ys)
-    results = launch.run(run_pipeline, p, split(model.net, p * v), interleaved_1f1b(p, m, v), xs,
-                         ys, timeout=120)
+    stages, schedule = split(model.net, p * v), interleaved_1f1b(p, m, v)
+    results = launch.run(run_pipeline, p, stages, schedule, xs, ys, timeout=120)
+    inputs = _chunk_inputs(stages, xs[0])
+    for s in range(p):
+        per_chunk = [saved_bytes(stages[c * p + s], inputs[c * p + s], received=c * p + s > 0)
+                     for c in range(v)]
+        assert results[s]["peak_activation_bytes"] == peak_held_bytes(schedule, s, per_chunk)
     for a, b in zip(_pipeline_gradients(model, results, p * v), expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     losses = results[-1]["losses"]

@@ -49,11 +49,13 @@ def split(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
     return [model[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def saved_bytes(stage: nn.Module, x: torch.Tensor) -> int:
+def saved_bytes(stage: nn.Module, x: torch.Tensor, *, received: bool = False) -> int:
     """Bytes of tensors autograd saves for one forward of `stage` on `x`: what one in-flight
-    micro-batch costs the first stage. x itself, made by the caller, is not counted (on later
-    stages the received input is one more x when the first layer saves it)."""
+    micro-batch costs the stage. On the first stage x is the caller's and is not counted;
+    `received=True` copies x in first, as a later stage receives it (counted when it is saved)."""
     with track(x.device) as tracker:
+        if received:
+            x = x.detach().clone().requires_grad_()
         out = stage(x)
         held = tracker.breakdown("current")["activations"]
         del out

@@ -37,7 +37,8 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "validate", "simulate", "Timeline"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "validate", "simulate", "Timeline",
+           "peak_held_bytes"]
 
 
 def _positive(**values: int) -> None:
@@ -218,3 +219,22 @@ def _waiting(schedule, s: int, pos: list[int], end: dict, p: int, m: int, v: int
     return (f"stage {s} waits at {action!r} for {missing[0]} of micro-batch {i} on stage {owner}"
             f"{f' (chunk {missing[2] // p})' if v > 1 else ''}, not run yet: stage {owner} is "
             f"stuck at {schedule[owner][pos[owner]]!r}")
+
+
+def peak_held_bytes(schedule, stage: int, per_chunk: list[int]) -> int:
+    """The most bytes stage `stage` holds for backward when a forward of chunk c keeps
+    `per_chunk[c]` bytes until its backward: `peak_in_flight` weighted by chunk (each chunk of an
+    interleaved stage holds different layers, so its micro-batches cost different bytes)."""
+    if not isinstance(stage, int) or not 0 <= stage < len(schedule):
+        raise ValueError(f"stage must be 0..{len(schedule) - 1}, got {stage!r}")
+    m = 1 + max(a[1] for row in schedule for a in row)
+    validate(schedule, len(schedule), m)
+    if len(per_chunk) != _chunks(schedule):
+        raise ValueError(f"per_chunk needs one byte count per chunk ({_chunks(schedule)}), "
+                         f"got {len(per_chunk)}")
+    held = peak = 0
+    for action in schedule[stage]:
+        op, _, c = _parse(action, stage, m, len(per_chunk))
+        held += per_chunk[c] if op == "F" else -per_chunk[c]
+        peak = max(peak, held)
+    return peak
