@@ -15,11 +15,12 @@ Example:
     >>> out = launch.run(run_pipeline, 4, stages, one_f_one_b(4, 8), xs, ys)   # doctest: +SKIP
     >>> out[0]["peak_activation_bytes"] == 4 * saved_bytes(stages[0], xs[0])
 
-Simplified vs PyTorch (torch.distributed.pipelining) / Megatron: PyTorch traces the model into
-stages and infers the shapes it sends with a meta-device pass, as here, but also overlaps sends with
-compute, supports several inputs and outputs per stage and zero-bubble schedules; Megatron
-additionally scatters activations across tensor-parallel ranks and can deallocate a stage's
-output after sending it. Here every message is one tensor, sends are asynchronous, receives block.
+Simplified vs PyTorch (torch.distributed.pipelining) / Megatron: PyTorch can trace a model into
+stages, builds each stage on its own rank only, infers the shapes it sends at the first step,
+supports several inputs and outputs per stage and zero-bubble schedules; Megatron additionally
+scatters activations across tensor-parallel ranks and frees a stage's output data once it is
+sent. Here every rank receives the whole model (and uses only its slices and the shapes a
+meta-device pass gives), every message is one tensor, sends are asynchronous, receives block.
 """
 from __future__ import annotations
 
@@ -62,13 +63,18 @@ def saved_bytes(stage: nn.Module, x: torch.Tensor, *, received: bool = False) ->
     return held
 
 
-def _shapes(stages: Sequence[nn.Module], x: torch.Tensor) -> list[tuple]:
-    """(shape, dtype) of each virtual stage's output for input x, from a pass on the meta device."""
-    out, x = [], x.to("meta")
-    for stage in stages:
-        x = copy.deepcopy(stage).to("meta")(x)
-        out.append((x.shape, x.dtype))
-    return out
+def _shapes(stages: Sequence[nn.Module], micro_batches: Sequence[torch.Tensor]) -> list[list]:
+    """shapes[i][k]: (shape, dtype) of virtual stage k's output on micro-batch i, from a pass on
+    the meta device (no data, no compute): what a receiving rank allocates before `recv`."""
+    metas = [copy.deepcopy(stage).to("meta") for stage in stages]
+    shapes = []
+    for x in micro_batches:
+        row, x = [], x.to("meta")
+        for stage in metas:
+            x = stage(x)
+            row.append((x.shape, x.dtype))
+        shapes.append(row)
+    return shapes
 
 
 def run_pipeline(rank: int, world_size: int, stages: Sequence[nn.Module], schedule,
@@ -78,7 +84,8 @@ def run_pipeline(rank: int, world_size: int, stages: Sequence[nn.Module], schedu
 
     `stages` lists the p·v virtual stages in model order (rank s holds s, s + p, ...);
     `micro_batches[i]` and `targets[i]` are micro-batch i. Returns a dict: `timeline`
-    [(action, start, end)] in seconds from a common barrier, `peak_activation_bytes` (the most
+    [(action, start, end)] in seconds from a common barrier (start: once its input has arrived;
+    end: its compute done and its send posted), `peak_activation_bytes` (the most
     bytes saved for backward live at once), `peak_bytes` (everything the run allocated),
     `gradients` {"k.name": grad} of this rank's virtual stages k, and `losses` {i: loss} (last rank).
     """
@@ -91,7 +98,7 @@ def run_pipeline(rank: int, world_size: int, stages: Sequence[nn.Module], schedu
     validate(schedule, p, m)
     device, last = rank_device(), p * v - 1
     mine = {c: stages[c * p + rank].to(device) for c in range(v)}
-    shapes = [_shapes(stages, x) for x in micro_batches]        # shapes[i][k]: output of stage k
+    shapes = _shapes(stages, micro_batches)
     inputs, outputs, losses, sent, rows = {}, {}, {}, {}, []
 
     def tag(i: int, k: int, backward: bool) -> int:             # one slot per message
