@@ -96,55 +96,73 @@ def run_pipeline(rank: int, world_size: int, stages: Sequence[nn.Module], schedu
     if len(targets) != m:
         raise ValueError(f"{m} micro-batches but {len(targets)} targets: one target per micro-batch")
     validate(schedule, p, m)
-    device, last = rank_device(), p * v - 1
-    mine = {c: stages[c * p + rank].to(device) for c in range(v)}
-    shapes = _shapes(stages, micro_batches)
-    inputs, outputs, losses, sent, rows = {}, {}, {}, {}, []
-
-    def tag(i: int, k: int, backward: bool) -> int:             # one slot per message
-        return 2 * (i * (p * v) + k) + backward
-
+    device = rank_device()
+    run = _Rank(rank, p, v, stages, micro_batches, targets, loss_fn, device)
+    rows = []
     dist.barrier()                                              # collective: a common start
     t0 = now(device)
-    with track(device, external=list(mine.values())) as tracker:
+    with track(device, external=list(run.chunks.values())) as tracker:
         for action in schedule[rank]:
             op, i, c = _parse(action, rank, m, v)
-            k = c * p + rank                                    # the virtual stage
-            if op == "F":
-                if k == 0:
-                    x = micro_batches[i].to(device)
-                else:                                           # 1. activations from stage k-1
-                    shape, dtype = shapes[i][k - 1]
-                    x = torch.empty(shape, dtype=dtype, device=device)
-                    dist.recv(x, src=(k - 1) % p, tag=tag(i, k - 1, False))
-                    x.requires_grad_()
-                start = now(device)
-                out = mine[c](x)                                # 2. this slice's forward
-                if k == last:
-                    out = loss_fn(out, targets[i].to(device)) / m
-                    losses[i] = out.item()
-                else:                                           # 3. send on, do not wait
-                    sent["F", i, c] = dist.isend(out.detach(), dst=(k + 1) % p,
-                                                 tag=tag(i, k, False))
-                inputs[i, c], outputs[i, c] = x, out
-                del x, out                                      # the dicts hold them until B
-            else:
-                grad = None
-                if k != last:                                   # 1. gradient from stage k+1
-                    sent.pop(("F", i, c)).wait()                # stage k+1 has the output: let go
-                    grad = torch.empty(shapes[i][k][0], dtype=shapes[i][k][1], device=device)
-                    dist.recv(grad, src=(k + 1) % p, tag=tag(i, k, True))
-                start = now(device)
-                torch.autograd.backward(outputs.pop((i, c)), grad)  # 2. frees what F saved
-                x = inputs.pop((i, c))
-                if k > 0:                                       # 3. input gradient back
-                    sent["B", i, c] = dist.isend(x.grad, dst=(k - 1) % p, tag=tag(i, k - 1, True))
-                del x, grad
+            start = run.forward(i, c) if op == "F" else run.backward(i, c)
             rows.append((action, start - t0, now(device) - t0))
-        for work in sent.values():
+        for work in run.sent.values():
             work.wait()
         activations = max(tracker.timeline()["activations"], default=0)
     gradients = {f"{c * p + rank}.{name}": param.grad.clone()
-                 for c, chunk in mine.items() for name, param in chunk.named_parameters()}
+                 for c, chunk in run.chunks.items() for name, param in chunk.named_parameters()}
     return {"timeline": rows, "peak_activation_bytes": activations, "peak_bytes": tracker.peak,
-            "gradients": gradients, "losses": losses}
+            "gradients": gradients, "losses": run.losses}
+
+
+class _Rank:
+    """One rank's chunks and what it holds between a micro-batch's forward and its backward."""
+
+    def __init__(self, rank, p, v, stages, micro_batches, targets, loss_fn, device):
+        self.rank, self.p, self.last, self.m = rank, p, p * v - 1, len(micro_batches)
+        self.micro_batches, self.targets, self.loss_fn = micro_batches, targets, loss_fn
+        self.device = device
+        self.chunks = {c: stages[c * p + rank].to(device) for c in range(v)}
+        self.shapes = _shapes(stages, micro_batches)
+        self.inputs, self.outputs, self.sent, self.losses = {}, {}, {}, {}
+
+    def tag(self, i: int, k: int, backward: bool) -> int:
+        """One message slot per (micro-batch, virtual stage, direction)."""
+        return 2 * (i * (self.last + 1) + k) + backward
+
+    def forward(self, i: int, c: int) -> float:
+        """F of micro-batch i on chunk c; returns the time its compute started."""
+        k = c * self.p + self.rank                              # the virtual stage
+        if k == 0:
+            x = self.micro_batches[i].to(self.device)
+        else:                                                   # 1. activations from stage k-1
+            shape, dtype = self.shapes[i][k - 1]
+            x = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(x, src=(k - 1) % self.p, tag=self.tag(i, k - 1, False))
+            x.requires_grad_()
+        start = now(self.device)
+        out = self.chunks[c](x)                                 # 2. this slice's forward
+        if k == self.last:
+            out = self.loss_fn(out, self.targets[i].to(self.device)) / self.m
+            self.losses[i] = out.item()
+        else:                                                   # 3. send on, do not wait
+            self.sent["F", i, c] = dist.isend(out.detach(), dst=(k + 1) % self.p,
+                                              tag=self.tag(i, k, False))
+        self.inputs[i, c], self.outputs[i, c] = x, out          # held until B
+        return start
+
+    def backward(self, i: int, c: int) -> float:
+        """B of micro-batch i on chunk c; returns the time its compute started."""
+        k, grad = c * self.p + self.rank, None
+        if k != self.last:                                      # 1. gradient from stage k+1
+            self.sent.pop(("F", i, c)).wait()                   # stage k+1 has the output: let go
+            shape, dtype = self.shapes[i][k]
+            grad = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(grad, src=(k + 1) % self.p, tag=self.tag(i, k, True))
+        start = now(self.device)
+        torch.autograd.backward(self.outputs.pop((i, c)), grad)  # 2. frees what F saved
+        x = self.inputs.pop((i, c))
+        if k > 0:                                               # 3. input gradient back
+            self.sent["B", i, c] = dist.isend(x.grad, dst=(k - 1) % self.p,
+                                              tag=self.tag(i, k - 1, True))
+        return start
