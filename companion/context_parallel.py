@@ -49,7 +49,7 @@ from companion.collectives import Traffic
 
 __all__ = ["LAYOUTS", "RingStats", "chunk_ids", "shard_sequence", "unshard_sequence",
            "ring_attention", "ulysses_attention", "all_to_all", "ring_bytes_per_rank",
-           "ulysses_bytes_per_rank", "ring_blocks"]
+           "ulysses_bytes_per_rank", "ring_blocks", "ring_kept_bytes", "attention_memory"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -125,6 +125,13 @@ def ring_bytes_per_rank(shard_shape, world_size: int, dtype: torch.dtype, *,
     """Ring attention's bytes sent per rank for a (B, H, T/k, d) shard: forward, k and v passed
     k - 1 times, 2·(k-1)·shard; backward, k, v again and dk, dv back to their owners, 4·(k-1)·shard."""
     return (4 if backward else 2) * (world_size - 1) * _nbytes(shard_shape, dtype)
+
+
+def ring_kept_bytes(shard_shape, dtype: torch.dtype) -> int:
+    """Bytes ring attention's forward leaves for backward beyond its inputs: the (B, H, T/k, d)
+    output and one log-sum-exp per query, B·H·(T/k)·(d+1) elements; linear in T/k."""
+    *rows, d = shard_shape
+    return _nbytes(rows, dtype) * (int(d) + 1)
 
 
 def ulysses_bytes_per_rank(shard_shape, world_size: int, dtype: torch.dtype) -> int:
@@ -361,3 +368,26 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     qh, kh, vh = (_AllToAll.apply(t, 1, 2, group, stats) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)     # 2. (B, H/k, T, d)
     return _AllToAll.apply(out, 2, 1, group, stats)             # 3. back: (B, H, T/k, d)
+
+
+# ---------------------------------------------------------------- memory per rank, measured
+
+def attention_memory(rank: int, world_size: int, seq_len: int, layout: str = "contiguous",
+                     causal: bool = True, batch: int = 1, heads: int = 4,
+                     head_dim: int = 16) -> dict[str, int]:
+    """A worker for `launch.run`: bytes one rank's attention allocates (`companion.memory.track`),
+    for ring attention on its (B, H, T/k, d) fp32 shard and for full written-out attention
+    (`naive_attention`) on the whole (B, H, T, d) sequence in one process. Returns "ring_peak",
+    "ring_kept" (live after forward: what backward needs), "full_peak" and "full_kept"."""
+    from companion.attention.naive import naive_attention
+    from companion.memory import track
+    g = torch.Generator().manual_seed(rank)
+    full = [torch.randn(batch, heads, seq_len, head_dim, generator=g) for _ in range(3)]
+    shards = [shard_sequence(t, rank, world_size, layout=layout).requires_grad_() for t in full]
+    with track("cpu") as ring:
+        out = ring_attention(*shards, causal=causal, layout=layout)
+    with track("cpu") as whole:
+        out_full = naive_attention(*(t.requires_grad_() for t in full), is_causal=causal)
+    del out, out_full
+    return {"ring_peak": ring.peak, "ring_kept": ring.current,
+            "full_peak": whole.peak, "full_kept": whole.current}
