@@ -1,4 +1,5 @@
-"""Context parallelism: one attention layer's sequence split over k ranks, exact against full attention.
+"""Context parallelism: one attention layer's sequence split over k ranks, exact against full
+attention.
 
 A 128k-token context does not fit one GPU's activations even with FlashAttention: q, k, v and the
 output alone grow with T. Split the sequence: rank r holds T/k tokens of q, k and v (B, H, T/k, d).
@@ -20,7 +21,7 @@ Attention still needs every key for every query, so the ranks must exchange some
 Example (inside a rank started by `companion.launch.run`):
     >>> q, k, v = (shard_sequence(t, rank, world, layout="zigzag") for t in (Q, K, V))
     >>> traffic = RingStats()
-    >>> out = ring_attention(q, k, v, causal=True, layout="zigzag", stats=traffic)   # doctest: +SKIP
+    >>> out = ring_attention(q, k, v, causal=True, layout="zigzag", stats=traffic)  # doctest: +SKIP
     >>> traffic.sent_bytes == ring_bytes_per_rank(q.shape, world, q.dtype)            # True
 
 Backward of ring attention is a custom autograd.Function: it saves q, k, v, the output and one
@@ -80,7 +81,7 @@ def _chunks_per_rank(layout: str) -> int:
 
 def shard_sequence(x: torch.Tensor, rank: int, world_size: int, *,
                    layout: str = "contiguous") -> torch.Tensor:
-    """Rank r's part of a full (B, H, T, d) tensor: (B, H, T/k, d), its chunks in `chunk_ids` order."""
+    """Rank r's part of a full (B, H, T, d) tensor: (B, H, T/k, d), chunks in `chunk_ids` order."""
     n = world_size * _chunks_per_rank(layout)
     if x.ndim != 4 or x.shape[-2] % n:
         raise ValueError(f"the sequence must be (B, H, T, d) with T divisible by {n} "
@@ -123,7 +124,8 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
 def ring_bytes_per_rank(shard_shape, world_size: int, dtype: torch.dtype, *,
                         backward: bool = False) -> int:
     """Ring attention's bytes sent per rank for a (B, H, T/k, d) shard: forward, k and v passed
-    k - 1 times, 2·(k-1)·shard; backward, k, v again and dk, dv back to their owners, 4·(k-1)·shard."""
+    k - 1 times, 2·(k-1)·shard; backward, k, v again and dk, dv back to their owners,
+    4·(k-1)·shard."""
     return (4 if backward else 2) * (world_size - 1) * _nbytes(shard_shape, dtype)
 
 
@@ -179,7 +181,7 @@ def _scores(q, k, scale: float, diagonal: bool) -> torch.Tensor:
 
 
 def _block_forward(q, k, v, scale, diagonal):
-    """One block's partial softmax (m, l, o) in chapter 10's form: m, l (B, H, c); o (B, H, c, d)."""
+    """One block's partial softmax (m, l, o), chapter 10's form: m, l (B, H, c); o (B, H, c, d)."""
     s = _scores(q, k, scale, diagonal)
     m = s.amax(dim=-1)
     p = torch.exp(s - m[..., None])
@@ -274,7 +276,8 @@ class _RingAttention(torch.autograd.Function):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                    causal: bool = False, layout: str = "contiguous",
                    stats: RingStats | None = None) -> torch.Tensor:
-    """softmax(q kᵀ/√d) v for this rank's queries over the whole sequence's keys, passed round a ring.
+    """softmax(q kᵀ/√d) v for this rank's queries over the whole sequence's keys passed round a
+    ring.
 
     q, k, v: (B, H, T/k, d), this rank's chunks of the sequence as `shard_sequence` cuts them with
     the same `layout` ("contiguous" or "zigzag", which balances causal work). Returns this rank's
