@@ -11,7 +11,10 @@ table, the α–β model of communication, step-time models, statistics for timi
 Techniques: `gd`, `optim` (Adam from scratch, the step fused into backward), `floats`,
 `accumulation`, `chunked_loss` (cross-entropy without the whole logits), `checkpointing`, `amp`
 (GradScaler, MasterWeights, autocast_dtypes), `collectives`, `dp`, `ddp`, `launch`, `lora`, `zero`
-(ZeRO stages 1-3), `offload` (ZeRO-Offload, activation offload), `nvme` (the NVMe tier), `train`
+(ZeRO stages 1-3), `offload` (ZeRO-Offload, activation offload), `nvme` (the NVMe tier),
+`tensor_parallel` (Megatron's column- and row-parallel layers, sequence parallelism), `pipeline`
+(GPipe, 1F1B and interleaved schedules, simulated and run), `context_parallel` (ring attention,
+Ulysses), `train`
 (the `python -m companion train` launcher), `plan` (the techniques that fit a memory budget,
 chosen, proved by a simulated step, and run).
 The course itself: `session` (the one call that starts a chapter: threads, seed, device, plot
@@ -26,6 +29,7 @@ __all__ = [
     "chunked_loss",
     "checks",
     "collectives",
+    "context_parallel",
     "cost",
     "ddp",
     "device",
@@ -44,11 +48,13 @@ __all__ = [
     "nvme",
     "offload",
     "optim",
+    "pipeline",
     "placement",
     "plan",
     "record",
     "results",
     "session",
+    "tensor_parallel",
     "train",
     "widgets",
     "zero",
