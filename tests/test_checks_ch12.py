@@ -478,3 +478,61 @@ def test_each_check_gives_its_verdicts_through_a_remote(name, right, wrong, hint
         assert evaluate(name, _OverTheWire(right))
     with seeded(0), pytest.raises(CheckFailed, match=hint):
         evaluate(name, _OverTheWire(wrong))
+
+
+# ---- the independent review's wrong answers (issue 59) ------------------------------------------
+
+def _ignores_can_keep(region, budget_bytes):
+    """The right knapsack over every operator with FLOPs, whether or not it can be kept."""
+    items = [op for op in region.ops if op.flops > 0 and op.replayed and not op.output]
+    return _policy(_most_flops(items, budget_bytes - region.input_bytes))
+
+
+def test_budget_policy_a_policy_that_keeps_a_changed_output_fails():
+    with seeded(0), pytest.raises(CheckFailed, match="changes in place cannot be kept"):
+        check_budget_policy(_ignores_can_keep)
+
+
+def _rewrites_targets(h, weight, targets, n_tokens):
+    """Right numbers, but the ignored targets are overwritten in the caller's tensor."""
+    counted = targets != -100
+    targets[~counted] = 0
+    logp = (h @ weight.T).to(torch.promote_types(h.dtype, torch.float32)).log_softmax(-1)
+    loss = -(logp.gather(1, targets[:, None])[:, 0] * counted).sum() / n_tokens
+    grad = logp.exp()
+    grad[torch.arange(len(targets)), targets] -= 1.0
+    grad = (grad * counted[:, None] / n_tokens).to(h.dtype)
+    return loss.to(h.dtype), grad @ weight, grad.T @ h
+
+
+def test_fused_chunk_that_changes_its_arguments_fails():
+    with seeded(0), pytest.raises(CheckFailed, match="changed its argument targets in place"):
+        check_fused_chunk(_rewrites_targets)
+
+
+def _keep_sets_then_greedy_offload(tensors, budget, rate, window):
+    """Every keep set, then offload added greedily by seconds per byte."""
+
+    def cost(option):
+        recompute = sum(s for (_, s), c in zip(tensors, option) if c == "recompute")
+        moved = sum(b for (b, _), c in zip(tensors, option) if c == "offload")
+        return recompute + 2 * max(0.0, moved / rate - window)
+    best, choice = float("inf"), None
+    for keep in itertools.product((0, 1), repeat=len(tensors)):
+        if sum(b for (b, _), k in zip(tensors, keep) if k) > budget:
+            continue
+        option = ["keep" if k else "recompute" for k in keep]
+        for i in sorted((i for i, k in enumerate(keep) if not k),
+                        key=lambda i: -tensors[i][1] / tensors[i][0]):
+            trial = option[:i] + ["offload"] + option[i + 1:]
+            if cost(trial) < cost(option):
+                option = trial
+        if cost(option) < best:
+            best, choice = cost(option), option
+    return choice
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_choose_remat_greedy_offload_after_every_keep_set_fails(seed):
+    with seeded(seed), pytest.raises(CheckFailed, match="adds"):
+        check_choose_remat(_keep_sets_then_greedy_offload)

@@ -23,7 +23,9 @@ def _build(spec: tuple) -> tuple[torch.nn.Module, torch.Tensor]:
     Tanh between: at a budget of the inputs and the 9m and 8m outputs, those two are the best
     set, not outputs taken by FLOPs per byte (12m first), nor the set a budget without the inputs
     allows (12m and 10m), nor one that counts the region's output (3m, costing nothing).
-    ("norm", seed, rows, width): LayerNorm, GELU, LayerNorm: no operator with FLOPs."""
+    ("norm", seed, rows, width): LayerNorm, GELU, LayerNorm: no operator with FLOPs.
+    ("relu", seed, rows, width): Linear layers with in-place ReLUs between, which change two
+    matmuls' outputs after they are made."""
     kind, seed, rows, *sizes = spec
     torch.manual_seed(seed)
     if kind == "mlp":
@@ -33,6 +35,12 @@ def _build(spec: tuple) -> tuple[torch.nn.Module, torch.Tensor]:
         for a, b in zip(widths[1:-1], widths[2:]):
             layers += [torch.nn.Tanh(), torch.nn.Linear(a, b)]
         block, shape = torch.nn.Sequential(*layers), (rows, widths[0])
+    elif kind == "relu":                       # in-place ReLUs change the matmuls' outputs
+        width = sizes[0]
+        block = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.ReLU(inplace=True),
+                                    torch.nn.Linear(2 * width, width), torch.nn.ReLU(inplace=True),
+                                    torch.nn.Linear(width, width))
+        shape = (rows, width)
     elif kind == "norm":                       # no operator with FLOPs: nothing worth keeping
         block, shape = torch.nn.Sequential(torch.nn.LayerNorm(sizes[0]), torch.nn.GELU(),
                                            torch.nn.LayerNorm(sizes[0])), (rows, sizes[0])
@@ -104,7 +112,8 @@ def _cases(rng: random.Random) -> list[tuple[tuple, list[int]]]:
     """(spec, budgets): the MLP at the budget where order by FLOPs per byte is not the best
     (twice: a second policy for the same region and budget must keep the same), then drawn
     budgets on it, a GPT block and a Llama block of drawn sizes, and a region with no
-    operator that has FLOPs (norms and GELU: nothing is worth keeping)."""
+    operator that has FLOPs (norms and GELU: nothing is worth keeping), and Linear layers whose
+    outputs in-place ReLUs change, with room for every output."""
     mlp = ("mlp", rng.randrange(2**31), rng.randrange(3, 10), rng.choice([1, 2]))
     heads = rng.choice([2, 4])
     gpt = ("gpt", rng.randrange(2**31), rng.choice([1, 2]), rng.randrange(5, 12),
@@ -112,8 +121,9 @@ def _cases(rng: random.Random) -> list[tuple[tuple, list[int]]]:
     llama = ("llama", rng.randrange(2**31), rng.choice([1, 2]), rng.randrange(5, 12),
              rng.choice([24, 32]), 4, 2, rng.choice([40, 56]))
     norm = ("norm", rng.randrange(2**31), rng.randrange(2, 6), rng.choice([12, 20]))
+    relu = ("relu", rng.randrange(2**31), rng.randrange(2, 6), rng.choice([8, 12]))
     cases = []
-    for spec in (mlp, gpt, llama, norm):
+    for spec in (mlp, gpt, llama, norm, relu):
         region = region_ops(*_build(spec))
         room = sum(op.nbytes for op in region.ops if not op.output)
         budgets = [region.input_bytes + int(room * rng.uniform(lo, hi))
@@ -123,6 +133,8 @@ def _cases(rng: random.Random) -> list[tuple[tuple, list[int]]]:
             tight = region.input_bytes + 4 * rows * (9 + 8) * m   # the 9m and 8m outputs
             exact = region.input_bytes + 4 * rows * 10 * m        # the 10m output, to the byte
             budgets = [tight, tight, exact, budgets[1]]
+        if spec is relu:                                      # room for every output
+            budgets = [region.input_bytes + room]
         cases.append((spec, budgets))
     return cases
 
@@ -148,7 +160,8 @@ def check_budget_policy(answer) -> str:
         plain = _grads(block, x, block(x))
         runs = _runs(answer, spec, budgets)
         name = {"mlp": "an MLP", "gpt": "a GPT block", "llama": "a Llama block",
-                "norm": "two LayerNorms and a GELU"}[spec[0]]
+                "norm": "two LayerNorms and a GELU",
+                "relu": "Linear layers with in-place ReLUs"}[spec[0]]
         what = f"{name} on input {tuple(x.shape)}"
         for i, (budget, run) in enumerate(zip(budgets, runs)):
             label = f"{what}, budget {budget:,} bytes (inputs {region.input_bytes:,})"
@@ -167,7 +180,8 @@ def check_budget_policy(answer) -> str:
             total[0] += run["held"]
             total[1] += region.input_bytes + sum(op.nbytes for op in region.ops if not op.output)
     runs = sum(len(budgets) for _, budgets in cases)
-    return (f"{runs} budgets on an MLP, a GPT block, a Llama block and norms without matmuls: "
+    return (f"{runs} budgets on MLPs (one with in-place ReLUs), a GPT block, a Llama block and "
+            f"norms without matmuls: "
             f"each met with the least recompute, gradients as plain autograd's; held "
             f"{format_bytes(total[1])} -> {format_bytes(total[0])} in all")
 

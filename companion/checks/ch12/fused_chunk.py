@@ -25,9 +25,16 @@ def _chunks(answer, hidden, weight, targets, sizes, n_tokens) -> list:
     inputs that do not require grad, and no graph allowed (a tensor saved for backward raises)."""
     out, start = [], 0
     for size in sizes:
-        h, t = hidden[start:start + size].clone(), targets[start:start + size].clone()
+        given = hidden[start:start + size], weight, targets[start:start + size]
+        h, w, t = (x.clone() for x in given)
         with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(_refuse, _refuse):
-            out.append(call_inplace(answer, h, weight.clone(), t, n_tokens))
+            out.append(call_inplace(answer, h, w, t, n_tokens))
+        for name, mine, original in zip(("h", "weight", "targets"), (h, w, t), given):
+            require(torch.equal(mine, original), f"chunk {len(out) - 1}: your function changed "
+                    f"its argument {name} in place",
+                    hint="the fused loss passes views of the batch's own tensors: a chunk that "
+                         "writes into them changes the batch for every later step (and the "
+                         "count of tokens). Work on new tensors.")
         start += size
     return out
 
@@ -134,8 +141,8 @@ def _finite(mine, chunk: str, large: bool) -> None:
                 not bool(torch.isfinite(value).all()):
             raise CheckFailed(f"{chunk}: {name} holds NaN or inf",
                               hint="exp of a logit of 1000 overflows float32 and float64 alike."
-                              if large else "a chunk whose tokens are all ignored adds zeros: "
-                              "look for a division by this chunk's count, or a log of 0.")
+                              if large else "look for a division by a count that can be 0 (a "
+                              "chunk whose tokens are all ignored adds zeros), or a log of 0.")
 
 
 def _ignored_rows(grad_h, t: torch.Tensor, chunk: str) -> None:

@@ -60,6 +60,10 @@ def _crafted(rng: random.Random) -> list[tuple]:
          U, U / S, 1.0 * S),
         ("a recompute that beats the copy by one byte's time", scaled([(2, 2 - 1 / U), (1, 9)]),
          U, U / S, 1.0 * S),
+        # the window hides two of the smaller copies exactly: offloading the dearest tensor per
+        # byte first leaves one small copy exposed
+        ("a window that fits two small copies", scaled([(6, 6.0), (5, 4.9), (5, 4.9)]), 0,
+         U / S, 10.0 * S),
     ]
 
 
