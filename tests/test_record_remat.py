@@ -45,7 +45,7 @@ def test_the_policies_table_orders_bytes_and_flops_as_the_chapter_says():
         < gpt["save matmuls"].held_bytes < gpt["keep all"].held_bytes
     assert gpt["keep all"].recompute_flops == 0 < gpt["save matmuls"].recompute_flops \
         < gpt["recompute all"].recompute_flops
-    assert rows["keep all but the core"]["llama"] is None     # SDPA: no written core
+    assert rows["keep all outside the core"]["llama"] is None     # SDPA: no written core
 
 
 def test_the_recorded_run_writes_measured_and_predicted():

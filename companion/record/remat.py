@@ -42,37 +42,42 @@ def blocks(S, device) -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:
     return {"gpt": (gpt, x.clone().requires_grad_()), "llama": (llama, x.clone().requires_grad_())}
 
 
-def _keep_if(test: Callable[[object], bool], region) -> Callable[[], Callable]:
-    """A policy factory: keep the operators `test(op)` accepts (and can be kept), by run order."""
+def _keep_if(test: Callable[[object, object], bool], region) -> Callable[[], Callable]:
+    """A policy factory: keep the operators `test(op, row)` accepts (`row`: its RegionOp), if
+    they can be kept, by run order (torch 2.13 asks in forward only)."""
     def make():
-        count = {False: 0, True: 0}
+        count = [0]
 
         def policy(ctx, op, *args, **kwargs):
-            i = count[ctx.is_recompute]
-            count[ctx.is_recompute] += 1
-            keep = i < len(region.ops) and region.ops[i].can_keep and test(op)
+            i = count[0]
+            count[0] += 1
+            row = region.ops[i] if i < len(region.ops) else None
+            keep = row is not None and row.can_keep and test(op, row)
             return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
         return policy
     return make
 
 
-POLICIES = ("recompute all", "save matmuls", "every second matmul", "keep all but the core",
+POLICIES = ("recompute all", "save matmuls", "every second matmul", "keep all outside the core",
             "keep all")
 
 
 def policy_rows(S, device) -> dict[str, dict]:
     """Each policy of POLICIES on each block: `measure_policy`'s PolicyRun (held bytes and
     recompute FLOPs, measured and predicted), or None where it does not apply (the attention
-    core is written out only in the GPT block)."""
+    core is written out only in the GPT block). "keep all outside the core" keeps every output
+    `selective.attention_core_policy` leaves out of the core, some that backward never reads
+    among them (Korthikanti et al.'s own set is `selective.selective_block`'s)."""
     rows: dict[str, dict] = {name: {} for name in POLICIES}
     for kind, (block, x) in blocks(S, device).items():
         region = region_ops(block, x)
-        makers = {"recompute all": _keep_if(lambda op: False, region),
+        makers = {"recompute all": _keep_if(lambda op, row: False, region),
                   "save matmuls": lambda: save_matmuls,
                   "every second matmul": alternate_matmuls,
-                  "keep all but the core": (_keep_if(attention_core_policy, region)
-                                            if kind == "gpt" else None),
-                  "keep all": _keep_if(lambda op: True, region)}
+                  "keep all outside the core": (
+                      _keep_if(lambda op, row: attention_core_policy(op), region)
+                      if kind == "gpt" else None),
+                  "keep all": _keep_if(lambda op, row: True, region)}
         for name, make in makers.items():
             rows[name][kind] = measure_policy(block, (x,), make) if make else None
     return rows
@@ -133,13 +138,15 @@ def method_rows(S, device, fractions: tuple[float, ...] = (0.5, 0.25), *, rounds
         fitted = fit(block, (x,), budget, **rates)
         rows[f"fit {f:g}"] = dict(budget=budget, held=fitted.measured_bytes,
                                   predicted=fitted.plan.kept_bytes, tries=fitted.tries,
-                                  recompute_flops=fitted.plan.recompute_flops)
+                                  recompute_flops=fitted.plan.recompute_flops,
+                                  seconds=fitted.plan.seconds)
         offload = solve(region, budget, host_seconds_per_byte=host, **rates)
         device_bytes, host_bytes, _ = held_bytes(block, (x,), offload)
         rows[f"offload {f:g}"] = dict(budget=budget, held=device_bytes,
                                       predicted=offload.kept_bytes, host=host_bytes,
                                       predicted_host=offload.offloaded_bytes,
-                                      recompute_flops=offload.recompute_flops)
+                                      recompute_flops=offload.recompute_flops,
+                                      seconds=offload.seconds)
         for name, plan in ((f"fit {f:g}", fitted.plan), (f"offload {f:g}", offload)):
             steps[name] = _step(lambda plan=plan: checkpoint_with_plan(block, x, plan=plan), wrt)
     times = interleave(steps, rounds=rounds, clock=lambda: now(device))
