@@ -23,14 +23,18 @@ def _build(spec: tuple) -> tuple[torch.nn.Module, torch.Tensor]:
     Tanh between: at a budget of the inputs and the 9m and 8m outputs, those two are the best
     set, not outputs taken by FLOPs per byte (12m first), nor the set a budget without the inputs
     allows (12m and 10m), nor one that counts the region's output (3m, costing nothing).
+    ("small cells", seed, rows, m): 2m -> m -> m -> 2m -> m -> m: at the inputs and three m
+    outputs' bytes (three cells), a table filled from a cell off by one, or holding each
+    item's FLOPs without the best of the cells before it, keeps a worse set.
     ("norm", seed, rows, width): LayerNorm, GELU, LayerNorm: no operator with FLOPs.
     ("relu", seed, rows, width): Linear layers with in-place ReLUs between, which change two
     matmuls' outputs after they are made."""
     kind, seed, rows, *sizes = spec
     torch.manual_seed(seed)
-    if kind == "mlp":
+    if kind in ("mlp", "small cells"):
         m = sizes[0]
-        widths = [5 * m, 12 * m, 10 * m, 9 * m, 8 * m, 3 * m]
+        widths = ([5 * m, 12 * m, 10 * m, 9 * m, 8 * m, 3 * m] if kind == "mlp"
+                  else [2 * m, m, m, 2 * m, m, m])
         layers = [torch.nn.Linear(widths[0], widths[1])]
         for a, b in zip(widths[1:-1], widths[2:]):
             layers += [torch.nn.Tanh(), torch.nn.Linear(a, b)]
@@ -122,8 +126,9 @@ def _cases(rng: random.Random) -> list[tuple[tuple, list[int]]]:
              rng.choice([24, 32]), 4, 2, rng.choice([40, 56]))
     norm = ("norm", rng.randrange(2**31), rng.randrange(2, 6), rng.choice([12, 20]))
     relu = ("relu", rng.randrange(2**31), rng.randrange(2, 6), rng.choice([8, 12]))
+    small = ("small cells", rng.randrange(2**31), rng.randrange(2, 6), rng.choice([3, 5]))
     cases = []
-    for spec in (mlp, gpt, llama, norm, relu):
+    for spec in (mlp, gpt, llama, norm, relu, small):
         region = region_ops(*_build(spec))
         room = sum(op.nbytes for op in region.ops if not op.output)
         budgets = [region.input_bytes + int(room * rng.uniform(lo, hi))
@@ -135,6 +140,8 @@ def _cases(rng: random.Random) -> list[tuple[tuple, list[int]]]:
             budgets = [tight, tight, exact, budgets[1]]
         if spec is relu:                                      # room for every output
             budgets = [region.input_bytes + room]
+        if spec is small:                                     # three cells of m outputs
+            budgets = [region.input_bytes + 3 * spec[2] * 4 * spec[3]]
         cases.append((spec, budgets))
     return cases
 
@@ -161,7 +168,8 @@ def check_budget_policy(answer) -> str:
         runs = _runs(answer, spec, budgets)
         name = {"mlp": "an MLP", "gpt": "a GPT block", "llama": "a Llama block",
                 "norm": "two LayerNorms and a GELU",
-                "relu": "Linear layers with in-place ReLUs"}[spec[0]]
+                "relu": "Linear layers with in-place ReLUs",
+                "small cells": "an MLP"}[spec[0]]
         what = f"{name} on input {tuple(x.shape)}"
         for i, (budget, run) in enumerate(zip(budgets, runs)):
             label = f"{what}, budget {budget:,} bytes (inputs {region.input_bytes:,})"
