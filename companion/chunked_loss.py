@@ -7,8 +7,10 @@ backward makes a gradient of the same size. With a vocabulary of 50,257 that is 
 for each copy, more than a whole layer of GPT-2 small saves (87.6 kB: `estimate.transformer_layer_
 activations`). Chunking computes the loss over k slices of the tokens, each through
 `torch.utils.checkpoint`: the forward keeps no logits at all, and backward recomputes one slice's
-logits at a time. Memory: N·V·4 bytes of saved log-softmax become 0, and backward's peak holds
-one slice's logits (N·V/k) instead of all. Cost: the head's matmul runs twice (once more in backward).
+logits at a time. Memory: N·V·4 bytes of saved log-softmax become 0, and backward holds one
+slice's logits (N·V/k) instead of all; its peak is that or, when larger, the head's weight
+gradient summed slice by slice (the running sum, one slice's gradient and their sum: 3·V·C
+values). Cost: the head's matmul runs twice (once more in backward).
 
 Example:
     >>> hidden = model.ln(model.blocks(x))                              # (B, T, C)
@@ -20,11 +22,12 @@ Example:
 forward computes each chunk's gradients for the head's input and weight at once (the softmax minus
 the one-hot target is the gradient of the logits), keeps them, and drops the chunk's logits.
 Backward only scales the kept gradients, in place: the head's matmul is not run again. Memory: no
-logits at any time beyond one chunk's (chunk_size·V·4 bytes: the log-softmax, the loss and the
-gradient are each made in the logits' place), plus the gradients themselves, held from the forward
-on (N·C for the input, V·C for the weight); the chunked loss's backward instead sums the head's
-weight gradient slice by slice (the running sum, one slice's gradient and their sum: 3·V·C). Cost: one head matmul in forward and two for the
-gradients, against the chunked loss's four (two forward, then its backward's two).
+logits at any time beyond one chunk's (chunk_size·V·4 bytes for fp32 inputs: the shifted logits,
+their exponentials, the softmax and the gradient are each made in that tensor's place; 16-bit
+inputs add their 16-bit logits and gradient, 6·chunk_size·V in all), plus the gradients
+themselves, held from the forward on (N·C for the input, V·C for the weight). Cost: one head
+matmul in forward and two for the gradients, against the chunked loss's four (two forward, then
+its backward's two).
 
 Example:
     >>> loss = fused_linear_cross_entropy(hidden.flatten(0, 1), model.head.weight, y.flatten(),
@@ -95,8 +98,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         total = hidden.new_zeros((), dtype=exact)
         for start in range(0, len(hidden), chunk_size):
             h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
-            # 1. one chunk's logits, fp32: (n, V) -> n·V·4 bytes, the only (n, V) tensor: the
-            #    log-softmax, the loss and the gradient are each made in its place
+            # 1. one chunk's logits, fp32: (n, V) -> n·V·4 bytes, the only fp32 (n, V) tensor:
+            #    shifted, exponentiated, divided into the softmax and made the gradient in place;
+            #    the loss from (n, 1) row values
             grad = F.linear(h, weight, bias).to(exact)             # (n, V) logits
             kept = (t != ignore_index)[:, None]                    # (n, 1)
             safe = t[:, None].where(kept, 0)                       # an index even where ignored

@@ -536,3 +536,62 @@ def _keep_sets_then_greedy_offload(tensors, budget, rate, window):
 def test_choose_remat_greedy_offload_after_every_keep_set_fails(seed):
     with seeded(seed), pytest.raises(CheckFailed, match="adds"):
         check_choose_remat(_keep_sets_then_greedy_offload)
+
+
+def _keep_by_unhidden_price(tensors, budget, rate, window):
+    """Keeps the set worth most at min(recompute, an unhidden copy), then splits the rest."""
+    n, best_value, keep = len(tensors), -1.0, 0
+    for mask in range(1 << n):
+        if sum(tensors[i][0] for i in range(n) if mask >> i & 1) > budget:
+            continue
+        value = sum(min(tensors[i][1], 2 * tensors[i][0] / rate)
+                    for i in range(n) if mask >> i & 1)
+        if value > best_value:
+            best_value, keep = value, mask
+    rest = [i for i in range(n) if not keep >> i & 1]
+    best, choice = float("inf"), None
+    for split in range(1 << len(rest)):
+        option = ["keep"] * n
+        for j, i in enumerate(rest):
+            option[i] = "offload" if split >> j & 1 else "recompute"
+        recompute = sum(s for (_, s), c in zip(tensors, option) if c == "recompute")
+        moved = sum(b for (b, _), c in zip(tensors, option) if c == "offload")
+        added = recompute + 2 * max(0.0, moved / rate - window)
+        if added < best:
+            best, choice = added, option
+    return choice
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_choose_remat_keeping_by_the_unhidden_price_fails(seed):
+    with seeded(seed), pytest.raises(CheckFailed, match="adds"):
+        check_choose_remat(_keep_by_unhidden_price)
+
+
+def _coarse_grid(grid):
+    """The right table, on cells of `grid` bytes (the room rounded down, weights up)."""
+    def answer(region, budget_bytes):
+        items = [op for op in region.ops
+                 if op.can_keep and op.flops > 0 and op.replayed and not op.output]
+        cells = max(0, budget_bytes - region.input_bytes) // grid
+        weights = [-(-op.nbytes // grid) for op in items]
+        best = [0] * (cells + 1)
+        took = [[False] * (cells + 1) for _ in items]
+        for i, (op, w) in enumerate(zip(items, weights)):
+            for c in range(cells, w - 1, -1):
+                if best[c - w] + op.flops > best[c]:
+                    best[c], took[i][c] = best[c - w] + op.flops, True
+        keep, c = set(), cells
+        for i in reversed(range(len(items))):
+            if took[i][c]:
+                keep.add(items[i].index)
+                c -= weights[i]
+        return _policy(keep)
+    return answer
+
+
+@pytest.mark.parametrize("grid", [8, 16, 1024])
+def test_budget_policy_on_a_coarse_byte_grid_fails(grid):
+    for seed in range(3):
+        with seeded(seed), pytest.raises(CheckFailed, match="recomputes"):
+            check_budget_policy(_coarse_grid(grid))

@@ -64,6 +64,10 @@ def _crafted(rng: random.Random) -> list[tuple]:
         # byte first leaves one small copy exposed
         ("a window that fits two small copies", scaled([(6, 6.0), (5, 4.9), (5, 4.9)]), 0,
          U / S, 10.0 * S),
+        # what to keep depends on the window: keeping by the cheaper of recompute and an
+        # unhidden copy, then splitting the rest, keeps the wrong pair
+        ("a window that changes what to keep", scaled([(2, 3.45), (6, 1.25), (4, 4.45)]),
+         10 * U, U / S, 3.5 * S),
     ]
 
 
