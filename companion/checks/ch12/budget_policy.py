@@ -23,8 +23,8 @@ def _build(spec: tuple) -> tuple[torch.nn.Module, torch.Tensor]:
     Tanh between: at a budget of the inputs and the 9m and 8m outputs, those two are the best
     set, not outputs taken by FLOPs per byte (12m first), nor the set a budget without the inputs
     allows (12m and 10m), nor one that counts the region's output (3m, costing nothing).
-    ("small cells", seed, rows, m): 2m -> m -> m -> 2m -> m -> m: at the inputs and three m
-    outputs' bytes (three cells), a table filled from a cell off by one, or holding each
+    ("small cells", seed, rows, m): 2m -> m -> 3m -> m -> m -> m: at the inputs and two m
+    outputs' bytes (two cells), a table read or filled from a cell off by one, or holding each
     item's FLOPs without the best of the cells before it, keeps a worse set.
     ("norm", seed, rows, width): LayerNorm, GELU, LayerNorm: no operator with FLOPs.
     ("relu", seed, rows, width): Linear layers with in-place ReLUs between, which change two
@@ -34,7 +34,7 @@ def _build(spec: tuple) -> tuple[torch.nn.Module, torch.Tensor]:
     if kind in ("mlp", "small cells"):
         m = sizes[0]
         widths = ([5 * m, 12 * m, 10 * m, 9 * m, 8 * m, 3 * m] if kind == "mlp"
-                  else [2 * m, m, m, 2 * m, m, m])
+                  else [2 * m, m, 3 * m, m, m, m])
         layers = [torch.nn.Linear(widths[0], widths[1])]
         for a, b in zip(widths[1:-1], widths[2:]):
             layers += [torch.nn.Tanh(), torch.nn.Linear(a, b)]
@@ -142,8 +142,8 @@ def _cases(rng: random.Random) -> list[tuple[tuple, list[int]]]:
             budgets = [tight, tight, exact, budgets[1]]
         if spec is relu:                                      # room for every output
             budgets = [region.input_bytes + room]
-        if spec is small:                                     # three cells of m outputs
-            budgets = [region.input_bytes + 3 * spec[2] * 4 * spec[3]]
+        if spec is small:                                     # two cells of m outputs
+            budgets = [region.input_bytes + 2 * spec[2] * 4 * spec[3]]
         cases.append((spec, budgets))
     return cases
 
