@@ -138,10 +138,12 @@ class _Uncopyable:
 # unscaled in place, hooks on a module, a checkpoint's saved input, training under a budget): the
 # check reads the changes back (`call_inplace`, on objects made for the answer from the seed, apart
 # from what the expectation is computed from), so vandalising them after the step is a wrong
-# answer. And answers that run in gloo workers or are Triton kernels, launched by the check.
+# answer; so it is for the fused loss's chunk, whose arguments are views of the batch's own
+# tensors (its check refuses an answer that changes them). And answers that run in gloo workers
+# or are Triton kernels, launched by the check.
 IN_PLACE = {"check_adam_step", "check_accumulation_step", "check_token_normalized_step",
             "check_checkpoint_function", "check_unscale_grads", "check_gather_hooks",
-            "check_offloaded_step", "check_train_within_budget"}
+            "check_offloaded_step", "check_train_within_budget", "check_fused_chunk"}
 ELSEWHERE = {"check_ring_all_reduce", "check_bucketed_hooks", "check_ring_reduce_scatter",
              "check_triton_forward"}
 CHAPTERS = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12"]
