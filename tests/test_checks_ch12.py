@@ -53,32 +53,10 @@ def _policy(keep):
 
 
 def budget_policy(region, budget_bytes):
-    """A fresh SAC policy that holds `region` within `budget_bytes`."""
+    """The reference: the table of `_most_flops` over the outputs worth keeping, as a policy."""
     items = [op for op in region.ops
              if op.can_keep and op.flops > 0 and op.replayed and not op.output]
-    unit = math.gcd(*(op.nbytes for op in items)) or 1        # bytes per cell: exact
-    cells = max(0, budget_bytes - region.input_bytes) // unit
-    best = np.zeros(cells + 1)               # best[c]: the most FLOPs kept within c cells
-    took = np.zeros((len(items), cells + 1), dtype=bool)
-    for i, op in enumerate(items):
-        w = op.nbytes // unit
-        if w <= cells:
-            candidate = np.full(cells + 1, -1.0)
-            candidate[w:] = best[:cells + 1 - w] + op.flops
-            took[i] = candidate > best
-            best = np.maximum(best, candidate)
-    keep, c = {op.index for op in region.ops if op.output and op.can_keep}, cells
-    for i in reversed(range(len(items))):    # walk back from the whole budget
-        if took[i, c]:
-            keep.add(items[i].index)
-            c -= items[i].nbytes // unit
-    counts = {False: 0, True: 0}             # forward and recompute, each in run order
-
-    def policy(ctx, op, *args, **kwargs):
-        i = counts[ctx.is_recompute]
-        counts[ctx.is_recompute] += 1
-        return CheckpointPolicy.MUST_SAVE if i in keep else CheckpointPolicy.PREFER_RECOMPUTE
-    return policy
+    return _policy(_most_flops(items, budget_bytes - region.input_bytes))
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -178,6 +178,18 @@ def _storages(value) -> dict[int, int]:
             if isinstance(t, torch.Tensor)}
 
 
+def grad_inputs(fn: Callable, args: tuple) -> list[torch.Tensor]:
+    """The tensors among `args` and `fn`'s parameters (a module's) that require grad: what a
+    backward of `fn(*args)` differentiates. Raises ValueError when there are none."""
+    wrt = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if isinstance(fn, torch.nn.Module):
+        wrt += [p for p in fn.parameters() if p.requires_grad]
+    if not wrt:
+        raise ValueError("nothing here requires grad, so nothing is saved for backward: pass "
+                         "an input with requires_grad=True or a module with parameters")
+    return wrt
+
+
 def held_bytes(fn: Callable, args: tuple, plan: RematPlan) -> tuple[int, int, int]:
     """(device bytes, host bytes, step peak) of one forward and backward of the plan, measured
     by `companion.memory.track`. Device bytes: what stays alive after forward, the inputs
@@ -185,12 +197,7 @@ def held_bytes(fn: Callable, args: tuple, plan: RematPlan) -> tuple[int, int, in
     predicts (on CUDA the caching allocator's count, blocks rounded up to 512 bytes, so a little
     more); host bytes: the offloaded copies; step peak: the most bytes the step allocated.
     Backward runs through `torch.autograd.grad`, so no `.grad` is changed."""
-    wrt = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if isinstance(fn, torch.nn.Module):
-        wrt += [p for p in fn.parameters() if p.requires_grad]
-    if not wrt:
-        raise ValueError("nothing here requires grad, so nothing is saved for backward: pass "
-                         "an input with requires_grad=True or a module with parameters")
+    wrt = grad_inputs(fn, args)
     inputs = _storages([t for t in tree_leaves(args) if not isinstance(t, torch.nn.Parameter)])
     with track(wrt[0].device) as tracker:
         out = checkpoint_with_plan(fn, *args, plan=plan)

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from companion.checkpointing.budget import _flops, region_ops
+from companion.checkpointing.budget_run import grad_inputs
 from companion.memory import track
 
 __all__ = ["PolicyRun", "measure_policy", "backward_flops"]
@@ -67,16 +68,6 @@ def backward_flops(run: Callable[[], torch.Tensor]) -> int:
     return counter.flops
 
 
-def _wrt(fn, args) -> list[torch.Tensor]:
-    wrt = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if isinstance(fn, torch.nn.Module):
-        wrt += [p for p in fn.parameters() if p.requires_grad]
-    if not wrt:
-        raise ValueError("nothing here requires grad, so nothing is saved for backward: pass "
-                         "an input with requires_grad=True or a module with parameters")
-    return wrt
-
-
 def measure_policy(fn: Callable, args: tuple, make_policy: Callable[[], Callable]) -> PolicyRun:
     """Checkpoint `fn(*args)` with SAC under `make_policy()` (a fresh policy per run: policies
     that count operators keep state), and measure it against `region_ops`' prediction.
@@ -88,7 +79,7 @@ def measure_policy(fn: Callable, args: tuple, make_policy: Callable[[], Callable
     if not isinstance(args, tuple):
         raise TypeError(f"args is the tuple of fn's arguments, e.g. (x,); got "
                         f"{type(args).__name__}")
-    wrt = _wrt(fn, args)
+    wrt = grad_inputs(fn, args)
     saved_grads = [t.grad for t in wrt]
     region = region_ops(fn, *args)
     kept: list[bool] = []
