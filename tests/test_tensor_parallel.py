@@ -6,26 +6,7 @@ from torch import nn
 
 from companion import checkpointing as ck, launch, memory, models
 from companion import tensor_parallel as tp
-
-
-def _split_block(rank, world, block, x, grad_out, sequence_parallel):
-    """A worker: this rank's share of block; its output, gradients, bytes sent and bytes kept."""
-    comm = tp.TPComm()
-    split = tp.TensorParallelBlock(block, rank, world, comm=comm,
-                                   sequence_parallel=sequence_parallel)
-    if sequence_parallel:
-        x, grad_out = (tp.sequence_shard(t, rank, world) for t in (x, grad_out))
-    x = x.clone().requires_grad_()
-    with memory.track(launch.rank_device()) as tracker:
-        y = split(x)
-        kept = tracker.current - y.untyped_storage().nbytes() + x.untyped_storage().nbytes()
-    forward = comm.traffic.sent_bytes
-    y.backward(grad_out)
-    backward = comm.traffic.sent_bytes - forward
-    if sequence_parallel:
-        tp.all_reduce_sequence_parallel_grads(split, comm)
-    grads = {name: p.grad for name, p in split.named_parameters()}
-    return y.detach(), x.grad, grads, kept, forward, backward
+from companion.parallel_runs import _block_shard, split_block_run as _split_block
 
 
 def _pair(rank, world, name, xs, grads):
@@ -43,18 +24,6 @@ def _whole(block, x, grad_out):
     y = block(x)
     y.backward(grad_out)
     return y.detach(), x.grad, {name: p.grad for name, p in block.named_parameters()}
-
-
-def _expected_shard(name, grads, rank, world):
-    """The whole block's gradient of the parameter that `name` shards on `rank`."""
-    layer = {"qkv": "qkv", "proj": "proj", "mlp.0": "fc", "mlp.2": "out"}
-    prefix, kind = name.rsplit(".", 1)
-    if prefix not in layer:                                   # LayerNorms: whole
-        return grads[name]
-    full = grads[f"{layer[prefix]}.{kind}"]
-    if prefix in ("qkv", "mlp.0"):                            # column-parallel: rows
-        return tp.column_shard(full, rank, world, parts=3 if prefix == "qkv" else 1)
-    return tp.row_shard(full, rank, world) if kind == "weight" else full
 
 
 def _case(batch, seq, width, heads, dtype, seed=0, attention=None):
@@ -102,7 +71,7 @@ def test_split_block_equals_the_whole_block(world, sequence_parallel, attention)
         torch.testing.assert_close(x_grad_r, mine(x_grad), **close)
         assert len(grads_r) == len(grads)
         for name, g in grads_r.items():
-            torch.testing.assert_close(g, _expected_shard(name, grads, rank, world), **close)
+            torch.testing.assert_close(g, _block_shard(name, grads, rank, world), **close)
 
 
 @pytest.mark.parametrize("world, sequence_parallel", [(1, False), (2, False), (2, True),

@@ -1,0 +1,242 @@
+"""Chapter 13's experiments: each parallelism run on gloo ranks beside its one-process reference.
+
+Every function here starts its ranks with `companion.launch.run` (so a notebook can call it: a
+spawned worker cannot run a function defined in a notebook) and returns what the chapter prints:
+the largest difference from the reference, the bytes each rank sent and kept, and the formula
+that predicts them.
+
+- `compare_block`: a transformer block split by tensor parallelism (and sequence parallelism)
+  over t ranks (`companion.tensor_parallel`).
+- `compare_attention`: one attention layer's sequence split over k ranks, ring or Ulysses
+  (`companion.context_parallel`).
+- `compare_pipeline`: an MLP cut into p stages, run by a schedule (`companion.pipeline`).
+
+Example:
+    >>> block = models.Block(64, 4)
+    >>> run = compare_block(block, torch.randn(2, 16, 64), torch.randn(2, 16, 64), world=2)
+    >>> run.error < 1e-5, run.sent == run.sent_formula            # (True, True)
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from fractions import Fraction
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from companion import context_parallel as cp, launch, memory, tensor_parallel as tp
+from companion.pipeline import runtime, schedules
+
+__all__ = ["BlockRun", "AttentionRun", "PipelineRun", "split_block_run", "compare_block",
+           "attention_shard_run", "compare_attention", "compare_pipeline"]
+
+
+def _largest(got, want) -> float:
+    return max((a.double() - b.double()).abs().max().item() for a, b in zip(got, want, strict=True))
+
+
+# ---------------------------------------------------------------- tensor (and sequence) parallel
+
+def split_block_run(rank: int, world: int, block: nn.Module, x: torch.Tensor,
+                    grad_out: torch.Tensor, sequence_parallel: bool):
+    """A worker: this rank's share of `block` on x (its s/t tokens with sequence parallelism);
+    returns its output, input gradient, parameter gradients, bytes kept for backward, and bytes
+    sent forward and backward."""
+    comm = tp.TPComm()
+    split = tp.TensorParallelBlock(block, rank, world, comm=comm,
+                                   sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        x, grad_out = (tp.sequence_shard(t, rank, world) for t in (x, grad_out))
+    x = x.clone().requires_grad_()
+    with memory.track(launch.rank_device()) as tracker:
+        y = split(x)
+        kept = tracker.current - y.untyped_storage().nbytes() + x.untyped_storage().nbytes()
+    forward = comm.traffic.sent_bytes
+    y.backward(grad_out)
+    backward = comm.traffic.sent_bytes - forward
+    if sequence_parallel:
+        tp.all_reduce_sequence_parallel_grads(split, comm)
+    grads = {name: p.grad for name, p in split.named_parameters()}
+    return y.detach(), x.grad, grads, kept, forward, backward
+
+
+def _block_shard(name: str, grads: dict, rank: int, world: int) -> torch.Tensor:
+    """The whole block's gradient of the parameter `name` of a `TensorParallelBlock` on `rank`."""
+    layer = {"qkv": "qkv", "proj": "proj", "mlp.0": "fc", "mlp.2": "out"}
+    prefix, kind = name.rsplit(".", 1)
+    if prefix not in layer:                                   # LayerNorms: whole on every rank
+        return grads[name]
+    full = grads[f"{layer[prefix]}.{kind}"]
+    if prefix in ("qkv", "mlp.0"):                            # column-parallel: output rows
+        return tp.column_shard(full, rank, world, parts=3 if prefix == "qkv" else 1)
+    return tp.row_shard(full, rank, world) if kind == "weight" else full
+
+
+@dataclasses.dataclass
+class BlockRun:
+    """A block split over `world` ranks against the whole block in one process."""
+    world: int
+    sequence_parallel: bool
+    error: float                  # largest |difference| over outputs, input and weight gradients
+    sent: list[tuple[int, int]]   # per rank: bytes sent in forward, in backward
+    kept: list[int]               # per rank: bytes saved for backward
+    sent_formula: tuple[float, float]
+    kept_formula: int
+    whole_kept: int               # the unsplit block's saved bytes (one process)
+
+
+def compare_block(block: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, world: int, *,
+                  sequence_parallel: bool = False, timeout: float = 60.0) -> BlockRun:
+    """Run `block` (a `companion.models.Block`) whole, then split over `world` gloo ranks."""
+    xw = x.clone().requires_grad_()
+    with memory.track("cpu") as tracker:
+        y = block(xw)
+        whole_kept = tracker.current - y.untyped_storage().nbytes()
+    y.backward(grad_out)
+    grads = {name: p.grad.clone() for name, p in block.named_parameters()}
+    block.zero_grad(set_to_none=True)
+    results = launch.run(split_block_run, world, block, x, grad_out, sequence_parallel,
+                         timeout=timeout)
+    error = 0.0
+    for rank, (y_r, xg_r, grads_r, *_) in enumerate(results):
+        mine = (lambda t: tp.sequence_shard(t, rank, world)) if sequence_parallel else (lambda t: t)
+        names = sorted(grads_r)
+        error = max(error, _largest([y_r, xg_r, *(grads_r[n] for n in names)],
+                                    [mine(y.detach()), mine(xw.grad),
+                                     *(_block_shard(n, grads, rank, world) for n in names)]))
+    b, s, h = x.shape
+    formula = tp.tp_bytes_per_layer(b, s, h, world, sequence_parallel=sequence_parallel,
+                                    dtype=x.dtype)
+    return BlockRun(world, sequence_parallel, error, [(r[4], r[5]) for r in results],
+                    [r[3] for r in results], (formula["forward"], formula["backward"]),
+                    tp.tp_activation_bytes(b, s, h, block.heads, world,
+                                           sequence_parallel=sequence_parallel, dtype=x.dtype),
+                    whole_kept)
+
+
+# ---------------------------------------------------------------- context parallel
+
+def attention_shard_run(rank: int, world: int, method: str, tensors, causal: bool, layout: str):
+    """A worker: this rank's shards of q, k, v (and the output's gradient), forward and backward
+    by `method` ("ring" or "ulysses"); returns output, q/k/v gradients, the traffic, and the
+    bytes live after forward (what backward needs)."""
+    shards = [cp.shard_sequence(t, rank, world, layout=layout) for t in tensors]
+    q, k, v = (t.clone().requires_grad_() for t in shards[:3])
+    stats = cp.RingStats()
+    attend = cp.ring_attention if method == "ring" else cp.ulysses_attention
+    extra = {"layout": layout} if method == "ring" else {}
+    with memory.track(launch.rank_device()) as tracker:
+        out = attend(q, k, v, causal=causal, stats=stats, **extra)
+        kept = tracker.current
+    out.backward(shards[3])
+    return out.detach(), q.grad, k.grad, v.grad, stats, kept
+
+
+@dataclasses.dataclass
+class AttentionRun:
+    """Attention over a sequence split on `world` ranks against full attention in one process."""
+    method: str
+    world: int
+    layout: str
+    error: float                  # largest |difference|, output and q, k, v gradients
+    sent: list[tuple[int, int]]   # per rank: bytes sent in forward, in backward
+    sent_formula: tuple[int, int]
+    kept: list[int]               # per rank: bytes live after forward (output included)
+
+
+def compare_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                      world: int, *, method: str = "ring", causal: bool = True,
+                      layout: str = "contiguous", timeout: float = 60.0) -> AttentionRun:
+    """q, k, v, grad_out: (B, H, T, d), the whole sequence. Full attention here, then `method`
+    over `world` gloo ranks, each holding T/world tokens."""
+    if method not in ("ring", "ulysses"):
+        raise ValueError(f"method is 'ring' or 'ulysses', got {method!r}")
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+    out.backward(grad_out)
+    want = [out.detach(), *(t.grad for t in leaves)]
+    results = launch.run(attention_shard_run, world, method, (q, k, v, grad_out), causal, layout,
+                         timeout=timeout)
+    got = [cp.unshard_sequence([r[i] for r in results], layout=layout) for i in range(4)]
+    shard = (q.shape[0], q.shape[1], q.shape[2] // world, q.shape[3])
+    if method == "ring":
+        formula = (cp.ring_bytes_per_rank(shard, world, q.dtype),
+                   cp.ring_bytes_per_rank(shard, world, q.dtype, backward=True))
+    else:
+        formula = (cp.ulysses_bytes_per_rank(shard, world, q.dtype),) * 2
+    return AttentionRun(method, world, layout, _largest(got, want),
+                        [(r[4].sent_bytes, r[4].backward.sent_bytes) for r in results], formula,
+                        [r[5] for r in results])
+
+
+# ---------------------------------------------------------------- pipeline parallel
+
+class _WithLoss(nn.Module):
+    """The last stage and its loss: what that stage saves for one micro-batch's backward."""
+
+    def __init__(self, stage: nn.Module, target: torch.Tensor, m: int):
+        super().__init__()
+        self.stage, self.target, self.m = stage, target, m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.stage(x), self.target) / self.m
+
+
+@dataclasses.dataclass
+class PipelineRun:
+    """A schedule run for real on p gloo ranks against accumulation in one process."""
+    name: str
+    stages: int
+    micro_batches: int
+    error: float                  # largest |difference| of the weight gradients
+    peak_activation_bytes: list[int]     # per stage, measured
+    predicted_peak: list[int]            # per stage: peak in flight (simulated) x bytes per one
+    timeline: list[list[tuple]]          # per stage: (action, start s, end s)
+    bubble: float                        # measured: idle share of p x makespan
+    bubble_formula: float                # the simulator's, on unit times (backward = 2 forwards)
+    forward_s: float                     # median seconds of one forward on one stage, measured
+    backward_s: float                    # the same for one backward
+    bubble_at_measured: float            # the simulator's, on those two measured times
+
+
+def compare_pipeline(model: nn.Sequential, xs, ys, schedule, *, name: str = "",
+                     timeout: float = 120.0) -> PipelineRun:
+    """Cut `model` (an `nn.Sequential`) into one stage per stage of `schedule` (a plain,
+    non-interleaved schedule), run it on gloo ranks on micro-batches `xs` with targets `ys`, and
+    compare with gradient accumulation over the same micro-batches in one process."""
+    p, m = len(schedule), len(xs)
+    model.zero_grad(set_to_none=True)
+    for x, y in zip(xs, ys):
+        (F.cross_entropy(model(x), y) / m).backward()
+    expected = [param.grad.clone() for param in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    stages = runtime.split(model, p)
+    results = launch.run(runtime.run_pipeline, p, stages, schedule, list(xs), list(ys),
+                         timeout=timeout)
+    by_name = {key: g for out in results for key, g in out["gradients"].items()}
+    got = [by_name[f"{k}.{n}"] for k, stage in enumerate(stages) for n, _ in stage.named_parameters()]
+    inputs, x = [], xs[0]
+    with torch.no_grad():
+        for stage in stages:
+            inputs.append(x)
+            x = stage(x)
+    simulated = schedules.simulate(schedule)
+    per_one = [runtime.saved_bytes(stage, inputs[s], received=s > 0)
+               for s, stage in enumerate(stages[:-1])]
+    per_one.append(runtime.saved_bytes(_WithLoss(stages[-1], ys[0], m), inputs[-1],
+                                       received=p > 1))
+    rows = [out["timeline"] for out in results]
+    start = min(r[0][1] for r in rows)
+    makespan = max(r[-1][2] for r in rows) - start
+    busy = sum(e - s for r in rows for _, s, e in r)
+    durations = {op: statistics.median(e - s for r in rows for a, s, e in r if a[0] == op)
+                 for op in ("F", "B")}
+    at_measured = schedules.simulate(schedule, forward=Fraction(durations["F"]),
+                                     backward=Fraction(durations["B"]))
+    return PipelineRun(name, p, m, _largest(got, expected),
+                       [out["peak_activation_bytes"] for out in results],
+                       [n * b for n, b in zip(simulated.peak_in_flight, per_one)], rows,
+                       1 - busy / (p * makespan), float(simulated.bubble), durations["F"],
+                       durations["B"], float(at_measured.bubble))
