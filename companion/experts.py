@@ -17,17 +17,16 @@ them on each of W ranks; each rank keeps its own tokens (data parallel) and a co
 4. every local expert runs on the rows it received from all ranks;
 5. all-to-all back (combine), and each token sums its experts' outputs times its router weights.
 
-Backward is the same exchanges reversed: the combine's gradient goes back as the dispatch went,
-the dispatch's as the combine went, so the bytes equal the forward's tokens. An expert's gradient
-is complete on its owner (the backward all-to-all brings every rank's token gradients to it); the
-router is replicated and its gradient is summed over ranks as data parallelism does
-(`all_reduce_router_grads`). The gradients are those of the sum of the ranks' losses; a mean
-over ranks divides all of them by W.
+Backward runs the exchanges reversed (the combine's gradient goes back as the dispatch went, and
+the dispatch's as the combine went): the same token bytes again. An expert's gradient is complete
+on its owner, which the backward all-to-all brings every rank's token gradients to; the replicated
+router's is summed over ranks as data parallelism does (`all_reduce_router_grads`). These are the
+gradients of the sum of the ranks' losses; a mean over ranks divides them all by W.
 
-The load-balancing loss (Switch, eq. 4) is E·Σ_i f_i·P_i, f_i the fraction of tokens whose first
-choice is expert i (before drops), P_i the mean router probability of i; it is 1 when routing is
-uniform and pushes the router towards it. Imbalance matters twice: the busiest expert sets the
-step's time and, with a capacity, how many tokens are dropped (`load_imbalance`).
+The load-balancing loss (Switch, eq. 4) is E·Σ_i f_i·P_i: f_i the fraction of tokens whose first
+choice is expert i (before drops), P_i the mean router probability of i; 1 when routing is uniform.
+Imbalance costs twice: the busiest expert sets the step's time and, with a capacity, the drops
+(`load_imbalance`: max over mean, per expert and per rank).
 
 Example (inside each rank started by `companion.launch.run`, every rank building the same `moe`):
     >>> ep = ExpertParallelMoE(moe, rank, world)        # E/W experts, the router copied
@@ -36,9 +35,9 @@ Example (inside each rank started by `companion.launch.run`, every rank building
     >>> (y * dy).sum().backward(); all_reduce_router_grads(ep)
     >>> stats.exchanges                                 # bytes sent, per all-to-all
 
-Simplified vs Megatron-LM (MoELayer, token dispatchers), DeepSpeed-MoE and torch: the all-to-alls
-are W - 1 paired send/recv steps (gloo has no all_to_all with variable splits as a list), every
-byte counted as sent; no tensor-parallel experts or expert-data-parallel groups, no shared experts,
+Simplified vs Megatron-LM (MoELayer, token dispatchers), DeepSpeed-MoE and torch: each all-to-all
+is written out as W - 1 paired send/recv steps so that every byte is counted as it is sent (torch's
+`dist.all_to_all_single` with split sizes does it in one call, on gloo too, and gives the same rows); no tensor-parallel experts or expert-data-parallel groups, no shared experts,
 no grouped GEMM (one MLP call per expert), no token permutation kernels, no router jitter, z-loss
 or expert-choice routing; capacity is per rank's tokens (GShard's groups), never padded to C;
 dropped tokens get zero from the layer (a residual connection outside it carries them).

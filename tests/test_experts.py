@@ -80,7 +80,8 @@ def test_equals_the_single_process_layer_and_bytes_equal_formulas(world, top_k, 
     assert (moe.routing.dropped > 0) == (capacity_factor is not None)
     assert kept.sum() == world * N * top_k - moe.routing.dropped
     # bytes sent per all-to-all, forward and backward, equal the formula from the counts
-    for stats, formula in zip((r[4] for r in results), ex.ep_bytes_per_rank(kept, D, torch.float64)):
+    formulas = ex.ep_bytes_per_rank(kept, D, torch.float64)
+    for stats, formula in zip((r[4] for r in results), formulas):
         assert formula["counts"] == (world - 1) * (E // world) * 8
         assert stats.exchanges == formula
         assert stats.backward.exchanges == {"combine": formula["dispatch"],
@@ -92,7 +93,7 @@ def test_equals_the_single_process_layer_and_bytes_equal_formulas(world, top_k, 
 
 
 def _hand_logits():
-    """Four tokens over two experts: probabilities (3/4, 1/4), (1/4, 3/4), (3/4, 1/4), (3/4, 1/4)."""
+    """Four tokens, two experts: probabilities (3/4, 1/4), (1/4, 3/4), (3/4, 1/4), (3/4, 1/4)."""
     third = math.log(3.0)
     return torch.tensor([[third, 0.0], [0.0, third], [third, 0.0], [third, 0.0]],
                         dtype=torch.float64)
@@ -167,3 +168,25 @@ def test_bad_input_is_refused_with_a_clear_message():
         moe(x, groups=3)
     with pytest.raises(ValueError, match="tokens must be"):
         moe([[0.0] * D])
+
+
+def _both_all_to_alls(rank, world):
+    """A worker: uneven rows (rank r sends r + j + (j == 0) rows to rank j, some none) through ours
+    and torch's all_to_all_single; both results and our bytes sent."""
+    send = [(rank + j + (j == 0)) % 3 for j in range(world)]
+    recv = [(s + rank + (rank == 0)) % 3 for s in range(world)]
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(sum(send), D, generator=g)
+    stats = ex.EPStats()
+    ours = ex.all_to_all_variable(x, send, recv, stats=stats, name="rows")
+    theirs = torch.empty(sum(recv), D)
+    torch.distributed.all_to_all_single(theirs, x, recv, send)
+    return ours, theirs, stats.exchanges, send
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_variable_equals_torchs_all_to_all_single(world):
+    for rank, (ours, theirs, exchanges, send) in enumerate(launch.run(_both_all_to_alls, world,
+                                                                      timeout=60)):
+        assert torch.equal(ours, theirs)
+        assert exchanges == {"rows": (sum(send) - send[rank]) * D * 4}
