@@ -83,6 +83,10 @@ def route(logits: torch.Tensor, top_k: int, *, capacity_factor: float | None = N
     expert per group: C = ceil(capacity_factor·k·n/E); an assignment keeps its place if fewer than
     C assignments to that expert precede it, first choices before second ones, then token order.
     """
+    _check_options(top_k, logits.shape[-1], capacity_factor)
+    if logits.ndim != 2 or groups < 1 or logits.shape[0] % groups:
+        raise ValueError(f"logits must be (N, E) with N divisible by groups={groups}, got "
+                         f"{tuple(logits.shape)}")
     N, E = logits.shape
     n = N // groups
     probs = logits.softmax(dim=-1)                                # (N, E)
@@ -103,6 +107,15 @@ def route(logits: torch.Tensor, top_k: int, *, capacity_factor: float | None = N
                    int((~kept).sum()))
 
 
+def _check_options(top_k: int, num_experts: int, capacity_factor: float | None) -> None:
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be between 1 and the number of experts ({num_experts}), "
+                         f"got {top_k}: a token cannot choose more experts than there are")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be positive (1.0: exactly the balanced share) "
+                         f"or None (no capacity), got {capacity_factor}")
+
+
 def _mlp(width: int, hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
 
@@ -117,12 +130,7 @@ class MoE(nn.Module):
     def __init__(self, width: int, hidden: int, num_experts: int, *, top_k: int = 1,
                  capacity_factor: float | None = None):
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be between 1 and the number of experts ({num_experts}),"
-                             f" got {top_k}: a token cannot choose more experts than there are")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be positive (1.0: exactly the balanced "
-                             f"share) or None (no capacity), got {capacity_factor}")
+        _check_options(top_k, num_experts, capacity_factor)
         self.width, self.top_k, self.capacity_factor = width, top_k, capacity_factor
         self.router = nn.Linear(width, num_experts, bias=False)
         self.experts = nn.ModuleList(_mlp(width, hidden) for _ in range(num_experts))

@@ -151,6 +151,10 @@ def test_bad_input_is_refused_with_a_clear_message():
         ex.MoE(D, H, 4, top_k=0)
     with pytest.raises(ValueError, match="capacity_factor must be positive"):
         ex.MoE(D, H, 4, capacity_factor=0.0)
+    with pytest.raises(ValueError, match="top_k must be between 1 and the number of experts"):
+        ex.route(_hand_logits(), 3)
+    with pytest.raises(ValueError, match="N divisible by groups=3"):
+        ex.route(_hand_logits(), 1, groups=3)
     moe = _layer(6, 1, None)
     with pytest.raises(ValueError, match="6 experts do not divide by 4"):
         ex.ExpertParallelMoE(moe, 0, 4)
