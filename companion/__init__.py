@@ -14,7 +14,7 @@ Techniques: `gd`, `optim` (Adam from scratch, the step fused into backward), `fl
 (ZeRO stages 1-3), `offload` (ZeRO-Offload, activation offload), `nvme` (the NVMe tier),
 `tensor_parallel` (Megatron's column- and row-parallel layers, sequence parallelism), `pipeline`
 (GPipe, 1F1B and interleaved schedules, simulated and run), `context_parallel` (ring attention,
-Ulysses), `train`
+Ulysses), `experts` (a mixture of experts, expert parallelism by all-to-all), `train`
 (the `python -m companion train` launcher), `plan` (the techniques that fit a memory budget,
 chosen, proved by a simulated step, and run).
 The course itself: `session` (the one call that starts a chapter: threads, seed, device, plot
@@ -36,6 +36,7 @@ __all__ = [
     "dp",
     "estimate",
     "estimate_offload",
+    "experts",
     "floats",
     "gd",
     "grading",
