@@ -34,7 +34,8 @@ Simplified vs PyTorch (torch.distributed.tensor.experimental.context_parallel) /
 block is computed with its scores written out (PyTorch calls the fused SDPA kernels per block);
 one message carries k and v together; no Llama-3-style all-gather variant; Ulysses takes q, k, v
 with one head count (no grouped-query heads) and only contiguous chunks; the all-to-all is k - 1
-paired send/recv steps (gloo has no all_to_all), which moves exactly the bytes NCCL's would.
+paired send/recv steps, counted as sent (torch 2.13's gloo has `all_to_all_single` too), which
+moves exactly the bytes NCCL's would.
 """
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ Example (inside each rank started by `companion.launch.run`):
     >>> comm.traffic.sent_bytes                      # tp_bytes_per_layer(...)["forward"]
 
 Simplified vs PyTorch/Megatron: the collectives are `companion.collectives`' rings (whole chunks,
-one send and one receive per step, every byte counted as it is sent; gloo has no reduce-scatter)
+one send and one receive per step, every byte counted as it is sent; torch 2.13's gloo has
+its own reduce-scatter too, which would not count them)
 where Megatron calls NCCL and overlaps the backward's gather with the weight-gradient product;
 activations are (b, s, h), not Megatron's (s, b, h), so gathers along the sequence copy; no
 dropout, no vocabulary-parallel embedding or loss, no fused kernels. PyTorch's own
