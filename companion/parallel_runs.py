@@ -26,11 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from companion import context_parallel as cp, launch, memory, tensor_parallel as tp
+from companion import context_parallel as cp, experts, launch, memory, tensor_parallel as tp
 from companion.pipeline import runtime, schedules
 
 __all__ = ["BlockRun", "AttentionRun", "PipelineRun", "split_block_run", "compare_block",
-           "attention_shard_run", "compare_attention", "compare_pipeline"]
+           "attention_shard_run", "compare_attention", "compare_pipeline", "ExpertRun",
+           "expert_rank_run", "compare_experts"]
 
 
 def _largest(got, want) -> float:
@@ -240,3 +241,76 @@ def compare_pipeline(model: nn.Sequential, xs, ys, schedule, *, name: str = "",
                        [n * b for n, b in zip(simulated.peak_in_flight, per_one)], rows,
                        1 - busy / (p * makespan), float(simulated.bubble), durations["F"],
                        durations["B"], float(at_measured.bubble))
+
+
+# ---------------------------------------------------------------- expert parallel
+
+def expert_rank_run(rank: int, world: int, moe: nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
+    """A worker: this rank's n = N/W tokens through its share of `moe` (an `experts.MoE`),
+    forward and backward; returns its outputs, input gradient, gradients, traffic and the bytes
+    of its experts' weights."""
+    n = x.shape[0] // world
+    ep = experts.ExpertParallelMoE(moe, rank, world)
+    x, grad_out = x[rank * n:(rank + 1) * n].clone().requires_grad_(), grad_out[rank * n:(rank + 1) * n]
+    stats = experts.EPStats()
+    y = ep(x, stats=stats)
+    y.backward(grad_out)
+    experts.all_reduce_router_grads(ep)
+    weights = sum(p.numel() * p.element_size() for p in ep.experts.parameters())
+    return y.detach(), x.grad, {k: p.grad for k, p in ep.named_parameters()}, stats, weights
+
+
+@dataclasses.dataclass
+class ExpertRun:
+    """A mixture of experts over `world` ranks, E/W experts each, against one process."""
+    world: int
+    top_k: int
+    capacity_factor: float | None
+    error: float                 # largest |difference|: outputs, input and weight gradients
+    sent: list[dict]             # per rank: bytes sent per all-to-all (counts, dispatch, combine)
+    sent_formula: list[dict]     # `experts.ep_bytes_per_rank` from the ranks' routing counts
+    weights: list[int]           # per rank: bytes of its experts' parameters
+    weights_formula: int
+    whole_weights: int           # every expert in one process
+    activations: list[int]       # per rank: bytes its experts saved for backward
+    activations_formula: list[int]
+    received: list[int]          # per rank: token rows its experts ran
+    imbalance: dict              # max / mean tokens per expert and per rank, before capacity
+    dropped: int                 # assignments over capacity, all ranks
+
+
+def compare_experts(moe: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, world: int, *,
+                    timeout: float = 60.0) -> ExpertRun:
+    """`moe` (an `experts.MoE`) on x (N, d) in this process, each of `world` groups of N/W tokens
+    routed alone (as each rank routes its own), then over `world` gloo ranks."""
+    xw = x.clone().requires_grad_()
+    y = moe(xw, groups=world)
+    y.backward(grad_out)
+    want = dict(moe.named_parameters())
+    grads = {k: p.grad.clone() for k, p in want.items()}
+    moe.zero_grad(set_to_none=True)
+    results = launch.run(expert_rank_run, world, moe, x, grad_out, timeout=timeout)
+    E = len(moe.experts)
+    got, ref = [torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])], \
+        [y.detach(), xw.grad]
+    for rank, r in enumerate(results):
+        for name, g in r[2].items():
+            if name.startswith("experts."):
+                _, j, rest = name.split(".", 2)
+                name = f"experts.{rank * E // world + int(j)}.{rest}"
+            got.append(g)
+            ref.append(grads[name])
+    stats = [r[3] for r in results]
+    kept = torch.stack([s.kept for s in stats])
+    width, hidden = moe.router.in_features, moe.experts[0][0].out_features
+    return ExpertRun(
+        world, moe.top_k, moe.capacity_factor, _largest(got, ref),
+        [{k: s.exchanges[k] for k in ("counts", "dispatch", "combine")} for s in stats],
+        experts.ep_bytes_per_rank(kept, width, x.dtype), [r[4] for r in results],
+        experts.expert_weight_bytes(width, hidden, E, world, x.dtype),
+        sum(p.numel() * p.element_size() for p in moe.experts.parameters()),
+        [s.activation_bytes for s in stats],
+        [experts.expert_activation_bytes(s.received_tokens, width, hidden, x.dtype) for s in stats],
+        [s.received_tokens for s in stats],
+        experts.load_imbalance(torch.stack([s.routed for s in stats]), world),
+        sum(s.dropped for s in stats))

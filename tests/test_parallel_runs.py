@@ -55,3 +55,15 @@ def test_pipeline_peaks_are_predicted_and_1f1b_holds_fewer():
         assert run.peak_activation_bytes == run.predicted_peak
         assert run.bubble_formula == pytest.approx(1 / 5) and 0 <= run.bubble < 1
     assert runs["1f1b"].peak_activation_bytes[0] * 2 == runs["gpipe"].peak_activation_bytes[0]
+
+
+def test_experts_over_two_ranks_match_and_send_the_formula():
+    from companion import experts
+    torch.manual_seed(0)
+    moe = experts.MoE(8, 16, 4, top_k=2, capacity_factor=0.75).double()
+    x, dy = torch.randn(32, 8, dtype=torch.float64), torch.randn(32, 8, dtype=torch.float64)
+    run = pr.compare_experts(moe, x, dy, 2)
+    assert run.error < 1e-12 and run.dropped > 0
+    assert run.sent == run.sent_formula and run.activations == run.activations_formula
+    assert run.weights == [run.weights_formula] * 2 and 2 * run.weights_formula == run.whole_weights
+    assert sum(run.received) == 2 * 32 - run.dropped
