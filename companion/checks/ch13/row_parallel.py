@@ -303,8 +303,7 @@ def _judge_traffic(got: dict, full: dict, case: dict, where: str) -> None:
                                               "companion.tensor_parallel._ReduceFromTP",
                                               "companion.tensor_parallel.RowParallelLinear",
                                               "companion.tensor_parallel.tp_mlp",
-                                              "companion.tensor_parallel.TensorParallelBlock",
-                                              "companion.collectives.ring_all_reduce"))
+                                              "companion.tensor_parallel.TensorParallelBlock"))
 def check_row_parallel(answer, *, worker_timeout: float = 30.0) -> str:
     """answer(x, weight, bias, group) -> the whole output: x is this rank's (..., in/t) slice,
     weight its (out, in/t) columns, bias the whole (out,) or None."""
