@@ -81,7 +81,7 @@ def _reference(full: dict, case: dict, t: int) -> dict:
         if case["bias"]:
             want["bias.grad"] = grads["bias"]
         per_rank.append(want)
-    return {"per_rank": per_rank, "h": h.detach(), "grads": grads}
+    return {"per_rank": per_rank, "h": h.detach()}
 
 
 # ---------------------------------------------------------------- inside each worker
