@@ -78,7 +78,7 @@ def compare(args) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--chapters", nargs="*", default=[f"{n:02d}" for n in range(13)])
+    parser.add_argument("--chapters", nargs="*", default=[f"{n:02d}" for n in range(14)])
     parser.add_argument("--compare", action="store_true",
                         help="grade with and without the kernel sandbox and compare the times")
     args = parser.parse_args()

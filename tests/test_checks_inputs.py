@@ -145,8 +145,8 @@ IN_PLACE = {"check_adam_step", "check_accumulation_step", "check_token_normalize
             "check_checkpoint_function", "check_unscale_grads", "check_gather_hooks",
             "check_offloaded_step", "check_train_within_budget", "check_fused_chunk"}
 ELSEWHERE = {"check_ring_all_reduce", "check_bucketed_hooks", "check_ring_reduce_scatter",
-             "check_triton_forward"}
-CHAPTERS = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12"]
+             "check_triton_forward", "check_row_parallel"}
+CHAPTERS = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13"]
 
 
 def _vandalise(value, depth: int = 0) -> None:

@@ -253,7 +253,7 @@ CUDA_ONLY = {
 }
 
 
-@pytest.mark.parametrize("number", [f"{n:02d}" for n in range(13)])
+@pytest.mark.parametrize("number", [f"{n:02d}" for n in range(14)])
 def test_a_fixed_sample_of_each_chapters_mutants_is_killed(number, capsys):
     """Two mutants of each exercise, the same every run (`select`: a different kind of mistake
     each), run against the check under seeds 0, 1 and 2: a check made weaker fails here."""
