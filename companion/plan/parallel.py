@@ -141,7 +141,7 @@ class Estimate:
     layout: Layout
     memory: list[Line]
     time: list[Line]
-    stage: str                     # "first" or "last": the stage whose memory is shown
+    stage: str                     # "first", "last" or "only": the stage whose memory is shown
 
     @property
     def total_bytes(self) -> int:
@@ -170,8 +170,9 @@ def _stage_params(shape: Shape, layout: Layout) -> dict[str, int]:
     layer = shape.layer_matmul_params // layout.t + 2 * shape.width
     body = shape.layers // layout.p * layer
     vocab = shape.vocab * shape.width // layout.t
-    return {"first": body + vocab + (vocab + shape.width if layout.p == 1 else 0),
-            "last": body + vocab + shape.width}
+    if layout.p == 1:                                         # one stage holds both ends
+        return {"only": body + 2 * vocab + shape.width}
+    return {"first": body + vocab, "last": body + vocab + shape.width}
 
 
 def memory(shape: Shape, layout: Layout, seq_len: int) -> tuple[str, list[Line]]:
@@ -183,9 +184,9 @@ def memory(shape: Shape, layout: Layout, seq_len: int) -> tuple[str, list[Line]]
                if layout.checkpointing == "full" else 0)
     if layout.v > 1:
         first = p * (1 + (p - 1) / (p * layout.v))
-        flight = {"first": first, "last": first}
+        flight = {"first": first, "last": first}           # v > 1 needs p > 1
     else:
-        flight = {"first": min(layout.micro_batches, p), "last": 1}
+        flight = {"first": min(layout.micro_batches, p), "last": 1, "only": 1}
     shard = d * c if layout.zero else 1
     logits = 4 * b * (seq_len // c) * shape.vocab // t
     lines = {}
@@ -197,13 +198,13 @@ def memory(shape: Shape, layout: Layout, seq_len: int) -> tuple[str, list[Line]]
                     f"12 B x parameters / {shard} (ZeRO-{layout.zero} over d·c)"),
                Line("activations", int(held * shape.layers // p * per_layer),
                     f"{held:g} micro-batches x {shape.layers // p} layers x "
-                    f"{per_layer:,} B ({layout.checkpointing} checkpointing)")]
+                    f"{per_layer:,} B ({'no' if layout.checkpointing == 'none' else layout.checkpointing} checkpointing)")]
         if working:
             out.append(Line("one layer recomputed", working, "a layer's activations, once"))
-        if stage == "first" or p == 1:
+        if stage != "last":
             out.append(Line("token ids (int64)", int(held * 8 * b * seq_len // c),
                             "8 B x tokens in flight"))
-        if stage == "last":
+        if stage != "first":
             out.append(Line("loss's fp32 logits", logits, "4 B x b·(s/c)·V/t"))
         lines[stage] = out
     stage = max(lines, key=lambda k: sum(line.value for line in lines[k]))

@@ -98,7 +98,9 @@ def format_parallel(report: ParallelPlan, *, top: int = 5) -> str:
         parts = ", ".join(f"{x.name} {x.value:.2f}s" for x in e.time if x.value)
         out.append(f"{i}. {', '.join(e.layout.levers())}: step {e.seconds:.2f} s ({parts})")
         out.append(f"   GPU memory {format_bytes(e.total_bytes)} of "
-                   f"{format_bytes(report.budget)} (formula, the {e.stage} pipeline stage):")
+                   f"{format_bytes(report.budget)} (formula, "
+                   + ("one stage" if e.stage == "only" else f"the {e.stage} pipeline stage")
+                   + "):")
         out += [f"     {x.name}: {format_bytes(int(x.value))}  [{x.formula}]" for x in e.memory]
     out.append(FORMULA_ONLY)
     out.append("Not searched: expert parallelism, ZeRO-2/3 beside t and p, uneven pipeline "
