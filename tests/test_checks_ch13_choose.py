@@ -4,8 +4,10 @@ turns bad input into a clear failure."""
 import pytest
 
 from companion.checks.ch13.choose_parallel import check_choose_parallel, exercise_layout
-from companion.checks.core import CheckFailed, seeded
+from companion.checks.core import CheckFailed, evaluate, seeded
+from companion.grader import wire
 from companion.plan.parallel import memory, step_time
+from elsewhere import Elsewhere
 
 GPU = "H100 SXM"
 
@@ -105,3 +107,19 @@ def test_not_a_function_and_an_endless_loop_fail_cleanly():
             pass
     with pytest.raises(CheckFailed, match="did not finish within 2 s"):
         check_choose_parallel(forever, timeout=2.0)
+
+
+class _OverTheWire(Elsewhere):
+    """The answer in "another process": arguments pickled, its result sent as the grader's
+    sandbox sends it (plain data only)."""
+
+    def call(self, args, kwargs):
+        value = super().call(args, kwargs)
+        return wire.decode(wire.dumps({"value": wire.encode(value)}))["value"]
+
+
+def test_the_check_gives_its_verdicts_through_a_remote():
+    with seeded(0):
+        assert evaluate("check_choose_parallel", _OverTheWire(reference))
+    with seeded(0), pytest.raises(CheckFailed, match="crosses the node"):
+        evaluate("check_choose_parallel", _OverTheWire(_choose(node_rule=False)))

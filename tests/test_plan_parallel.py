@@ -198,3 +198,15 @@ def test_bad_input_on_the_command_line_and_in_python():
     assert bad.returncode == 2 and "--allow" in bad.stderr
     bad = _plan("--gpus-per-node", "0")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_without_gpus_per_node_a_model_that_fits_no_other_plan_gets_the_parallel_layouts():
+    """Llama 3.1 405B on 16 GPUs with no host memory: no plan of data parallelism, ZeRO and
+    checkpointing fits, so the command says so and prices the parallel layouts (8 to a node);
+    none fits 16 GPUs either, and it says that too (exit 1)."""
+    run = [sys.executable, "-m", "companion", "plan", "--model", "llama-3.1-405b", "--gpus", "16",
+           "--seq-len", "8192", "--batch", "4M-tokens", "--simulate", "0", "--host-gib", "0"]
+    text = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert text.returncode == 1, text.stderr
+    assert "No plan of data parallelism, ZeRO, checkpointing or offload fits" in text.stdout
+    assert "8 to a node" in text.stdout and "No layout fits" in text.stdout

@@ -29,6 +29,7 @@ weights and Adam (Megatron's 18 bytes a parameter: 2 + 4 + 4 + 4 + 4):
   stage holds one, plus the loss's fp32 logits over the vocabulary, 4·b·(s/c)·V/t.
 
 Step time: see `step_time`. Example:
+    >>> from companion.plan.configs import load_config
     >>> shape = Shape.from_config(load_config("llama-3-70b"))
     >>> best = search(shape, gpus=64, gpus_per_node=8, seq_len=8192, batch=512,
     ...               gpu="H100 SXM")[0]
