@@ -14,11 +14,13 @@ from companion.plan.named import parse_batch, plan_dict, plan_named
 from companion.plan.parts import state_bytes
 from companion.plan.space import Candidate, GPTShape
 
-# Each model card's parameter count (Hugging Face Hub, safetensors metadata / model cards).
+# Each model card's parameter count (Hugging Face Hub, safetensors metadata / model cards); Llama
+# 3 70B's and 3.1 405B's cards print 70.6B and 405.9B, which these counts round to.
 PUBLISHED = {"gpt2-xl": 1_557_611_200, "llama-3-8b": 8_030_261_248,
              "mistral-7b": 7_241_732_096, "qwen2.5-7b": 7_615_616_512,
              "llama-3.1-8b": 8_030_261_248, "llama-2-7b": 6_738_415_616,
-             "llama-2-13b": 13_015_864_320, "llama-2-70b": 68_976_648_192}
+             "llama-2-13b": 13_015_864_320, "llama-2-70b": 68_976_648_192,
+             "llama-3-70b": 70_553_706_496, "llama-3.1-405b": 405_853_388_800}
 
 
 def _built(model_fn) -> tuple[torch.nn.Module, int]:

@@ -8,7 +8,9 @@
 `--model gpt2-xl | llama-3-8b | PATH/config.json` plans a published model on a GPU of the cost
 model's table (`--gpu`, `--gpus`, `--seq-len`, `--batch 1M-tokens`, `--host-gib`, `--why-oom`,
 `--host-adam-rate`; the output ends with the speeds its step times use and their sources):
-see `companion.plan.named`. Otherwise `--model` names a function of no arguments that returns
+see `companion.plan.named`. With `--gpus-per-node 8` a Llama is planned over tensor, pipeline,
+context and data parallel GPUs (`--gpus 64 --seq-len 8192 --batch 4M-tokens`; by formula:
+`companion.plan.parallel_report`), as it is when no plan of the other path fits. Otherwise `--model` names a function of no arguments that returns
 the model (module:function, with the module importable from the current folder, or a
 path/to/file.py:function); `--step` one that
 takes (model, batch) and returns the loss (default: next-token cross-entropy over `--seq-len`
@@ -144,8 +146,38 @@ def _named(spec: str) -> bool:
     return spec.endswith(".json") or ":" not in spec
 
 
+def _run_parallel(args, *, why: str = "") -> int:
+    """The parallel layouts (t, p, c, d) of a Llama: `companion.plan.parallel_report`."""
+    from companion.plan.parallel_report import format_parallel, parallel_dict, plan_parallel
+    try:
+        if args.allow is not None or args.host_gib is not None or args.why_oom:
+            raise ValueError("--gpus-per-node plans t, p, c and d by formula; --allow, "
+                             "--host-gib and --why-oom belong to the other path (leave out "
+                             "--gpus-per-node)")
+        report = plan_parallel(args.model, gpu="H100 SXM" if args.gpu is None else args.gpu,
+                               gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                               seq_len=args.seq_len,
+                               batch="4M-tokens" if args.batch is None else args.batch,
+                               budget=args.budget)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"companion plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        data = parallel_dict(report)
+        print(json.dumps({**data, "why": why} if why else data, indent=1))
+        return 0 if report.plans else 1
+    if why:
+        print(why)
+    print(format_parallel(report))
+    return 0 if report.plans else 1
+
+
 def _run_named(args) -> int:
+    if args.gpus_per_node is not None:
+        return _run_parallel(args)
+    from companion.cost.gpus import SERVER_GPUS
     from companion.plan.named import NOT_KNOWN, format_plans, plan_dict, plan_named
+    from companion.plan.planner import NothingFits
     from companion.plan.report import why_oom
     from companion.plan.space import TECHNIQUES, technique_name
 
@@ -167,6 +199,14 @@ def _run_named(args) -> int:
                             else int(args.host_gib * 2**30),
                             lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                             **kwargs)
+    except NothingFits as e:
+        if not _parallel_helps(args):
+            print(f"companion plan: {e}", file=sys.stderr)
+            return 2
+        args.gpus_per_node, args.allow, args.host_gib = min(args.gpus, SERVER_GPUS), None, None
+        return _run_parallel(args, why=f"No plan of data parallelism, ZeRO, checkpointing or "
+                             f"offload fits ({str(e).splitlines()[0]}); the parallel layouts "
+                             f"instead, {args.gpus_per_node} GPUs to a node (--gpus-per-node):")
     except (ValueError, TypeError, RuntimeError, FileNotFoundError) as e:
         print(f"companion plan: {e}", file=sys.stderr)
         return 2
@@ -191,6 +231,17 @@ def _run_named(args) -> int:
     print("Speeds the step times use:")
     print("\n".join(f"  {line}" for line in result.cost.describe()))
     return 0
+
+
+def _parallel_helps(args) -> bool:
+    """Whether the parallel layouts can plan this model: a Llama on more than one GPU."""
+    from companion.plan.configs import load_config
+    try:
+        config = load_config(args.model)
+    except ValueError:
+        return False
+    return (args.gpus > 1 and config.family == "llama" and not config.tied
+            and not (config.qkv_bias or config.mlp_bias) and not args.why_oom)
 
 
 def _run(args) -> int:
@@ -303,7 +354,11 @@ def add_parser(sub) -> None:
     p.add_argument("--budget", type=_size, help="memory per device, e.g. 24GiB (a named "
                                                  "model: default the GPU's usable memory, "
                                                  "its total as CUDA reports it)")
-    p.add_argument("--gpus", type=_positive, default=1, help="data-parallel GPUs (named models)")
+    p.add_argument("--gpus", type=_positive, default=1, help="GPUs (named models): data parallel, or t·p·c·d with "
+                        "--gpus-per-node")
+    p.add_argument("--gpus-per-node", type=_positive,
+                   help="GPUs a node joins by NVLink: plan a Llama with tensor, pipeline, "
+                        "context and data parallelism (t·p·c·d = --gpus) by formula")
     p.add_argument("--host-gib", type=_gib, help="host memory per GPU for offload, GiB")
     p.add_argument("--host-adam-rate", type=_rate, metavar="GB/S",
                    help="bytes the offloaded AdamW streams on your host, GB/s (28 B a "

@@ -15,8 +15,10 @@ simulated step runs RMSNorm as CUDA's fused kernel saves. Llama 3 8B on 8 H100s:
 ~5 s on this course's CPU; the five plans listed, each a ZeRO-3 step simulated on fake tensors
 and replayed, ~30 s more.
 
-Not levers yet: tensor and pipeline parallelism, sequence parallelism and context parallelism
-(a model whose layer does not fit one GPU is out of reach here), expert parallelism.
+Tensor, sequence, pipeline and context parallelism are levers of another path: with
+`--gpus-per-node` (or when no plan here fits), a Llama is planned over t·p·c·d GPUs by formula
+(`companion.plan.parallel_report`, memory not replayed through the allocator). Not levers yet:
+expert parallelism, and t, p or c beside this path's offload, LoRA and 8-bit states.
 """
 from __future__ import annotations
 
@@ -199,7 +201,8 @@ def format_plans(result, *, top: int = 5) -> str:
                        "init, as torchtitan does); made whole on one GPU first, it needs "
                        + (f"{format_bytes(whole)} (fp32) " if whole else "its whole size ")
                        + "while it loads.")
-    out.append("Not searched: tensor and pipeline parallelism (one layer must fit one GPU).")
+    out.append("Not searched: tensor and pipeline parallelism, nor context parallelism, on this "
+               "path (one layer must fit one GPU); --gpus-per-node plans a Llama with them.")
     if result.shape is None:
         out.append("Not searched for a traced model: ZeRO, offload, chunked loss, QLoRA (the "
                    "course's own training loop runs those; `known.Traced`).")
