@@ -10,6 +10,12 @@ that predicts them.
 - `compare_attention`: one attention layer's sequence split over k ranks, ring or Ulysses
   (`companion.context_parallel`).
 - `compare_pipeline`: an MLP cut into p stages, run by a schedule (`companion.pipeline`).
+- `block_shard_alone`, `ring_shard_alone`: one rank's share on a process group of one (one GPU,
+  where NCCL cannot run two ranks): the memory a rank holds, nothing sent.
+- `attention_step_seconds`: full attention's step beside a split one's, in interleaved rounds.
+
+The workers run on `launch.rank_device()` (each rank's GPU under NCCL) and return CPU tensors;
+the one-process references run on the CPU.
 
 Example:
     >>> block = models.Block(64, 4)
@@ -330,5 +336,5 @@ def attention_step_seconds(rank: int, world: int, method: str, tensors, causal: 
         F.scaled_dot_product_attention(*whole, is_causal=causal).backward(do_whole)
 
     def split():
-        attend(*shards, causal=causal, **extra).backward(do_shard)
+        attend(*shards, causal=causal, **extra).backward(do_shard)        # collectives
     return interleave({"full": full, method: split}, rounds=rounds, clock=lambda: now(device))
