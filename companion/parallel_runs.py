@@ -41,6 +41,12 @@ __all__ = ["BlockRun", "AttentionRun", "PipelineRun", "split_block_run", "compar
            "block_shard_alone", "ring_shard_alone", "attention_step_seconds"]
 
 
+def _warm_up(device: torch.device) -> None:
+    """One small matmul, so that cuBLAS's workspace (kept by the caching allocator from a GPU's
+    first matmul on) exists before a tracker starts counting."""
+    torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)
+
+
 def _largest(got, want) -> float:
     return max((a.double() - b.double()).abs().max().item() for a, b in zip(got, want, strict=True))
 
@@ -60,6 +66,7 @@ def split_block_run(rank: int, world: int, block: nn.Module, x: torch.Tensor,
     if sequence_parallel:
         x, grad_out = (tp.sequence_shard(t, rank, world) for t in (x, grad_out))
     x, grad_out = x.to(device).clone().requires_grad_(), grad_out.to(device)
+    _warm_up(device)
     with memory.track(device) as tracker:
         y = split(x)
         kept = tracker.current - y.untyped_storage().nbytes() + x.untyped_storage().nbytes()
@@ -141,6 +148,7 @@ def attention_shard_run(rank: int, world: int, method: str, tensors, causal: boo
     stats = cp.RingStats()
     attend = cp.ring_attention if method == "ring" else cp.ulysses_attention
     extra = {"layout": layout} if method == "ring" else {}
+    _warm_up(device)
     with memory.track(device) as tracker:
         out = attend(q, k, v, causal=causal, stats=stats, **extra)
         kept = tracker.current
@@ -273,6 +281,7 @@ def block_shard_alone(rank: int, world: int, block: nn.Module, x: torch.Tensor,
     kept for backward (input included, output not), and at the peak of forward + backward."""
     device = launch.rank_device()
     out = {}
+    _warm_up(device)
     for t in ts:
         template = tp.TensorParallelBlock(block, 0, t)
         template.world = world              # the split is t-way; its collectives, a group of one
@@ -301,6 +310,7 @@ def ring_shard_alone(rank: int, world: int, tensors, ks, causal: bool = True
     {k: {"kept", "peak"}}: bytes live after forward (output included), and at the peak."""
     device = launch.rank_device()
     out = {}
+    _warm_up(device)
     for k in (0, *ks):
         parts = [t if k == 0 else cp.shard_sequence(t, 0, k) for t in tensors]
         q, kk, v = (t.to(device).clone().requires_grad_() for t in parts[:3])

@@ -105,15 +105,16 @@ def test_the_split_runs_return_cpu_tensors():
 @pytest.mark.gpu
 def test_the_workers_run_on_the_gpus_under_nccl():
     """On CUDA: one rank alone on GPU 0 keeps the formula's bytes (every large tensor a multiple
-    of the allocator's 512-byte blocks; the (s, s) mask rounds up), and with 2 GPUs the split
-    block and ring attention match their CPU references."""
+    of the allocator's 512-byte blocks; the mask and the LayerNorms' statistics round up, less
+    than 512 bytes each of some twenty tensors), and with 2 GPUs the split block and ring
+    attention match their CPU references."""
     torch.manual_seed(0)
     block = models.Block(64, 4)
     x, g = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
     rows = pr.launch.run(pr.block_shard_alone, 1, block, x, g, (1, 2), backend="nccl")[0]
     for t in (1, 2):
         want = pr.tp.tp_activation_bytes(2, 16, 64, 4, t)
-        assert want <= rows[t]["kept"] <= want + 512 * 8
+        assert want <= rows[t]["kept"] <= want + 512 * 20
     if torch.cuda.device_count() < 2:
         pytest.skip("the split runs need 2 GPUs")
     run = pr.compare_block(block, x, g, 2, backend="nccl")
