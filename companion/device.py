@@ -130,6 +130,18 @@ class Sizes:
     tiled_tokens: int = 16384  # tokens through the course GPT block's MLP, plain and tiled
     offload_depth_long: int = 8  # blocks of the long-sequence GPT whose checkpoint inputs
                                  # chapter 12 offloads (4·seq_len tokens, width gpt_width / 4)
+    tp_width: int = 64        # chapter 13's tensor-parallel block (companion.models.Block):
+    tp_heads: int = 4         # width and heads (both divisible by the ranks t),
+    tp_seq: int = 16          # its sequence (divisible by t, for sequence parallelism)
+    tp_batch: int = 2         # and its batch of sequences
+    cp_len: int = 256         # chapter 13's context-parallel attention: T (divisible by 2k),
+    cp_heads: int = 4         # heads (divisible by k, for Ulysses), head dimension and batch
+    cp_head_dim: int = 16     # of q, k, v (batch, heads, T, head_dim)
+    cp_batch: int = 1
+    pp_width: int = 512       # chapter 13's pipeline: an MLP of pp_depth layers of pp_width
+    pp_depth: int = 8         # (10 classes) cut into one stage per rank,
+    pp_batch: int = 128       # rows per micro-batch
+    pp_micro_batches: int = 8  # and micro-batches per step
 
 
 _SIZES = {
@@ -144,7 +156,9 @@ _SIZES = {
                   cap_width=1024, cap_depth=12, cap_batch=16, cap_budget=4 * 2**30,
                   attn_batch=4, attn_heads=16, attn_head_dim=64, attn_max_len=32768,
                   attn_gpt_len=4096, attn_gpt_batch=1, remat_batch=4, loss_tokens=4096,
-                  tiled_tokens=131072, offload_depth_long=16),
+                  tiled_tokens=131072, offload_depth_long=16, tp_width=1024, tp_heads=16,
+                  tp_seq=1024, tp_batch=4, cp_len=8192, cp_heads=16, cp_head_dim=64,
+                  cp_batch=1, pp_width=2048, pp_depth=8, pp_batch=512, pp_micro_batches=8),
 }
 
 

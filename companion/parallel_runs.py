@@ -10,6 +10,12 @@ that predicts them.
 - `compare_attention`: one attention layer's sequence split over k ranks, ring or Ulysses
   (`companion.context_parallel`).
 - `compare_pipeline`: an MLP cut into p stages, run by a schedule (`companion.pipeline`).
+- `block_shard_alone`, `ring_shard_alone`: one rank's share on a process group of one (one GPU,
+  where NCCL cannot run two ranks): the memory a rank holds, nothing sent.
+- `attention_step_seconds`: full attention's step beside a split one's, in interleaved rounds.
+
+The workers run on `launch.rank_device()` (each rank's GPU under NCCL) and return CPU tensors;
+the one-process references run on the CPU.
 
 Example:
     >>> block = models.Block(64, 4)
@@ -18,6 +24,7 @@ Example:
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import statistics
 from fractions import Fraction
@@ -31,7 +38,14 @@ from companion.pipeline import runtime, schedules
 
 __all__ = ["BlockRun", "AttentionRun", "PipelineRun", "split_block_run", "compare_block",
            "attention_shard_run", "compare_attention", "compare_pipeline", "ExpertRun",
-           "expert_rank_run", "compare_experts"]
+           "expert_rank_run", "compare_experts", "block_shard_alone", "ring_shard_alone",
+           "attention_step_seconds"]
+
+
+def _warm_up(device: torch.device) -> None:
+    """One small matmul, so that cuBLAS's workspace (kept by the caching allocator from a GPU's
+    first matmul on) exists before a tracker starts counting."""
+    torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)
 
 
 def _largest(got, want) -> float:
@@ -44,14 +58,17 @@ def split_block_run(rank: int, world: int, block: nn.Module, x: torch.Tensor,
                     grad_out: torch.Tensor, sequence_parallel: bool):
     """A worker: this rank's share of `block` on x (its s/t tokens with sequence parallelism);
     returns its output, input gradient, parameter gradients, bytes kept for backward, and bytes
-    sent forward and backward."""
+    sent forward and backward. It runs on `launch.rank_device()` (its GPU under NCCL) and returns
+    CPU tensors."""
+    device = launch.rank_device()
     comm = tp.TPComm()
     split = tp.TensorParallelBlock(block, rank, world, comm=comm,
-                                   sequence_parallel=sequence_parallel)
+                                   sequence_parallel=sequence_parallel).to(device)
     if sequence_parallel:
         x, grad_out = (tp.sequence_shard(t, rank, world) for t in (x, grad_out))
-    x = x.clone().requires_grad_()
-    with memory.track(launch.rank_device()) as tracker:
+    x, grad_out = x.to(device).clone().requires_grad_(), grad_out.to(device)
+    _warm_up(device)
+    with memory.track(device) as tracker:
         y = split(x)
         kept = tracker.current - y.untyped_storage().nbytes() + x.untyped_storage().nbytes()
     forward = comm.traffic.sent_bytes
@@ -59,8 +76,8 @@ def split_block_run(rank: int, world: int, block: nn.Module, x: torch.Tensor,
     backward = comm.traffic.sent_bytes - forward
     if sequence_parallel:
         tp.all_reduce_sequence_parallel_grads(split, comm)
-    grads = {name: p.grad for name, p in split.named_parameters()}
-    return y.detach(), x.grad, grads, kept, forward, backward
+    grads = {name: p.grad.cpu() for name, p in split.named_parameters()}
+    return y.detach().cpu(), x.grad.cpu(), grads, kept, forward, backward
 
 
 def _block_shard(name: str, grads: dict, rank: int, world: int) -> torch.Tensor:
@@ -89,8 +106,10 @@ class BlockRun:
 
 
 def compare_block(block: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, world: int, *,
-                  sequence_parallel: bool = False, timeout: float = 60.0) -> BlockRun:
-    """Run `block` (a `companion.models.Block`) whole, then split over `world` gloo ranks."""
+                  sequence_parallel: bool = False, timeout: float = 60.0,
+                  backend: str | None = None) -> BlockRun:
+    """Run `block` (a `companion.models.Block`) whole here, on the CPU, then split over `world`
+    ranks (gloo, or `backend`: "nccl" puts each rank on its own GPU)."""
     xw = x.clone().requires_grad_()
     with memory.track("cpu") as tracker:
         y = block(xw)
@@ -99,7 +118,7 @@ def compare_block(block: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, wor
     grads = {name: p.grad.clone() for name, p in block.named_parameters()}
     block.zero_grad(set_to_none=True)
     results = launch.run(split_block_run, world, block, x, grad_out, sequence_parallel,
-                         timeout=timeout)
+                         timeout=timeout, backend=backend)
     error = 0.0
     for rank, (y_r, xg_r, grads_r, *_) in enumerate(results):
         mine = (lambda t: tp.sequence_shard(t, rank, world)) if sequence_parallel else (lambda t: t)
@@ -122,17 +141,20 @@ def compare_block(block: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, wor
 def attention_shard_run(rank: int, world: int, method: str, tensors, causal: bool, layout: str):
     """A worker: this rank's shards of q, k, v (and the output's gradient), forward and backward
     by `method` ("ring" or "ulysses"); returns output, q/k/v gradients, the traffic, and the
-    bytes live after forward (what backward needs)."""
-    shards = [cp.shard_sequence(t, rank, world, layout=layout) for t in tensors]
+    bytes live after forward (what backward needs). It runs on `launch.rank_device()` and returns
+    CPU tensors."""
+    device = launch.rank_device()
+    shards = [cp.shard_sequence(t, rank, world, layout=layout).to(device) for t in tensors]
     q, k, v = (t.clone().requires_grad_() for t in shards[:3])
     stats = cp.RingStats()
     attend = cp.ring_attention if method == "ring" else cp.ulysses_attention
     extra = {"layout": layout} if method == "ring" else {}
-    with memory.track(launch.rank_device()) as tracker:
+    _warm_up(device)
+    with memory.track(device) as tracker:
         out = attend(q, k, v, causal=causal, stats=stats, **extra)
         kept = tracker.current
     out.backward(shards[3])
-    return out.detach(), q.grad, k.grad, v.grad, stats, kept
+    return (out.detach().cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu(), stats, kept)
 
 
 @dataclasses.dataclass
@@ -145,13 +167,15 @@ class AttentionRun:
     sent: list[tuple[int, int]]   # per rank: bytes sent in forward, in backward
     sent_formula: tuple[int, int]
     kept: list[int]               # per rank: bytes live after forward (output included)
+    kept_formula: int | None = None  # ring: output and log-sum-exp (`ring_kept_bytes`)
 
 
 def compare_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                       world: int, *, method: str = "ring", causal: bool = True,
-                      layout: str = "contiguous", timeout: float = 60.0) -> AttentionRun:
-    """q, k, v, grad_out: (B, H, T, d), the whole sequence. Full attention here, then `method`
-    over `world` gloo ranks, each holding T/world tokens."""
+                      layout: str = "contiguous", timeout: float = 60.0,
+                      backend: str | None = None) -> AttentionRun:
+    """q, k, v, grad_out: (B, H, T, d), the whole sequence. Full attention here (on the CPU), then
+    `method` over `world` ranks (gloo, or `backend`), each holding T/world tokens."""
     if method not in ("ring", "ulysses"):
         raise ValueError(f"method is 'ring' or 'ulysses', got {method!r}")
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -159,7 +183,7 @@ def compare_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_ou
     out.backward(grad_out)
     want = [out.detach(), *(t.grad for t in leaves)]
     results = launch.run(attention_shard_run, world, method, (q, k, v, grad_out), causal, layout,
-                         timeout=timeout)
+                         timeout=timeout, backend=backend)
     got = [cp.unshard_sequence([r[i] for r in results], layout=layout) for i in range(4)]
     shard = (q.shape[0], q.shape[1], q.shape[2] // world, q.shape[3])
     if method == "ring":
@@ -169,7 +193,8 @@ def compare_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_ou
         formula = (cp.ulysses_bytes_per_rank(shard, world, q.dtype),) * 2
     return AttentionRun(method, world, layout, _largest(got, want),
                         [(r[4].sent_bytes, r[4].backward.sent_bytes) for r in results], formula,
-                        [r[5] for r in results])
+                        [r[5] for r in results],
+                        cp.ring_kept_bytes(shard, q.dtype) if method == "ring" else None)
 
 
 # ---------------------------------------------------------------- pipeline parallel
@@ -203,10 +228,11 @@ class PipelineRun:
 
 
 def compare_pipeline(model: nn.Sequential, xs, ys, schedule, *, name: str = "",
-                     timeout: float = 120.0) -> PipelineRun:
+                     timeout: float = 120.0, backend: str | None = None) -> PipelineRun:
     """Cut `model` (an `nn.Sequential`) into one stage per stage of `schedule` (a plain,
-    non-interleaved schedule), run it on gloo ranks on micro-batches `xs` with targets `ys`, and
-    compare with gradient accumulation over the same micro-batches in one process."""
+    non-interleaved schedule), run it on gloo ranks (or `backend`) on micro-batches `xs` with
+    targets `ys`, and compare with gradient accumulation over the same micro-batches in one
+    process (here, on the CPU)."""
     p, m = len(schedule), len(xs)
     model.zero_grad(set_to_none=True)
     for x, y in zip(xs, ys):
@@ -215,8 +241,8 @@ def compare_pipeline(model: nn.Sequential, xs, ys, schedule, *, name: str = "",
     model.zero_grad(set_to_none=True)
     stages = runtime.split(model, p)
     results = launch.run(runtime.run_pipeline, p, stages, schedule, list(xs), list(ys),
-                         timeout=timeout)
-    by_name = {key: g for out in results for key, g in out["gradients"].items()}
+                         timeout=timeout, backend=backend)
+    by_name = {key: g.cpu() for out in results for key, g in out["gradients"].items()}
     got = [by_name[f"{k}.{n}"] for k, stage in enumerate(stages) for n, _ in stage.named_parameters()]
     inputs, x = [], xs[0]
     with torch.no_grad():
@@ -314,3 +340,85 @@ def compare_experts(moe: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, wor
         [s.received_tokens for s in stats],
         experts.load_imbalance(torch.stack([s.routed for s in stats]), world),
         sum(s.dropped for s in stats))
+
+
+# ---------------------------------------------------------------- one rank alone (one GPU)
+
+def block_shard_alone(rank: int, world: int, block: nn.Module, x: torch.Tensor,
+                      grad_out: torch.Tensor, ts) -> dict[int, dict[int, int]]:
+    """A worker for a group of one rank (`world` 1: one GPU, where NCCL cannot run two ranks):
+    for each t in `ts`, rank 0's share of a t-way split of `block` (a/t heads, 4h/t MLP columns,
+    no sequence parallelism) forward and backward on `launch.rank_device()`. Its collectives run
+    on the group of one, so they send nothing and its outputs are rank 0's partial sums, not the
+    block's: what it measures is memory, the same as a rank of t allocates (the all-reduces'
+    copies included). Returns {t: {"weights", "kept", "peak"}}: bytes of the shard's weights,
+    kept for backward (input included, output not), and at the peak of forward + backward."""
+    device = launch.rank_device()
+    out = {}
+    _warm_up(device)
+    for t in ts:
+        template = tp.TensorParallelBlock(block, 0, t)
+        template.world = world              # the split is t-way; its collectives, a group of one
+        with memory.track(device) as held:
+            split = copy.deepcopy(template).to(device)
+        xd = x.to(device).clone().requires_grad_()
+        gd = grad_out.to(device)
+        with memory.track(device) as tracker:
+            y = split(xd)
+            kept = (tracker.current - y.untyped_storage().nbytes()
+                    + xd.untyped_storage().nbytes())
+            y.backward(gd)
+        out[t] = {"weights": held.current, "kept": kept, "peak": tracker.peak}
+        del split, xd, gd, y
+    return out
+
+
+def ring_shard_alone(rank: int, world: int, tensors, ks, causal: bool = True
+                     ) -> dict[int, dict[str, int]]:
+    """A worker for a group of one rank: for each k in `ks`, the first of k contiguous shards of
+    q, k, v (B, H, T/k, d) through `ring_attention` on the group of one (its own diagonal block,
+    nothing passed round), forward and backward on `launch.rank_device()`; and, as k = 0, full
+    attention (`F.scaled_dot_product_attention`) over the whole T. What one rank of k keeps for
+    backward is the same (output and log-sum-exp); at its peak a real rank also holds the two k, v
+    blocks in flight, and it computes up to k blocks, one after another. Returns
+    {k: {"kept", "peak"}}: bytes live after forward (output included), and at the peak."""
+    device = launch.rank_device()
+    out = {}
+    _warm_up(device)
+    for k in (0, *ks):
+        parts = [t if k == 0 else cp.shard_sequence(t, 0, k) for t in tensors]
+        q, kk, v = (t.to(device).clone().requires_grad_() for t in parts[:3])
+        do = parts[3].to(device)
+        with memory.track(device) as tracker:
+            o = (F.scaled_dot_product_attention(q, kk, v, is_causal=causal) if k == 0 else
+                 cp.ring_attention(q, kk, v, causal=causal))
+            kept = tracker.current
+            o.backward(do)
+        out[k] = {"kept": kept, "peak": tracker.peak}
+        del q, kk, v, do, o
+    return out
+
+
+def attention_step_seconds(rank: int, world: int, method: str, tensors, causal: bool,
+                           layout: str, rounds: int) -> dict[str, list[float]]:
+    """A worker: seconds of forward + backward of full attention over the whole T (each rank on
+    its own device, no communication) and of `method` ("ring" or "ulysses") on this rank's T/k
+    tokens, in interleaved rounds (`cost.stats.interleave`; every rank draws the same order, so
+    their collectives meet)."""
+    from companion.cost.clock import now
+    from companion.cost.stats import interleave
+    device = launch.rank_device()
+    whole = [t.to(device).clone().requires_grad_() for t in tensors[:3]]
+    shards = [cp.shard_sequence(t, rank, world, layout=layout).to(device).clone()
+              .requires_grad_() for t in tensors[:3]]
+    do_whole = tensors[3].to(device)
+    do_shard = cp.shard_sequence(tensors[3], rank, world, layout=layout).to(device)
+    attend = cp.ring_attention if method == "ring" else cp.ulysses_attention
+    extra = {"layout": layout} if method == "ring" else {}
+
+    def full():
+        F.scaled_dot_product_attention(*whole, is_causal=causal).backward(do_whole)
+
+    def split():
+        attend(*shards, causal=causal, **extra).backward(do_shard)        # collectives
+    return interleave({"full": full, method: split}, rounds=rounds, clock=lambda: now(device))

@@ -76,7 +76,37 @@ def predicted_peaks(s) -> dict[str, dict[str, int]]:
     return {"00": _anatomy(s), "01": _gradient_descent(s), "02": _float_formats(s),
             "03": _accumulation(s), "04": _checkpointing(s), "05": _mixed_precision(s),
             "06": _data_parallel(s), "07": _zero(s), "08": _offload(s), "09": _capstone(s),
-            "10": _attention(s), "11": _fewer_bits(s), "12": _activations_budget(s)}
+            "10": _attention(s), "11": _fewer_bits(s), "12": _activations_budget(s),
+            "13": _parallelisms(s)}
+
+
+def _parallelisms(s) -> dict[str, int]:
+    # Per GPU, the heaviest run of each kind (the references run on the CPU, in the host's memory).
+    # The block whole on one rank (t = 1, `parallel_runs.block_shard_alone`; a split rank holds
+    # less): fp32 weights and gradients 2·4(12h² + 13h), the bytes kept for backward
+    # (`tensor_parallel.tp_activation_bytes`, about 16·sbh + a·s²·b values), and in backward two
+    # (b, a, s, s) gradients (of the softmax and of the scores) and four (b, s, 4h) ones at once.
+    b, t, h, a = s.tp_batch, s.tp_seq, s.tp_width, s.tp_heads
+    block = (8 * (12 * h * h + 13 * h) + 4 * (16 * b * t * h + a * t * t * b + 4 * b * t)
+             + t * t + 2 * 4 * b * a * t * t + 4 * 4 * b * t * 4 * h)
+    # One ring rank of 2 alone (`ring_shard_alone`; more ranks, or zigzag's two chunks, make the
+    # block smaller): at most six fp32 (B, H, T/2, T/2) blocks at once in backward (scores,
+    # masked, less the log-sum-exp, P, dO·Vᵀ, dS; about four measured on the CPU), and q, k, v,
+    # dO, the output and the three gradients, (B, H, T/2, d) each. Full attention over the whole
+    # T by SDPA's memory-efficient kernel (fp32 on CUDA): the same eight (B, H, T, d) and the
+    # log-sum-exp, no (T, T) tensor; every rank of `attention_step_seconds` runs it.
+    rows = s.cp_batch * s.cp_heads
+    half = s.cp_len // 2
+    ring = 6 * rows * half * half * 4 + 8 * rows * half * s.cp_head_dim * 4
+    full = 8 * rows * s.cp_len * s.cp_head_dim * 4 + rows * s.cp_len * 4
+    # The pipeline's first stage on 2 ranks under GPipe (1F1B holds fewer micro-batches): its
+    # half of the MLP's weights and gradients, and every micro-batch's saved inputs and ReLU
+    # outputs, two (rows, width) per layer and the input.
+    w, layers = s.pp_width, s.pp_depth // 2
+    stage = (8 * layers * (w * w + w)
+             + s.pp_micro_batches * s.pp_batch * w * 4 * (2 * layers + 1))
+    return {"block, whole on one rank": block, "ring attention, one rank of 2": ring,
+            "full attention (sdpa) over T": full, "pipeline stage 0, gpipe on 2 ranks": stage}
 
 
 def _activations_budget(s) -> dict[str, int]:

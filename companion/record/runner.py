@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 
 from companion.device import describe, gpu_class, sizes
-from companion.record import attention, basics, capstone, lowbit, parallel, remat, techniques
+from companion.record import (attention, basics, capstone, lowbit, parallel, parallelisms, remat,
+                              techniques)
 from companion.record.common import SizesRead
 from companion.results import RESULTS_DIR, is_curve
 
@@ -39,7 +40,7 @@ CHAPTERS: dict[str, Callable] = {
     "03": basics.batch_memory, "04": techniques.checkpoint_segments,
     "05": techniques.mixed_precision, "06": parallel.data_parallel, "07": parallel.zero,
     "08": techniques.offload, "09": capstone.capstone, "10": attention.attention_sweep,
-    "11": lowbit.fewer_bits, "12": remat.activations_budget,
+    "11": lowbit.fewer_bits, "12": remat.activations_budget, "13": parallelisms.parallelisms,
 }
 
 
