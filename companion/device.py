@@ -142,6 +142,10 @@ class Sizes:
     pp_depth: int = 8         # (10 classes) cut into one stage per rank,
     pp_batch: int = 128       # rows per micro-batch
     pp_micro_batches: int = 8  # and micro-batches per step
+    ep_width: int = 64        # chapter 13's mixture of experts (companion.experts.MoE): width,
+    ep_hidden: int = 256      # each expert MLP's hidden width,
+    ep_experts: int = 8       # experts (divisible by the ranks W)
+    ep_tokens: int = 1024     # and tokens (divisible by W), on gloo ranks on every machine
 
 
 _SIZES = {
