@@ -6,6 +6,7 @@ import torch
 from companion import models, parallel_runs as pr
 from companion.models import MLP
 from companion.pipeline import schedules
+from companion.record import alone
 
 
 def test_block_split_over_two_ranks_matches_and_sends_the_formula():
@@ -76,7 +77,7 @@ def test_one_rank_alone_holds_the_formulas_share_of_a_block():
     torch.manual_seed(0)
     block = models.Block(32, 4)
     x, g = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
-    rows = pr.launch.run(pr.block_shard_alone, 1, block, x, g, (1, 2, 4))[0]
+    rows = pr.launch.run(alone.block_shard_alone, 1, block, x, g, (1, 2, 4))[0]
     for t in (1, 2, 4):
         assert rows[t]["kept"] == pr.tp.tp_activation_bytes(2, 8, 32, 4, t)
         assert rows[t]["weights"] == 4 * (12 * 32 * 32 // t + 7 * 32 // t + 6 * 32)
@@ -85,7 +86,7 @@ def test_one_rank_alone_holds_the_formulas_share_of_a_block():
 
 def test_one_ring_rank_alone_keeps_its_output_and_log_sum_exp():
     q, k, v, do = (torch.randn(1, 2, 32, 8) for _ in range(4))
-    rows = pr.launch.run(pr.ring_shard_alone, 1, (q, k, v, do), (2, 4))[0]
+    rows = pr.launch.run(alone.ring_shard_alone, 1, (q, k, v, do), (2, 4))[0]
     for ranks in (2, 4):
         assert rows[ranks]["kept"] == pr.cp.ring_kept_bytes((1, 2, 32 // ranks, 8), torch.float32)
     assert rows[0]["kept"] == pr.cp.ring_kept_bytes((1, 2, 32, 8), torch.float32)  # full SDPA
@@ -94,7 +95,7 @@ def test_one_ring_rank_alone_keeps_its_output_and_log_sum_exp():
 
 def test_attention_steps_are_timed_in_rounds_on_every_rank():
     q, k, v, do = (torch.randn(1, 2, 16, 8) for _ in range(4))
-    per_rank = pr.launch.run(pr.attention_step_seconds, 2, "ring", (q, k, v, do), True, "zigzag",
+    per_rank = pr.launch.run(alone.attention_step_seconds, 2, "ring", (q, k, v, do), True, "zigzag",
                              2)
     for times in per_rank:
         assert sorted(times) == ["full", "ring"]
@@ -123,7 +124,7 @@ def test_the_workers_run_on_the_gpus_under_nccl():
     torch.manual_seed(0)
     block = models.Block(64, 4)
     x, g = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
-    rows = pr.launch.run(pr.block_shard_alone, 1, block, x, g, (1, 2), backend="nccl")[0]
+    rows = pr.launch.run(alone.block_shard_alone, 1, block, x, g, (1, 2), backend="nccl")[0]
     for t in (1, 2):
         want = pr.tp.tp_activation_bytes(2, 16, 64, 4, t)
         assert want <= rows[t]["kept"] <= want + 512 * 20

@@ -82,7 +82,7 @@ def predicted_peaks(s) -> dict[str, dict[str, int]]:
 
 def _parallelisms(s) -> dict[str, int]:
     # Per GPU, the heaviest run of each kind (the references run on the CPU, in the host's memory).
-    # The block whole on one rank (t = 1, `parallel_runs.block_shard_alone`; a split rank holds
+    # The block whole on one rank (t = 1, `record.alone.block_shard_alone`; a split rank holds
     # less): fp32 weights and gradients 2·4(12h² + 13h), the bytes kept for backward
     # (`tensor_parallel.tp_activation_bytes`, about 16·sbh + a·s²·b values), and in backward two
     # (b, a, s, s) gradients (of the softmax and of the scores) and four (b, s, 4h) ones at once.

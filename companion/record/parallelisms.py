@@ -5,7 +5,7 @@
 power of two of them, at most 4, so that heads, widths and sequences divide); on the CPU, 2 gloo
 ranks. One GPU cannot hold two NCCL ranks, so there the split runs are left out and the record
 says so (`ran`); what one GPU measures honestly is what one rank holds, its collectives on a group
-of one (`parallel_runs.block_shard_alone`, `ring_shard_alone`): a t-way tensor-parallel share of
+of one (`record.alone.block_shard_alone`, `ring_shard_alone`): a t-way tensor-parallel share of
 a block (weights, bytes kept for backward, peak) against `tensor_parallel`'s formulas, and one
 context-parallel rank's kept bytes against full attention over the whole sequence. Every machine
 records those too, so that the CPU run tests the one-GPU path.
@@ -27,6 +27,7 @@ import torch
 from companion import context_parallel as cp, launch, models, tensor_parallel as tp
 from companion import parallel_runs as pr
 from companion.pipeline import schedules
+from companion.record import alone as one_rank
 from companion.record.parallel import ranks
 from companion.results import curve
 
@@ -75,10 +76,10 @@ def alone_runs(S, backend: str, *, ts=(1, 2, 4), ks=(2, 4), timeout: float = 600
     ts = [t for t in ts if S.tp_heads % t == 0 and S.tp_width % t == 0]
     ks = [k for k in ks if S.cp_len % k == 0]
     tensors = attention_case(S)
-    return {"tp": launch.run(pr.block_shard_alone, 1, block, x, g, ts, backend=backend,
+    return {"tp": launch.run(one_rank.block_shard_alone, 1, block, x, g, ts, backend=backend,
                              timeout=timeout)[0],
             "tp_shape": (S.tp_batch, S.tp_seq, S.tp_width, S.tp_heads),
-            "cp": launch.run(pr.ring_shard_alone, 1, tensors, ks, backend=backend,
+            "cp": launch.run(one_rank.ring_shard_alone, 1, tensors, ks, backend=backend,
                              timeout=timeout)[0],
             "cp_shape": tuple(tensors[0].shape)}
 
@@ -217,7 +218,7 @@ def parallelisms(S, device: torch.device, *, repeats: int = 3) -> dict:
         attentions = [pr.compare_attention(*tensors, n, method=method, layout=layout,
                                            backend=backend, timeout=timeout)
                       for method, layout in (("ring", "zigzag"), ("ulysses", "contiguous"))]
-        per_rank = launch.run(pr.attention_step_seconds, n, "ring", tensors, True, "zigzag",
+        per_rank = launch.run(one_rank.attention_step_seconds, n, "ring", tensors, True, "zigzag",
                               max(1, repeats), backend=backend, timeout=timeout)
         times = _slowest(per_rank)
         steps = {"attention_full": times["full"], f"attention_ring{n}_zigzag": times["ring"]}
