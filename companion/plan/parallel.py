@@ -12,7 +12,9 @@ workspace, FlashAttention scratch and NCCL buffers, one communicator per group o
 rank; `Estimate.fit` adds `budget.fit_predicted`'s one segment of headroom). No step is replayed
 through the allocator: fragmentation beyond that segment is not counted. With ZeRO-0 or 1, bf16
 weights with an fp32 main gradient, fp32 master weights and Adam (Megatron's 18 bytes a
-parameter: 2 + 4 + 4 + 4 + 4); with ZeRO-3, FSDP2 as torchtitan applies it (see `_fsdp_lines`):
+parameter: 2 + 4 + 4 + 4 + 4); with ZeRO-3, FSDP2 as torchtitan applies it (`_fsdp_lines`), with
+its DTensor tensor parallelism's gathered norm outputs (`_gathered_inputs`) and its loss
+(`_loss_line`), checked against its measured 70B (`parallel_published.TORCHTITAN_70B`):
 - parameters on a stage: L/p layers of (C·Q + 2·C·K + Q·C + 3·C·I)/t + 2·C (the RMSNorm weights
   stay whole on each rank), the embedding V·C/t on the first stage (vocabulary-parallel), the
   head V·C/t and the final norm C on the last;
@@ -219,6 +221,19 @@ def _fsdp_lines(shape: Shape, layout: Layout, params: int) -> list[Line]:
                  "4 B x one layer's parameters on the rank (reduce_dtype fp32)")]
 
 
+def _gathered_inputs(shape: Shape, layout: Layout, seq_len: int, held: float) -> Line:
+    """torchtitan's tensor parallel plan (DTensor's ColwiseParallel after a SequenceParallel
+    norm, parallelize_llama.py at 9dec370) all-gathers each norm's output and the column-parallel
+    matmuls save it whole for their weight gradient, where Megatron's sequence parallelism keeps
+    the shard and gathers again in backward: 2 x 2·b·(s/c)·C·(1 - 1/t) more a layer alive (the
+    one recomputed with full checkpointing)."""
+    t, layers = layout.t, (1 if layout.checkpointing == "full" else shape.layers // layout.p)
+    n = layout.micro_batch * (seq_len // layout.c) * shape.width
+    return Line("norm outputs gathered for tensor parallel (DTensor)",
+                int(held * layers * 4 * n * (t - 1) // t),
+                f"{held:g} micro-batches x {layers} layers x 2 x 2 B x b·(s/c)·C·(1 - 1/t)")
+
+
 def _loss_line(shape: Shape, layout: Layout, seq_len: int) -> Line:
     """The loss's peak on the last stage, vocabulary sharded over t (loss parallel). Megatron's
     fused vocab-parallel cross-entropy: fp32 logits, 4 B a logit. torchtitan (ZeRO-3 here):
@@ -259,6 +274,8 @@ def memory(shape: Shape, layout: Layout, seq_len: int) -> tuple[str, list[Line]]
                         f"{per_layer:,} B ({'no' if layout.checkpointing == 'none' else layout.checkpointing} checkpointing)"))
         if working:
             out.append(Line("one layer recomputed", working, "a layer's activations, once"))
+        if layout.zero == 3 and t > 1:
+            out.append(_gathered_inputs(shape, layout, seq_len, held if not working else 1))
         if stage != "last":
             out.append(Line("token ids (int64)", int(held * 8 * b * seq_len // c),
                             "8 B x tokens in flight"))

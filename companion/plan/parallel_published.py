@@ -127,9 +127,9 @@ def torchtitan_error(run: MeasuredRun, *, gpu="H100 SXM") -> tuple[float, object
     the single-axis planner's lines (`Estimate.fit`), against the GiB the run reserved.
 
     Left out, each making the prediction low: Float8's casts (fp8 copies of a recomputed layer's
-    inputs and weights, its scales); torch.compile's buffers; DTensor's tensor parallel linears
-    saving their all-gathered (not sequence-sharded) inputs in the recomputed layer, 2 x 2·b·s·C
-    less 1/t of it; the reserve's fragmentation beyond one segment (the figure is max reserved);
+    inputs and weights, its scales; an fp8 all-gather would instead halve the gathered norm
+    outputs, priced in bf16); torch.compile's buffers; the recomputed layer's gradients in
+    backward; the reserve's fragmentation beyond one segment (the figure is max reserved);
     with pipelining, FSDP's unsharded gradients if they accumulate over micro-batches, the
     stages' uneven split (126 layers; priced as 128) and the schedule's own buffers. The one
     recomputed layer and the loss's peak are summed, though they do not coincide: high."""
