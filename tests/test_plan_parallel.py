@@ -145,6 +145,8 @@ def test_search_finds_fitting_layouts_fastest_first():
     names = {o.name for o in found[0].fit(load_usable()).lines}
     assert {"CUDA context", "cuBLAS workspace", "NCCL buffers"} <= names
     assert found[0].fit(load_usable()).total > found[0].total_bytes
+    assert not any(e.layout.zero == 3 and e.layout.p > 1 for e in found)   # priced, not searched
+    assert any(e.layout.zero == 3 for e in found)
     assert [e.seconds for e in found] == sorted(e.seconds for e in found)
     assert any(e.layout.t > 1 and e.layout.p > 1 for e in found[:5])
 
