@@ -13,7 +13,8 @@ from companion.models.llama import LlamaBlock, Rotary
 from companion.plan.configs import load_config
 from companion.plan.parallel import (Layout, Shape, check_layout, estimate, layer_activation_bytes,
                                      memory, search, step_time)
-from companion.plan.parallel_published import LLAMA3_405B, megatron_bytes, published
+from companion.plan.parallel_published import (LLAMA3_405B, TORCHTITAN_405B, TORCHTITAN_70B,
+                                               megatron_bytes, published, torchtitan_error)
 from companion.plan.parallel_report import plan_parallel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -140,7 +141,12 @@ def test_step_time_parts():
 
 def test_search_finds_fitting_layouts_fastest_first():
     found = search(L70, gpus=64, gpus_per_node=8, seq_len=8192, batch=512)
-    assert found and all(e.fits(load_usable()) for e in found)
+    assert found and all(e.fit(load_usable()).fits for e in found)
+    names = {o.name for o in found[0].fit(load_usable()).lines}
+    assert {"CUDA context", "cuBLAS workspace", "NCCL buffers"} <= names
+    assert found[0].fit(load_usable()).total > found[0].total_bytes
+    assert not any(e.layout.zero == 3 and e.layout.p > 1 for e in found)   # priced, not searched
+    assert any(e.layout.zero == 3 for e in found)
     assert [e.seconds for e in found] == sorted(e.seconds for e in found)
     assert any(e.layout.t > 1 and e.layout.p > 1 for e in found[:5])
 
@@ -160,7 +166,8 @@ def test_the_command_line_plans_70b_on_64_gpus():
     args = ("--gpus-per-node", "8", "--seq-len", "8192", "--batch", "4M-tokens")
     text = _plan(*args)
     assert text.returncode == 0, text.stderr
-    assert "formula only" in text.stdout and "pipeline parallel" in text.stdout
+    assert "by formula" in text.stdout and "pipeline parallel" in text.stdout
+    assert "NCCL buffers" in text.stdout and "CUDA context" in text.stdout
     data = json.loads(_plan(*args, "--json").stdout)
     levers = [lever for plan in data["plans"] for lever in plan["levers"]]
     assert any(x.startswith("tensor parallel ") for x in levers)
@@ -176,7 +183,7 @@ def test_the_command_line_plans_70b_on_64_gpus():
     (Layout(4, 3, 1, 1), "not the 64 GPUs"),
     (Layout(2, 32, 1, 1), "divide the 80 layers"),
     (Layout(1.5, 1, 1, 1), "whole numbers"),
-    (Layout(4, 16, 1, 1, zero=2), "ZeRO stage 0 or 1"),
+    (Layout(4, 16, 1, 1, zero=2), "ZeRO stage 0, 1"),
     (Layout(4, 16, 1, 1, checkpointing="some"), "checkpointing"),
 ])
 def test_bad_layouts_are_named(layout, message):
@@ -210,3 +217,36 @@ def test_without_gpus_per_node_a_model_that_fits_no_other_plan_gets_the_parallel
     assert text.returncode == 1, text.stderr
     assert "No plan of data parallelism, ZeRO, checkpointing or offload fits" in text.stdout
     assert "8 to a node" in text.stdout and "No layout fits" in text.stdout
+
+
+def test_the_70b_of_torchtitan_table_4_within_10_percent_below():
+    """torchtitan's measured Llama 3.1 70B (docs/performance.md, Table 4; see parallel_published):
+    FSDP 32 x TP 8, 16 sequences of 8,192 tokens a GPU, full checkpointing, 71.9 GiB reserved.
+    Priced with ZeRO-3 as FSDP2 and DTensor's tensor parallelism: 65.88 GiB, 8.4% under (the
+    terms left out add bytes: `torchtitan_error`). The tensors alone are 14.7% under, so the CUDA
+    lines are needed to meet the tolerance; priced as ZeRO-1 (bf16 weights and an fp32 main
+    gradient whole on each rank) it would be 25% over, as ZeRO-0 158% over."""
+    err, found = torchtitan_error(TORCHTITAN_70B)
+    assert -0.10 <= err <= 0
+    lines = {x.name: x.value for x in found.memory}
+    per_rank = 80 * (855_638_016 // 8 + 2 * 8192) + 2 * 128_256 * 8192 // 8 + 8192
+    assert lines["weights (fp32 shards)"] == 4 * per_rank // 32
+    assert lines["optimizer (Adam m and v, fp32 shards)"] == 8 * per_rank // 32
+    assert lines["activations"] == 80 * 2 * 16 * 8192 * 8192 // 8      # each layer's input
+    assert lines["loss (bf16 logits, fp32 copy, shifted, exp)"] == 14 * 16 * 8192 * 128_256 // 8
+    assert lines["norm outputs gathered for tensor parallel (DTensor)"] == \
+        2 * 2 * 16 * 8192 * 8192 * 7 // 8                          # the recomputed layer's two
+    assert not -0.10 <= found.total_bytes / (71.9 * 2 ** 30) - 1 <= 0
+    for zero in (0, 1):
+        wrong = dataclasses.replace(TORCHTITAN_70B,
+                                    layout=dataclasses.replace(TORCHTITAN_70B.layout, zero=zero))
+        assert not -0.10 <= torchtitan_error(wrong)[0] <= 0
+
+
+@pytest.mark.parametrize("run", TORCHTITAN_405B, ids=lambda r: r.quote.split("|")[1].strip())
+def test_the_405b_runs_of_torchtitan_are_reported_under_their_measured_peaks(run):
+    """Tables 5 and 6 (405B, FSDP x TP 8 x PP 8, with CP): 30% to 37% under the reserved peaks:
+    the model lacks what pipelining adds under FSDP (`torchtitan_error` names it); a lower bound
+    here, not a fit."""
+    err, _ = torchtitan_error(run)
+    assert -0.40 <= err < -0.25
