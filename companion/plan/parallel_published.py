@@ -111,10 +111,12 @@ TORCHTITAN_70B = MeasuredRun(
     Layout(t=8, p=1, c=1, d=32, zero=3, micro_batch=16, micro_batches=1, checkpointing="full"),
     8192, 71.9)
 TORCHTITAN_405B = (
-    MeasuredRun(f"{_TITAN}, Table 5: 405B, FSDP 8, TP 8, PP 8, local batch 32, 1F1B",
+    MeasuredRun(f"{_TITAN}, Table 5: 405B, FSDP 8, TP 8, PP 8, AsyncTP, local batch 32, "
+                "global 256, 1F1B",
                 "| 1F1B | 100 | 82.5 |", "405b",
                 Layout(8, 8, 1, 8, 3, 4, 8, "full"), 8192, 82.5),
-    *(MeasuredRun(f"{_TITAN}, Table 6: 405B, TP 8, PP 8, FSDP {8 // c}, CP {c}, local batch 8",
+    *(MeasuredRun(f"{_TITAN}, Table 6: 405B, TP 8, PP 8, FSDP {8 // c}, CP {c}, AsyncTP, "
+                  "1F1B, local batch 8",
                   f"| FSDP {8 // c}, CP {c} | {seq} |", "405b",
                   Layout(8, 8, c, 8 // c, 3, 1, 8, "full"), seq, gib)
       for c, seq, gib in ((1, 32768, 75.3), (2, 65536, 75.9), (4, 131072, 77.1),
