@@ -40,13 +40,22 @@ def row_parallel_linear(x, weight, bias, group=None):
     return y if bias is None else y + bias
 
 
-def row_parallel_in_place(x, weight, bias, group=None):
-    """Right too: the all-reduce in place under no_grad, the graph going straight through it
-    (the forward's sum, an identity backward)."""
-    partial = F.linear(x, weight)
-    with torch.no_grad():
+class ReduceInPlace(torch.autograd.Function):
+    """Right too: the partial sum all-reduced in place and returned (nothing else holds it)."""
+
+    @staticmethod
+    def forward(ctx, partial, group):
         dist.all_reduce(partial, group=group)
-    return partial if bias is None else partial + bias
+        return partial
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone(), None
+
+
+def row_parallel_in_place(x, weight, bias, group=None):
+    y = ReduceInPlace.apply(F.linear(x, weight), group)
+    return y if bias is None else y + bias
 
 
 # ---------------------------------------------------------------- exercise 1: wrong answers
@@ -161,6 +170,27 @@ def row_reduces_twice(x, weight, bias, group=None):
     return _with_bias(y, bias)
 
 
+def row_no_function(x, weight, bias, group=None):
+    """In place on a tensor autograd tracks: torch warns that c10d's all_reduce has no autograd
+    kernel; the gradients come out right by luck."""
+    y = F.linear(x, weight)
+    dist.all_reduce(y, group=group)
+    return _with_bias(y, bias)
+
+
+def row_no_function_data(x, weight, bias, group=None):
+    y = F.linear(x, weight)
+    dist.all_reduce(y.data, group=group)
+    return _with_bias(y, bias)
+
+
+def row_no_function_no_grad(x, weight, bias, group=None):
+    y = F.linear(x, weight)
+    with torch.no_grad():
+        dist.all_reduce(y, group=group)
+    return _with_bias(y, bias)
+
+
 def row_hangs(x, weight, bias, group=None):
     """Rank 0 never reaches the all-reduce the others wait in."""
     while dist.get_rank() == 0:
@@ -209,6 +239,9 @@ def test_the_row_parallel_references_pass(capsys):
     (row_reduces_twice, "forward all-reduced 2 tensor(s)"),
     (row_returns_none, "expected the output tensor"),
     (row_returns_nan, "NaN"),
+    (row_no_function, "autograd tracks, outside a torch.autograd.Function"),
+    (row_no_function_data, "goes through no torch.autograd.Function"),
+    (row_no_function_no_grad, "goes through no torch.autograd.Function"),
 ])
 @pytest.mark.parametrize("seed", range(2))
 def test_row_parallel_wrong_answers_fail_on_every_draw(answer, words, seed):
@@ -360,7 +393,7 @@ def test_1f1b_messages_do_not_give_the_warm_up_away():
         with pytest.raises(CheckFailed) as failure:
             evaluate("check_one_f_one_b", answer)
         text = str(failure.value)
-        assert "warm-up" not in text and "p - s - 1" not in text, text
+        assert "warm-up" not in text and "p - s" not in text and "p − s" not in text, text
 
 
 def test_1f1b_bad_input_fails_cleanly(capsys):

@@ -3,10 +3,11 @@ seeds, fails the wrong answers a learner writes with a message that names the mi
 turns bad input into a clear failure."""
 import pytest
 
-from companion.checks.ch13.choose_parallel import check_choose_parallel, exercise_layout
+from companion.checks.ch13.choose_parallel import (TOLERANCE, _WHERE, _best, _found, _property,
+                                                   check_choose_parallel, exercise_layout)
 from companion.checks.core import CheckFailed, evaluate, seeded
 from companion.grader import wire
-from companion.plan.parallel import memory, step_time
+from companion.plan.parallel import estimate, memory, step_time
 from elsewhere import Elsewhere
 
 GPU = "H100 SXM"
@@ -22,25 +23,30 @@ def _divisors(n):
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _choose(*, node_rule=True, heads_rule=True, layers_rule=True, fit=True, only_t=None):
-    """A search over (t, p, d, zero), each rule switchable: the reference has them all."""
+def _choose(*, node_rule=True, heads_rule=True, kv_rule=True, layers_rule=True, batch_rule=True,
+            fit=True, only_t=None, least_p=1, zeros=lambda d: (0, 1) if d > 1 else (0,),
+            price_node=None, key=1):
+    """A search over (t, p, d, zero), each rule switchable: the reference has them all.
+    price_node: price as if a node held that many GPUs; key 0: least memory, 1: fastest."""
     def answer(model, gpus, gpus_per_node, limit, seq_len, batch_tokens):
         batch = batch_tokens // seq_len
         options = []
         for t in _divisors(gpus):
             if (node_rule and (t > gpus_per_node or gpus_per_node % t)) or \
-                    (heads_rule and (model.heads % t or model.kv_heads % t)) or \
+                    (heads_rule and model.heads % t) or (kv_rule and model.kv_heads % t) or \
                     (only_t is not None and t != only_t(model, gpus_per_node)):
                 continue
             for p in _divisors(gpus // t):
                 d = gpus // (t * p)
-                if (layers_rule and model.layers % p) or batch % d:
+                if (layers_rule and model.layers % p) or (batch_rule and batch % d) or \
+                        d > batch or p < least_p:
                     continue
-                for zero in ((0, 1) if d > 1 else (0,)):
-                    nbytes, seconds = _price(model, exercise_layout(t, p, d, zero, batch),
-                                             seq_len, gpus_per_node)
+                for zero in zeros(d):
+                    layout = exercise_layout(t, p, d, zero, batch)
+                    nbytes = _price(model, layout, seq_len, gpus_per_node)[0]
+                    seconds = _price(model, layout, seq_len, price_node or gpus_per_node)[1]
                     if nbytes <= limit or not fit:
-                        options.append((seconds, (t, p, d, zero)))
+                        options.append(((nbytes, seconds)[key], (t, p, d, zero)))
         return min(options)[1] if options else (1, 1, gpus, 1)
     return answer
 
@@ -66,6 +72,16 @@ WRONG = [
     ("p that does not divide the layers", _choose(layers_rule=False), "does not divide the"),
     ("t that does not divide the heads", _choose(heads_rule=False, node_rule=False),
      "crosses the node|does not divide"),
+    # the reviewer's (chapter 13's exercises, second review): each passed before the cases below
+    ("t that does not divide the key/value heads", _choose(kv_rule=False),
+     "key/value heads"),
+    ("d that does not divide the sequences", _choose(batch_rule=False), "does not divide the"),
+    ("never ZeRO-1", _choose(zeros=lambda d: (0,)), "takes|over the limit"),
+    ("ZeRO-1 to fit, reported as ZeRO-0",
+     lambda *a: reference(*a)[:3] + (0,), "takes|over the limit"),
+    ("the least memory, not the fastest", _choose(key=0), "takes"),
+    ("never one pipeline stage", _choose(least_p=2), "takes"),
+    ("priced as if a node held 8 GPUs", _choose(price_node=8), "takes"),
 ]
 
 
@@ -74,6 +90,62 @@ WRONG = [
 def test_wrong_answers_fail(label, wrong, message, seed):
     with seeded(seed), pytest.raises(CheckFailed, match=message):
         check_choose_parallel(wrong)
+
+
+def test_zero_1_over_one_rank_is_accepted():
+    """ZeRO-1 at d = 1 runs (it shards over one rank) and is priced as ZeRO-0: not a mistake."""
+    with seeded(0):
+        check_choose_parallel(_choose(zeros=lambda d: (1, 0)))
+
+
+def _try_everything(model, gpus, gpus_per_node, limit, seq_len, batch_tokens):
+    """Every factorisation, the estimator's ValueError skipping the layouts it refuses: but it
+    does not refuse a d that leaves sequences over, so this picks one that cannot run."""
+    batch, best = batch_tokens // seq_len, None
+    for t in _divisors(gpus):
+        for p in _divisors(gpus // t):
+            d = gpus // (t * p)
+            for zero in (0, 1):
+                try:
+                    e = estimate(model, exercise_layout(t, p, d, zero, batch), seq_len, gpu=GPU,
+                                 gpus_per_node=gpus_per_node)
+                except ValueError:
+                    continue
+                if e.fits(limit) and (best is None or e.seconds < best[0]):
+                    best = (e.seconds, (t, p, d, zero))
+    return best[1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_trusting_the_estimator_for_the_rules_fails(seed):
+    with seeded(seed), pytest.raises(CheckFailed, match="does not divide the .* sequences"):
+        check_choose_parallel(_try_everything)
+
+
+@pytest.mark.parametrize("kind", sorted(_WHERE))
+def test_each_crafted_case_has_its_property(kind):
+    """The search in _WHERE finds each case, and the case's fastest layout is as its name
+    says; the wrong pick it is built against is more than the tolerance slower (or breaks a
+    rule): _property, checked here against the layout itself."""
+    shape, gpus, node, limit, seq, batch = _found(kind)
+    assert _property(kind, shape, gpus, node, seq, batch, limit)
+    seconds, (t, p, d, zero), _ = _best(shape, gpus, node, limit, seq, batch)
+    if kind == "p = 1":
+        assert p == 1
+    elif kind == "t = 1":
+        assert t == 1
+    elif kind == "ZeRO-1":
+        assert zero == 1 and d == 2
+        no_zero = _choose(zeros=lambda d: (0,))(shape, gpus, node, limit, seq, batch * seq)
+        assert _price(shape, exercise_layout(*no_zero, batch), seq, node)[1] > \
+            seconds * (1 + TOLERANCE) or _price(shape, exercise_layout(*no_zero, batch), seq,
+                                                 node)[0] > limit
+    elif kind == "the node":
+        assert node in (2, 4)
+    elif kind == "key/value heads":
+        assert shape.kv_heads in (2, 4)
+    elif kind == "the batch":
+        assert any(batch % k for k in _divisors(gpus))
 
 
 def test_t_beyond_the_heads_fails_by_name():

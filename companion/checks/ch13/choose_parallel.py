@@ -2,6 +2,7 @@
 memory limit, priced by `companion.plan.parallel`'s formulas."""
 from __future__ import annotations
 
+import functools
 import random
 
 from companion.checks.core import CheckFailed, call, exercise, fresh_seeds, require
@@ -52,11 +53,100 @@ _SHAPES = {"a 3B-like": (30, 3072, 24, 8, 8192, 64000),
            "a 110B-like": (80, 12288, 96, 8, 32768, 64000)}
 
 
+def _shape(name: str, kv_heads: int | None = None) -> Shape:
+    layers, width, heads, kv, intermediate, vocab = _SHAPES[name]
+    return Shape(layers, width, heads, kv_heads or kv, intermediate, vocab)
+
+
+def _priced(shape: Shape, gpus: int, node: int, seq: int, batch: int, *, kv_rule=True,
+            batch_rule=True, price_node: int | None = None) -> list[tuple]:
+    """(layout, bytes, seconds) of every layout the rules allow (two of them switchable), by the
+    formulas; seconds priced as if a node held `price_node` GPUs when given."""
+    rows = []
+    for t in _divisors(node):
+        for p in _divisors(gpus // t) if gpus % t == 0 else ():
+            d = gpus // (t * p)
+            if shape.heads % t or (kv_rule and shape.kv_heads % t) or shape.layers % p or \
+                    d > batch or (batch_rule and batch % d):
+                continue
+            for zero in ((0, 1) if d > 1 else (0,)):
+                layout = exercise_layout(t, p, d, zero, batch)
+                nbytes = _price(shape, layout, seq, node)[0]
+                rows.append(((t, p, d, zero), nbytes,
+                             _price(shape, layout, seq, price_node or node)[1]))
+    return rows
+
+
+def _fastest(rows: list[tuple], limit: int, keep=lambda layout: True):
+    """The (layout, bytes, seconds) row of the fastest layout that fits and `keep` keeps."""
+    fit = [row for row in rows if row[1] <= limit and keep(row[0])]
+    return min(fit, key=lambda row: row[2]) if fit else None
+
+
+def _slower(row, than) -> bool:
+    return row is None or row[2] > than[2] * (1 + TOLERANCE)
+
+
+def _property(kind: str, shape: Shape, gpus: int, node: int, seq: int, batch: int,
+              limit: int) -> bool:
+    """Whether the case (with this limit) has the property that makes `kind`'s mistake fail:
+    the fastest layout within the rules, priced right, against what the mistake would pick."""
+    rows = _priced(shape, gpus, node, seq, batch)
+    best = _fastest(rows, limit)
+    if best is None:
+        return False
+    t, p, d, zero = best[0]
+    if kind == "p = 1":          # a search that never tries one stage
+        return p == 1 and _slower(_fastest(rows, limit, lambda l: l[1] > 1), best)
+    if kind == "t = 1":          # one that never tries t = 1
+        return t == 1 and _slower(_fastest(rows, limit, lambda l: l[0] > 1), best)
+    if kind == "ZeRO-1":         # ZeRO-1 needed, at d = 2: no ZeRO-0 layout (nor d > 2) is close
+        return zero == 1 and d == 2 and _slower(
+            _fastest(rows, limit, lambda l: l[3] == 0 or l[2] > 2), best)
+    if kind == "the node":       # priced as if a node held 8 GPUs, the pick is slow
+        wrong = _fastest(_priced(shape, gpus, node, seq, batch, price_node=8), limit)
+        return _slower(next(row for row in rows if row[0] == wrong[0]), best)
+    if kind == "key/value heads":    # t that divides the heads but not the key/value heads
+        wrong = _fastest(_priced(shape, gpus, node, seq, batch, kv_rule=False), limit)
+        return shape.kv_heads % wrong[0][0] != 0
+    if kind == "the batch":      # d that does not divide the sequences (fewer tokens priced)
+        wrong = _fastest(_priced(shape, gpus, node, seq, batch, batch_rule=False), limit)
+        return batch % wrong[0][2] != 0
+    raise ValueError(kind)
+
+
+# where to look for each property: (shape, kv heads or None, gpus, per node, seq, batch), the
+# first that has it (with a limit between two layouts' bytes) is the case; tests assert each
+# is found
+_WHERE = {"p = 1": [("a 13B-like", None, 8, 4, 4096, 16), ("a 13B-like", None, 16, 4, 4096, 16)],
+          "t = 1": [("a 13B-like", None, 8, 4, 2048, 96), ("a 13B-like", None, 8, 2, 2048, 256)],
+          "ZeRO-1": [("a 3B-like", None, 16, 8, 2048, 256), ("a 3B-like", None, 32, 8, 4096, 16)],
+          "the node": [("a 13B-like", None, 8, 2, 2048, 16), ("a 13B-like", None, 8, 2, 2048, 96)],
+          "key/value heads": [("a 13B-like", 2, 16, 8, 2048, 16),
+                              ("a 13B-like", 2, 16, 4, 4096, 16)],
+          "the batch": [("a 3B-like", None, 32, 2, 4096, 24), ("a 13B-like", None, 32, 2, 4096, 24)]}
+
+
+@functools.lru_cache(maxsize=None)
+def _found(kind: str) -> tuple:
+    """(shape, gpus, node, limit, seq, batch): the first place in _WHERE with the property, its
+    limit halfway between one layout's bytes and the next (never on a boundary)."""
+    for name, kv, gpus, node, seq, batch in _WHERE[kind]:
+        shape = _shape(name, kv)
+        rows = _priced(shape, gpus, node, seq, batch, kv_rule=False, batch_rule=False)
+        sizes = sorted({row[1] for row in rows if row[1] <= 80 * 2 ** 30})
+        for low, high in zip(sizes, sizes[1:]):
+            limit = (low + high) // 2
+            if _property(kind, shape, gpus, node, seq, batch, limit):
+                return shape, gpus, node, limit, seq, batch
+    raise RuntimeError(f"no case in _WHERE has the property {kind!r}: the formulas changed; "
+                       "widen the list")
+
+
 def _crafted(rng: random.Random) -> list[tuple]:
     """(label, shape, gpus, gpus per node, limit, seq, batch): each built so that one kind of
     mistake cannot pass, whatever the draw. Limits are set from the formulas themselves."""
-    def shape(name):
-        return Shape(*_SHAPES[name])
+    shape = _shape
     small, mid, big = shape("a 3B-like"), shape("a 13B-like"), shape("a 34B-like")
     cases = [("a small model, memory to spare", small, 16, 8, 80 * 2 ** 30, 4096,
               rng.choice([256, 512])),
@@ -70,6 +160,13 @@ def _crafted(rng: random.Random) -> list[tuple]:
     free = _best(mid, 32, 8, 10 ** 15, 4096, 256)
     cases.append(("a limit one byte under the fastest layout's", mid, 32, 8, free[2] - 1, 4096,
                   256))
+    labels = {"p = 1": "one pipeline stage is fastest", "t = 1": "no tensor parallelism is fastest",
+              "ZeRO-1": "ZeRO-1 is needed", "the node": "two GPUs to a node, the network slow",
+              "key/value heads": "2 key/value heads",
+              "the batch": "a batch that not every d divides"}
+    for kind, label in labels.items():
+        found = _found(kind)
+        cases.append((label, *found))
     return cases
 
 
@@ -78,11 +175,11 @@ def _drawn(rng: random.Random) -> list[tuple]:
     between the least that fits and 1.6 times it."""
     cases = []
     for name in rng.sample(sorted(_SHAPES), 2):
-        shape = Shape(*_SHAPES[name])
+        shape = _shape(name, rng.choice([2, 4, 8]))
         node, seq = rng.choice([4, 8]), rng.choice([2048, 4096])
         for nodes in (2, 4, 8, 16):
             gpus = node * nodes
-            batch = gpus * rng.choice([4, 8, 16])
+            batch = gpus * rng.choice([3, 4, 6, 8, 12, 16]) // 4     # not always a multiple
             floor = _least_bytes(shape, gpus, node, seq, batch)
             if floor is not None and floor * 1.05 <= 80 * 2 ** 30:
                 break
@@ -128,8 +225,8 @@ def _verdict(got, shape: Shape, gpus: int, node: int, limit: int, seq: int, batc
             "key/value heads", hint="each rank owns whole heads: t divides both.")
     require(shape.layers % p == 0, f"{where}: p={p} does not divide the {shape.layers} layers",
             hint="each pipeline stage holds L/p whole layers.")
-    require(batch % d == 0, f"{where}: d={d} does not divide the {batch} sequences")
-    require(zero == 0 or d > 1, f"{where}: ZeRO-1 over one data-parallel rank shards nothing")
+    require(batch % d == 0, f"{where}: d={d} does not divide the {batch} sequences",
+            hint="each data-parallel rank takes batch/d whole sequences a step.")
     e = estimate(shape, exercise_layout(t, p, d, zero, batch), seq, gpu=GPU, gpus_per_node=node)
     require(e.fits(limit), f"{where}: ({t}, {p}, {d}, {zero}) needs {e.total_bytes:,} bytes a "
             f"GPU, over the limit of {limit:,}",
@@ -148,7 +245,7 @@ def check_choose_parallel(answer) -> str:
     cases = _crafted(rng) + _drawn(rng)
     for label, shape, gpus, node, limit, seq, batch in cases:
         where = (f"{label} (L={shape.layers}, C={shape.width}, {shape.heads} heads, "
-                 f"{gpus} GPUs, {node} to a node, limit {limit / 2 ** 30:.2f} GiB, "
+                 f"{shape.kv_heads} key/value, {gpus} GPUs, {node} to a node, limit {limit / 2 ** 30:.2f} GiB, "
                  f"{batch} x {seq} tokens)")
         want, best, _ = _best(shape, gpus, node, limit, seq, batch)
         got = call(answer, shape, gpus, node, limit, seq, batch * seq)

@@ -74,7 +74,8 @@ def _judge(schedule: list, p: int, m: int, ratio) -> None:
         held = timeline.peak_in_flight[s]
         if held > p - s:
             raise CheckFailed(f"{where}: stage {s} holds the activations of {held} micro-batches "
-                              f"at once; in 1F1B stage s holds at most p - s = {p - s}",
+                              f"at once; at this p and m, 1F1B's stage {s} holds at most "
+                              f"{p - s} (GPipe's holds all {m})",
                               expected=p - s, got=held,
                               hint=f"stage {s} runs {_shown(schedule[s])}. Each forward run "
                                    "before a backward frees one keeps one more micro-batch's "

@@ -11,8 +11,13 @@ three layers: the row-parallel linear with a bias, without one, and an MLP, colu
 then row-parallel (the check's own f before the column layer: identity forward, all-reduce of
 the input's gradient backward). Shapes, dtypes (float32, float64) and the MLP's bias are drawn.
 
-Inside each worker only dist.all_reduce goes through, logged with its bytes and the pass
-(forward or backward) it ran in.
+Inside each worker only dist.all_reduce goes through, logged with its bytes, the pass
+(forward or backward) it ran in, and whether autograd tracked it. As the exercise asks, the
+communication must sit in a torch.autograd.Function: an all-reduce autograd tracks (in place on
+a tensor that requires grad: c10d has no autograd formula for it, torch only warns) fails, and
+so does an output whose graph goes through no Function of the answer's (the all-reduce on
+.data, after .detach() or under no_grad: numerically right here, but the gradient's rule is
+left unsaid).
 """
 from __future__ import annotations
 
@@ -87,14 +92,20 @@ def _reference(full: dict, case: dict, t: int) -> dict:
 # ---------------------------------------------------------------- inside each worker
 
 class _Log:
-    """dist.all_reduce, wrapped: each call appends (bytes, op) to `calls`."""
+    """dist.all_reduce, wrapped: each call appends (bytes, op, tracked) to `calls`, tracked
+    when autograd records the call (grad mode on and a tensor that requires grad): c10d's
+    all_reduce has no autograd formula, so torch warns and the graph is silently wrong there.
+    Inside a torch.autograd.Function's forward grad mode is off."""
 
     def __init__(self, original):
         self.original, self.calls = original, []
 
     def __call__(self, tensor, *args, **kwargs):
         op = kwargs.get("op", args[0] if args else dist.ReduceOp.SUM)
-        self.calls.append((tensor.numel() * tensor.element_size(), str(op)))
+        tracked = bool(torch.is_grad_enabled() and getattr(tensor, "requires_grad", False))
+        self.calls.append((tensor.numel() * tensor.element_size(), str(op), tracked))
+        if tracked:          # judged in the parent, by name: no need for torch's warning too
+            return self.original(tensor.detach(), *args, **kwargs)
         return self.original(tensor, *args, **kwargs)
 
 
@@ -137,6 +148,22 @@ class _CopyToTP(torch.autograd.Function):
         return grad, None
 
 
+def _functions(y: torch.Tensor) -> list[str]:
+    """The torch.autograd.Function classes (the answer's, not the check's f) that the output's
+    graph goes through."""
+    found, seen, todo = [], set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and \
+                type(node).__name__ != "_CopyToTPBackward":
+            found.append(type(node).__name__.removesuffix("Backward"))
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
 def _described(value) -> torch.Tensor | str:
     return value.detach().clone() if isinstance(value, torch.Tensor) else \
         f"a {type(value).__name__}"
@@ -154,7 +181,8 @@ def _run_case(answer, log: _Log, full: dict, case: dict, group, t: int, r: int) 
         h = _column_input(h, full, t, r, lambda v: _CopyToTP.apply(v, group))
     del log.calls[:]
     y = answer(h, slices["weight"], slices.get("bias"), group)
-    result = {"y": _described(y), "forward": list(log.calls), "error": None}
+    result = {"y": _described(y), "forward": list(log.calls), "error": None,
+              "functions": _functions(y) if isinstance(y, torch.Tensor) else []}
     del log.calls[:]
     if isinstance(y, torch.Tensor):
         try:
@@ -273,7 +301,26 @@ def _judge_rank(got: dict, full: dict, ref: dict, case: dict, t: int, r: int, wh
                      "torch.autograd.Function.")
         compare(got[name], want[name], name=f"{where}: {name}", rtol=rtol, atol=atol, hint=hint,
                 known_wrong=_known_wrong(full, ref, case, t, r, name))
+    _judge_function(got, where)
     _judge_traffic(got, full, case, where)
+
+
+def _judge_function(got: dict, where: str) -> None:
+    """The forward's all-reduce inside a torch.autograd.Function, as the exercise asks."""
+    require(not any(tracked for *_, tracked in got["forward"]),
+            f"{where}: dist.all_reduce ran in place on a tensor autograd tracks, outside a "
+            "torch.autograd.Function: c10d's all_reduce has no autograd formula, so torch only "
+            "warns (\"an autograd kernel was not registered ... silently incorrect behavior\", "
+            "deprecated) and the gradients are right here by luck, not by design",
+            hint="put the all-reduce in the forward of a torch.autograd.Function "
+                 "(ReduceFromTP) and say in its backward what the sum's gradient is.")
+    require(bool(got["functions"]), f"{where}: the output's autograd graph goes through no "
+            "torch.autograd.Function: the all-reduce was done where autograd does not see it "
+            "(on .data, after .detach() or under torch.no_grad), and the backward is right "
+            "only because nothing stands for it",
+            hint="the exercise asks for the communication in a torch.autograd.Function "
+                 "(ReduceFromTP): all-reduce in its forward, and its backward returns the "
+                 "gradient the sum passes on.")
 
 
 def _judge_traffic(got: dict, full: dict, case: dict, where: str) -> None:
@@ -282,15 +329,15 @@ def _judge_traffic(got: dict, full: dict, case: dict, where: str) -> None:
     e = full["x"].element_size()
     lead = full["x"].numel() // case["in"]
     out_bytes, in_bytes = lead * case["out"] * e, lead * case["in"] * e
-    forward = [b for b, _ in got["forward"]]
+    forward = [b for b, *_ in got["forward"]]
     require(forward == [out_bytes], f"{where}: the forward all-reduced {len(forward)} tensor(s) "
             f"of {forward} bytes; the layer needs one all-reduce of its partial sums, "
             f"{out_bytes} bytes", hint="all-reduce the product x W^T once, before the bias; "
                                        "nothing else in forward.")
-    ops = {op for _, op in got["forward"]}
+    ops = {op for _, op, _ in got["forward"]}
     require(ops <= {str(dist.ReduceOp.SUM)}, f"{where}: the forward all-reduced with {ops}",
             hint="the partial sums add up: op=dist.ReduceOp.SUM (the default).")
-    backward = [b for b, _ in got["backward"]]
+    backward = [b for b, *_ in got["backward"]]
     expected = [] if case["kind"] == "row" else [in_bytes]
     require(backward == expected, f"{where}: backward all-reduced {backward} bytes; "
             f"expected {expected}" + (" (the column layer's f, of the input's gradient)"
