@@ -99,19 +99,14 @@ def figures(blocks: list, attentions: list, pipelines: list, *, alone: dict | No
     per rank: the largest over the ranks), of `alone_runs`' dict, and of `steps` ({name: seconds
     per round}, the slowest rank's), as the recorder writes them and `compare` shows them."""
     out = {}
+    for run in (*blocks, *attentions):             # both: error, (forward, backward) sent, kept
+        k = _key(run)
+        out[f"{k}_error"] = run.error
+        out[f"{k}_sent_forward_bytes"] = max(f for f, _ in run.sent)
+        out[f"{k}_sent_backward_bytes"] = max(b for _, b in run.sent)
+        out[f"{k}_kept_bytes"] = max(run.kept)
     for run in blocks:
-        k = _key(run)
-        out[f"{k}_error"] = run.error
-        out[f"{k}_sent_forward_bytes"] = max(f for f, _ in run.sent)
-        out[f"{k}_sent_backward_bytes"] = max(b for _, b in run.sent)
-        out[f"{k}_kept_bytes"] = max(run.kept)
         out["block_whole_kept_bytes"] = run.whole_kept
-    for run in attentions:
-        k = _key(run)
-        out[f"{k}_error"] = run.error
-        out[f"{k}_sent_forward_bytes"] = max(f for f, _ in run.sent)
-        out[f"{k}_sent_backward_bytes"] = max(b for _, b in run.sent)
-        out[f"{k}_kept_bytes"] = max(run.kept)
     for run in pipelines:
         k = _key(run)
         out[f"{k}_error"] = run.error

@@ -24,19 +24,27 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _best(shape: Shape, gpus: int, node: int, limit: int, seq: int, batch: int):
-    """(seconds, (t, p, d, zero), bytes) of the fastest layout that fits; None if none does."""
-    best = None
+def _valid(shape: Shape, gpus: int, node: int, batch: int, *, kv_rule=True, batch_rule=True):
+    """Every (t, p, d) the exercise's rules allow: t inside a node and dividing the heads and
+    key/value heads, p dividing the layers, d dividing the batch's sequences (the key/value
+    and batch rules switchable, to price the answers that break them)."""
     for t in _divisors(node):
         for p in _divisors(gpus // t) if gpus % t == 0 else ():
             d = gpus // (t * p)
-            if shape.heads % t or shape.kv_heads % t or shape.layers % p or batch % d:
-                continue
-            for zero in ((0, 1) if d > 1 else (0,)):
-                e = estimate(shape, exercise_layout(t, p, d, zero, batch), seq, gpu=GPU,
-                             gpus_per_node=node)
-                if e.fits(limit) and (best is None or e.seconds < best[0]):
-                    best = (e.seconds, (t, p, d, zero), e.total_bytes)
+            if not (shape.heads % t or (kv_rule and shape.kv_heads % t) or shape.layers % p
+                    or d > batch or (batch_rule and batch % d)):
+                yield t, p, d
+
+
+def _best(shape: Shape, gpus: int, node: int, limit: int, seq: int, batch: int):
+    """(seconds, (t, p, d, zero), bytes) of the fastest layout that fits; None if none does."""
+    best = None
+    for t, p, d in _valid(shape, gpus, node, batch):
+        for zero in ((0, 1) if d > 1 else (0,)):
+            e = estimate(shape, exercise_layout(t, p, d, zero, batch), seq, gpu=GPU,
+                         gpus_per_node=node)
+            if e.fits(limit) and (best is None or e.seconds < best[0]):
+                best = (e.seconds, (t, p, d, zero), e.total_bytes)
     return best
 
 
@@ -63,17 +71,12 @@ def _priced(shape: Shape, gpus: int, node: int, seq: int, batch: int, *, kv_rule
     """(layout, bytes, seconds) of every layout the rules allow (two of them switchable), by the
     formulas; seconds priced as if a node held `price_node` GPUs when given."""
     rows = []
-    for t in _divisors(node):
-        for p in _divisors(gpus // t) if gpus % t == 0 else ():
-            d = gpus // (t * p)
-            if shape.heads % t or (kv_rule and shape.kv_heads % t) or shape.layers % p or \
-                    d > batch or (batch_rule and batch % d):
-                continue
-            for zero in ((0, 1) if d > 1 else (0,)):
-                layout = exercise_layout(t, p, d, zero, batch)
-                nbytes = _price(shape, layout, seq, node)[0]
-                rows.append(((t, p, d, zero), nbytes,
-                             _price(shape, layout, seq, price_node or node)[1]))
+    for t, p, d in _valid(shape, gpus, node, batch, kv_rule=kv_rule, batch_rule=batch_rule):
+        for zero in ((0, 1) if d > 1 else (0,)):
+            layout = exercise_layout(t, p, d, zero, batch)
+            nbytes = _price(shape, layout, seq, node)[0]
+            rows.append(((t, p, d, zero), nbytes,
+                         _price(shape, layout, seq, price_node or node)[1]))
     return rows
 
 
@@ -193,16 +196,9 @@ def _drawn(rng: random.Random) -> list[tuple]:
 
 def _least_bytes(shape: Shape, gpus: int, node: int, seq: int, batch: int) -> int:
     """The least memory per GPU over the valid layouts."""
-    least = None
-    for t in _divisors(node):
-        for p in _divisors(gpus // t) if gpus % t == 0 else ():
-            d = gpus // (t * p)
-            if shape.heads % t or shape.kv_heads % t or shape.layers % p or batch % d:
-                continue
-            total = _price(shape, exercise_layout(t, p, d, 1 if d > 1 else 0, batch), seq,
-                           node)[0]
-            least = total if least is None else min(least, total)
-    return least
+    totals = [_price(shape, exercise_layout(t, p, d, 1 if d > 1 else 0, batch), seq, node)[0]
+              for t, p, d in _valid(shape, gpus, node, batch)]
+    return min(totals, default=None)
 
 
 def _verdict(got, shape: Shape, gpus: int, node: int, limit: int, seq: int, batch: int,
